@@ -1,0 +1,93 @@
+// The seam between the attention kernels and every binding (ATen op, TensorRT plugin).
+//
+// Plain data only: raw pointers, element strides, sizes and flags. Nothing here includes
+// torch or TensorRT headers, so the same struct can be filled by the PyTorch op, by the
+// TensorRT plugin's enqueue(), or by a unit test in plain C++.
+//
+// Layout conventions (all strides are in elements, not bytes):
+//   q        [batch, num_heads, seqlen_q, head_dim]      last dim contiguous
+//   k        [batch, num_heads, seqlen_k, head_dim]      last dim contiguous
+//   v        [batch, num_heads, seqlen_k, head_dim_v]    last dim contiguous
+//   out      [batch, num_heads, seqlen_q, head_dim_v]    last dim contiguous
+//   lse      [batch, num_heads, seqlen_q]                contiguous, accumulation type
+//   weights  [batch, num_heads, seqlen_q, seqlen_k]      contiguous, accumulation type, optional
+//   attn_mask         broadcast to [batch, num_heads, seqlen_q, seqlen_k] (strides may be 0)
+//   key_padding_mask  broadcast to [batch, seqlen_k]                      (strides may be 0)
+//
+// Masks follow torch.nn.MultiheadAttention: a boolean mask is true where attention is NOT
+// allowed; a floating mask is added to the scaled scores. A query row with no allowed key
+// (every score -inf) produces a zero output row, zero weights and lse = -inf: never NaN.
+// Causal masking is top-left aligned: query i may attend keys j <= i.
+#pragma once
+
+#include <cstdint>
+
+namespace attn_export {
+
+enum class DataType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+
+enum class MaskKind : int32_t {
+  kNone = 0,
+  kBool = 1,      // one byte per element, nonzero = masked out
+  kAdditive = 2,  // added to the scaled scores; dtype given by the mask's DataType field
+};
+
+struct AttentionMask {
+  const void* ptr = nullptr;
+  MaskKind kind = MaskKind::kNone;
+  DataType dtype = DataType::kFloat32;  // only meaningful for kAdditive
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;  // unused by the key-padding mask
+  int64_t row_stride = 0;   // unused by the key-padding mask
+  int64_t col_stride = 0;
+
+  bool present() const { return kind != MaskKind::kNone && ptr != nullptr; }
+};
+
+struct AttentionParams {
+  int64_t batch = 0;
+  int64_t num_heads = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+  DataType dtype = DataType::kFloat32;  // of q, k, v and out
+
+  const void* q = nullptr;
+  int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
+  const void* k = nullptr;
+  int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
+  const void* v = nullptr;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+  void* out = nullptr;
+  int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0;
+
+  void* lse = nullptr;      // [batch, num_heads, seqlen_q], contiguous
+  void* weights = nullptr;  // [batch, num_heads, seqlen_q, seqlen_k], contiguous; nullptr = not needed
+
+  AttentionMask attn_mask;
+  AttentionMask key_padding_mask;
+
+  double scale = 1.0;  // multiplies q.k before the masks are added
+  bool is_causal = false;
+};
+
+// The backward pass reads everything the forward read (it recomputes the probabilities from
+// q, k and lse instead of storing the seqlen_q x seqlen_k matrix) plus the incoming gradients.
+struct AttentionBackwardParams : AttentionParams {
+  const void* grad_out = nullptr;  // like out
+  int64_t grad_out_batch_stride = 0, grad_out_head_stride = 0, grad_out_row_stride = 0;
+  // Optional gradient of the returned attention weights, broadcast to
+  // [batch, num_heads, seqlen_q, seqlen_k] (strides may be 0), accumulation type, last dim contiguous.
+  const void* grad_weights = nullptr;
+  int64_t grad_weights_batch_stride = 0, grad_weights_head_stride = 0, grad_weights_row_stride = 0;
+
+  void* grad_q = nullptr;  // like q
+  int64_t grad_q_batch_stride = 0, grad_q_head_stride = 0, grad_q_row_stride = 0;
+  void* grad_k = nullptr;  // like k
+  int64_t grad_k_batch_stride = 0, grad_k_head_stride = 0, grad_k_row_stride = 0;
+  void* grad_v = nullptr;  // like v
+  int64_t grad_v_batch_stride = 0, grad_v_head_stride = 0, grad_v_row_stride = 0;
+};
+
+}  // namespace attn_export

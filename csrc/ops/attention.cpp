@@ -1,0 +1,48 @@
+// Operator schemas of the attn_export library. Each backend registers its kernels in its own
+// file (cpu/, cuda/, autograd/); this file only declares what the operators are.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import attn_export._C` loads this shared library, which runs the TORCH_LIBRARY
+// registrations below and in the kernel files. The module itself is empty.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",  // name
+      "attn_export operators (registered under torch.ops.attn_export)",
+      -1,  // size of per-interpreter state
+      nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(attn_export, m) {
+  // The attention core: softmax(scale * q k^T + masks) v for q [B, H, Lq, D], k [B, H, Lk, D],
+  // v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true = masked out).
+  m.def(
+      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> Tensor");
+
+  // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and
+  // the attention probabilities when need_weights is set (an empty tensor otherwise).
+  m.def(
+      "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, bool is_causal, float? scale, bool need_weights) "
+      "-> (Tensor output, Tensor logsumexp, Tensor weights)");
+  m.def(
+      "_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
+      "Tensor value, Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, "
+      "bool is_causal, float? scale) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+
+  // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention,
+  // output projection. Arguments and results mirror F.multi_head_attention_forward; `weights`
+  // is an empty tensor when need_weights is false.
+  m.def(
+      "multi_head_attention(Tensor query, Tensor key, Tensor value, int num_heads, "
+      "Tensor in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, "
+      "Tensor? out_proj_bias, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
+      "bool need_weights=True, bool average_attn_weights=True, bool is_causal=False, "
+      "bool batch_first=False) -> (Tensor output, Tensor weights)");
+}

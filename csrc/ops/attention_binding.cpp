@@ -1,0 +1,203 @@
+#include "attention_binding.h"
+
+#include <cmath>
+
+namespace attn_export::ops {
+namespace {
+
+bool is_mask_dtype(at::ScalarType dtype) {
+  return dtype == at::kBool || at::isFloatingType(dtype);
+}
+
+AttentionMask mask_params(const at::Tensor& mask, bool is_key_padding) {
+  AttentionMask m;
+  m.ptr = mask.data_ptr();
+  m.kind = mask.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+  m.dtype = m.kind == MaskKind::kBool ? DataType::kFloat32 : to_data_type(mask.scalar_type());
+  m.batch_stride = mask.stride(0);
+  if (is_key_padding) {
+    m.col_stride = mask.stride(1);
+  } else {
+    m.head_stride = mask.stride(1);
+    m.row_stride = mask.stride(2);
+    m.col_stride = mask.stride(3);
+  }
+  return m;
+}
+
+}  // namespace
+
+void check_attention_inputs(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask) {
+  TORCH_CHECK(
+      query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+      "attention: query, key and value must be 4-D [batch, heads, seq, head_dim]; got query ",
+      query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(
+      at::isFloatingType(query.scalar_type()) && key.scalar_type() == query.scalar_type() &&
+          value.scalar_type() == query.scalar_type(),
+      "attention: query, key and value must share one floating dtype; got ", query.scalar_type(),
+      ", ", key.scalar_type(), ", ", value.scalar_type());
+  TORCH_CHECK(
+      key.device() == query.device() && value.device() == query.device(),
+      "attention: query, key and value must be on one device; got ", query.device(), ", ",
+      key.device(), ", ", value.device());
+  TORCH_CHECK(
+      key.size(0) == query.size(0) && value.size(0) == query.size(0) &&
+          key.size(1) == query.size(1) && value.size(1) == query.size(1),
+      "attention: query, key and value must agree in batch and heads; got query ", query.sizes(),
+      ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(
+      key.size(2) == value.size(2),
+      "attention: key and value must have the same sequence length; got key ", key.sizes(),
+      " and value ", value.sizes());
+  TORCH_CHECK(
+      key.size(3) == query.size(3),
+      "attention: query and key must have the same head_dim; got query ", query.sizes(),
+      " and key ", key.sizes());
+
+  const int64_t batch = query.size(0), heads = query.size(1);
+  const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(
+        is_mask_dtype(m.scalar_type()),
+        "attention: attn_mask must be bool or floating; got ", m.scalar_type());
+    TORCH_CHECK(
+        m.device() == query.device(),
+        "attention: attn_mask must be on the query's device ", query.device(), "; got ", m.device());
+    const bool ok_tail = m.dim() >= 2 && m.size(-2) == seqlen_q && m.size(-1) == seqlen_k;
+    const bool ok_lead = (m.dim() == 2) ||
+        (m.dim() == 3 && (m.size(0) == 1 || m.size(0) == batch * heads)) ||
+        (m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) &&
+         (m.size(1) == 1 || m.size(1) == heads));
+    TORCH_CHECK(
+        ok_tail && ok_lead,
+        "attention: attn_mask must be [Lq, Lk], [batch*heads, Lq, Lk] or broadcastable to "
+        "[batch, heads, Lq, Lk] = [",
+        batch, ", ", heads, ", ", seqlen_q, ", ", seqlen_k, "]; got ", m.sizes());
+  }
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& m = *key_padding_mask;
+    TORCH_CHECK(
+        is_mask_dtype(m.scalar_type()),
+        "attention: key_padding_mask must be bool or floating; got ", m.scalar_type());
+    TORCH_CHECK(
+        m.device() == query.device(),
+        "attention: key_padding_mask must be on the query's device ", query.device(), "; got ",
+        m.device());
+    TORCH_CHECK(
+        m.dim() == 2 && m.size(0) == batch && m.size(1) == seqlen_k,
+        "attention: key_padding_mask must be [batch, Lk] = [", batch, ", ", seqlen_k, "]; got ",
+        m.sizes());
+  }
+}
+
+double resolve_scale(std::optional<double> scale, int64_t head_dim) {
+  if (scale.has_value()) {
+    return *scale;
+  }
+  return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
+}
+
+at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads) {
+  const int64_t seqlen_q = mask.size(-2), seqlen_k = mask.size(-1);
+  at::Tensor m4;
+  if (mask.dim() == 2) {
+    m4 = mask.view({1, 1, seqlen_q, seqlen_k});
+  } else if (mask.dim() == 3) {
+    // nn.MultiheadAttention's per (batch, head) mask: [batch*heads, Lq, Lk], batch-major.
+    m4 = mask.size(0) == 1 ? mask.unsqueeze(0) : mask.reshape({batch, heads, seqlen_q, seqlen_k});
+  } else {
+    m4 = mask;
+  }
+  return m4.expand({batch, heads, seqlen_q, seqlen_k});
+}
+
+at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64_t dim,
+                             at::TensorOptions options) {
+  return at::empty({batch, seqlen, heads, dim}, options).transpose(1, 2);
+}
+
+at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+DataType to_data_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return DataType::kFloat32;
+    case at::kHalf:
+      return DataType::kFloat16;
+    case at::kBFloat16:
+      return DataType::kBFloat16;
+    case at::kDouble:
+      return DataType::kFloat64;
+    default:
+      TORCH_CHECK(false, "attention: unsupported dtype ", dtype,
+                  "; use float32, float64, float16 or bfloat16");
+  }
+}
+
+AttentionParams make_attention_params(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& out,
+    const at::Tensor& lse,
+    const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& attn_mask4d,
+    const std::optional<at::Tensor>& key_padding_mask,
+    double scale,
+    bool is_causal) {
+  for (const at::Tensor* t : {&q, &k, &v, &out}) {
+    TORCH_INTERNAL_ASSERT(t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
+  }
+  AttentionParams p;
+  p.batch = q.size(0);
+  p.num_heads = q.size(1);
+  p.seqlen_q = q.size(2);
+  p.seqlen_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
+  p.dtype = to_data_type(q.scalar_type());
+
+  p.q = q.data_ptr();
+  p.q_batch_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.q_row_stride = q.stride(2);
+  p.k = k.data_ptr();
+  p.k_batch_stride = k.stride(0);
+  p.k_head_stride = k.stride(1);
+  p.k_row_stride = k.stride(2);
+  p.v = v.data_ptr();
+  p.v_batch_stride = v.stride(0);
+  p.v_head_stride = v.stride(1);
+  p.v_row_stride = v.stride(2);
+  p.out = out.data_ptr();
+  p.out_batch_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.out_row_stride = out.stride(2);
+
+  TORCH_INTERNAL_ASSERT(lse.is_contiguous());
+  p.lse = lse.data_ptr();
+  if (weights.has_value()) {
+    TORCH_INTERNAL_ASSERT(weights->is_contiguous());
+    p.weights = weights->data_ptr();
+  }
+  if (attn_mask4d.has_value()) {
+    p.attn_mask = mask_params(*attn_mask4d, /*is_key_padding=*/false);
+  }
+  if (key_padding_mask.has_value()) {
+    p.key_padding_mask = mask_params(*key_padding_mask, /*is_key_padding=*/true);
+  }
+  p.scale = scale;
+  p.is_causal = is_causal;
+  return p;
+}
+
+}  // namespace attn_export::ops

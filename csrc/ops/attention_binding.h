@@ -1,0 +1,55 @@
+// Tensor -> AttentionParams: the one place where the ATen world meets the kernels' plain-data
+// seam. Shared by every device's binding so that shape checks and messages are identical.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "../attention_params.h"
+
+namespace attn_export::ops {
+
+// Validates the attention core's inputs; the messages quote the shapes received. The Python
+// fake kernels (attn_export/_fake.py) raise the same messages.
+void check_attention_inputs(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask);
+
+// 1/sqrt(head_dim) unless given.
+double resolve_scale(std::optional<double> scale, int64_t head_dim);
+
+// An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts 2-D
+// [Lq, Lk], 3-D [B*H or 1, Lq, Lk] and 4-D masks broadcastable to [B, H, Lq, Lk].
+at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads);
+
+// A [batch, heads, seqlen, dim] tensor whose memory is token-major, [batch, seqlen, heads, dim]:
+// the layout of every [B, H, L, D] result of the kernels. Merging the heads back into
+// [batch * seqlen, heads * dim] for an output projection is then a view, not a copy. The layout
+// is fixed (not derived from the inputs' strides) so that fake kernels can state it exactly.
+at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64_t dim,
+                             at::TensorOptions options);
+
+// Floating dtype in which a kernel accumulates: float32 for float16/bfloat16/float32, float64 for float64.
+at::ScalarType accumulation_dtype(at::ScalarType dtype);
+
+DataType to_data_type(at::ScalarType dtype);
+
+// Fills shapes, q/k/v/out strides, masks, scale and causality. `attn_mask4d` must come from
+// broadcast_attn_mask; every tensor's last dim must be contiguous.
+AttentionParams make_attention_params(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& out,
+    const at::Tensor& lse,
+    const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& attn_mask4d,
+    const std::optional<at::Tensor>& key_padding_mask,
+    double scale,
+    bool is_causal);
+
+}  // namespace attn_export::ops

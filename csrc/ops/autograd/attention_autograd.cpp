@@ -1,0 +1,296 @@
+// Autograd for the attn_export operators: hand-written backward passes, registered at the
+// Autograd key so that autograd never traces through the kernels' internals.
+//
+// When no gradient is needed (grad mode off, or no input requires grad) the kernels below
+// redispatch straight to the operator under the Autograd key. This matters beyond speed:
+// torch.export's run_decompositions() traces under no_grad through this kernel, and only
+// the redispatch keeps the operator as one node in the exported graph.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "../dispatch.h"
+#include "../multi_head_attention.h"
+
+namespace attn_export::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::Function;
+using torch::autograd::variable_list;
+
+bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && t->requires_grad()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool needs_autograd(std::initializer_list<const at::Tensor*> tensors) {
+  return at::GradMode::is_enabled() && any_requires_grad(tensors);
+}
+
+void check_masks_are_constant(const std::optional<at::Tensor>& attn_mask,
+                              const std::optional<at::Tensor>& key_padding_mask) {
+  TORCH_CHECK(
+      !(attn_mask.has_value() && attn_mask->requires_grad()) &&
+          !(key_padding_mask.has_value() && key_padding_mask->requires_grad()),
+      "attn_export: gradients with respect to attn_mask / key_padding_mask are not supported; "
+      "pass a mask that does not require grad (e.g. mask.detach())");
+}
+
+std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+class AttentionFunction : public Function<AttentionFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      const at::Tensor& query,
+      const at::Tensor& key,
+      const at::Tensor& value,
+      const std::optional<at::Tensor>& attn_mask,
+      const std::optional<at::Tensor>& key_padding_mask,
+      bool is_causal,
+      std::optional<double> scale) {
+    check_masks_are_constant(attn_mask, key_padding_mask);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse, weights] = call_attention_forward(
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false);
+    ctx->save_for_backward(
+        {query, key, value, attn_mask.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor())});
+    ctx->saved_data["lse"] = lse;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const std::optional<double> scale = ctx->saved_data["scale"].toOptional<double>();
+    auto [grad_q, grad_k, grad_v] = call_attention_backward(
+        grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2],
+        ctx->saved_data["lse"].toTensor(), optional_of(saved[3]), optional_of(saved[4]),
+        ctx->saved_data["is_causal"].toBool(), scale);
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor attention_autograd(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale) {
+  if (!needs_autograd({&query, &key, &value})) {
+    check_masks_are_constant(attn_mask, key_padding_mask);
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("attn_export::attention", "")
+                         .typed<decltype(attention_autograd)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  }
+  return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale)[0];
+}
+
+class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      const at::Tensor& query,
+      const at::Tensor& key,
+      const at::Tensor& value,
+      int64_t num_heads,
+      const at::Tensor& in_proj_weight,
+      const std::optional<at::Tensor>& in_proj_bias,
+      const at::Tensor& out_proj_weight,
+      const std::optional<at::Tensor>& out_proj_bias,
+      const std::optional<at::Tensor>& attn_mask,
+      const std::optional<at::Tensor>& key_padding_mask,
+      bool need_weights,
+      bool average_attn_weights,
+      bool is_causal,
+      bool batch_first) {
+    check_masks_are_constant(attn_mask, key_padding_mask);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                      out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                      need_weights, average_attn_weights, is_causal, batch_first};
+    MultiHeadAttentionSaved s;
+    auto [output, weights] = multi_head_attention_forward(args, &s);
+
+    ctx->save_for_backward(
+        {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,
+         out_proj_bias.value_or(at::Tensor()), attn_mask.value_or(at::Tensor())});
+    // Intermediates only this function sees, so they need no version-counter protection.
+    ctx->saved_data["query2d"] = s.query2d;
+    ctx->saved_data["key2d"] = s.key2d;
+    ctx->saved_data["value2d"] = s.value2d;
+    ctx->saved_data["q"] = s.q;
+    ctx->saved_data["k"] = s.k;
+    ctx->saved_data["v"] = s.v;
+    ctx->saved_data["attn"] = s.attn;
+    ctx->saved_data["lse"] = s.lse;
+    ctx->saved_data["key_padding_mask"] = s.key_padding_mask;
+    ctx->saved_data["self_attention"] = s.self_attention;
+    ctx->saved_data["shared_kv"] = s.shared_kv;
+    ctx->saved_data["unbatched"] = s.unbatched;
+    ctx->saved_data["num_heads"] = num_heads;
+    ctx->saved_data["need_weights"] = need_weights;
+    ctx->saved_data["average_attn_weights"] = average_attn_weights;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["batch_first"] = batch_first;
+    if (!need_weights) {
+      ctx->mark_non_differentiable({weights});
+    }
+    return {output, weights};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    auto& d = ctx->saved_data;
+    const std::optional<at::Tensor> in_proj_bias = optional_of(saved[4]);
+    const std::optional<at::Tensor> out_proj_bias = optional_of(saved[6]);
+    const std::optional<at::Tensor> attn_mask = optional_of(saved[7]);
+    const std::optional<at::Tensor> key_padding_mask = d["key_padding_mask"].toOptional<at::Tensor>();
+    const MultiHeadAttentionArgs args{
+        saved[0], saved[1], saved[2], d["num_heads"].toInt(), saved[3], in_proj_bias, saved[5],
+        out_proj_bias, attn_mask, key_padding_mask, d["need_weights"].toBool(),
+        d["average_attn_weights"].toBool(), d["is_causal"].toBool(), d["batch_first"].toBool()};
+    MultiHeadAttentionSaved s;
+    s.query2d = d["query2d"].toTensor();
+    s.key2d = d["key2d"].toTensor();
+    s.value2d = d["value2d"].toTensor();
+    s.q = d["q"].toTensor();
+    s.k = d["k"].toTensor();
+    s.v = d["v"].toTensor();
+    s.attn = d["attn"].toTensor();
+    s.lse = d["lse"].toTensor();
+    s.attn_mask = attn_mask;
+    s.key_padding_mask = key_padding_mask;
+    s.self_attention = d["self_attention"].toBool();
+    s.shared_kv = d["shared_kv"].toBool();
+    s.unbatched = d["unbatched"].toBool();
+
+    // needs_input_grad counts only the tensor arguments that were present in the forward.
+    size_t edge = 0;
+    auto next_needs = [&](bool present) { return present && ctx->needs_input_grad(edge++); };
+    std::array<bool, 7> needs;
+    needs[0] = next_needs(true);                       // query
+    needs[1] = next_needs(true);                       // key
+    needs[2] = next_needs(true);                       // value
+    needs[3] = next_needs(true);                       // in_proj_weight
+    needs[4] = next_needs(in_proj_bias.has_value());   // in_proj_bias
+    needs[5] = next_needs(true);                       // out_proj_weight
+    needs[6] = next_needs(out_proj_bias.has_value());  // out_proj_bias
+    // The output has the query's shape; it gets no gradient when only the weights are used.
+    const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
+    const auto g = multi_head_attention_backward(args, s, grad_output, grad_outputs[1], needs);
+    return {g[0], g[1], g[2], at::Tensor(), g[3], g[4], g[5], g[6],
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    int64_t num_heads,
+    const at::Tensor& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight,
+    const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights,
+    bool average_attn_weights,
+    bool is_causal,
+    bool batch_first) {
+  const at::Tensor none;
+  const at::Tensor& in_bias = in_proj_bias.has_value() ? *in_proj_bias : none;
+  const at::Tensor& out_bias = out_proj_bias.has_value() ? *out_proj_bias : none;
+  if (!needs_autograd({&query, &key, &value, &in_proj_weight, &in_bias, &out_proj_weight, &out_bias})) {
+    check_masks_are_constant(attn_mask, key_padding_mask);
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("attn_export::multi_head_attention", "")
+                         .typed<decltype(multi_head_attention_autograd)>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
+                   out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
+                   is_causal, batch_first);
+  }
+  const auto outputs = MultiHeadAttentionFunction::apply(
+      query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+      attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first);
+  return std::make_tuple(outputs[0], outputs[1]);
+}
+
+// The kernels of the internal operators have no derivative of their own: a second-order
+// gradient through attention is not supported, and says so instead of returning zeros.
+class AttentionForwardNoGrad : public Function<AttentionForwardNoGrad> {
+ public:
+  static variable_list forward(
+      AutogradContext*, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+      bool is_causal, std::optional<double> scale, bool need_weights) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse, weights] = call_attention_forward(
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights);
+    return {out, lse, weights};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "attn_export::_attention_forward is an internal kernel without a derivative; "
+                       "call attn_export::attention (or the FusedMultiheadAttention module) for gradients");
+  }
+};
+
+class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
+ public:
+  static variable_list forward(
+      AutogradContext*, const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+      const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+      const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
+      const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
+                                                logsumexp, attn_mask, key_padding_mask, is_causal, scale);
+    return {dq, dk, dv};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "attn_export: double backward through attention is not supported");
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal, std::optional<double> scale, bool need_weights) {
+  const auto r = AttentionForwardNoGrad::apply(query, key, value, attn_mask, key_padding_mask,
+                                               is_causal, scale, need_weights);
+  return std::make_tuple(r[0], r[1], r[2]);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+  const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
+                                                logsumexp, attn_mask, key_padding_mask, is_causal, scale);
+  return std::make_tuple(r[0], r[1], r[2]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_export, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("multi_head_attention", &multi_head_attention_autograd);
+  m.impl("_attention_forward", &attention_forward_autograd);
+  m.impl("_attention_backward", &attention_backward_autograd);
+}
+
+}  // namespace attn_export::ops

@@ -1,0 +1,259 @@
+"""Fake (meta) kernels: output shapes, dtypes and strides without computing anything, so that
+torch.export, torch.compile and FakeTensor can trace the operators.
+
+Each fake repeats the input checks of the C++ binding (csrc/ops/attention_binding.cpp,
+csrc/ops/multi_head_attention.cpp) with the same words; tests/test_fake.py holds them to it.
+"""
+from __future__ import annotations
+
+import torch
+
+_SCALAR_TYPE_NAMES = {
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.bool: "Bool",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+}
+
+
+def _name(dtype: torch.dtype) -> str:
+    """The dtype as c10 prints it, so fake and C++ messages read the same."""
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
+def _sizes(t: torch.Tensor | None) -> str:
+    return "[]" if t is None else str(list(t.shape))
+
+
+def _is_mask_dtype(dtype: torch.dtype) -> bool:
+    return dtype == torch.bool or dtype.is_floating_point
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_token_major(like: torch.Tensor, batch, heads, seqlen, dim, dtype=None) -> torch.Tensor:
+    """[B, H, L, D] with [B, L, H, D] memory, as the C++ empty_token_major allocates."""
+    return like.new_empty((batch, seqlen, heads, dim), dtype=dtype or like.dtype).transpose(1, 2)
+
+
+def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> None:
+    torch._check(
+        query.dim() == 4 and key.dim() == 4 and value.dim() == 4,
+        lambda: "attention: query, key and value must be 4-D [batch, heads, seq, head_dim]; got query "
+        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
+    )
+    torch._check(
+        query.dtype.is_floating_point and key.dtype == query.dtype and value.dtype == query.dtype,
+        lambda: "attention: query, key and value must share one floating dtype; got "
+        f"{_name(query.dtype)}, {_name(key.dtype)}, {_name(value.dtype)}",
+    )
+    torch._check(
+        key.device == query.device and value.device == query.device,
+        lambda: "attention: query, key and value must be on one device; got "
+        f"{query.device}, {key.device}, {value.device}",
+    )
+    torch._check(
+        key.size(0) == query.size(0)
+        and value.size(0) == query.size(0)
+        and key.size(1) == query.size(1)
+        and value.size(1) == query.size(1),
+        lambda: "attention: query, key and value must agree in batch and heads; got query "
+        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
+    )
+    torch._check(
+        key.size(2) == value.size(2),
+        lambda: "attention: key and value must have the same sequence length; got key "
+        f"{_sizes(key)} and value {_sizes(value)}",
+    )
+    torch._check(
+        key.size(3) == query.size(3),
+        lambda: "attention: query and key must have the same head_dim; got query "
+        f"{_sizes(query)} and key {_sizes(key)}",
+    )
+    batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
+    if attn_mask is not None:
+        m = attn_mask
+        torch._check(
+            _is_mask_dtype(m.dtype),
+            lambda: f"attention: attn_mask must be bool or floating; got {_name(m.dtype)}",
+        )
+        torch._check(
+            m.device == query.device,
+            lambda: f"attention: attn_mask must be on the query's device {query.device}; got {m.device}",
+        )
+        ok_tail = m.dim() >= 2 and m.size(-2) == seqlen_q and m.size(-1) == seqlen_k
+        ok_lead = (
+            m.dim() == 2
+            or (m.dim() == 3 and (m.size(0) == 1 or m.size(0) == batch * heads))
+            or (
+                m.dim() == 4
+                and (m.size(0) == 1 or m.size(0) == batch)
+                and (m.size(1) == 1 or m.size(1) == heads)
+            )
+        )
+        torch._check(
+            ok_tail and ok_lead,
+            lambda: "attention: attn_mask must be [Lq, Lk], [batch*heads, Lq, Lk] or broadcastable to "
+            f"[batch, heads, Lq, Lk] = [{batch}, {heads}, {seqlen_q}, {seqlen_k}]; got {_sizes(m)}",
+        )
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        torch._check(
+            _is_mask_dtype(m.dtype),
+            lambda: f"attention: key_padding_mask must be bool or floating; got {_name(m.dtype)}",
+        )
+        torch._check(
+            m.device == query.device,
+            lambda: f"attention: key_padding_mask must be on the query's device {query.device}; got {m.device}",
+        )
+        torch._check(
+            m.dim() == 2 and m.size(0) == batch and m.size(1) == seqlen_k,
+            lambda: f"attention: key_padding_mask must be [batch, Lk] = [{batch}, {seqlen_k}]; got {_sizes(m)}",
+        )
+
+
+def check_multi_head_attention_inputs(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+    attn_mask, key_padding_mask, batch_first,
+) -> None:
+    torch._check(
+        query.dim() in (2, 3) and key.dim() == query.dim() and value.dim() == query.dim(),
+        lambda: "multi_head_attention: query, key and value must all be 3-D (batched) or all 2-D "
+        f"(unbatched); got query {_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
+    )
+    torch._check(num_heads > 0, lambda: f"multi_head_attention: num_heads must be positive; got {num_heads}")
+    embed_dim = query.size(-1)
+    torch._check(
+        embed_dim % num_heads == 0,
+        lambda: f"multi_head_attention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}",
+    )
+    torch._check(
+        key.size(-1) == embed_dim and value.size(-1) == embed_dim,
+        lambda: f"multi_head_attention: key and value must have the query's embed_dim {embed_dim} "
+        f"(kdim/vdim are not supported); got key {_sizes(key)}, value {_sizes(value)}",
+    )
+    torch._check(
+        list(key.shape[:-1]) == list(value.shape[:-1]),
+        lambda: "multi_head_attention: key and value must have the same length and batch; got key "
+        f"{_sizes(key)}, value {_sizes(value)}",
+    )
+    if query.dim() == 3:
+        batch_dim = 0 if batch_first else 1
+        torch._check(
+            key.size(batch_dim) == query.size(batch_dim),
+            lambda: "multi_head_attention: query and key must have the same batch size (batch_first="
+            f"{int(batch_first)}); got query {_sizes(query)}, key {_sizes(key)}",
+        )
+    torch._check(
+        in_proj_weight.dim() == 2
+        and in_proj_weight.size(0) == 3 * embed_dim
+        and in_proj_weight.size(1) == embed_dim,
+        lambda: "multi_head_attention: in_proj_weight must be [3*embed_dim, embed_dim] = "
+        f"[{3 * embed_dim}, {embed_dim}]; got {_sizes(in_proj_weight)}",
+    )
+    torch._check(
+        in_proj_bias is None or (in_proj_bias.dim() == 1 and in_proj_bias.size(0) == 3 * embed_dim),
+        lambda: f"multi_head_attention: in_proj_bias must be [3*embed_dim] = [{3 * embed_dim}]; got "
+        f"{_sizes(in_proj_bias)}",
+    )
+    torch._check(
+        out_proj_weight.dim() == 2
+        and out_proj_weight.size(0) == embed_dim
+        and out_proj_weight.size(1) == embed_dim,
+        lambda: "multi_head_attention: out_proj_weight must be [embed_dim, embed_dim] = "
+        f"[{embed_dim}, {embed_dim}]; got {_sizes(out_proj_weight)}",
+    )
+    torch._check(
+        out_proj_bias is None or (out_proj_bias.dim() == 1 and out_proj_bias.size(0) == embed_dim),
+        lambda: f"multi_head_attention: out_proj_bias must be [embed_dim] = [{embed_dim}]; got "
+        f"{_sizes(out_proj_bias)}",
+    )
+    for w in (key, value, in_proj_weight, out_proj_weight):
+        torch._check(
+            w.dtype == query.dtype,
+            lambda: "multi_head_attention: every input and weight must have the query's dtype "
+            f"{_name(query.dtype)}; got {_name(w.dtype)}",
+        )
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        want_dim = 2 if query.dim() == 3 else 1
+        key_len = key.size(1 if batch_first and query.dim() == 3 else 0)
+        torch._check(
+            m.dim() == want_dim and m.size(-1) == key_len,
+            lambda: "multi_head_attention: key_padding_mask must be [batch, Lk] (or [Lk] for unbatched "
+            f"input); got {_sizes(m)} for key {_sizes(key)}",
+        )
+    if attn_mask is not None:
+        torch._check(
+            attn_mask.dim() in (2, 3),
+            lambda: "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
+            f"got {_sizes(attn_mask)}",
+        )
+
+
+@torch.library.register_fake("attn_export::attention")
+def _attention_fake(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
+    check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
+
+
+@torch.library.register_fake("attn_export::_attention_forward")
+def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights):
+    check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
+    out = empty_token_major(query, batch, heads, seqlen_q, value.size(3))
+    lse = query.new_empty((batch, heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
+    weights = query.new_empty((batch, heads, seqlen_q, seqlen_k) if need_weights else (0,))
+    return out, lse, weights
+
+
+@torch.library.register_fake("attn_export::_attention_backward")
+def _attention_backward_fake(
+    grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale
+):
+    check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    batch, heads = query.size(0), query.size(1)
+    torch._check(
+        list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],
+        lambda: "attention backward: grad_output must be [batch, heads, Lq, Dv] = "
+        f"[{batch}, {heads}, {query.size(2)}, {value.size(3)}]; got {_sizes(grad_output)}",
+    )
+    torch._check(
+        list(logsumexp.shape) == [batch, heads, query.size(2)],
+        lambda: "attention backward: logsumexp must be [batch, heads, Lq] = "
+        f"[{batch}, {heads}, {query.size(2)}]; got {_sizes(logsumexp)}",
+    )
+    return (
+        empty_token_major(query, batch, heads, query.size(2), query.size(3)),
+        empty_token_major(query, batch, heads, key.size(2), key.size(3)),
+        empty_token_major(query, batch, heads, value.size(2), value.size(3)),
+    )
+
+
+@torch.library.register_fake("attn_export::multi_head_attention")
+def _multi_head_attention_fake(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+    attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True,
+    is_causal=False, batch_first=False,
+):
+    check_multi_head_attention_inputs(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+        attn_mask, key_padding_mask, batch_first,
+    )
+    output = query.new_empty(query.shape)
+    if not need_weights:
+        return output, query.new_empty((0,))
+    unbatched = query.dim() == 2
+    seq_dim = 0 if unbatched or not batch_first else 1
+    seqlen_q, seqlen_k = query.size(seq_dim), key.size(seq_dim)
+    heads_shape = () if average_attn_weights else (num_heads,)
+    batch_shape = () if unbatched else (query.size(0 if batch_first else 1),)
+    return output, query.new_empty((*batch_shape, *heads_shape, seqlen_q, seqlen_k))

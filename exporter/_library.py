@@ -1,0 +1,28 @@
+"""Loads the compiled extension, then registers the fake (meta) kernels.
+
+The order matters: registering fakes for operators whose schemas were never loaded fails with
+an opaque error, so a missing build must be reported first, in words that say how to fix it.
+"""
+import importlib
+
+_loaded = False
+
+
+class ExtensionNotBuiltError(ImportError):
+    pass
+
+
+def load_library() -> None:
+    global _loaded
+    if _loaded:
+        return
+    try:
+        importlib.import_module("attn_export._C")
+    except ImportError as exc:
+        raise ExtensionNotBuiltError(
+            "attn_export's compiled operators (attn_export._C) are missing or failed to load: "
+            f"{exc}\nBuild them against the installed PyTorch with "
+            "`pip install --no-build-isolation -e .` (or run `make test`, which does it)."
+        ) from exc
+    importlib.import_module("attn_export._fake")
+    _loaded = True

@@ -1,0 +1,74 @@
+"""Typed Python entry points to the ``torch.ops.attn_export`` operators."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Scaled dot-product attention, ``softmax(scale * q k^T + masks) v``, as one operator.
+
+    Args:
+        query: ``Tensor[B, H, Lq, D]``.
+        key: ``Tensor[B, H, Lk, D]``.
+        value: ``Tensor[B, H, Lk, Dv]``.
+        attn_mask: ``Tensor[Lq, Lk]``, ``Tensor[B*H, Lq, Lk]`` or broadcastable to
+            ``Tensor[B, H, Lq, Lk]``. Boolean: ``True`` marks a pair that may NOT attend
+            (torch.nn.MultiheadAttention's convention, the opposite of
+            ``F.scaled_dot_product_attention``). Floating: added to the scaled scores.
+        key_padding_mask: ``Tensor[B, Lk]``; boolean ``True`` marks padding, floating is added.
+        is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``Lq != Lk``).
+        scale: defaults to ``1 / sqrt(D)``.
+
+    Returns:
+        ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
+        whose keys are all masked yields zeros, never NaN. Differentiable in query, key and
+        value; masks are treated as constants.
+    """
+    return torch.ops.attn_export.attention.default(
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale
+    )
+
+
+def multi_head_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    num_heads: int,
+    in_proj_weight: Tensor,
+    in_proj_bias: Optional[Tensor],
+    out_proj_weight: Tensor,
+    out_proj_bias: Optional[Tensor],
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    need_weights: bool = True,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+    batch_first: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The whole ``torch.nn.MultiheadAttention`` layer (no dropout) in one operator call.
+
+    Shapes follow ``nn.MultiheadAttention``: ``query`` is ``Tensor[L, B, E]``
+    (``Tensor[B, L, E]`` with ``batch_first``) or unbatched ``Tensor[L, E]``; key and value
+    likewise with their own length. ``in_proj_weight`` is ``Tensor[3E, E]`` (q, k, v rows),
+    ``out_proj_weight`` ``Tensor[E, E]``. Passing the same tensor as query, key and value
+    selects one packed QKV projection.
+
+    Returns ``(output, weights)``: ``weights`` is ``None`` unless ``need_weights``; then it
+    is ``Tensor[B, Lq, Lk]`` averaged over heads, or ``Tensor[B, H, Lq, Lk]``.
+    """
+    output, weights = torch.ops.attn_export.multi_head_attention.default(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+        attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
+    )
+    return output, (weights if need_weights else None)
