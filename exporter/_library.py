@@ -16,6 +16,8 @@ def load_library() -> None:
     global _loaded
     if _loaded:
         return
+    import torch  # noqa: F401  (loads libc10/libtorch, which _C links against without an rpath)
+
     try:
         importlib.import_module("attn_export._C")
     except ImportError as exc:

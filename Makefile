@@ -1,0 +1,40 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Each creates .venv when it is
+# missing, installs what it needs and builds the C++ operators.
+#
+# CPU-only by default: TORCH_SPEC pins the CPU build of PyTorch. With an NVIDIA GPU, pass a
+# CUDA build instead, e.g.
+#   make test TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
+
+.PHONY: demo test bench install clean
+
+$(VENV)/.deps: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_SPEC)
+	$(PIP) install setuptools wheel ninja
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+	$(PIP) install --no-build-isolation -e ".[test,bench]"
+	touch $@
+
+install: $(VENV)/.built
+
+test: install
+	$(PY) -m pytest
+
+demo: install
+	$(PY) scripts/demo.py
+
+bench: install
+	$(PY) scripts/bench_cpu.py --shapes all --rounds 7 --plot docs/bench_cpu.png --markdown docs/bench_cpu.md
+
+clean:
+	rm -rf build exporter/_C*.so $(VENV)

@@ -1,0 +1,75 @@
+"""``attn-export bench``: the fused layer against nn.MultiheadAttention (and SDPA) on the CPU."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from attn_export.cli._common import fail
+
+MODE_CHOICES = ("forward", "forward+backward", "inference")
+
+
+@click.command()
+@click.option("--shapes", "shape_set", default="all", show_default=True,
+              help="Comma-separated presets (small, decode, large, all) and/or BATCHxSEQxEMBEDxHEADS, e.g. small,1x512x512x8.")
+@click.option("--mode", "modes", multiple=True, type=click.Choice(MODE_CHOICES),
+              help="Repeatable. Default: all three (training forward, forward+backward, inference).")
+@click.option("--no-sdpa", is_flag=True, help="Skip the F.scaled_dot_product_attention baseline.")
+@click.option("--threads", type=int, default=2, show_default=True, help="torch.set_num_threads for the run.")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds per measurement.")
+@click.option("--min-run-time", type=float, default=0.2, show_default=True,
+              help="Seconds per blocked_autorange in each round.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Write the table as Markdown.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a PNG of latency against sequence length (needs matplotlib).")
+def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path):
+    """Time the fused layer against PyTorch's attention, side by side in one process.
+
+    Reports torch.utils.benchmark medians and the ratio time(impl) / time(nn.MultiheadAttention);
+    below 1.00x is faster. Inference compares against nn.MultiheadAttention in eval mode under
+    torch.inference_mode, i.e. PyTorch's native fused fast path.
+    """
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from attn_export import bench as lib
+    from attn_export._io import write_text
+
+    shapes = []
+    for part in shape_set.split(","):
+        try:
+            shapes += lib.SHAPE_SETS[part] if part in lib.SHAPE_SETS else [lib.Shape.parse(part)]
+        except ValueError as exc:
+            fail(str(exc))
+    if rounds < 1 or min_run_time <= 0 or threads < 1:
+        fail("--rounds and --threads must be >= 1 and --min-run-time > 0")
+    torch.set_num_threads(threads)
+    impls = [i for i in lib.IMPLEMENTATIONS if not (no_sdpa and i == "sdpa")]
+    console = Console(stderr=True)
+    with console.status("benchmarking") as status:
+        results = lib.run_benchmark(
+            shapes, modes or MODE_CHOICES, impls, rounds=rounds, min_run_time=min_run_time,
+            progress=lambda what: status.update(f"benchmarking {what}"),
+        )
+
+    table = Table(title=f"CPU, {threads} threads, torch {torch.__version__}: median us (ratio to {lib.REFERENCE})")
+    short = {lib.REFERENCE: "nn.MHA"}
+    for col in ("shape BxLxExH", "mode", *impls):
+        table.add_column(short.get(col, col), justify="right" if col in impls else "left", no_wrap=True)
+    for shape, mode in dict.fromkeys((r.shape, r.mode) for r in results):
+        row = {r.implementation: r for r in results if r.shape == shape and r.mode == mode}
+        cells = [f"{row[i].median_us:.1f}" + (f" ({row[i].ratio:.2f}x)" if row[i].ratio is not None else "") for i in impls]
+        table.add_row(str(shape), mode, *cells)
+    Console(width=max(Console().width, 100)).print(table)
+
+    if json_path:
+        payload = {"threads": threads, "torch": torch.__version__, "rounds": rounds,
+                   "results": [r.as_dict() for r in results]}
+        write_text(json_path, json.dumps(payload, indent=2) + "\n")
+    if markdown_path:
+        write_text(markdown_path, lib.markdown_table(results) + "\n")
+    if plot_path:
+        lib.plot_latency(results, plot_path)

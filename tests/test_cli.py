@@ -1,0 +1,43 @@
+"""The attn-export console script, run as users run it."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXE = [sys.executable, "-m", "attn_export.cli"]
+
+
+def run(*args, check=True):
+    proc = subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_help_lists_verbs():
+    out = run("--help").stdout
+    assert "bench" in out
+
+
+def test_bench_help():
+    assert "--shapes" in run("bench", "--help").stdout
+
+
+def test_bench_smoke_writes_json_and_markdown(tmp_path: Path):
+    json_path, md_path = tmp_path / "b.json", tmp_path / "b.md"
+    run("bench", "--shapes", "2x3x16x2", "--mode", "forward", "--rounds", "1", "--min-run-time", "0.01",
+        "--json", str(json_path), "--markdown", str(md_path))
+    payload = json.loads(json_path.read_text())
+    impls = {r["implementation"] for r in payload["results"]}
+    assert impls == {"fused", "nn.MultiheadAttention", "sdpa"}
+    assert all(r["median_us"] > 0 for r in payload["results"])
+    assert "2x3x16x2" in md_path.read_text()
+
+
+@pytest.mark.parametrize("bad", ["8x16", "8x16x10x3", "axbxcxd"])
+def test_bench_rejects_bad_shapes_with_exit_2(bad):
+    proc = run("bench", "--shapes", bad, check=False)
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr

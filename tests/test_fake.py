@@ -1,0 +1,131 @@
+"""The fake kernels (attn_export/_fake.py) must reject what the C++ kernels reject, with the
+same message, and otherwise describe the real outputs exactly."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attn_export
+
+ops = torch.ops.attn_export
+
+
+def _error(fn, *args):
+    with pytest.raises(RuntimeError) as info:
+        fn(*args)
+    return str(info.value).splitlines()[0]
+
+
+def _same_error_real_and_fake(op, *args):
+    real = _error(op, *args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = _error(op, *fake_args)
+    assert real == fake
+    return real
+
+
+q = torch.randn(2, 3, 5, 8)
+k = torch.randn(2, 3, 7, 8)
+v = torch.randn(2, 3, 7, 8)
+
+BAD_CORE = {
+    "rank": ((q[0], k, v, None, None), "must be 4-D"),
+    "dtype": ((q.double(), k, v, None, None), "share one floating dtype"),
+    "integer": ((q.long(), k.long(), v.long(), None, None), "share one floating dtype"),
+    "batch": ((q[:1], k, v, None, None), "agree in batch and heads"),
+    "heads": ((q[:, :1], k, v, None, None), "agree in batch and heads"),
+    "kv length": ((q, k, v[:, :, :3], None, None), "same sequence length"),
+    "head_dim": ((q[..., :4], k, v, None, None), "same head_dim"),
+    "mask dtype": ((q, k, v, torch.zeros(5, 7, dtype=torch.long), None), "bool or floating"),
+    "mask shape": ((q, k, v, torch.zeros(7, 5, dtype=torch.bool), None), "attn_mask must be"),
+    "mask 3d": ((q, k, v, torch.zeros(4, 5, 7, dtype=torch.bool), None), "attn_mask must be"),
+    "mask 4d": ((q, k, v, torch.zeros(2, 2, 5, 7, dtype=torch.bool), None), "attn_mask must be"),
+    "padding shape": ((q, k, v, None, torch.zeros(2, 5, dtype=torch.bool)), "key_padding_mask must be"),
+    "padding dtype": ((q, k, v, None, torch.zeros(2, 7, dtype=torch.int32)), "bool or floating"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CORE))
+def test_core_checks_agree(case):
+    (query, key, value, mask, padding), words = BAD_CORE[case]
+    message = _same_error_real_and_fake(ops.attention, query, key, value, mask, padding)
+    assert words in message
+    assert "got" in message  # messages quote what was received
+
+
+E, H = 8, 2
+x = torch.randn(2, 5, E)
+w_in, b_in, w_out, b_out = torch.randn(3 * E, E), torch.randn(3 * E), torch.randn(E, E), torch.randn(E)
+BAD_LAYER = {
+    "rank": ((x[0], x, x, H, w_in, b_in, w_out, b_out), "all be 3-D"),
+    "heads": ((x, x, x, 3, w_in, b_in, w_out, b_out), "not divisible by num_heads"),
+    "kdim": ((x, x[..., :4], x, H, w_in, b_in, w_out, b_out), "kdim/vdim are not supported"),
+    "key vs value": ((x, x, x[:, :3], H, w_in, b_in, w_out, b_out), "same length and batch"),
+    "batch": ((x, x[:1], x[:1], H, w_in, b_in, w_out, b_out), "same batch size"),
+    "in_proj_weight": ((x, x, x, H, w_in[:E], b_in, w_out, b_out), "in_proj_weight must be"),
+    "in_proj_bias": ((x, x, x, H, w_in, b_in[:E], w_out, b_out), "in_proj_bias must be"),
+    "out_proj_weight": ((x, x, x, H, w_in, b_in, w_out[:, :2], b_out), "out_proj_weight must be"),
+    "out_proj_bias": ((x, x, x, H, w_in, b_in, w_out, b_out[:2]), "out_proj_bias must be"),
+    "dtype": ((x, x, x, H, w_in.double(), b_in, w_out, b_out), "query's dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYER))
+def test_layer_checks_agree(case):
+    args, words = BAD_LAYER[case]
+    message = _same_error_real_and_fake(
+        lambda *a: ops.multi_head_attention(*a, None, None, True, True, False, True), *args
+    )
+    assert words in message
+
+
+def test_layer_mask_checks_agree():
+    bad_padding = torch.zeros(2, 4, dtype=torch.bool)
+    message = _same_error_real_and_fake(
+        lambda *a: ops.multi_head_attention(*a, None, bad_padding, True, True, False, True),
+        x, x, x, H, w_in, b_in, w_out, b_out,
+    )
+    assert "key_padding_mask must be" in message
+    bad_mask = torch.zeros(1, 1, 5, 5, dtype=torch.bool)
+    message = _same_error_real_and_fake(
+        lambda *a: ops.multi_head_attention(*a, bad_mask, None, True, True, False, True),
+        x, x, x, H, w_in, b_in, w_out, b_out,
+    )
+    assert "attn_mask must be 2-D" in message
+
+
+def test_fake_outputs_describe_real_outputs():
+    """Shapes, dtypes and strides of every output, under several argument combinations."""
+    cases = [
+        (ops._attention_forward, (q, k, v, None, None, False, None, True)),
+        (ops._attention_forward, (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, True, None, False)),
+        (ops.multi_head_attention, (x, x, x, H, w_in, b_in, w_out, b_out, None, None, True, False, False, True)),
+        (ops.multi_head_attention, (x, x, x, H, w_in, None, w_out, None, None, None, True, True, False, False)),
+        (ops.multi_head_attention, (x[0], x[0], x[0], H, w_in, b_in, w_out, b_out, None, None, True, True, False, False)),
+        (ops.multi_head_attention, (x, x, x, H, w_in, b_in, w_out, b_out, None, None, False, True, False, False)),
+    ]
+    for op, args in cases:
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_unbuilt_extension_is_reported_with_the_fix(monkeypatch):
+    import importlib
+
+    from attn_export import _library
+
+    monkeypatch.setattr(_library, "_loaded", False)
+    real_import = importlib.import_module
+
+    def fake_import(name, *a, **kw):
+        if name == "attn_export._C":
+            raise ImportError("libfoo.so: cannot open shared object file")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    with pytest.raises(_library.ExtensionNotBuiltError, match="pip install --no-build-isolation -e ."):
+        _library.load_library()
+    assert attn_export.attention is not None
