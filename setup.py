@@ -43,7 +43,10 @@ def _want_cuda():
 
 def extension():
     debug = bool(_flag("ATTN_EXPORT_DEBUG"))
-    cxx = ["-std=c++20", "-fopenmp", "-O0" if debug else "-O3", "-g" if debug else "-g0"]
+    # -fno-trapping-math lets GCC if-convert and vectorize the masked softmax loops; the kernels
+    # never rely on floating-point traps. -fopenmp: at::parallel_for and `omp simd` loops.
+    # -Wno-psabi: the 64-byte vector types of row_kernels.h never cross a non-inlined call.
+    cxx = ["-std=c++20", "-fopenmp", "-fno-trapping-math", "-Wno-psabi", "-O0" if debug else "-O3", "-g" if debug else "-g0"]
     sources = sorted(
         glob.glob(os.path.join(CSRC, "ops", "*.cpp"))
         + glob.glob(os.path.join(CSRC, "ops", "cpu", "*.cpp"))

@@ -122,7 +122,7 @@ def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> No
 
 def check_multi_head_attention_inputs(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-    attn_mask, key_padding_mask, batch_first,
+    attn_mask, key_padding_mask, batch_first, packed_qkv=False,
 ) -> None:
     torch._check(
         query.dim() in (2, 3) and key.dim() == query.dim() and value.dim() == query.dim(),
@@ -197,6 +197,11 @@ def check_multi_head_attention_inputs(
             lambda: "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
             f"got {_sizes(attn_mask)}",
         )
+    torch._check(
+        not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),
+        lambda: "multi_head_attention: packed_qkv needs key and value of the query's shape "
+        f"{_sizes(query)}; got key {_sizes(key)}, value {_sizes(value)}",
+    )
 
 
 @torch.library.register_fake("attn_export::attention")
@@ -217,7 +222,8 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
 
 @torch.library.register_fake("attn_export::_attention_backward")
 def _attention_backward_fake(
-    grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale
+    grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
+    probs=None,
 ):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     batch, heads = query.size(0), query.size(1)
@@ -238,6 +244,18 @@ def _attention_backward_fake(
     )
 
 
+def _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first):
+    output = query.new_empty(query.shape)
+    if not need_weights:
+        return output, query.new_empty((0,))
+    unbatched = query.dim() == 2
+    seq_dim = 0 if unbatched or not batch_first else 1
+    seqlen_q, seqlen_k = query.size(seq_dim), key.size(seq_dim)
+    heads_shape = () if average_attn_weights else (num_heads,)
+    batch_shape = () if unbatched else (query.size(0 if batch_first else 1),)
+    return output, query.new_empty((*batch_shape, *heads_shape, seqlen_q, seqlen_k))
+
+
 @torch.library.register_fake("attn_export::multi_head_attention")
 def _multi_head_attention_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
@@ -248,12 +266,33 @@ def _multi_head_attention_fake(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
         attn_mask, key_padding_mask, batch_first,
     )
-    output = query.new_empty(query.shape)
-    if not need_weights:
-        return output, query.new_empty((0,))
+    return _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first)
+
+
+@torch.library.register_fake("attn_export::_multi_head_attention_forward")
+def _multi_head_attention_forward_fake(
+    query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+    attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first, packed_qkv,
+    save_probs,
+):
+    check_multi_head_attention_inputs(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+        attn_mask, key_padding_mask, batch_first, packed_qkv,
+    )
+    output, weights = _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first)
+    embed_dim = query.size(-1)
+    tokens_q = query.numel() // embed_dim
     unbatched = query.dim() == 2
-    seq_dim = 0 if unbatched or not batch_first else 1
-    seqlen_q, seqlen_k = query.size(seq_dim), key.size(seq_dim)
-    heads_shape = () if average_attn_weights else (num_heads,)
-    batch_shape = () if unbatched else (query.size(0 if batch_first else 1),)
-    return output, query.new_empty((*batch_shape, *heads_shape, seqlen_q, seqlen_k))
+    batch = 1 if unbatched else query.size(0 if batch_first else 1)
+    seqlen_q = query.size(0 if unbatched or not batch_first else 1)
+    if packed_qkv:
+        q_proj, kv_proj = query.new_empty((tokens_q, 3 * embed_dim)), query.new_empty((0,))
+    else:
+        q_proj = query.new_empty((tokens_q, embed_dim))
+        kv_proj = query.new_empty((key.numel() // embed_dim, 2 * embed_dim))
+    attn = query.new_empty((tokens_q, embed_dim))
+    acc = accumulation_dtype(query.dtype)
+    lse = query.new_empty((batch, num_heads, seqlen_q), dtype=acc)
+    seqlen_k = key.size(0 if unbatched or not batch_first else 1)
+    probs = query.new_empty((batch, num_heads, seqlen_q, seqlen_k) if save_probs else (0,), dtype=acc)
+    return output, weights, q_proj, kv_proj, attn, lse, probs

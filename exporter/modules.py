@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attn_export.ops import multi_head_attention
+
+
+_MULTI_HEAD_ATTENTION = torch.ops.attn_export.multi_head_attention.default
 
 
 class UnsupportedAttentionError(ValueError):
@@ -159,12 +161,15 @@ class FusedMultiheadAttention(nn.Module):
             return self._unfused_forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        return multi_head_attention(
-            query, key, value, self.num_heads,
-            self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias,
-            attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=need_weights,
-            average_attn_weights=average_attn_weights, is_causal=is_causal, batch_first=self.batch_first,
+        # The operator is called directly, positionally: on small inputs every microsecond of
+        # Python overhead shows.
+        out_proj = self.out_proj
+        output, weights = _MULTI_HEAD_ATTENTION(
+            query, key, value, self.num_heads, self.in_proj_weight, self.in_proj_bias,
+            out_proj.weight, out_proj.bias, attn_mask, key_padding_mask, need_weights,
+            average_attn_weights, is_causal, self.batch_first,
         )
+        return output, (weights if need_weights else None)
 
     def _unfused_forward(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal

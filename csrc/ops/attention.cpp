@@ -26,7 +26,9 @@ TORCH_LIBRARY(attn_export, m) {
       "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> Tensor");
 
   // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and
-  // the attention probabilities when need_weights is set (an empty tensor otherwise).
+  // the attention probabilities when need_weights is set (an empty tensor otherwise). The
+  // backward may be given the forward's probabilities (accumulation dtype) to skip recomputing
+  // them; kernels are free to ignore them.
   m.def(
       "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float? scale, bool need_weights) "
@@ -34,7 +36,8 @@ TORCH_LIBRARY(attn_export, m) {
   m.def(
       "_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, "
-      "bool is_causal, float? scale) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "bool is_causal, float? scale, Tensor? probs=None) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 
   // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention,
   // output projection. Arguments and results mirror F.multi_head_attention_forward; `weights`
@@ -45,4 +48,16 @@ TORCH_LIBRARY(attn_export, m) {
       "Tensor? out_proj_bias, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
       "bool need_weights=True, bool average_attn_weights=True, bool is_causal=False, "
       "bool batch_first=False) -> (Tensor output, Tensor weights)");
+
+  // The layer's forward kernel, returning what its backward needs: the input projections
+  // (packed_qkv: one [Nq, 3E] tensor, key and value ignored; else q [Nq, E] and k|v [Nk, 2E]),
+  // the attention output before the output projection, the row log-sum-exp and, with
+  // save_probs, the per-head probabilities [B, H, Lq, Lk] (accumulation dtype; else empty).
+  m.def(
+      "_multi_head_attention_forward(Tensor query, Tensor key, Tensor value, int num_heads, "
+      "Tensor in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, "
+      "Tensor? out_proj_bias, Tensor? attn_mask, Tensor? key_padding_mask, bool need_weights, "
+      "bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv, "
+      "bool save_probs) -> (Tensor output, Tensor weights, Tensor q_proj, Tensor kv_proj, "
+      "Tensor attn, Tensor logsumexp, Tensor probs)");
 }

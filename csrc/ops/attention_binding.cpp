@@ -9,6 +9,8 @@ bool is_mask_dtype(at::ScalarType dtype) {
   return dtype == at::kBool || at::isFloatingType(dtype);
 }
 
+}  // namespace
+
 AttentionMask mask_params(const at::Tensor& mask, bool is_key_padding) {
   AttentionMask m;
   m.ptr = mask.data_ptr();
@@ -24,8 +26,6 @@ AttentionMask mask_params(const at::Tensor& mask, bool is_key_padding) {
   }
   return m;
 }
-
-}  // namespace
 
 void check_attention_inputs(
     const at::Tensor& query,
@@ -60,16 +60,26 @@ void check_attention_inputs(
       "attention: query and key must have the same head_dim; got query ", query.sizes(),
       " and key ", key.sizes());
 
-  const int64_t batch = query.size(0), heads = query.size(1);
-  const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
+  check_attention_masks(query.size(0), query.size(1), query.size(2), key.size(2), query.device(),
+                        attn_mask, key_padding_mask);
+}
+
+void check_attention_masks(
+    int64_t batch,
+    int64_t heads,
+    int64_t seqlen_q,
+    int64_t seqlen_k,
+    at::Device device,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask) {
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
     TORCH_CHECK(
         is_mask_dtype(m.scalar_type()),
         "attention: attn_mask must be bool or floating; got ", m.scalar_type());
     TORCH_CHECK(
-        m.device() == query.device(),
-        "attention: attn_mask must be on the query's device ", query.device(), "; got ", m.device());
+        m.device() == device,
+        "attention: attn_mask must be on the query's device ", device, "; got ", m.device());
     const bool ok_tail = m.dim() >= 2 && m.size(-2) == seqlen_q && m.size(-1) == seqlen_k;
     const bool ok_lead = (m.dim() == 2) ||
         (m.dim() == 3 && (m.size(0) == 1 || m.size(0) == batch * heads)) ||
@@ -87,8 +97,8 @@ void check_attention_inputs(
         is_mask_dtype(m.scalar_type()),
         "attention: key_padding_mask must be bool or floating; got ", m.scalar_type());
     TORCH_CHECK(
-        m.device() == query.device(),
-        "attention: key_padding_mask must be on the query's device ", query.device(), "; got ",
+        m.device() == device,
+        "attention: key_padding_mask must be on the query's device ", device, "; got ",
         m.device());
     TORCH_CHECK(
         m.dim() == 2 && m.size(0) == batch && m.size(1) == seqlen_k,

@@ -19,6 +19,20 @@ void check_attention_inputs(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask);
 
+// The mask part of check_attention_inputs, for callers without 4-D q/k/v tensors.
+void check_attention_masks(
+    int64_t batch,
+    int64_t heads,
+    int64_t seqlen_q,
+    int64_t seqlen_k,
+    at::Device device,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask);
+
+// A mask as the kernels read it: `mask` is the [B, H, Lq, Lk] view from broadcast_attn_mask,
+// or a [B, Lk] key-padding mask.
+AttentionMask mask_params(const at::Tensor& mask, bool is_key_padding);
+
 // 1/sqrt(head_dim) unless given.
 double resolve_scale(std::optional<double> scale, int64_t head_dim);
 

@@ -37,16 +37,48 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
-    std::optional<double> scale) {
+    std::optional<double> scale,
+    const std::optional<at::Tensor>& probs = std::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("attn_export::_attention_backward", "")
                        .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                           bool, std::optional<double>)>();
+                           bool, std::optional<double>, const std::optional<at::Tensor>&)>();
   return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
-                 key_padding_mask, is_causal, scale);
+                 key_padding_mask, is_causal, scale, probs);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+call_multi_head_attention_forward(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    int64_t num_heads,
+    const at::Tensor& in_proj_weight,
+    const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight,
+    const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights,
+    bool average_attn_weights,
+    bool is_causal,
+    bool batch_first,
+    bool packed_qkv,
+    bool save_probs) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attn_export::_multi_head_attention_forward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+              const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool, bool,
+              bool, bool, bool)>();
+  return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
+                 out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
+                 is_causal, batch_first, packed_qkv, save_probs);
 }
 
 }  // namespace attn_export::ops

@@ -9,70 +9,63 @@ namespace {
 
 using c10::SymInt;
 
-// Internally the layer is batch-first, [B, L, E]; the projections work on its token-major
-// 2-D view [B * L, E]. Sequence-first and unbatched inputs are converted at the boundary.
-struct Geometry {
+struct Layout {
   SymInt batch, seqlen_q, seqlen_k, embed_dim, head_dim;
   int64_t num_heads;
+  bool batch_first;  // token order of the 2-D views; unbatched inputs count as batch-first
+  bool unbatched;
 };
 
-at::Tensor to_batch_first(const at::Tensor& t, bool unbatched, bool batch_first) {
-  if (unbatched) {
-    return t.unsqueeze(0);
-  }
-  return batch_first ? t : t.transpose(0, 1);
+Layout layout_of(const MultiHeadAttentionArgs& a) {
+  Layout l;
+  l.num_heads = a.num_heads;
+  l.unbatched = a.query.dim() == 2;
+  l.batch_first = a.batch_first || l.unbatched;
+  const int64_t seq_dim = l.unbatched ? 0 : (a.batch_first ? 1 : 0);
+  l.batch = l.unbatched ? SymInt(1) : a.query.sym_size(a.batch_first ? 0 : 1);
+  l.seqlen_q = a.query.sym_size(seq_dim);
+  l.seqlen_k = a.key.sym_size(seq_dim);
+  l.embed_dim = a.query.sym_size(-1);
+  l.head_dim = l.embed_dim / a.num_heads;
+  return l;
 }
 
-at::Tensor from_batch_first(const at::Tensor& t, bool unbatched, bool batch_first) {
-  if (unbatched) {
-    return t.squeeze(0);
-  }
-  return batch_first ? t : t.transpose(0, 1);
+at::Tensor tokens2d(const at::Tensor& t, const Layout& l) {
+  return t.reshape_symint({SymInt(-1), l.embed_dim});
 }
 
-at::Tensor linear2d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
-}
-
-std::optional<at::Tensor> rows_of(const std::optional<at::Tensor>& bias, int64_t start, int64_t length) {
-  if (!bias.has_value()) {
-    return std::nullopt;
-  }
-  return bias->narrow(0, start, length);
-}
-
-// [B * L, count * E] -> the index-th [B, H, L, D] block, as a view.
+// [tokens, count * E] -> the index-th [B, H, L, D] block, as a view.
 at::Tensor split_heads(const at::Tensor& proj2d, int64_t index, int64_t count, const SymInt& seqlen,
-                       const Geometry& g) {
-  return proj2d.view_symint({g.batch, seqlen, count, g.num_heads, g.head_dim})
+                       const Layout& l) {
+  if (l.batch_first) {
+    return proj2d.view_symint({l.batch, seqlen, count, l.num_heads, l.head_dim})
+        .select(2, index)
+        .transpose(1, 2);
+  }
+  return proj2d.view_symint({seqlen, l.batch, count, l.num_heads, l.head_dim})
       .select(2, index)
-      .transpose(1, 2);
+      .permute({1, 2, 0, 3});
 }
 
-// [B, H, L, D] -> [B * L, E]; a view for the token-major results of the attention kernels.
-at::Tensor merge_heads(const at::Tensor& t, const Geometry& g) {
-  return t.transpose(1, 2).reshape_symint({SymInt(-1), g.embed_dim});
+// [B, H, L, D] -> [tokens, E]. The core's results are [B, L, H, D] in memory: a view for
+// batch-first, a copy for sequence-first.
+at::Tensor merge_heads(const at::Tensor& t, const Layout& l) {
+  const at::Tensor tokens = l.batch_first ? t.transpose(1, 2) : t.permute({2, 0, 1, 3});
+  return tokens.reshape_symint({SymInt(-1), l.embed_dim});
 }
 
-at::Tensor tokens2d(const at::Tensor& t, const Geometry& g) {
-  return t.reshape_symint({SymInt(-1), g.embed_dim});
-}
-
-// Geometry of batch-first [B, L, E] query and key.
-Geometry geometry(const at::Tensor& query, const at::Tensor& key, int64_t num_heads) {
-  Geometry g;
-  g.num_heads = num_heads;
-  g.batch = query.sym_size(0);
-  g.seqlen_q = query.sym_size(1);
-  g.seqlen_k = key.sym_size(1);
-  g.embed_dim = query.sym_size(2);
-  g.head_dim = g.embed_dim / num_heads;
-  return g;
+// [tokens, E] -> the caller's shape.
+at::Tensor restore_shape(const at::Tensor& x2d, const SymInt& seqlen, const Layout& l) {
+  if (l.unbatched) {
+    return x2d.view_symint({seqlen, l.embed_dim});
+  }
+  return l.batch_first ? x2d.view_symint({l.batch, seqlen, l.embed_dim})
+                       : x2d.view_symint({seqlen, l.batch, l.embed_dim});
 }
 
 }  // namespace
 
-void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& a) {
+void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& a, bool packed_qkv) {
   const at::Tensor& query = a.query;
   TORCH_CHECK(
       (query.dim() == 2 || query.dim() == 3) && a.key.dim() == query.dim() &&
@@ -139,107 +132,87 @@ void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& a) {
         "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
         "got ", a.attn_mask->sizes());
   }
+  TORCH_CHECK(
+      !packed_qkv || (a.key.sym_sizes() == query.sym_sizes() && a.value.sym_sizes() == query.sym_sizes()),
+      "multi_head_attention: packed_qkv needs key and value of the query's shape ", query.sizes(),
+      "; got key ", a.key.sizes(), ", value ", a.value.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
-    const MultiHeadAttentionArgs& a, MultiHeadAttentionSaved* saved) {
-  check_multi_head_attention_inputs(a);
-  const bool unbatched = a.query.dim() == 2;
-  const at::Tensor query = to_batch_first(a.query, unbatched, a.batch_first);
-  const at::Tensor key = to_batch_first(a.key, unbatched, a.batch_first);
-  const at::Tensor value = to_batch_first(a.value, unbatched, a.batch_first);
-  std::optional<at::Tensor> padding = a.key_padding_mask;
-  if (unbatched && padding.has_value()) {
-    padding = padding->unsqueeze(0);
+std::optional<at::Tensor> batched_padding_mask(const MultiHeadAttentionArgs& a) {
+  if (a.key_padding_mask.has_value() && a.query.dim() == 2) {
+    return a.key_padding_mask->unsqueeze(0);
   }
-  const Geometry g = geometry(query, key, a.num_heads);
-  const int64_t embed_dim = a.in_proj_weight.size(1);
+  return a.key_padding_mask;
+}
 
-  const bool self_attention = a.query.is_same(a.key) && a.key.is_same(a.value);
-  const bool shared_kv = !self_attention && a.key.is_same(a.value);
-  const at::Tensor query2d = tokens2d(query, g);
-  const at::Tensor key2d = self_attention ? query2d : tokens2d(key, g);
-  const at::Tensor value2d = (self_attention || shared_kv) ? key2d : tokens2d(value, g);
+at::Tensor finalize_weights(const at::Tensor& weights, const MultiHeadAttentionArgs& a) {
+  if (!a.need_weights) {
+    return weights;
+  }
+  at::Tensor w = a.average_attn_weights ? weights.mean(1) : weights;
+  return a.query.dim() == 2 ? w.squeeze(0) : w;
+}
+
+MultiHeadAttentionResult multi_head_attention_forward(
+    const MultiHeadAttentionArgs& a, bool packed_qkv, bool save_probs) {
+  check_multi_head_attention_inputs(a, packed_qkv);
+  const Layout l = layout_of(a);
+  const int64_t embed_dim = a.in_proj_weight.size(1);
+  MultiHeadAttentionResult r;
 
   at::Tensor q, k, v;
-  if (self_attention) {
-    const at::Tensor qkv = linear2d(query2d, a.in_proj_weight, a.in_proj_bias);
-    q = split_heads(qkv, 0, 3, g.seqlen_q, g);
-    k = split_heads(qkv, 1, 3, g.seqlen_q, g);
-    v = split_heads(qkv, 2, 3, g.seqlen_q, g);
+  if (packed_qkv) {
+    r.q_proj = project(tokens2d(a.query, l), a.in_proj_weight, a.in_proj_bias);
+    r.kv_proj = at::empty({0}, a.query.options());
+    q = split_heads(r.q_proj, 0, 3, l.seqlen_q, l);
+    k = split_heads(r.q_proj, 1, 3, l.seqlen_q, l);
+    v = split_heads(r.q_proj, 2, 3, l.seqlen_q, l);
   } else {
-    q = split_heads(
-        linear2d(query2d, a.in_proj_weight.narrow(0, 0, embed_dim), rows_of(a.in_proj_bias, 0, embed_dim)),
-        0, 1, g.seqlen_q, g);
-    if (shared_kv) {
-      const at::Tensor kv = linear2d(
-          key2d, a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
-          rows_of(a.in_proj_bias, embed_dim, 2 * embed_dim));
-      k = split_heads(kv, 0, 2, g.seqlen_k, g);
-      v = split_heads(kv, 1, 2, g.seqlen_k, g);
+    r.q_proj = project(tokens2d(a.query, l), a.in_proj_weight.narrow(0, 0, embed_dim),
+                        bias_rows(a.in_proj_bias, 0, embed_dim));
+    if (a.key.is_same(a.value)) {
+      r.kv_proj = project(tokens2d(a.key, l), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
+                           bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
     } else {
-      k = split_heads(
-          linear2d(key2d, a.in_proj_weight.narrow(0, embed_dim, embed_dim),
-                   rows_of(a.in_proj_bias, embed_dim, embed_dim)),
-          0, 1, g.seqlen_k, g);
-      v = split_heads(
-          linear2d(value2d, a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
-                   rows_of(a.in_proj_bias, 2 * embed_dim, embed_dim)),
-          0, 1, g.seqlen_k, g);
+      r.kv_proj = at::cat(
+          {project(tokens2d(a.key, l), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
+                    bias_rows(a.in_proj_bias, embed_dim, embed_dim)),
+           project(tokens2d(a.value, l), a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
+                    bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim))},
+          1);
     }
+    q = split_heads(r.q_proj, 0, 1, l.seqlen_q, l);
+    k = split_heads(r.kv_proj, 0, 2, l.seqlen_k, l);
+    v = split_heads(r.kv_proj, 1, 2, l.seqlen_k, l);
   }
 
   auto [attn, lse, weights] = call_attention_forward(
-      q, k, v, a.attn_mask, padding, a.is_causal, std::nullopt, a.need_weights);
-
-  const at::Tensor out2d = linear2d(merge_heads(attn, g), a.out_proj_weight, a.out_proj_bias);
-  at::Tensor output = from_batch_first(
-      out2d.view_symint({g.batch, g.seqlen_q, g.embed_dim}), unbatched, a.batch_first);
-  if (!a.batch_first && !unbatched) {
-    output = output.contiguous();  // nn.MultiheadAttention returns a contiguous [L, B, E]
-  }
-  if (a.need_weights) {
-    if (a.average_attn_weights) {
-      weights = weights.mean(1);
-    }
-    if (unbatched) {
-      weights = weights.squeeze(0);
-    }
-  }
-
-  if (saved != nullptr) {
-    saved->query2d = query2d;
-    saved->key2d = key2d;
-    saved->value2d = value2d;
-    saved->q = q;
-    saved->k = k;
-    saved->v = v;
-    saved->attn = attn;
-    saved->lse = lse;
-    saved->attn_mask = a.attn_mask;
-    saved->key_padding_mask = padding;
-    saved->self_attention = self_attention;
-    saved->shared_kv = shared_kv;
-    saved->unbatched = unbatched;
-  }
-  return std::make_tuple(output, weights);
+      q, k, v, a.attn_mask, batched_padding_mask(a), a.is_causal, std::nullopt,
+      a.need_weights || save_probs);
+  r.attn = merge_heads(attn, l);
+  r.lse = lse;
+  r.probs = save_probs ? weights.to(lse.scalar_type()) : at::empty({0}, lse.options());
+  r.output = restore_shape(project(r.attn, a.out_proj_weight, a.out_proj_bias), l.seqlen_q, l);
+  r.weights = a.need_weights ? finalize_weights(weights, a) : at::empty({0}, a.query.options());
+  return r;
 }
 
 std::array<at::Tensor, 7> multi_head_attention_backward(
     const MultiHeadAttentionArgs& a,
-    const MultiHeadAttentionSaved& s,
+    bool packed_qkv,
+    bool shared_kv,
+    const MultiHeadAttentionResult& s,
     const at::Tensor& grad_output,
     const at::Tensor& grad_weights,
     const std::array<bool, 7>& needs) {
   enum { kQuery, kKey, kValue, kInWeight, kInBias, kOutWeight, kOutBias };
   std::array<at::Tensor, 7> grads;
-  const Geometry g = geometry(
-      to_batch_first(a.query, s.unbatched, a.batch_first),
-      to_batch_first(a.key, s.unbatched, a.batch_first), a.num_heads);
+  const Layout l = layout_of(a);
   const int64_t embed_dim = a.in_proj_weight.size(1);
-  const at::Tensor dy = tokens2d(to_batch_first(grad_output, s.unbatched, a.batch_first), g);
+
+  const at::Tensor dy = tokens2d(grad_output, l);
   if (needs[kOutWeight]) {
-    grads[kOutWeight] = dy.t().mm(merge_heads(s.attn, g));
+    grads[kOutWeight] = dy.t().mm(s.attn);
   }
   if (needs[kOutBias] && a.out_proj_bias.has_value()) {
     grads[kOutBias] = dy.sum(0);
@@ -251,66 +224,69 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
 
   std::optional<at::Tensor> grad_probs;
   if (a.need_weights && grad_weights.defined()) {
-    at::Tensor gw = s.unbatched ? grad_weights.unsqueeze(0) : grad_weights;
+    at::Tensor gw = l.unbatched ? grad_weights.unsqueeze(0) : grad_weights;
     // Averaged weights are the mean over heads: each head receives 1/H of the gradient.
     grad_probs = a.average_attn_weights ? (gw / a.num_heads).unsqueeze(1) : gw;
   }
-  const at::Tensor grad_attn = split_heads(dy.mm(a.out_proj_weight), 0, 1, g.seqlen_q, g);
+  at::Tensor q, k, v;
+  if (packed_qkv) {
+    q = split_heads(s.q_proj, 0, 3, l.seqlen_q, l);
+    k = split_heads(s.q_proj, 1, 3, l.seqlen_q, l);
+    v = split_heads(s.q_proj, 2, 3, l.seqlen_q, l);
+  } else {
+    q = split_heads(s.q_proj, 0, 1, l.seqlen_q, l);
+    k = split_heads(s.kv_proj, 0, 2, l.seqlen_k, l);
+    v = split_heads(s.kv_proj, 1, 2, l.seqlen_k, l);
+  }
+  const at::Tensor grad_attn = split_heads(dy.mm(a.out_proj_weight), 0, 1, l.seqlen_q, l);
+  std::optional<at::Tensor> probs;
+  if (s.probs.defined() && s.probs.numel() > 0) {
+    probs = s.probs;
+  }
   auto [dq4, dk4, dv4] = call_attention_backward(
-      grad_attn, grad_probs, s.q, s.k, s.v, s.lse, s.attn_mask, s.key_padding_mask, a.is_causal,
-      std::nullopt);
-  const at::Tensor dq = merge_heads(dq4, g), dk = merge_heads(dk4, g), dv = merge_heads(dv4, g);
+      grad_attn, grad_probs, q, k, v, s.lse, a.attn_mask, batched_padding_mask(a), a.is_causal,
+      std::nullopt, probs);
+  const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
 
-  auto restore_shape = [&](const at::Tensor& x2d, const SymInt& seqlen) {
-    return from_batch_first(x2d.view_symint({g.batch, seqlen, g.embed_dim}), s.unbatched, a.batch_first);
-  };
-  // Gradients of one packed projection y = x W^T + b, given dy for the packed rows of W.
+  // Gradients of one packed projection y = x W[rows]^T + b[rows], given dy.
   struct Projection {
     at::Tensor grad_input, grad_weight, grad_bias;
   };
-  auto project_back = [&](const at::Tensor& dproj, const at::Tensor& x2d, int64_t row0, int64_t rows,
+  auto project_back = [&](const at::Tensor& dproj, const at::Tensor& input, int64_t row0, int64_t rows,
                           bool need_input) {
-    Projection r;
+    Projection p;
     if (need_input) {
-      r.grad_input = dproj.mm(a.in_proj_weight.narrow(0, row0, rows));
+      p.grad_input = dproj.mm(a.in_proj_weight.narrow(0, row0, rows));
     }
     if (needs[kInWeight]) {
-      r.grad_weight = dproj.t().mm(x2d);
+      p.grad_weight = dproj.t().mm(tokens2d(input, l));
     }
     if (needs[kInBias] && a.in_proj_bias.has_value()) {
-      r.grad_bias = dproj.sum(0);
+      p.grad_bias = dproj.sum(0);
     }
-    return r;
+    return p;
   };
 
   std::vector<Projection> parts;
-  if (s.self_attention) {
-    parts.push_back(project_back(at::cat({dq, dk, dv}, 1), s.query2d, 0, 3 * embed_dim, needs[kQuery]));
-    if (parts[0].grad_input.defined()) {
-      grads[kQuery] = restore_shape(parts[0].grad_input, g.seqlen_q);
-    }
+  if (packed_qkv) {
+    parts.push_back(project_back(at::cat({dq, dk, dv}, 1), a.query, 0, 3 * embed_dim, needs[kQuery]));
   } else {
-    parts.push_back(project_back(dq, s.query2d, 0, embed_dim, needs[kQuery]));
-    if (s.shared_kv) {
-      parts.push_back(project_back(at::cat({dk, dv}, 1), s.key2d, embed_dim, 2 * embed_dim, needs[kKey]));
+    parts.push_back(project_back(dq, a.query, 0, embed_dim, needs[kQuery]));
+    if (shared_kv) {
+      parts.push_back(project_back(at::cat({dk, dv}, 1), a.key, embed_dim, 2 * embed_dim, needs[kKey]));
     } else {
-      parts.push_back(project_back(dk, s.key2d, embed_dim, embed_dim, needs[kKey]));
-      parts.push_back(project_back(dv, s.value2d, 2 * embed_dim, embed_dim, needs[kValue]));
-    }
-    if (parts[0].grad_input.defined()) {
-      grads[kQuery] = restore_shape(parts[0].grad_input, g.seqlen_q);
-    }
-    if (parts[1].grad_input.defined()) {
-      grads[kKey] = restore_shape(parts[1].grad_input, g.seqlen_k);
-    }
-    if (parts.size() == 3 && parts[2].grad_input.defined()) {
-      grads[kValue] = restore_shape(parts[2].grad_input, g.seqlen_k);
+      parts.push_back(project_back(dk, a.key, embed_dim, embed_dim, needs[kKey]));
+      parts.push_back(project_back(dv, a.value, 2 * embed_dim, embed_dim, needs[kValue]));
     }
   }
+  const std::array<SymInt, 3> seqlens = {l.seqlen_q, l.seqlen_k, l.seqlen_k};
   std::vector<at::Tensor> weight_grads, bias_grads;
-  for (const Projection& p : parts) {
-    weight_grads.push_back(p.grad_weight);
-    bias_grads.push_back(p.grad_bias);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].grad_input.defined()) {
+      grads[kQuery + i] = restore_shape(parts[i].grad_input, seqlens[i], l);
+    }
+    weight_grads.push_back(parts[i].grad_weight);
+    bias_grads.push_back(parts[i].grad_bias);
   }
   if (needs[kInWeight]) {
     grads[kInWeight] = weight_grads.size() == 1 ? weight_grads[0] : at::cat(weight_grads, 0);
@@ -323,37 +299,50 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> multi_head_attention_kernel(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    int64_t num_heads,
-    const at::Tensor& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights,
-    bool average_attn_weights,
-    bool is_causal,
-    bool batch_first) {
+// Kernels of the operators, by implementation.
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
+std::tuple<at::Tensor, at::Tensor> layer_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first) {
   const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
                                     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                                     need_weights, average_attn_weights, is_causal, batch_first};
-  return multi_head_attention_forward(args, nullptr);
+  const bool packed = query.is_same(key) && key.is_same(value);
+  MultiHeadAttentionResult r = Forward(args, packed, /*save_probs=*/false);
+  return std::make_tuple(r.output, r.weights);
+}
+
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+layer_forward_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool save_probs) {
+  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                    need_weights, average_attn_weights, is_causal, batch_first};
+  MultiHeadAttentionResult r = Forward(args, packed_qkv, save_probs);
+  return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse, r.probs);
 }
 
 }  // namespace
 
-// Device-generic: the projections run on the tensors' device and the core dispatches to its
-// device kernel, so one registration per device points at the same function.
 TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
-  m.impl("multi_head_attention", &multi_head_attention_kernel);
+  m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward_cpu>);
+  m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward_cpu>);
 }
 
+// Device-generic: projections run on the tensors' device and the core dispatches to its
+// device kernel.
 TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
-  m.impl("multi_head_attention", &multi_head_attention_kernel);
+  m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward>);
+  m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward>);
 }
 
 }  // namespace attn_export::ops

@@ -1,29 +1,24 @@
-// The whole torch.nn.MultiheadAttention layer: projections through ATen (BLAS / cuBLAS on the
-// tensors' device) and the attention core through the dispatcher, so the same code serves
-// every device that registers attn_export::_attention_forward/_attention_backward.
-// Written with SymInts so that AOTAutograd can trace it with symbolic shapes.
+// The whole torch.nn.MultiheadAttention layer: input projection, attention core, output
+// projection.
+//
+// Two implementations share the declarations below:
+//  - a device-generic one (multi_head_attention.cpp): projections through ATen (BLAS /
+//    cuBLAS) and the core through the dispatcher, written with SymInts so that AOTAutograd
+//    can trace it with symbolic shapes; it serves CUDA and the backward pass;
+//  - a CPU one (cpu/multi_head_attention_kernel.cpp) that calls the CPU attention kernel
+//    directly on the projection buffers, without views or dispatch, for small inputs.
+//
+// Token order: the projections work on token-major 2-D views [tokens, E] of the inputs, in
+// the inputs' own order ([L * B] rows for sequence-first, [B * L] for batch-first; unbatched
+// [L, E] counts as batch-first with B = 1), so no input is ever transposed.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <array>
 #include <optional>
-#include <tuple>
-#include <vector>
 
 namespace attn_export::ops {
-
-// What the backward needs from the forward.
-struct MultiHeadAttentionSaved {
-  at::Tensor query2d, key2d, value2d;  // token-major [tokens, embed] inputs
-  at::Tensor q, k, v;                  // [B, H, L, D] views of the projections
-  at::Tensor attn;                     // [B, H, Lq, D] attention output, token-major memory
-  at::Tensor lse;                      // [B, H, Lq]
-  std::optional<at::Tensor> attn_mask, key_padding_mask;  // as passed to the core
-  bool self_attention = false;  // query, key and value are one tensor: one packed projection
-  bool shared_kv = false;       // key and value are one tensor: one packed K|V projection
-  bool unbatched = false;
-};
 
 struct MultiHeadAttentionArgs {
   const at::Tensor& query;
@@ -42,18 +37,54 @@ struct MultiHeadAttentionArgs {
   bool batch_first;
 };
 
-void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& args);
+// The forward's results, with what the backward needs (attn_export::_multi_head_attention_forward).
+struct MultiHeadAttentionResult {
+  at::Tensor output;   // the query's shape
+  at::Tensor weights;  // [B, Lq, Lk] / [B, H, Lq, Lk] (unbatched: no B), or empty
+  at::Tensor q_proj;   // packed: [Nq, 3E] (q|k|v); else [Nq, E]. Token order of the query.
+  at::Tensor kv_proj;  // packed: empty; else [Nk, 2E] (k|v). Token order of the key.
+  at::Tensor attn;     // [Nq, E] attention output before the output projection
+  at::Tensor lse;      // [B, H, Lq] row log-sum-exp, accumulation dtype
+  at::Tensor probs;    // save_probs: [B, H, Lq, Lk] probabilities, accumulation dtype; else empty
+};
 
-// Returns (output, weights); weights is empty unless args.need_weights. Fills `saved` when given.
-std::tuple<at::Tensor, at::Tensor> multi_head_attention_forward(
-    const MultiHeadAttentionArgs& args, MultiHeadAttentionSaved* saved);
+void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& args, bool packed_qkv);
+
+// packed_qkv: query, key and value are one tensor, projected by one GEMM.
+// save_probs: keep the probabilities for the backward, which then skips recomputing them.
+MultiHeadAttentionResult multi_head_attention_forward(
+    const MultiHeadAttentionArgs& args, bool packed_qkv, bool save_probs);
+MultiHeadAttentionResult multi_head_attention_forward_cpu(
+    const MultiHeadAttentionArgs& args, bool packed_qkv, bool save_probs);
+
+// x W^T + b on token-major rows.
+inline at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+}
+
+inline std::optional<at::Tensor> bias_rows(const std::optional<at::Tensor>& bias, int64_t start, int64_t length) {
+  if (!bias.has_value()) {
+    return std::nullopt;
+  }
+  return bias->narrow(0, start, length);
+}
+
+// The key padding mask as the core expects it: [B, Lk] (an unbatched [Lk] gains B = 1).
+std::optional<at::Tensor> batched_padding_mask(const MultiHeadAttentionArgs& args);
+
+// Head-averaging and unbatching of the core's [B, H, Lq, Lk] probabilities, as
+// nn.MultiheadAttention returns them.
+at::Tensor finalize_weights(const at::Tensor& weights, const MultiHeadAttentionArgs& args);
 
 // Gradients for (query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
 // out_proj_bias); an entry is undefined where `needs` is false or where the gradient flows
-// through another argument that is the same tensor (self-attention: all of it goes to query).
+// through another argument that is the same tensor (packed: all of it goes to query; shared_kv:
+// key and value are one tensor, all of it goes to key).
 std::array<at::Tensor, 7> multi_head_attention_backward(
     const MultiHeadAttentionArgs& args,
-    const MultiHeadAttentionSaved& saved,
+    bool packed_qkv,
+    bool shared_kv,
+    const MultiHeadAttentionResult& saved,
     const at::Tensor& grad_output,
     const at::Tensor& grad_weights,
     const std::array<bool, 7>& needs);

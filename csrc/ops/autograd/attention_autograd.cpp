@@ -97,6 +97,25 @@ at::Tensor attention_autograd(
   return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale)[0];
 }
 
+// Keeping the forward's probabilities spares the CPU backward one of its five products, at
+// B*H*Lq*Lk floats of memory: worth it up to kMaxSavedProbs elements (nn.MultiheadAttention
+// always keeps them); above, the backward recomputes and memory stays O(L). Only for concrete
+// sizes on the CPU, so that traced graphs and the CUDA (flash) path stay O(L).
+constexpr int64_t kMaxSavedProbs = int64_t{1} << 24;
+
+bool should_save_probs(const at::Tensor& query, const at::Tensor& key, int64_t num_heads, bool batch_first) {
+  if (!query.device().is_cpu() || query.is_meta() ||
+      query.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      key.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return false;
+  }
+  const bool unbatched = query.dim() == 2;
+  const int64_t seq_dim = unbatched || !batch_first ? 0 : 1;
+  const int64_t batch = unbatched ? 1 : query.size(batch_first ? 0 : 1);
+  const int64_t elements = batch * num_heads * query.size(seq_dim) * key.size(seq_dim);
+  return elements <= kMaxSavedProbs;
+}
+
 class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
  public:
   static variable_list forward(
@@ -116,29 +135,29 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
       bool is_causal,
       bool batch_first) {
     check_masks_are_constant(attn_mask, key_padding_mask);
+    // One tensor passed as query, key and value (self-attention) is projected by one GEMM,
+    // and its gradient computed once; likewise key and value (encoder-decoder attention).
+    const bool packed_qkv = query.is_same(key) && key.is_same(value);
+    const bool shared_kv = !packed_qkv && key.is_same(value);
+    const bool save_probs = should_save_probs(query, key, num_heads, batch_first);
     at::AutoDispatchBelowADInplaceOrView guard;
-    const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
-                                      out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
-                                      need_weights, average_attn_weights, is_causal, batch_first};
-    MultiHeadAttentionSaved s;
-    auto [output, weights] = multi_head_attention_forward(args, &s);
+    auto [output, weights, q_proj, kv_proj, attn, lse, probs] = call_multi_head_attention_forward(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+        attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
+        packed_qkv, save_probs);
 
     ctx->save_for_backward(
         {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,
-         out_proj_bias.value_or(at::Tensor()), attn_mask.value_or(at::Tensor())});
+         out_proj_bias.value_or(at::Tensor()), attn_mask.value_or(at::Tensor()),
+         key_padding_mask.value_or(at::Tensor())});
     // Intermediates only this function sees, so they need no version-counter protection.
-    ctx->saved_data["query2d"] = s.query2d;
-    ctx->saved_data["key2d"] = s.key2d;
-    ctx->saved_data["value2d"] = s.value2d;
-    ctx->saved_data["q"] = s.q;
-    ctx->saved_data["k"] = s.k;
-    ctx->saved_data["v"] = s.v;
-    ctx->saved_data["attn"] = s.attn;
-    ctx->saved_data["lse"] = s.lse;
-    ctx->saved_data["key_padding_mask"] = s.key_padding_mask;
-    ctx->saved_data["self_attention"] = s.self_attention;
-    ctx->saved_data["shared_kv"] = s.shared_kv;
-    ctx->saved_data["unbatched"] = s.unbatched;
+    ctx->saved_data["q_proj"] = q_proj;
+    ctx->saved_data["kv_proj"] = kv_proj;
+    ctx->saved_data["attn"] = attn;
+    ctx->saved_data["lse"] = lse;
+    ctx->saved_data["probs"] = probs;
+    ctx->saved_data["packed_qkv"] = packed_qkv;
+    ctx->saved_data["shared_kv"] = shared_kv;
     ctx->saved_data["num_heads"] = num_heads;
     ctx->saved_data["need_weights"] = need_weights;
     ctx->saved_data["average_attn_weights"] = average_attn_weights;
@@ -156,25 +175,17 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     const std::optional<at::Tensor> in_proj_bias = optional_of(saved[4]);
     const std::optional<at::Tensor> out_proj_bias = optional_of(saved[6]);
     const std::optional<at::Tensor> attn_mask = optional_of(saved[7]);
-    const std::optional<at::Tensor> key_padding_mask = d["key_padding_mask"].toOptional<at::Tensor>();
+    const std::optional<at::Tensor> key_padding_mask = optional_of(saved[8]);
     const MultiHeadAttentionArgs args{
         saved[0], saved[1], saved[2], d["num_heads"].toInt(), saved[3], in_proj_bias, saved[5],
         out_proj_bias, attn_mask, key_padding_mask, d["need_weights"].toBool(),
         d["average_attn_weights"].toBool(), d["is_causal"].toBool(), d["batch_first"].toBool()};
-    MultiHeadAttentionSaved s;
-    s.query2d = d["query2d"].toTensor();
-    s.key2d = d["key2d"].toTensor();
-    s.value2d = d["value2d"].toTensor();
-    s.q = d["q"].toTensor();
-    s.k = d["k"].toTensor();
-    s.v = d["v"].toTensor();
+    MultiHeadAttentionResult s;
+    s.q_proj = d["q_proj"].toTensor();
+    s.kv_proj = d["kv_proj"].toTensor();
     s.attn = d["attn"].toTensor();
     s.lse = d["lse"].toTensor();
-    s.attn_mask = attn_mask;
-    s.key_padding_mask = key_padding_mask;
-    s.self_attention = d["self_attention"].toBool();
-    s.shared_kv = d["shared_kv"].toBool();
-    s.unbatched = d["unbatched"].toBool();
+    s.probs = d["probs"].toTensor();
 
     // needs_input_grad counts only the tensor arguments that were present in the forward.
     size_t edge = 0;
@@ -189,7 +200,8 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     needs[6] = next_needs(out_proj_bias.has_value());  // out_proj_bias
     // The output has the query's shape; it gets no gradient when only the weights are used.
     const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
-    const auto g = multi_head_attention_backward(args, s, grad_output, grad_outputs[1], needs);
+    const auto g = multi_head_attention_backward(
+        args, d["packed_qkv"].toBool(), d["shared_kv"].toBool(), s, grad_output, grad_outputs[1], needs);
     return {g[0], g[1], g[2], at::Tensor(), g[3], g[4], g[5], g[6],
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -254,16 +266,55 @@ class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
       AutogradContext*, const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
       const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
-      const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+        const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
+      const std::optional<at::Tensor>& probs) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
-                                                logsumexp, attn_mask, key_padding_mask, is_causal, scale);
+                                                logsumexp, attn_mask, key_padding_mask, is_causal,
+                                                scale, probs);
     return {dq, dk, dv};
   }
   static variable_list backward(AutogradContext*, variable_list) {
     TORCH_CHECK(false, "attn_export: double backward through attention is not supported");
   }
 };
+
+class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwardNoGrad> {
+ public:
+  static variable_list forward(
+      AutogradContext*, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+      int64_t num_heads, const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+      const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+      bool save_probs) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, weights, q_proj, kv_proj, attn, lse, probs] = call_multi_head_attention_forward(
+        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+        attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
+        packed_qkv, save_probs);
+    return {output, weights, q_proj, kv_proj, attn, lse, probs};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "attn_export::_multi_head_attention_forward is an internal kernel without a "
+                       "derivative; call attn_export::multi_head_attention for gradients");
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+multi_head_attention_forward_autograd(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool save_probs) {
+  const auto r = MultiHeadAttentionForwardNoGrad::apply(
+      query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+      attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
+      packed_qkv, save_probs);
+  return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -278,9 +329,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale) {
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& probs) {
   const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
-                                                logsumexp, attn_mask, key_padding_mask, is_causal, scale);
+                                                logsumexp, attn_mask, key_padding_mask, is_causal,
+                                                scale, probs);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 
@@ -291,6 +344,7 @@ TORCH_LIBRARY_IMPL(attn_export, Autograd, m) {
   m.impl("multi_head_attention", &multi_head_attention_autograd);
   m.impl("_attention_forward", &attention_forward_autograd);
   m.impl("_attention_backward", &attention_backward_autograd);
+  m.impl("_multi_head_attention_forward", &multi_head_attention_forward_autograd);
 }
 
 }  // namespace attn_export::ops

@@ -21,16 +21,17 @@
 
 #include "../../attention_params.h"
 #include "../attention_binding.h"
+#include "attention_cpu.h"
 #include "block_gemm.h"
-#include "exp.h"
+#include "vec_kernels.h"
 
 namespace attn_export::ops {
 namespace {
 
-using cpu::exp_approx;
 using cpu::gemm_nn;
-using cpu::gemm_nt;
 using cpu::gemm_tn;
+using cpu::scores_nt;
+using cpu::rows::padded_cols;
 
 constexpr int64_t kQueryBlock = 64;
 // Multiply-adds below which a parallel chunk is not worth waking another thread for.
@@ -52,34 +53,29 @@ int64_t visible_keys(const AttentionParams& p, int64_t row_end) {
 template <typename T>
 void apply_mask(const AttentionMask& m, int64_t offset, int64_t cols, T* scores) {
   if (m.kind == MaskKind::kBool) {
-    const uint8_t* mask = static_cast<const uint8_t*>(m.ptr) + offset;
-    for (int64_t j = 0; j < cols; ++j) {
-      if (mask[j * m.col_stride]) {
-        scores[j] = -std::numeric_limits<T>::infinity();
-      }
-    }
+    cpu::vec::apply_bool_mask_row(static_cast<const uint8_t*>(m.ptr) + offset, m.col_stride, scores, cols);
   } else {
-    const T* mask = static_cast<const T*>(m.ptr) + offset;
-    for (int64_t j = 0; j < cols; ++j) {
-      scores[j] += mask[j * m.col_stride];
-    }
+    cpu::vec::add_mask_row(static_cast<const T*>(m.ptr) + offset, m.col_stride, scores, cols);
   }
 }
 
-// s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols (row stride cols).
+// s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols. Rows are
+// padded_cols(cols) apart and the padding is set to -inf, so that it vanishes in the softmax.
 template <typename T>
 void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
                    int64_t cols, T* s) {
+  const int64_t ld = padded_cols(cols);
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
       row0 * p.q_row_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
-  gemm_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k,
-             p.k_row_stride, T(0), s, cols);
+  scores_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k,
+               p.k_row_stride, s, ld);
   const AttentionMask& am = p.attn_mask;
   const AttentionMask& kpm = p.key_padding_mask;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = row0 + r;
-    T* row = s + r * cols;
+    T* row = s + r * ld;
+    std::fill(row + cols, row + ld, -std::numeric_limits<T>::infinity());
     if (am.present()) {
       apply_mask(am, b * am.batch_stride + h * am.head_stride + i * am.row_stride, cols, row);
     }
@@ -92,45 +88,6 @@ void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
   }
 }
 
-// In-place softmax of one row; returns its log-sum-exp. A row with no finite score (all keys
-// masked) becomes zeros with lse = -inf instead of the 0/0 = NaN of a naive softmax.
-template <typename T>
-T softmax_row(T* x, int64_t n) {
-  T max = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    max = std::max(max, x[j]);
-  }
-  if (max == -std::numeric_limits<T>::infinity()) {
-    std::fill(x, x + n, T(0));
-    return max;
-  }
-  T sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = exp_approx(x[j] - max);
-    sum += x[j];
-  }
-  const T inv = T(1) / sum;
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] *= inv;
-  }
-  return max + std::log(sum);
-}
-
-// Recomputes probabilities from scores and the forward's log-sum-exp.
-template <typename T>
-void probabilities_from_lse(T* x, int64_t n, T lse) {
-  if (lse == -std::numeric_limits<T>::infinity()) {
-    std::fill(x, x + n, T(0));
-    return;
-  }
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    x[j] = exp_approx(x[j] - lse);
-  }
-}
-
 template <typename T>
 void attention_forward_kernel(const AttentionParams& p) {
   const int64_t heads = p.num_heads, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
@@ -140,30 +97,31 @@ void attention_forward_kernel(const AttentionParams& p) {
   const int64_t task_work = block * seqlen_k * (p.head_dim + p.head_dim_v);
 
   at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> scores(block * seqlen_k);
+    std::vector<T> scores(block * padded_cols(seqlen_k));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / blocks_per_head, b = bh / heads, h = bh % heads;
       const int64_t row0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, seqlen_q - row0);
       const int64_t cols = visible_keys(p, row0 + rows);
+      const int64_t ld = padded_cols(cols);
       T* s = scores.data();
 
       masked_scores(p, b, h, row0, rows, cols, s);
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
       for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = softmax_row(s + r * cols, cols);
+        lse[r] = cpu::vec::softmax_row(s + r * ld, cols);
       }
 
       const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
       T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
           row0 * p.out_row_stride;
-      gemm_nn<T>(rows, p.head_dim_v, cols, T(1), s, cols, v, p.v_row_stride, T(0), out,
+      gemm_nn<T>(rows, p.head_dim_v, cols, T(1), s, ld, v, p.v_row_stride, T(0), out,
                  p.out_row_stride);
 
       if (p.weights != nullptr) {
         T* w = static_cast<T*>(p.weights) + (bh * seqlen_q + row0) * seqlen_k;
         for (int64_t r = 0; r < rows; ++r) {
-          std::copy(s + r * cols, s + (r + 1) * cols, w + r * seqlen_k);
+          std::copy(s + r * ld, s + r * ld + cols, w + r * seqlen_k);
           std::fill(w + r * seqlen_k + cols, w + (r + 1) * seqlen_k, T(0));
         }
       }
@@ -180,7 +138,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const T scale = static_cast<T>(p.scale);
 
   at::parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(block * seqlen_k), grad_scores(block * seqlen_k);
+    std::vector<T> probs(block * padded_cols(seqlen_k)), grad_scores(block * padded_cols(seqlen_k));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
@@ -192,55 +150,52 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       // This task owns the (b, h) slices of dK and dV: accumulate in place.
       T* grad_k = static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride;
       T* grad_v = static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride;
-      cpu::scale_rows<T>(seqlen_k, dim, T(0), grad_k, p.grad_k_row_stride);
-      cpu::scale_rows<T>(seqlen_k, dim_v, T(0), grad_v, p.grad_v_row_stride);
+      cpu::vec::scale_rows(seqlen_k, dim, T(0), grad_k, p.grad_k_row_stride);
+      cpu::vec::scale_rows(seqlen_k, dim_v, T(0), grad_v, p.grad_v_row_stride);
 
       for (int64_t row0 = 0; row0 < seqlen_q; row0 += block) {
         const int64_t rows = std::min(block, seqlen_q - row0);
         const int64_t cols = visible_keys(p, row0 + rows);
+        const int64_t ld = padded_cols(cols);
         T* P = probs.data();
         T* dS = grad_scores.data();
         const T* lse = static_cast<const T*>(p.lse) + bh * seqlen_q + row0;
         const T* dO = grad_out + row0 * p.grad_out_row_stride;
 
-        masked_scores(p, b, h, row0, rows, cols, P);
-        for (int64_t r = 0; r < rows; ++r) {
-          probabilities_from_lse(P + r * cols, cols, lse[r]);
+        if (p.probs != nullptr) {  // saved by the forward: no need to recompute q k^T
+          const T* saved = static_cast<const T*>(p.probs) + (bh * seqlen_q + row0) * seqlen_k;
+          for (int64_t r = 0; r < rows; ++r) {
+            std::fill(std::copy(saved + r * seqlen_k, saved + r * seqlen_k + cols, P + r * ld),
+                      P + (r + 1) * ld, T(0));
+          }
+        } else {
+          masked_scores(p, b, h, row0, rows, cols, P);
+          for (int64_t r = 0; r < rows; ++r) {
+            cpu::vec::probabilities_row(P + r * ld, cols, lse[r]);
+          }
         }
         // dV += P^T dO
-        gemm_tn<T>(cols, dim_v, rows, T(1), P, cols, dO, p.grad_out_row_stride, T(1), grad_v,
+        gemm_tn<T>(cols, dim_v, rows, T(1), P, ld, dO, p.grad_out_row_stride, T(1), grad_v,
                    p.grad_v_row_stride);
-        // dP = dO V^T (+ the gradient of the returned weights)
-        gemm_nt<T>(rows, cols, dim_v, T(1), dO, p.grad_out_row_stride, v, p.v_row_stride, T(0),
-                   dS, cols);
-        if (p.grad_weights != nullptr) {
-          for (int64_t r = 0; r < rows; ++r) {
+        // dP = dO V^T (+ the gradient of the returned weights); padding 0 like P's
+        scores_nt<T>(rows, cols, dim_v, T(1), dO, p.grad_out_row_stride, v, p.v_row_stride, dS, ld);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* row = dS + r * ld;
+          std::fill(row + cols, row + ld, T(0));
+          if (p.grad_weights != nullptr) {
             const T* gw = static_cast<const T*>(p.grad_weights) + b * p.grad_weights_batch_stride +
                 h * p.grad_weights_head_stride + (row0 + r) * p.grad_weights_row_stride;
-            T* row = dS + r * cols;
             for (int64_t j = 0; j < cols; ++j) {
               row[j] += gw[j];
             }
           }
-        }
-        // dS = P * (dP - rowsum(P * dP))
-        for (int64_t r = 0; r < rows; ++r) {
-          const T* prow = P + r * cols;
-          T* row = dS + r * cols;
-          T dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < cols; ++j) {
-            dot += prow[j] * row[j];
-          }
-#pragma omp simd
-          for (int64_t j = 0; j < cols; ++j) {
-            row[j] = prow[j] * (row[j] - dot);
-          }
+          // dS = P * (dP - rowsum(P * dP))
+          cpu::vec::softmax_backward_row(P + r * ld, row, cols);
         }
         // dQ = scale * dS K ; dK += scale * dS^T Q
-        gemm_nn<T>(rows, dim, cols, scale, dS, cols, k, p.k_row_stride, T(0),
+        gemm_nn<T>(rows, dim, cols, scale, dS, ld, k, p.k_row_stride, T(0),
                    grad_q + row0 * p.grad_q_row_stride, p.grad_q_row_stride);
-        gemm_tn<T>(cols, dim, rows, scale, dS, cols, q + row0 * p.q_row_stride, p.q_row_stride,
+        gemm_tn<T>(cols, dim, rows, scale, dS, ld, q + row0 * p.q_row_stride, p.q_row_stride,
                    T(1), grad_k, p.grad_k_row_stride);
       }
     }
@@ -251,6 +206,28 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
 at::Tensor kernel_operand(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor r = t.scalar_type() == dtype ? t : t.to(dtype);
   return r.size(-1) > 1 && r.stride(-1) != 1 ? r.contiguous() : r;
+}
+
+}  // namespace
+
+namespace cpu {
+
+void run_attention_forward(const AttentionParams& p) {
+  TORCH_INTERNAL_ASSERT(p.dtype == DataType::kFloat32 || p.dtype == DataType::kFloat64);
+  if (p.dtype == DataType::kFloat64) {
+    attention_forward_kernel<double>(p);
+  } else {
+    attention_forward_kernel<float>(p);
+  }
+}
+
+void run_attention_backward(const AttentionBackwardParams& p) {
+  TORCH_INTERNAL_ASSERT(p.dtype == DataType::kFloat32 || p.dtype == DataType::kFloat64);
+  if (p.dtype == DataType::kFloat64) {
+    attention_backward_kernel<double>(p);
+  } else {
+    attention_backward_kernel<float>(p);
+  }
 }
 
 std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
@@ -269,6 +246,13 @@ std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& m
   }
   return mask->scalar_type() == at::kBool ? *mask : mask->to(dtype);
 }
+
+}  // namespace cpu
+
+namespace {
+
+using cpu::kernel_attn_mask;
+using cpu::kernel_padding_mask;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query,
@@ -299,11 +283,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
 
   const AttentionParams params = make_attention_params(
       q, k, v, out, lse, weights, mask4d, padding, resolve_scale(scale, query.size(3)), is_causal);
-  if (acc == at::kDouble) {
-    attention_forward_kernel<double>(params);
-  } else {
-    attention_forward_kernel<float>(params);
-  }
+  cpu::run_attention_forward(params);
 
   const at::ScalarType dtype = query.scalar_type();
   return std::make_tuple(
@@ -333,10 +313,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
-    std::optional<double> scale) {
+    std::optional<double> scale,
+    const std::optional<at::Tensor>& probs) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
+  TORCH_CHECK(
+      !probs.has_value() || probs->sizes() == at::IntArrayRef({batch, heads, seqlen_q, seqlen_k}),
+      "attention backward: probs must be [batch, heads, Lq, Lk] = [", batch, ", ", heads, ", ",
+      seqlen_q, ", ", seqlen_k, "]; got ", probs.has_value() ? probs->sizes() : at::IntArrayRef{});
   TORCH_CHECK(
       grad_output.sizes() == at::IntArrayRef({batch, heads, seqlen_q, dim_v}),
       "attention backward: grad_output must be [batch, heads, Lq, Dv] = [", batch, ", ", heads,
@@ -376,6 +361,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     params.grad_weights_head_stride = gw.stride(1);
     params.grad_weights_row_stride = gw.stride(2);
   }
+  at::Tensor saved_probs;
+  if (probs.has_value()) {
+    saved_probs = probs->to(acc).contiguous();
+    params.probs = saved_probs.data_ptr();
+  }
   params.grad_q = grad_q.data_ptr();
   params.grad_q_batch_stride = grad_q.stride(0);
   params.grad_q_head_stride = grad_q.stride(1);
@@ -389,11 +379,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   params.grad_v_head_stride = grad_v.stride(1);
   params.grad_v_row_stride = grad_v.stride(2);
 
-  if (acc == at::kDouble) {
-    attention_backward_kernel<double>(params);
-  } else {
-    attention_backward_kernel<float>(params);
-  }
+  cpu::run_attention_backward(params);
   const at::ScalarType dtype = query.scalar_type();
   return std::make_tuple(grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype));
 }
