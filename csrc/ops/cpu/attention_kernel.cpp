@@ -33,7 +33,12 @@ using cpu::gemm_tn;
 using cpu::scores_nt;
 using cpu::rows::padded_cols;
 
-constexpr int64_t kQueryBlock = 64;
+// Query rows per task: as many as keep a block of scores near kBlockScores floats (1 MiB for
+// float32, within L2), between kMinQueryBlock and kMaxQueryBlock. Larger blocks make the
+// BLAS calls of long sequences more efficient; the bound keeps memory O(seqlen_k) per thread.
+constexpr int64_t kBlockScores = 256 * 1024;
+constexpr int64_t kMinQueryBlock = 16;
+constexpr int64_t kMaxQueryBlock = 512;
 // Multiply-adds below which a parallel chunk is not worth waking another thread for.
 constexpr int64_t kMinChunkWork = 1 << 15;
 
@@ -43,6 +48,17 @@ int64_t ceil_div(int64_t a, int64_t b) {
 
 int64_t grain_for(int64_t task_work) {
   return std::max<int64_t>(1, kMinChunkWork / std::max<int64_t>(1, task_work));
+}
+
+int64_t query_block(const AttentionParams& p, bool split_heads_across_threads) {
+  int64_t block = std::clamp(kBlockScores / std::max<int64_t>(1, p.seqlen_k), kMinQueryBlock, kMaxQueryBlock);
+  const int64_t heads = p.batch * p.num_heads;
+  const int64_t threads = at::get_num_threads();
+  if (split_heads_across_threads && heads < 2 * threads) {
+    // Few heads: smaller blocks, so that every thread gets work.
+    block = std::min(block, std::max(kMinQueryBlock, ceil_div(p.seqlen_q * heads, 2 * threads)));
+  }
+  return std::max<int64_t>(1, std::min(block, p.seqlen_q));
 }
 
 // Query rows [0, row_end) see keys [0, visible) under top-left causal alignment.
@@ -59,12 +75,12 @@ void apply_mask(const AttentionMask& m, int64_t offset, int64_t cols, T* scores)
   }
 }
 
-// s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols. Rows are
-// padded_cols(cols) apart and the padding is set to -inf, so that it vanishes in the softmax.
+// s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols. Rows are ld
+// (>= padded_cols(cols)) apart and [cols, padded_cols(cols)) is set to -inf, so that it
+// vanishes in the softmax.
 template <typename T>
 void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
-                   int64_t cols, T* s) {
-  const int64_t ld = padded_cols(cols);
+                   int64_t cols, T* s, int64_t ld) {
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
       row0 * p.q_row_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
@@ -75,7 +91,7 @@ void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = row0 + r;
     T* row = s + r * ld;
-    std::fill(row + cols, row + ld, -std::numeric_limits<T>::infinity());
+    std::fill(row + cols, row + padded_cols(cols), -std::numeric_limits<T>::infinity());
     if (am.present()) {
       apply_mask(am, b * am.batch_stride + h * am.head_stride + i * am.row_stride, cols, row);
     }
@@ -91,22 +107,30 @@ void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
 template <typename T>
 void attention_forward_kernel(const AttentionParams& p) {
   const int64_t heads = p.num_heads, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
-  const int64_t block = std::max<int64_t>(1, std::min(seqlen_q, kQueryBlock));
+  const int64_t block = query_block(p, /*split_heads_across_threads=*/true);
   const int64_t blocks_per_head = ceil_div(seqlen_q, block);
   const int64_t tasks = p.batch * heads * blocks_per_head;
   const int64_t task_work = block * seqlen_k * (p.head_dim + p.head_dim_v);
 
   at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> scores(block * padded_cols(seqlen_k));
+    std::vector<T> scores(p.weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0
+                              ? 0
+                              : block * padded_cols(seqlen_k));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / blocks_per_head, b = bh / heads, h = bh % heads;
       const int64_t row0 = (t % blocks_per_head) * block;
       const int64_t rows = std::min(block, seqlen_q - row0);
       const int64_t cols = visible_keys(p, row0 + rows);
-      const int64_t ld = padded_cols(cols);
-      T* s = scores.data();
+      // With weights requested and whole-vector rows, the probabilities are computed in place
+      // in the weights tensor: no copy of the Lq x Lk matrix.
+      T* weights = p.weights == nullptr
+          ? nullptr
+          : static_cast<T*>(p.weights) + (bh * seqlen_q + row0) * seqlen_k;
+      const bool in_place = weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0;
+      const int64_t ld = in_place ? seqlen_k : padded_cols(cols);
+      T* s = in_place ? weights : scores.data();
 
-      masked_scores(p, b, h, row0, rows, cols, s);
+      masked_scores(p, b, h, row0, rows, cols, s, ld);
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
       for (int64_t r = 0; r < rows; ++r) {
         lse[r] = cpu::vec::softmax_row(s + r * ld, cols);
@@ -118,11 +142,13 @@ void attention_forward_kernel(const AttentionParams& p) {
       gemm_nn<T>(rows, p.head_dim_v, cols, T(1), s, ld, v, p.v_row_stride, T(0), out,
                  p.out_row_stride);
 
-      if (p.weights != nullptr) {
-        T* w = static_cast<T*>(p.weights) + (bh * seqlen_q + row0) * seqlen_k;
+      if (weights != nullptr) {
         for (int64_t r = 0; r < rows; ++r) {
-          std::copy(s + r * ld, s + r * ld + cols, w + r * seqlen_k);
-          std::fill(w + r * seqlen_k + cols, w + (r + 1) * seqlen_k, T(0));
+          T* w = weights + r * seqlen_k;
+          if (!in_place) {
+            std::copy(s + r * ld, s + r * ld + cols, w);
+          }
+          std::fill(w + (in_place ? padded_cols(cols) : cols), w + seqlen_k, T(0));
         }
       }
     }
@@ -133,7 +159,7 @@ template <typename T>
 void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t heads = p.num_heads, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
-  const int64_t block = std::max<int64_t>(1, std::min(seqlen_q, kQueryBlock));
+  const int64_t block = query_block(p, /*split_heads_across_threads=*/false);
   const int64_t head_work = seqlen_q * seqlen_k * (2 * dim + 2 * dim_v);
   const T scale = static_cast<T>(p.scale);
 
@@ -169,7 +195,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                       P + (r + 1) * ld, T(0));
           }
         } else {
-          masked_scores(p, b, h, row0, rows, cols, P);
+          masked_scores(p, b, h, row0, rows, cols, P, ld);
           for (int64_t r = 0; r < rows; ++r) {
             cpu::vec::probabilities_row(P + r * ld, cols, lse[r]);
           }
