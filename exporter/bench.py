@@ -51,6 +51,8 @@ SHAPE_SETS = {
     "large": [Shape(1, 512, 512, 8)],
 }
 SHAPE_SETS["all"] = SHAPE_SETS["small"] + SHAPE_SETS["decode"] + SHAPE_SETS["large"]
+# Latency against sequence length (the --plot chart): batch 1, embed 256, 8 heads.
+SHAPE_SETS["sweep"] = [Shape(1, seqlen, 256, 8) for seqlen in (16, 32, 64, 128, 256, 512, 1024, 2048)]
 
 
 class SDPAAttention(nn.Module):
@@ -83,17 +85,26 @@ class Result:
         return d
 
 
-def _statement(impl: str, mode: str, shape: Shape) -> Callable[[], object]:
+def make_layer(impl: str, shape: Shape):
+    """(layer, input) for one implementation; all share the weights of one seeded layer."""
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True)
     layer = {"fused": lambda: FusedMultiheadAttention.from_module(ref), REFERENCE: lambda: ref,
              "sdpa": lambda: SDPAAttention(ref)}[impl]()
-    x = torch.randn(shape.batch, shape.seqlen, shape.embed)
+    return layer, torch.randn(shape.batch, shape.seqlen, shape.embed)
+
+
+def call_layer(impl: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if impl == "sdpa":
+        return layer(x)
+    return layer(x, x, x, need_weights=False)[0]
+
+
+def _statement(impl: str, mode: str, shape: Shape) -> Callable[[], object]:
+    layer, x = make_layer(impl, shape)
 
     def call(inp):
-        if impl == "sdpa":
-            return layer(inp)
-        return layer(inp, inp, inp, need_weights=False)[0]
+        return call_layer(impl, layer, inp)
 
     if mode == "inference":
         layer.eval()  # nn.MultiheadAttention then takes PyTorch's native fused fast path
@@ -151,6 +162,41 @@ def run_benchmark(
     return results
 
 
+@dataclasses.dataclass
+class MemoryResult:
+    shape: Shape
+    implementation: str
+    baseline_mb: float
+    peak_mb: float
+    ratio: Optional[float]  # peak / peak(nn.MultiheadAttention)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = str(self.shape)
+        return d
+
+
+def measure_memory(shape: Shape, implementations: Iterable[str], threads: int) -> List[MemoryResult]:
+    """Peak resident memory of one inference call per implementation, each in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    peaks = {}
+    for impl in implementations:
+        proc = subprocess.run(
+            [sys.executable, "-m", "attn_export._memory_probe", impl, str(shape), str(threads)],
+            capture_output=True, text=True, check=True,
+        )
+        peaks[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref_peak = peaks.get(REFERENCE, {}).get("peak_mb")
+    return [
+        MemoryResult(shape, impl, p["baseline_mb"], p["peak_mb"],
+                     None if impl == REFERENCE or ref_peak is None else p["peak_mb"] / ref_peak)
+        for impl, p in peaks.items()
+    ]
+
+
 def markdown_table(results: List[Result]) -> str:
     impls = list(dict.fromkeys(r.implementation for r in results))
     header = "| shape (BxLxExH) | mode | " + " | ".join(f"{i} (us)" for i in impls) + " | " + " | ".join(
@@ -165,7 +211,16 @@ def markdown_table(results: List[Result]) -> str:
     return "\n".join(lines)
 
 
-def plot_latency(results: List[Result], path: str) -> None:
+def memory_markdown_table(results: List[MemoryResult]) -> str:
+    lines = ["| shape (BxLxExH) | implementation | baseline MB | peak MB | peak / nn.MultiheadAttention |",
+             "|---|---|---|---|---|"]
+    for m in results:
+        ratio = "" if m.ratio is None else f"{m.ratio:.2f}x"
+        lines.append(f"| {m.shape} | {m.implementation} | {m.baseline_mb:.0f} | {m.peak_mb:.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot_latency(results: List[Result], path: str, fmt: Optional[str] = None) -> None:
     """Latency against sequence length, one panel per mode (matplotlib, no display needed)."""
     import matplotlib
 
@@ -173,11 +228,18 @@ def plot_latency(results: List[Result], path: str) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(dict.fromkeys(r.mode for r in results))
+    geometry = sorted({(r.shape.batch, r.shape.embed, r.shape.heads) for r in results})
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        for impl in dict.fromkeys(r.implementation for r in results):
-            points = sorted((r.shape.seqlen, r.median_us) for r in results if r.mode == mode and r.implementation == impl)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+        for batch, embed, heads in geometry:
+            for impl in dict.fromkeys(r.implementation for r in results):
+                points = sorted(
+                    (r.shape.seqlen, r.median_us) for r in results
+                    if r.mode == mode and r.implementation == impl
+                    and (r.shape.batch, r.shape.embed, r.shape.heads) == (batch, embed, heads)
+                )
+                label = impl if len(geometry) == 1 else f"{impl} (B{batch} E{embed} H{heads})"
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length")
@@ -186,6 +248,6 @@ def plot_latency(results: List[Result], path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=fmt)
     plt.close(fig)
 

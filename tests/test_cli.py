@@ -41,3 +41,14 @@ def test_bench_rejects_bad_shapes_with_exit_2(bad):
     proc = run("bench", "--shapes", bad, check=False)
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_plot_and_memory(tmp_path: Path):
+    png, json_path = tmp_path / "latency.png", tmp_path / "b.json"
+    run("bench", "--shapes", "1x8x16x2,1x32x16x2", "--mode", "inference", "--rounds", "1",
+        "--min-run-time", "0.01", "--no-sdpa", "--plot", str(png), "--memory", "1x64x16x2",
+        "--json", str(json_path))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    memory = json.loads(json_path.read_text())["memory"]
+    assert {m["implementation"] for m in memory} == {"fused", "nn.MultiheadAttention"}
+    assert all(m["peak_mb"] >= m["baseline_mb"] > 0 for m in memory)

@@ -23,8 +23,13 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Write the table as Markdown.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Write a PNG of latency against sequence length (needs matplotlib).")
-def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path):
+              help="Write a PNG of latency against sequence length (needs matplotlib); "
+                   "meant for --shapes sweep.")
+@click.option("--memory", "memory_shape", metavar="BxLxExH",
+              help="Also measure the peak resident memory of one inference call at this shape, "
+                   "each implementation in a fresh process (e.g. 1x8192x256x8).")
+def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
+          memory_shape):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
     Reports torch.utils.benchmark medians and the ratio time(impl) / time(nn.MultiheadAttention);
@@ -46,6 +51,10 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
             fail(str(exc))
     if rounds < 1 or min_run_time <= 0 or threads < 1:
         fail("--rounds and --threads must be >= 1 and --min-run-time > 0")
+    try:
+        memory = lib.Shape.parse(memory_shape) if memory_shape else None
+    except ValueError as exc:
+        fail(f"--memory: {exc}")
     torch.set_num_threads(threads)
     impls = [i for i in lib.IMPLEMENTATIONS if not (no_sdpa and i == "sdpa")]
     console = Console(stderr=True)
@@ -65,11 +74,30 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
         table.add_row(str(shape), mode, *cells)
     Console(width=max(Console().width, 100)).print(table)
 
+    memory_results = []
+    if memory is not None:
+        with console.status(f"measuring peak memory at {memory}"):
+            memory_results = lib.measure_memory(memory, impls, threads)
+        mem_table = Table(title=f"Peak resident memory, one inference call at {memory} (fresh process each)")
+        for col in ("implementation", "baseline MB", "peak MB", "peak / nn.MHA"):
+            mem_table.add_column(col, justify="right")
+        for m in memory_results:
+            mem_table.add_row(short.get(m.implementation, m.implementation), f"{m.baseline_mb:.0f}",
+                              f"{m.peak_mb:.0f}", "" if m.ratio is None else f"{m.ratio:.2f}x")
+        Console().print(mem_table)
+
     if json_path:
         payload = {"threads": threads, "torch": torch.__version__, "rounds": rounds,
-                   "results": [r.as_dict() for r in results]}
+                   "results": [r.as_dict() for r in results],
+                   "memory": [m.as_dict() for m in memory_results]}
         write_text(json_path, json.dumps(payload, indent=2) + "\n")
     if markdown_path:
-        write_text(markdown_path, lib.markdown_table(results) + "\n")
+        text = lib.markdown_table(results) + "\n"
+        if memory_results:
+            text += "\n" + lib.memory_markdown_table(memory_results) + "\n"
+        write_text(markdown_path, text)
     if plot_path:
-        lib.plot_latency(results, plot_path)
+        from attn_export._io import atomic_output
+
+        with atomic_output(plot_path) as tmp:
+            lib.plot_latency(results, str(tmp), fmt="png")
