@@ -296,3 +296,27 @@ def _multi_head_attention_forward_fake(
     seqlen_k = key.size(0 if unbatched or not batch_first else 1)
     probs = query.new_empty((batch, num_heads, seqlen_q, seqlen_k) if save_probs else (0,), dtype=acc)
     return output, weights, q_proj, kv_proj, attn, lse, probs
+
+
+@torch.library.register_fake("attn_export::_multi_head_attention_backward")
+def _multi_head_attention_backward_fake(
+    grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
+    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
+    is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, probs, output_mask,
+):
+    # A gradient is an empty tensor where it is not asked for, or where it flows through
+    # another argument that is the same tensor (packed: all to query; shared_kv: to key).
+    present = [
+        output_mask[0],
+        output_mask[1] and not packed_qkv,
+        output_mask[2] and not packed_qkv and not shared_kv,
+        output_mask[3],
+        output_mask[4] and in_proj_bias is not None,
+        output_mask[5],
+        output_mask[6] and out_proj_bias is not None,
+    ]
+    like = [query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias]
+    return tuple(
+        grad_output.new_empty(t.shape) if keep else grad_output.new_empty((0,))
+        for keep, t in zip(present, like)
+    )

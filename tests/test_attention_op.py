@@ -245,10 +245,17 @@ def test_opcheck_layer_op(batch_first, kind, need_weights):
     )
     args = (q.detach(), k.detach(), v.detach(), H, w_in.detach(), b_in.detach(), w_out.detach(), None,
             None, padding, need_weights, True, False, batch_first)
-    for packed, save_probs in [(kind != "separate", False), (kind != "separate", True)]:
-        if packed and kind == "separate":
-            continue
+    packed = kind != "separate"
+    for save_probs in (False, True):
         torch.library.opcheck(ops._multi_head_attention_forward.default, (*args, packed, save_probs))
+        _, _, q_proj, kv_proj, attn, lse, probs = ops._multi_head_attention_forward(*args, packed, save_probs)
+        grad_output = torch.randn_like(q.detach())
+        for mask in ([True] * 7, [True, False, True, False, True, True, False]):
+            torch.library.opcheck(
+                ops._multi_head_attention_backward.default,
+                (grad_output, None, *args[:8], *args[8:14], packed, False, q_proj, kv_proj, attn, lse,
+                 probs, mask),
+            )
 
 
 @pytest.mark.parametrize("mask", ["none", "causal+padding+float", "bool_3d"])

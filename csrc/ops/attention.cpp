@@ -60,4 +60,18 @@ TORCH_LIBRARY(attn_export, m) {
       "bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv, "
       "bool save_probs) -> (Tensor output, Tensor weights, Tensor q_proj, Tensor kv_proj, "
       "Tensor attn, Tensor logsumexp, Tensor probs)");
+
+  // The layer's backward from what _multi_head_attention_forward saved. Gradients for query,
+  // key, value, in_proj_weight, in_proj_bias, out_proj_weight and out_proj_bias; an entry is
+  // an empty tensor where output_mask is false or where the gradient flows through another
+  // argument (packed_qkv: all of it to query; shared_kv: key and value are one tensor, to key).
+  m.def(
+      "_multi_head_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, "
+      "Tensor key, Tensor value, int num_heads, Tensor in_proj_weight, Tensor? in_proj_bias, "
+      "Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, bool need_weights, bool average_attn_weights, bool is_causal, "
+      "bool batch_first, bool packed_qkv, bool shared_kv, Tensor q_proj, Tensor kv_proj, "
+      "Tensor attn, Tensor logsumexp, Tensor probs, bool[7] output_mask) -> (Tensor grad_query, "
+      "Tensor grad_key, Tensor grad_value, Tensor grad_in_proj_weight, Tensor grad_in_proj_bias, "
+      "Tensor grad_out_proj_weight, Tensor grad_out_proj_bias)");
 }

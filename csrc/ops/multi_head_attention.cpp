@@ -197,6 +197,37 @@ MultiHeadAttentionResult multi_head_attention_forward(
   return r;
 }
 
+ProjectionGrads core_backward(
+    const MultiHeadAttentionArgs& a,
+    bool packed_qkv,
+    const MultiHeadAttentionResult& s,
+    const at::Tensor& grad_attn,
+    const std::optional<at::Tensor>& grad_probs) {
+  const Layout l = layout_of(a);
+  at::Tensor q, k, v;
+  if (packed_qkv) {
+    q = split_heads(s.q_proj, 0, 3, l.seqlen_q, l);
+    k = split_heads(s.q_proj, 1, 3, l.seqlen_q, l);
+    v = split_heads(s.q_proj, 2, 3, l.seqlen_q, l);
+  } else {
+    q = split_heads(s.q_proj, 0, 1, l.seqlen_q, l);
+    k = split_heads(s.kv_proj, 0, 2, l.seqlen_k, l);
+    v = split_heads(s.kv_proj, 1, 2, l.seqlen_k, l);
+  }
+  std::optional<at::Tensor> probs;
+  if (s.probs.defined() && s.probs.numel() > 0) {
+    probs = s.probs;
+  }
+  auto [dq4, dk4, dv4] = call_attention_backward(
+      split_heads(grad_attn, 0, 1, l.seqlen_q, l), grad_probs, q, k, v, s.lse, a.attn_mask,
+      batched_padding_mask(a), a.is_causal, std::nullopt, probs);
+  const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
+  if (packed_qkv) {
+    return {at::cat({dq, dk, dv}, 1), at::empty({0}, dq.options())};
+  }
+  return {dq, at::cat({dk, dv}, 1)};
+}
+
 std::array<at::Tensor, 7> multi_head_attention_backward(
     const MultiHeadAttentionArgs& a,
     bool packed_qkv,
@@ -204,7 +235,8 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     const MultiHeadAttentionResult& s,
     const at::Tensor& grad_output,
     const at::Tensor& grad_weights,
-    const std::array<bool, 7>& needs) {
+    const std::array<bool, 7>& needs,
+    CoreBackwardFn core) {
   enum { kQuery, kKey, kValue, kInWeight, kInBias, kOutWeight, kOutBias };
   std::array<at::Tensor, 7> grads;
   const Layout l = layout_of(a);
@@ -228,25 +260,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     // Averaged weights are the mean over heads: each head receives 1/H of the gradient.
     grad_probs = a.average_attn_weights ? (gw / a.num_heads).unsqueeze(1) : gw;
   }
-  at::Tensor q, k, v;
-  if (packed_qkv) {
-    q = split_heads(s.q_proj, 0, 3, l.seqlen_q, l);
-    k = split_heads(s.q_proj, 1, 3, l.seqlen_q, l);
-    v = split_heads(s.q_proj, 2, 3, l.seqlen_q, l);
-  } else {
-    q = split_heads(s.q_proj, 0, 1, l.seqlen_q, l);
-    k = split_heads(s.kv_proj, 0, 2, l.seqlen_k, l);
-    v = split_heads(s.kv_proj, 1, 2, l.seqlen_k, l);
-  }
-  const at::Tensor grad_attn = split_heads(dy.mm(a.out_proj_weight), 0, 1, l.seqlen_q, l);
-  std::optional<at::Tensor> probs;
-  if (s.probs.defined() && s.probs.numel() > 0) {
-    probs = s.probs;
-  }
-  auto [dq4, dk4, dv4] = call_attention_backward(
-      grad_attn, grad_probs, q, k, v, s.lse, a.attn_mask, batched_padding_mask(a), a.is_causal,
-      std::nullopt, probs);
-  const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
+  const ProjectionGrads d = core(a, packed_qkv, s, dy.mm(a.out_proj_weight), grad_probs);
 
   // Gradients of one packed projection y = x W[rows]^T + b[rows], given dy.
   struct Projection {
@@ -269,14 +283,15 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
 
   std::vector<Projection> parts;
   if (packed_qkv) {
-    parts.push_back(project_back(at::cat({dq, dk, dv}, 1), a.query, 0, 3 * embed_dim, needs[kQuery]));
+    parts.push_back(project_back(d.q_proj, a.query, 0, 3 * embed_dim, needs[kQuery]));
   } else {
-    parts.push_back(project_back(dq, a.query, 0, embed_dim, needs[kQuery]));
+    parts.push_back(project_back(d.q_proj, a.query, 0, embed_dim, needs[kQuery]));
     if (shared_kv) {
-      parts.push_back(project_back(at::cat({dk, dv}, 1), a.key, embed_dim, 2 * embed_dim, needs[kKey]));
+      parts.push_back(project_back(d.kv_proj, a.key, embed_dim, 2 * embed_dim, needs[kKey]));
     } else {
-      parts.push_back(project_back(dk, a.key, embed_dim, embed_dim, needs[kKey]));
-      parts.push_back(project_back(dv, a.value, 2 * embed_dim, embed_dim, needs[kValue]));
+      parts.push_back(project_back(d.kv_proj.narrow(1, 0, embed_dim), a.key, embed_dim, embed_dim, needs[kKey]));
+      parts.push_back(project_back(d.kv_proj.narrow(1, embed_dim, embed_dim), a.value, 2 * embed_dim,
+                                   embed_dim, needs[kValue]));
     }
   }
   const std::array<SymInt, 3> seqlens = {l.seqlen_q, l.seqlen_k, l.seqlen_k};
@@ -331,11 +346,44 @@ layer_forward_kernel(
   return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse, r.probs);
 }
 
+// Undefined gradients (not needed, or flowing through another argument) travel as empty tensors.
+template <CoreBackwardFn Core>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+layer_backward_kernel(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
+    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                    need_weights, average_attn_weights, is_causal, batch_first};
+  MultiHeadAttentionResult saved;
+  saved.q_proj = q_proj;
+  saved.kv_proj = kv_proj;
+  saved.attn = attn;
+  saved.lse = logsumexp;
+  saved.probs = probs;
+  auto g = multi_head_attention_backward(
+      args, packed_qkv, shared_kv, saved, grad_output, grad_weights.value_or(at::Tensor()),
+      output_mask, Core);
+  for (at::Tensor& t : g) {
+    if (!t.defined()) {
+      t = at::empty({0}, grad_output.options());
+    }
+  }
+  return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
   m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward_cpu>);
   m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward_cpu>);
+  m.impl("_multi_head_attention_backward", &layer_backward_kernel<core_backward_cpu>);
 }
 
 // Device-generic: projections run on the tensors' device and the core dispatches to its
@@ -343,6 +391,7 @@ TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
 TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
   m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward>);
   m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward>);
+  m.impl("_multi_head_attention_backward", &layer_backward_kernel<core_backward>);
 }
 
 }  // namespace attn_export::ops

@@ -76,6 +76,27 @@ std::optional<at::Tensor> batched_padding_mask(const MultiHeadAttentionArgs& arg
 // nn.MultiheadAttention returns them.
 at::Tensor finalize_weights(const at::Tensor& weights, const MultiHeadAttentionArgs& args);
 
+// Gradients of the input projections' outputs, shaped like MultiHeadAttentionResult's
+// q_proj and kv_proj (kv_proj empty when packed).
+struct ProjectionGrads {
+  at::Tensor q_proj, kv_proj;
+};
+
+// The attention core's part of the backward: from the gradient of the attention output
+// (grad_attn, [Nq, E] token order) and of the per-head probabilities (optional, broadcastable
+// to [B, H, Lq, Lk]) to the gradients of the projections. One implementation per device.
+using CoreBackwardFn = ProjectionGrads (*)(
+    const MultiHeadAttentionArgs& args,
+    bool packed_qkv,
+    const MultiHeadAttentionResult& saved,
+    const at::Tensor& grad_attn,
+    const std::optional<at::Tensor>& grad_probs);
+
+ProjectionGrads core_backward(const MultiHeadAttentionArgs&, bool, const MultiHeadAttentionResult&,
+                              const at::Tensor&, const std::optional<at::Tensor>&);
+ProjectionGrads core_backward_cpu(const MultiHeadAttentionArgs&, bool, const MultiHeadAttentionResult&,
+                                  const at::Tensor&, const std::optional<at::Tensor>&);
+
 // Gradients for (query, key, value, in_proj_weight, in_proj_bias, out_proj_weight,
 // out_proj_bias); an entry is undefined where `needs` is false or where the gradient flows
 // through another argument that is the same tensor (packed: all of it goes to query; shared_kv:
@@ -87,6 +108,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     const MultiHeadAttentionResult& saved,
     const at::Tensor& grad_output,
     const at::Tensor& grad_weights,
-    const std::array<bool, 7>& needs);
+    const std::array<bool, 7>& needs,
+    CoreBackwardFn core);
 
 }  // namespace attn_export::ops

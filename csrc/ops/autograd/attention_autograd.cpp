@@ -176,17 +176,6 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     const std::optional<at::Tensor> out_proj_bias = optional_of(saved[6]);
     const std::optional<at::Tensor> attn_mask = optional_of(saved[7]);
     const std::optional<at::Tensor> key_padding_mask = optional_of(saved[8]);
-    const MultiHeadAttentionArgs args{
-        saved[0], saved[1], saved[2], d["num_heads"].toInt(), saved[3], in_proj_bias, saved[5],
-        out_proj_bias, attn_mask, key_padding_mask, d["need_weights"].toBool(),
-        d["average_attn_weights"].toBool(), d["is_causal"].toBool(), d["batch_first"].toBool()};
-    MultiHeadAttentionResult s;
-    s.q_proj = d["q_proj"].toTensor();
-    s.kv_proj = d["kv_proj"].toTensor();
-    s.attn = d["attn"].toTensor();
-    s.lse = d["lse"].toTensor();
-    s.probs = d["probs"].toTensor();
-
     // needs_input_grad counts only the tensor arguments that were present in the forward.
     size_t edge = 0;
     auto next_needs = [&](bool present) { return present && ctx->needs_input_grad(edge++); };
@@ -200,8 +189,26 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     needs[6] = next_needs(out_proj_bias.has_value());  // out_proj_bias
     // The output has the query's shape; it gets no gradient when only the weights are used.
     const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
-    const auto g = multi_head_attention_backward(
-        args, d["packed_qkv"].toBool(), d["shared_kv"].toBool(), s, grad_output, grad_outputs[1], needs);
+    const std::optional<at::Tensor> grad_weights = optional_of(grad_outputs[1]);
+    const auto grads = call_multi_head_attention_backward(
+        grad_output, grad_weights, saved[0], saved[1], saved[2], d["num_heads"].toInt(), saved[3],
+        in_proj_bias, saved[5], out_proj_bias, attn_mask, key_padding_mask, d["need_weights"].toBool(),
+        d["average_attn_weights"].toBool(), d["is_causal"].toBool(), d["batch_first"].toBool(),
+        d["packed_qkv"].toBool(), d["shared_kv"].toBool(), d["q_proj"].toTensor(),
+        d["kv_proj"].toTensor(), d["attn"].toTensor(), d["lse"].toTensor(), d["probs"].toTensor(), needs);
+    // The operator returns empty tensors for gradients it does not compute (see its schema).
+    const bool packed_qkv = d["packed_qkv"].toBool(), shared_kv = d["shared_kv"].toBool();
+    const std::array<bool, 7> computed = {
+        needs[0], needs[1] && !packed_qkv, needs[2] && !packed_qkv && !shared_kv, needs[3],
+        needs[4], needs[5], needs[6]};
+    std::array<at::Tensor, 7> g = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
+                                   std::get<3>(grads), std::get<4>(grads), std::get<5>(grads),
+                                   std::get<6>(grads)};
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!computed[i]) {
+        g[i] = at::Tensor();
+      }
+    }
     return {g[0], g[1], g[2], at::Tensor(), g[3], g[4], g[5], g[6],
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -316,6 +323,47 @@ multi_head_attention_forward_autograd(
   return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
 }
 
+class MultiHeadAttentionBackwardNoGrad : public Function<MultiHeadAttentionBackwardNoGrad> {
+ public:
+  static variable_list forward(
+      AutogradContext*, const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+      const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+      const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+      const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+      bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
+      const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const auto g = call_multi_head_attention_backward(
+        grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
+        out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights,
+        average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn,
+        logsumexp, probs, output_mask);
+    return {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g),
+            std::get<5>(g), std::get<6>(g)};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "attn_export: double backward through multi_head_attention is not supported");
+  }
+};
+
+MultiHeadAttentionGrads multi_head_attention_backward_autograd(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
+    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+  const auto r = MultiHeadAttentionBackwardNoGrad::apply(
+      grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
+      out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
+      is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, probs, output_mask);
+  return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
@@ -345,6 +393,7 @@ TORCH_LIBRARY_IMPL(attn_export, Autograd, m) {
   m.impl("_attention_forward", &attention_forward_autograd);
   m.impl("_attention_backward", &attention_backward_autograd);
   m.impl("_multi_head_attention_forward", &multi_head_attention_forward_autograd);
+  m.impl("_multi_head_attention_backward", &multi_head_attention_backward_autograd);
 }
 
 }  // namespace attn_export::ops

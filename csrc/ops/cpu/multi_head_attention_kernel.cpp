@@ -26,17 +26,78 @@ HeadView head_view(const at::Tensor& buffer, int64_t column, int64_t batch, int6
                      : HeadView{base, row, head_dim, batch * row};
 }
 
+// The layer's geometry, as the CPU kernels see it.
+struct Geometry {
+  bool batch_first;  // token order (unbatched counts as batch-first)
+  int64_t batch, seqlen_q, seqlen_k, embed_dim, heads, head_dim;
+};
+
+Geometry geometry_of(const MultiHeadAttentionArgs& a) {
+  const bool unbatched = a.query.dim() == 2;
+  const int64_t seq_dim = unbatched || !a.batch_first ? 0 : 1;
+  const int64_t embed_dim = a.query.size(-1);
+  return {a.batch_first || unbatched,
+          unbatched ? 1 : a.query.size(a.batch_first ? 0 : 1),
+          a.query.size(seq_dim),
+          a.key.size(seq_dim),
+          embed_dim,
+          a.num_heads,
+          embed_dim / a.num_heads};
+}
+
+// Shapes, q/k/v views of the projection buffers (packed: q|k|v in q_buf), masks and scale.
+// Masks are returned so that the caller keeps the converted tensors alive.
+struct CoreInputs {
+  std::optional<at::Tensor> attn_mask, key_padding_mask;
+};
+
+CoreInputs fill_core_params(AttentionParams& p, const MultiHeadAttentionArgs& a, const Geometry& g,
+                            bool packed_qkv, const at::Tensor& q_buf, const at::Tensor& kv_buf) {
+  const at::ScalarType acc = q_buf.scalar_type();
+  p.batch = g.batch;
+  p.num_heads = g.heads;
+  p.seqlen_q = g.seqlen_q;
+  p.seqlen_k = g.seqlen_k;
+  p.head_dim = g.head_dim;
+  p.head_dim_v = g.head_dim;
+  p.dtype = to_data_type(acc);
+  const HeadView q = head_view(q_buf, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first);
+  const HeadView k = head_view(kv_buf, packed_qkv ? g.embed_dim : 0, g.batch, g.seqlen_k, g.head_dim, g.batch_first);
+  const HeadView v = head_view(kv_buf, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k,
+                               g.head_dim, g.batch_first);
+  p.q = q.ptr;
+  p.q_batch_stride = q.batch_stride;
+  p.q_head_stride = q.head_stride;
+  p.q_row_stride = q.row_stride;
+  p.k = k.ptr;
+  p.k_batch_stride = k.batch_stride;
+  p.k_head_stride = k.head_stride;
+  p.k_row_stride = k.row_stride;
+  p.v = v.ptr;
+  p.v_batch_stride = v.batch_stride;
+  p.v_head_stride = v.head_stride;
+  p.v_row_stride = v.row_stride;
+  CoreInputs inputs{cpu::kernel_attn_mask(a.attn_mask, g.batch, g.heads, acc),
+                    cpu::kernel_padding_mask(batched_padding_mask(a), acc)};
+  if (inputs.attn_mask.has_value()) {
+    p.attn_mask = mask_params(*inputs.attn_mask, /*is_key_padding=*/false);
+  }
+  if (inputs.key_padding_mask.has_value()) {
+    p.key_padding_mask = mask_params(*inputs.key_padding_mask, /*is_key_padding=*/true);
+  }
+  p.scale = resolve_scale(std::nullopt, g.head_dim);
+  p.is_causal = a.is_causal;
+  return inputs;
+}
+
 }  // namespace
 
 MultiHeadAttentionResult multi_head_attention_forward_cpu(
     const MultiHeadAttentionArgs& a, bool packed_qkv, bool save_probs) {
   check_multi_head_attention_inputs(a, packed_qkv);
-  const bool unbatched = a.query.dim() == 2;
-  const bool batch_first = a.batch_first || unbatched;
-  const int64_t seq_dim = unbatched || !a.batch_first ? 0 : 1;
-  const int64_t batch = unbatched ? 1 : a.query.size(a.batch_first ? 0 : 1);
-  const int64_t seqlen_q = a.query.size(seq_dim), seqlen_k = a.key.size(seq_dim);
-  const int64_t embed_dim = a.query.size(-1), heads = a.num_heads, head_dim = embed_dim / heads;
+  const Geometry g = geometry_of(a);
+  const int64_t batch = g.batch, seqlen_q = g.seqlen_q, seqlen_k = g.seqlen_k;
+  const int64_t embed_dim = g.embed_dim, heads = g.heads;
   const at::ScalarType dtype = a.query.scalar_type(), acc = accumulation_dtype(dtype);
   const std::optional<at::Tensor> padding = batched_padding_mask(a);
   check_attention_masks(batch, heads, seqlen_q, seqlen_k, a.query.device(), a.attn_mask, padding);
@@ -72,47 +133,15 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   if (a.need_weights || save_probs) {
     weights = at::empty({batch, heads, seqlen_q, seqlen_k}, options);
   }
-  const auto mask4d = cpu::kernel_attn_mask(a.attn_mask, batch, heads, acc);
-  const auto padding_mask = cpu::kernel_padding_mask(padding, acc);
-
   AttentionParams p;
-  p.batch = batch;
-  p.num_heads = heads;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.head_dim = head_dim;
-  p.head_dim_v = head_dim;
-  p.dtype = to_data_type(acc);
-  const HeadView q = head_view(q_buf, 0, batch, seqlen_q, head_dim, batch_first);
-  const HeadView k = head_view(kv_buf, packed_qkv ? embed_dim : 0, batch, seqlen_k, head_dim, batch_first);
-  const HeadView v = head_view(kv_buf, packed_qkv ? 2 * embed_dim : embed_dim, batch, seqlen_k, head_dim, batch_first);
-  const HeadView out = head_view(attn, 0, batch, seqlen_q, head_dim, batch_first);
-  p.q = q.ptr;
-  p.q_batch_stride = q.batch_stride;
-  p.q_head_stride = q.head_stride;
-  p.q_row_stride = q.row_stride;
-  p.k = k.ptr;
-  p.k_batch_stride = k.batch_stride;
-  p.k_head_stride = k.head_stride;
-  p.k_row_stride = k.row_stride;
-  p.v = v.ptr;
-  p.v_batch_stride = v.batch_stride;
-  p.v_head_stride = v.head_stride;
-  p.v_row_stride = v.row_stride;
+  const CoreInputs keep_alive = fill_core_params(p, a, g, packed_qkv, q_buf, kv_buf);
+  const HeadView out = head_view(attn, 0, batch, seqlen_q, g.head_dim, g.batch_first);
   p.out = const_cast<void*>(out.ptr);
   p.out_batch_stride = out.batch_stride;
   p.out_head_stride = out.head_stride;
   p.out_row_stride = out.row_stride;
   p.lse = r.lse.data_ptr();
   p.weights = weights.has_value() ? weights->data_ptr() : nullptr;
-  if (mask4d.has_value()) {
-    p.attn_mask = mask_params(*mask4d, /*is_key_padding=*/false);
-  }
-  if (padding_mask.has_value()) {
-    p.key_padding_mask = mask_params(*padding_mask, /*is_key_padding=*/true);
-  }
-  p.scale = resolve_scale(std::nullopt, head_dim);
-  p.is_causal = a.is_causal;
   cpu::run_attention_forward(p);
 
   r.attn = attn.to(dtype);
@@ -120,6 +149,66 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   r.weights = a.need_weights ? finalize_weights(weights->to(dtype), a) : at::empty({0}, a.query.options());
   r.probs = save_probs ? *weights : at::empty({0}, options);
   return r;
+}
+
+ProjectionGrads core_backward_cpu(
+    const MultiHeadAttentionArgs& a,
+    bool packed_qkv,
+    const MultiHeadAttentionResult& s,
+    const at::Tensor& grad_attn,
+    const std::optional<at::Tensor>& grad_probs) {
+  const Geometry g = geometry_of(a);
+  const at::ScalarType dtype = a.query.scalar_type(), acc = accumulation_dtype(dtype);
+  const at::Tensor q_buf = s.q_proj.to(acc);
+  const at::Tensor kv_buf = packed_qkv ? q_buf : s.kv_proj.to(acc);
+  const at::Tensor grad_out = grad_attn.to(acc).contiguous();
+  // The kernel writes dq/dk/dv through the same views into buffers shaped like the projections.
+  at::Tensor grad_q = at::empty_like(q_buf);
+  at::Tensor grad_kv = packed_qkv ? grad_q : at::empty_like(kv_buf);
+
+  AttentionBackwardParams p;
+  const CoreInputs keep_alive = fill_core_params(p, a, g, packed_qkv, q_buf, kv_buf);
+  const HeadView dout = head_view(grad_out, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first);
+  p.grad_out = dout.ptr;
+  p.grad_out_batch_stride = dout.batch_stride;
+  p.grad_out_head_stride = dout.head_stride;
+  p.grad_out_row_stride = dout.row_stride;
+  const HeadView dq = head_view(grad_q, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first);
+  const HeadView dk = head_view(grad_kv, packed_qkv ? g.embed_dim : 0, g.batch, g.seqlen_k, g.head_dim, g.batch_first);
+  const HeadView dv = head_view(grad_kv, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k,
+                                g.head_dim, g.batch_first);
+  p.grad_q = const_cast<void*>(dq.ptr);
+  p.grad_q_batch_stride = dq.batch_stride;
+  p.grad_q_head_stride = dq.head_stride;
+  p.grad_q_row_stride = dq.row_stride;
+  p.grad_k = const_cast<void*>(dk.ptr);
+  p.grad_k_batch_stride = dk.batch_stride;
+  p.grad_k_head_stride = dk.head_stride;
+  p.grad_k_row_stride = dk.row_stride;
+  p.grad_v = const_cast<void*>(dv.ptr);
+  p.grad_v_batch_stride = dv.batch_stride;
+  p.grad_v_head_stride = dv.head_stride;
+  p.grad_v_row_stride = dv.row_stride;
+  const at::Tensor lse = s.lse.to(acc).contiguous();
+  p.lse = lse.data_ptr();
+  at::Tensor probs;
+  if (s.probs.defined() && s.probs.numel() > 0) {
+    probs = s.probs.to(acc).contiguous();
+    p.probs = probs.data_ptr();
+  }
+  at::Tensor gw;
+  if (grad_probs.has_value()) {
+    gw = grad_probs->to(acc).expand({g.batch, g.heads, g.seqlen_q, g.seqlen_k});
+    if (gw.stride(3) != 1) {
+      gw = gw.contiguous();
+    }
+    p.grad_weights = gw.data_ptr();
+    p.grad_weights_batch_stride = gw.stride(0);
+    p.grad_weights_head_stride = gw.stride(1);
+    p.grad_weights_row_stride = gw.stride(2);
+  }
+  cpu::run_attention_backward(p);
+  return {grad_q.to(dtype), packed_qkv ? at::empty({0}, a.query.options()) : grad_kv.to(dtype)};
 }
 
 }  // namespace attn_export::ops
