@@ -498,13 +498,13 @@ def validate(
             except Exception:  # noqa: BLE001 - the baseline is diagnostic only
                 baseline = None
         for backend in (BACKEND_REPLACED, BACKEND_ORT):
+            if backend == BACKEND_ORT and session is None:
+                continue  # reported once below
             start = time.perf_counter()
             try:
                 if backend == BACKEND_REPLACED:
                     got = _run_torch(replaced, _inputs.cast_floats(case_inputs, dtype))
                 else:
-                    if session is None:
-                        raise RuntimeError(session_error)
                     got = _run_ort(session, onnx_model, case_inputs)
                 if len(got) != len(ref):
                     raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
@@ -526,7 +526,7 @@ def validate(
                     baseline_err=base_err, message=r["message"], seconds=elapsed,
                 ))
     if session_error:
-        notes.append(session_error)
+        cases_out.append(CaseResult("all", BACKEND_ORT, "*", {}, "error", False, message=session_error))
     return ValidationReport(
         cases=cases_out, checks=checks, dtype=dtype_name,
         tolerance={
