@@ -91,7 +91,7 @@ class ValidationReport:
         return out
 
     def to_dict(self) -> Dict:
-        return {
+        return _finite_json({
             "passed": self.passed,
             "onnx": self.onnx_path,
             "dtype": self.dtype,
@@ -103,7 +103,7 @@ class ValidationReport:
             "failures": self.failures,
             "notes": self.notes,
             "environment": self.environment,
-        }
+        })
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, allow_nan=False, default=_json_default) + "\n"
@@ -181,6 +181,17 @@ class ValidationReport:
 
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else (f"{x:.2e}" if math.isfinite(x) else str(x))
+
+
+def _finite_json(obj):
+    """JSON has no inf/NaN: such floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    return obj
 
 
 def _json_default(obj):
@@ -397,9 +408,7 @@ def validate(
     dtype_name = meta.get("dtype") or _dtype_of_graph(onnx_model)
     dtype = _DTYPE_FROM_NAME.get(dtype_name, torch.float32)
 
-    reference = copy.deepcopy(model).eval()
-    if any(p.dtype in (torch.float16, torch.bfloat16) for p in reference.parameters()):
-        reference = reference.float()
+    reference = copy.deepcopy(model).eval().float()
     inputs = _inputs.order_for_model(reference, example_inputs)
     missing = [n for n in graph_inputs if n not in inputs]
     if missing:

@@ -185,3 +185,22 @@ def test_padding_mask_always_leaves_one_visible_key():
         mask = padding_mask((64, length), gen)
         assert (~mask).any(-1).all()
         assert not mask[0].any()  # one full row
+
+
+def test_report_json_stays_valid_with_infinite_errors(honest_report):
+    import copy
+
+    report = copy.deepcopy(honest_report)
+    report.cases[0].max_rel_err = math.inf
+    data = json.loads(report.to_json())
+    assert data["cases"][0]["max_rel_err"] == "inf"
+
+
+def test_a_float64_model_is_validated_against_a_float32_reference(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval().double()
+    inputs = {"src": torch.randn(2, 5, 16, dtype=torch.float64)}
+    with pytest.raises(InputError, match="float64"):
+        export_onnx(model, inputs, tmp_path / "d.onnx")
+    path = export_onnx(model, inputs, tmp_path / "d.onnx", dtype="fp32").path
+    assert validate(model, path, inputs).passed
