@@ -19,3 +19,11 @@ class InputError(AttnExportError, ValueError):
 
 class ExportError(AttnExportError):
     """The model could not be exported as requested (exit 2)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors run long)."""
+    for line in str(exc).strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__

@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from attn_export._errors import InputError
+from attn_export._errors import InputError, first_line as _first_line
 
 Inputs = Dict[str, torch.Tensor]
 Axes = Dict[str, Dict[int, str]]  # input name -> {axis: label}
@@ -285,8 +285,3 @@ def cast_floats(inputs: Mapping[str, torch.Tensor], dtype: Optional[torch.dtype]
 
 def describe(inputs: Mapping[str, torch.Tensor]) -> Dict[str, List[int]]:
     return {n: list(t.shape) for n, t in inputs.items()}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from attn_export._errors import InputError
+from attn_export._errors import InputError, first_line as _first_line
 
 # The audited allowlist, as (module, qualified name). Each entry is a torch.nn class whose
 # unpickling only restores attributes (no __reduce__/__setstate__ that runs external code),
@@ -233,10 +233,3 @@ def load_factory(spec: str, weights: Optional[str | Path] = None) -> nn.Module:
         except Exception as exc:  # noqa: BLE001
             raise InputError(f"--weights {weights}: does not fit the model: {_first_line(exc)}") from exc
     return model
-
-
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).strip().splitlines():
-        if line.strip():
-            return line.strip()
-    return type(exc).__name__

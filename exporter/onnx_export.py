@@ -27,7 +27,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 import onnx
@@ -37,7 +37,7 @@ from torch import nn
 from attn_export import inputs as _inputs
 from attn_export import onnx_node
 from attn_export import spec as _spec
-from attn_export._errors import ExportError, InputError
+from attn_export._errors import ExportError, InputError, first_line as _first_line
 from attn_export._io import atomic_output
 
 DEFAULT_OPSET = 20
@@ -573,10 +573,3 @@ def _package_version() -> str:
     from attn_export import __version__
 
     return __version__
-
-
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).strip().splitlines():
-        if line.strip():
-            return line.strip()
-    return type(exc).__name__

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from attn_export import inputs as _inputs
-from attn_export._errors import InputError
+from attn_export._errors import InputError, first_line as _first_line
 
 # rtol = TOLERANCE_FACTOR * eps(dtype) * sqrt(K); see docs/validation.md.
 TOLERANCE_FACTOR = 8.0
@@ -568,10 +568,3 @@ def _dtype_of_graph(onnx_model) -> str:
         if elem in (1, 10, 16, 11):
             return {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}[elem]
     return "fp32"
-
-
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).strip().splitlines():
-        if line.strip():
-            return line.strip()
-    return type(exc).__name__

@@ -2,7 +2,6 @@
 errors as one line, no partial output files, safe loading."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

@@ -53,7 +53,7 @@ class Session:
 def run_guarded(session: Session, body: Callable[[], Optional[int]]) -> NoReturn:
     """Runs a verb's body and maps every failure to one line and an exit code:
     AttnExportError -> its code (2 for input/usage problems); anything unexpected -> 2 with
-    'internal error'. Tracebacks only with --verbose."""
+    its type and first line. Tracebacks only with --verbose."""
     from attn_export._errors import AttnExportError
 
     try:
