@@ -275,3 +275,28 @@ def test_an_axis_the_model_specializes_is_reported(tmp_path):
     # Declared static, the same model exports.
     result = export_onnx(Branch(), {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx", dynamic_axes={"x": {0: "batch"}})
     assert result.dynamic_axes == {"x": {0: "batch"}}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
+    class Separate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, bias=bias, batch_first=True)
+
+        def forward(self, q, k, v, key_padding_mask):
+            return self.attn(q, k, v, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Separate().eval()
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    inputs = {"q": torch.randn(2, 5, 16), "k": torch.randn(2, 7, 16), "v": torch.randn(2, 7, 16), "key_padding_mask": pad}
+    axes = {"q": {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}}
+    result = export_onnx(model, inputs, tmp_path / "sep.onnx", dynamic_axes=axes)
+    nodes, onnx_model = fused_nodes(result.path)
+    assert len(nodes) == 1 and sum(n.op_type == "MatMul" for n in onnx_model.graph.node) == 4
+    other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
+    (out,) = ort_run(result.path, other)
+    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
