@@ -4,16 +4,48 @@ ONNX export and parity validation built around it.
     >>> import attn_export
     >>> layer = attn_export.FusedMultiheadAttention(embed_dim=64, num_heads=4, batch_first=True)
     >>> out, weights = layer(x, x, x)
+    >>> report = attn_export.replace_attention(model)            # in place
+    >>> attn_export.export_onnx(model, {"src": x}, "model.onnx")
+    >>> attn_export.validate(original, "model.onnx", {"src": x}).passed
 
-Importing the package loads the compiled operators (``torch.ops.attn_export.*``).
+Importing the package loads the compiled operators (``torch.ops.attn_export.*``); the ONNX
+pieces (``export_onnx``, ``validate``) import onnx/onnxruntime on first use.
 """
 from attn_export._library import load_library
 
 load_library()
 
-from attn_export.modules import FusedMultiheadAttention  # noqa: E402
+from attn_export.modules import FusedMultiheadAttention, UnsupportedAttentionError  # noqa: E402
 from attn_export.ops import attention, multi_head_attention  # noqa: E402
+from attn_export.replace import (  # noqa: E402
+    CoverageError,
+    ReplacementReport,
+    inspect_attention,
+    replace_attention,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedMultiheadAttention", "attention", "multi_head_attention", "__version__"]
+_LAZY = {
+    "export_onnx": ("attn_export.onnx_export", "export_onnx"),
+    "ExportResult": ("attn_export.onnx_export", "ExportResult"),
+    "validate": ("attn_export.validation", "validate"),
+    "ValidationReport": ("attn_export.validation", "ValidationReport"),
+    "load_model": ("attn_export.loading", "load_model"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'attn_export' has no attribute {name!r}")
+
+
+__all__ = [
+    "FusedMultiheadAttention", "UnsupportedAttentionError", "attention", "multi_head_attention",
+    "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
+    "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "__version__",
+]

@@ -16,6 +16,15 @@ class UnsupportedAttentionError(ValueError):
     """An nn.MultiheadAttention configuration the fused operator does not implement."""
 
 
+def _keep_native_fast_paths_off(module, args):
+    """A forward pre-hook that does nothing. Its presence is the point: torch.nn's
+    TransformerEncoderLayer skips its native inference fast path (which calls
+    ``torch._transformer_encoder_layer_fwd`` with the attention weights directly, bypassing the
+    ``self_attn`` submodule) when any of its submodules has a forward hook, so a fused layer
+    placed inside one is really called, in eval mode too. Per instance; no global switch."""
+    return None
+
+
 def unsupported_options(module: nn.MultiheadAttention) -> List[str]:
     """Why ``module`` cannot be fused, one reason per unsupported option ([] if it can)."""
     reasons = []
@@ -48,6 +57,8 @@ class FusedMultiheadAttention(nn.Module):
       mask is given too, both apply.
     * ``add_bias_kv``, ``add_zero_attn`` and ``kdim``/``vdim`` different from ``embed_dim`` are
       not supported and raise :class:`UnsupportedAttentionError`.
+    * It carries a no-op forward pre-hook so that an enclosing ``nn.TransformerEncoderLayer``
+      in eval mode cannot bypass it through PyTorch's native fast path.
     * With ``dropout > 0`` in training mode, the layer runs PyTorch's unfused
       ``F.multi_head_attention_forward`` (dropout on the attention weights is not fused); in
       eval mode, or with ``dropout == 0``, it always runs the fused operator.
@@ -114,6 +125,7 @@ class FusedMultiheadAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
+        self.register_forward_pre_hook(_keep_native_fast_paths_off)
 
     def _reset_parameters(self) -> None:
         # The initialization of nn.MultiheadAttention.

@@ -1,74 +1,89 @@
 #!/usr/bin/env python
-"""`make demo`: the fused layer on a small example transformer.
+"""`make demo`: the whole pipeline on the bundled example model, through the real CLI.
 
-Builds a small nn.TransformerEncoder (fixed seed), swaps each self-attention for
-FusedMultiheadAttention with the same weights, prints the parity of outputs and gradients
-against the stock model, then a short side-by-side timing of one layer.
+1. builds attn_export.examples.TinySeq2Seq (nn.Transformer, 2+2 layers, d_model 64, 4 heads:
+   encoder self-attention, causal decoder self-attention, cross-attention) with fixed weights and
+   saves it with torch.save, as a user would;
+2. attn-export inspect      -> the attention layers and what will happen to them;
+3. attn-export MODEL --to onnx
+                            -> replace, export (one attn_export.FusedAttention node per layer),
+                               validate in ONNX Runtime at 5 shapes, JSON + JUnit reports;
+4. attn-export validate on a copy with one weight nudged -> the gate fails with exit 1.
+
+Everything is written under out/demo/ (git-ignored). No network access.
 """
-import copy
+import shlex
+import sys
+import time
+from pathlib import Path
 
+import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 from rich.console import Console
-from rich.table import Table
-from torch import nn
+from rich.rule import Rule
 
-import attn_export
-from attn_export import bench
+from attn_export.cli import main as cli
+from attn_export.examples import tiny_seq2seq
 
 console = Console()
+OUT = Path(__file__).resolve().parent.parent / "out" / "demo"
 
 
-def example_model() -> nn.Module:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
-    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+def attn_export(*args) -> int:
+    """Runs one attn-export command line in this process; returns its exit code."""
+    console.print(f"[bold]$ attn-export {shlex.join(str(a) for a in args)}[/]")
+    try:
+        cli.main([str(a) for a in args], prog_name="attn-export", standalone_mode=False)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
 
 
-def main() -> None:
-    stock = example_model().train()  # train mode: the eval fast path would bypass the submodules
-    fused = copy.deepcopy(stock)
-    for layer in fused.layers:
-        layer.self_attn = attn_export.FusedMultiheadAttention.from_module(layer.self_attn)
+def main() -> int:
+    start = time.perf_counter()
+    OUT.mkdir(parents=True, exist_ok=True)
+    model_path = OUT / "tiny_seq2seq.pt"
+    torch.save(tiny_seq2seq(), model_path)
+    rel = model_path.relative_to(Path.cwd()) if model_path.is_relative_to(Path.cwd()) else model_path
+    allow = ["--allow-class", "attn_export.examples:TinySeq2Seq"]  # the one non-torch.nn class
 
-    x = torch.randn(8, 16, 64, requires_grad=True)
-    padding = torch.zeros(8, 16, dtype=torch.bool)
-    padding[4:, 12:] = True
-    out_stock = stock(x, src_key_padding_mask=padding)
-    out_fused = fused(x, src_key_padding_mask=padding)
-    grad_out = torch.randn_like(out_stock)  # not .sum(): LayerNorm makes that gradient ~0
-    grads_stock = torch.autograd.grad(out_stock, [x, *stock.parameters()], grad_out)
-    grads_fused = torch.autograd.grad(out_fused, [x, *fused.parameters()], grad_out)
+    console.print(Rule("1. inspect"))
+    code = attn_export("inspect", rel, *allow)
+    if code:
+        return code
 
-    table = Table(title="Parity: fused vs stock nn.TransformerEncoder (float32, 2 layers, batch 8, seq 16)")
-    table.add_column("tensor")
-    table.add_column("max |error| / max |reference|", justify="right")
+    console.print(Rule("2. replace -> export -> validate"))
+    onnx_path = rel.with_suffix(".onnx")
+    code = attn_export(rel, "--to", "onnx", *allow, "--json", OUT / "report.json", "--junit", OUT / "report.xml")
+    if code:
+        console.print(f"[red]the pipeline failed with exit code {code}[/]")
+        return code
 
-    def rel(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item()
+    console.print(Rule("3. the gate catches a corrupted export"))
+    model = onnx.load(str(onnx_path))
+    weight = max(model.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    values = numpy_helper.to_array(weight).copy()
+    values.flat[0] += 0.5
+    weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+    corrupted = OUT / "tiny_seq2seq.corrupted.onnx"
+    onnx.save(model, str(corrupted))
+    console.print(f"(nudged one element of initializer {weight.name!r} by 0.5)")
+    code = attn_export("validate", rel, corrupted.relative_to(Path.cwd()) if corrupted.is_relative_to(Path.cwd())
+                       else corrupted, *allow, "--quiet")
+    console.print(f"exit code {code} (1 = mismatch)")
+    if code != 1:
+        console.print("[red]expected the corrupted export to fail validation[/]")
+        return 1
 
-    table.add_row("output", f"{rel(out_fused, out_stock):.2e}")
-    names = ["input", *[n for n, _ in stock.named_parameters()]]
-    worst = max(zip(grads_fused, grads_stock, names), key=lambda t: rel(t[0], t[1]))
-    table.add_row(f"gradients ({len(names)} tensors), worst: {worst[2]}", f"{rel(worst[0], worst[1]):.2e}")
-    console.print(table)
-
-    torch.set_num_threads(2)
-    with console.status("timing one attention layer (batch 8, seq 16, embed 64, 4 heads)"):
-        results = bench.run_benchmark([bench.Shape(8, 16, 64, 4)], rounds=3, min_run_time=0.1)
-    speed = Table(title="Speed of one layer, 2 CPU threads (median us; ratio to nn.MultiheadAttention)")
-    for col in ("mode", "fused", "nn.MultiheadAttention", "F.scaled_dot_product_attention"):
-        speed.add_column(col, justify="right")
-    for mode in bench.MODES:
-        row = {r.implementation: r for r in results if r.mode == mode}
-        speed.add_row(
-            mode,
-            f"{row['fused'].median_us:.1f} ({row['fused'].ratio:.2f}x)",
-            f"{row[bench.REFERENCE].median_us:.1f}",
-            f"{row['sdpa'].median_us:.1f} ({row['sdpa'].ratio:.2f}x)",
-        )
-    console.print(speed)
-    console.print("Full benchmark: `attn-export bench` (see docs/benchmarks.md).")
+    console.print(Rule())
+    console.print(
+        f"Done in {time.perf_counter() - start:.0f} s. Files in {OUT}: the model, its ONNX export, report.json, "
+        "report.xml. Speed of the fused layer: `attn-export bench`."
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

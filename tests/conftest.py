@@ -16,3 +16,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def small_seq2seq():
+    """The bundled example architecture, small: 1 encoder + 1 decoder layer, d_model 16, 2 heads
+    (3 attention layers: encoder self, decoder causal self, decoder cross)."""
+    from attn_export.examples import TinySeq2Seq
+
+    torch.manual_seed(0)
+    return TinySeq2Seq(features=8, d_model=16, heads=2, layers=1).eval()
+
+
+@pytest.fixture(scope="session")
+def exported_seq2seq(small_seq2seq, tmp_path_factory):
+    """small_seq2seq exported once per session (fp32, default dynamic axes)."""
+    from attn_export.onnx_export import export_onnx
+
+    path = tmp_path_factory.mktemp("export") / "seq2seq.onnx"
+    return export_onnx(small_seq2seq, small_seq2seq.example_inputs, path)

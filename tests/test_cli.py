@@ -18,7 +18,23 @@ def run(*args, check=True):
 
 def test_help_lists_verbs():
     out = run("--help").stdout
-    assert "bench" in out
+    for verb in ("convert", "inspect", "validate", "bench"):
+        assert verb in out
+    assert "attn-export MODEL --to onnx" in out
+
+
+@pytest.mark.parametrize("verb,words", [
+    ("convert", ["--to", "--input", "--example-inputs", "--dynamic", "--static", "--opset", "--dtype",
+                 "--no-validate", "--trust-model-file", "EXECUTES CODE", "--allow-class", "--model", "--weights",
+                 "--quiet", "--verbose", "--json", "--junit", "--min-replaced"]),
+    ("inspect", ["--allow-class", "--trust-model-file", "--require-all"]),
+    ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes"]),
+    ("export", ["--to"]),  # alias of convert
+])
+def test_every_verb_explains_itself(verb, words):
+    out = " ".join(run(verb, "--help").stdout.split())
+    for word in words:
+        assert word in out, word
 
 
 def test_bench_help():

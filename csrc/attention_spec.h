@@ -1,0 +1,96 @@
+// The one spec of the fused attention node's names: the ONNX node the exporter writes, the
+// model-local ONNX function beside it and the TensorRT plugin that replaces it all use the
+// constants below. Plain constexpr C++ with no includes, so the TensorRT plugin (and any plain
+// C++ test) can include it; the Python exporter reads this file (exporter/spec.py) and
+// tests/test_spec.py holds the exported models to it. Documented in docs/onnx_node.md.
+//
+// Changing a name, an attribute, an input or the semantics is a breaking change: bump
+// kPluginVersion and kOnnxDomainVersion together.
+//
+// ---------------------------------------------------------------------------------------------
+// The node: the attention core, heads packed, token-major (no transposes in the graph; the
+// kernels read [B, L, H, D] memory through strides, see attention_params.h).
+//
+//   inputs (always all five, in this order; never an empty name):
+//     0 query             T    [B, Lq, H*D]
+//     1 key               T    [B, Lk, H*D]
+//     2 value             T    [B, Lk, H*Dv]
+//     3 key_padding_mask  M    [B or 1, Lk or 1]                      additive
+//     4 attn_mask         M    [B or 1, H or 1, Lq or 1, Lk or 1]     additive
+//   output:
+//     0 output            T    [B, Lq, H*Dv]
+//   T = float32 | float16 | bfloat16; M = float32.
+//
+//   output[b, i, h*Dv : (h+1)*Dv] = sum_j p[b,h,i,j] * value[b, j, h*Dv : (h+1)*Dv], where
+//     s[b,h,i,j] = scale * <q_bhi, k_bhj> + key_padding_mask[b,j] + attn_mask[b,h,i,j]
+//                  + (is_causal && j > i ? -inf : 0)            (top-left aligned causal mask)
+//     p[b,h,i,:] = softmax_j(s[b,h,i,:]), or all zeros when every s[b,h,i,j] is -inf
+//                  (a query that sees no key outputs zeros, never NaN).
+//   The scores, the softmax and the sums accumulate in float32 whatever T is.
+//   Masks broadcast (a size-1 dimension stands for every index).
+//
+// Masks are ADDITIVE float32 in the node: 0 = visible, -inf = masked out, other values are
+// added to the scaled scores. The exporter turns a PyTorch boolean mask (true = masked out,
+// torch.nn.MultiheadAttention's convention) into Where(mask, -inf, 0) before the node, so the
+// plugin implements one mask kind.
+//
+// Absent masks. Both mask inputs are always connected: an absent mask is a float32 zero
+// initializer of shape [1, 1] (key_padding_mask) or [1, 1, 1, 1] (attn_mask), and the attribute
+// has_key_padding_mask / has_attn_mask is 0. Why not ONNX's empty input names for omitted
+// optional inputs: TensorRT's ONNX parser (onnx-tensorrt ModelImporter parseNode and the
+// FallbackPluginImporter) turns an empty input name into a null ITensor* in the plugin's input
+// list, which a plugin and INetworkDefinition::addPluginV3 would have to special-case, and a
+// model-local function has positional inputs, so "key_padding_mask absent, attn_mask present"
+// cannot be expressed by omitting trailing inputs. With five real inputs the plugin always gets
+// nbInputs == 5, the function body needs no optional-input logic, and the zero placeholder is a
+// valid mask by itself: a runtime that ignores has_* computes the same result. A plugin may skip
+// reading a mask whose has_* attribute is 0 (it is all zeros by contract).
+// ---------------------------------------------------------------------------------------------
+#pragma once
+
+namespace attn_export::spec {
+
+// ONNX identity of the node and of its model-local function (same domain and name).
+inline constexpr const char* kOnnxDomain = "attn_export";
+inline constexpr int kOnnxDomainVersion = 1;
+inline constexpr const char* kOpType = "FusedAttention";
+
+// TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
+// attributes plugin_version / plugin_namespace, which the exporter writes on every node.
+inline constexpr const char* kPluginName = "FusedAttention";
+inline constexpr const char* kPluginVersion = "1";
+inline constexpr const char* kPluginNamespace = "";
+
+// Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
+// STRING as char).
+inline constexpr const char* kAttrNumHeads = "num_heads";                    // INT   H >= 1
+inline constexpr const char* kAttrScale = "scale";                           // FLOAT multiplies q.k
+inline constexpr const char* kAttrIsCausal = "is_causal";                    // INT   0 | 1
+inline constexpr const char* kAttrHasKeyPaddingMask = "has_key_padding_mask";  // INT 0 | 1
+inline constexpr const char* kAttrHasAttnMask = "has_attn_mask";             // INT   0 | 1
+inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
+inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
+
+// Inputs and outputs, by position.
+inline constexpr int kInputQuery = 0;
+inline constexpr int kInputKey = 1;
+inline constexpr int kInputValue = 2;
+inline constexpr int kInputKeyPaddingMask = 3;
+inline constexpr int kInputAttnMask = 4;
+inline constexpr int kNumInputs = 5;
+inline constexpr int kOutputOutput = 0;
+inline constexpr int kNumOutputs = 1;
+
+inline constexpr const char* kInputNames[kNumInputs] = {
+    "query", "key", "value", "key_padding_mask", "attn_mask"};
+inline constexpr const char* kOutputNames[kNumOutputs] = {"output"};
+
+// Ranks of the inputs, in input order, and of the output.
+inline constexpr int kInputRanks[kNumInputs] = {3, 3, 3, 2, 4};
+inline constexpr int kOutputRank = 3;
+
+// The smallest default-domain ONNX opset the function body is written for (ReduceMax with axes
+// as an input, Shape with start/end).
+inline constexpr int kMinOnnxOpset = 18;
+
+}  // namespace attn_export::spec

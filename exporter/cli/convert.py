@@ -1,0 +1,115 @@
+"""``attn-export convert`` (also the default verb: ``attn-export model.pt --to onnx``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_export.cli._common import (
+    EXIT_MISMATCH,
+    common_verb,
+    example_inputs_from_options,
+    load_model_from_options,
+    resolve_axes_from_options,
+    write_reports,
+)
+from attn_export.cli._options import (
+    coverage_options,
+    input_options,
+    logging_options,
+    model_options,
+    report_options,
+)
+
+
+def default_output(model_path, factory, to: str) -> Path:
+    suffix = "." + to
+    if model_path:
+        return Path(model_path).with_suffix(suffix)
+    return Path(factory.rpartition(":")[2] + suffix)
+
+
+@click.command("convert")
+@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path(dir_okay=False))
+@click.option("--to", "to", type=click.Choice(["onnx"]), default="onnx", show_default=True,
+              help="Target format.")
+@click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Where to write the result (default: MODEL with the target's suffix, beside it).")
+@model_options
+@input_options
+@click.option("--opset", type=int, default=None, metavar="N", help="ONNX opset (18 and up; default 20).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Export in this precision (default: the model's own).")
+@click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
+@click.option("--no-validate", is_flag=True, help="Skip the parity check in ONNX Runtime after export.")
+@coverage_options
+@report_options
+@logging_options
+@common_verb
+def convert(session, model_path, to, output, factory, weights, allow_class, trust_model_file, input_specs,
+            example_file, dynamic, static, seed, opset, dtype, no_replace, no_validate, min_replaced,
+            require_all, json_path, junit_path):
+    """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
+    export in ONNX Runtime against the original PyTorch model.
+
+    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file);
+    or build the model with --model module:factory. Example inputs come from --input,
+    --example-inputs or the model's example_inputs attribute; the ONNX inputs take their names.
+    Dim 0 (batch) and dim 1 (sequence) of every input are symbolic unless --dynamic/--static say
+    otherwise.
+
+    Validation (unless --no-validate) is the same as `attn-export validate`. Exit codes: 0
+    passed, 1 mismatch (or a coverage gate failed), 2 usage or input error. The output file is
+    written whole or not at all; after a mismatch it is kept for inspection.
+
+    \b
+    Examples:
+      attn-export model.pt --to onnx
+      attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
+      attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
+    """
+    import torch
+
+    from attn_export.onnx_export import export_onnx
+    from attn_export.replace import inspect_attention
+    from attn_export.validation import validate
+
+    out_path = Path(output) if output else default_output(model_path, factory, to)
+    with session.step("loading the model"):
+        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+        torch.manual_seed(seed)
+        inputs = example_inputs_from_options(model, input_specs, example_file, seed)
+        axes = resolve_axes_from_options(inputs, dynamic, static)
+
+    plan = inspect_attention(model)
+    if not no_replace:
+        session.out.print(plan.table(title=f"{source}: {plan.summary()}"))
+        problem = plan.coverage_error(min_replaced, require_all)
+        if problem:
+            click.echo(f"FAILED: {problem}", err=True)
+            return EXIT_MISMATCH
+
+    with session.step(f"exporting to {out_path}"):
+        result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
+                             replace=not no_replace, quiet=not session.verbose, seed=seed)
+    for note in result.notes + (result.replacement.notes if result.replacement else []):
+        session.note(f"note: {note}")
+    axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
+    session.out.print(
+        f"wrote {out_path}: opset {result.opset}, {result.dtype}, {result.num_attention_nodes} fused attention "
+        f"node(s), dynamic axes: {axes_text}"
+    )
+    if no_validate:
+        session.out.print("validation skipped (--no-validate)")
+        return 0
+
+    with session.step("validating against the original model") as update:
+        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=seed, progress=update)
+    session.out.print(report.table())
+    write_reports(session, report, json_path, junit_path, extra={"export": result.to_dict()})
+    if not report.passed:
+        for line in report.failures:
+            click.echo(f"FAILED: {line}", err=True)
+        return EXIT_MISMATCH
+    session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
+    return 0

@@ -1,0 +1,48 @@
+"""``attn-export inspect``: list the attention layers of a model and what will happen to them."""
+from __future__ import annotations
+
+import click
+
+from attn_export.cli._common import EXIT_MISMATCH, common_verb, load_model_from_options
+from attn_export.cli._options import coverage_options, logging_options, model_options
+
+
+@click.command("inspect")
+@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path(dir_okay=False))
+@model_options
+@coverage_options
+@click.option("--json", "json_path", metavar="FILE", type=click.Path(dir_okay=False), help="Write the list as JSON.")
+@logging_options
+@common_verb
+def inspect_cmd(session, model_path, factory, weights, allow_class, trust_model_file, min_replaced, require_all,
+                json_path):
+    """List every attention layer of MODEL: module path, class, heads, embed dim, and whether it
+    will be replaced by the fused operator, or why not.
+
+    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file).
+    Nothing is modified. Exit 1 if a coverage gate (--min-replaced, --require-all) fails.
+
+    \b
+    Example:
+      attn-export inspect model.pt
+      attn-export inspect --model mypkg.models:build --require-all
+    """
+    import json
+
+    from attn_export._io import write_text
+    from attn_export.replace import inspect_attention
+
+    with session.step("loading the model"):
+        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+    report = inspect_attention(model)
+    session.out.print(report.table(title=f"{source}: {report.summary()}"))
+    for note in report.notes:
+        session.out.print(f"note: {note}")
+    problem = report.coverage_error(min_replaced, require_all)
+    if json_path:
+        payload = {"model": source, "passed": problem is None, **report.to_dict()}
+        write_text(json_path, json.dumps(payload, indent=2) + "\n")
+    if problem:
+        click.echo(f"FAILED: {problem}", err=True)
+        return EXIT_MISMATCH
+    return 0

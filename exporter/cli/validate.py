@@ -1,0 +1,63 @@
+"""``attn-export validate``: the parity gate for an exported model."""
+from __future__ import annotations
+
+import click
+
+from attn_export.cli._common import (
+    EXIT_MISMATCH,
+    common_verb,
+    example_inputs_from_options,
+    load_model_from_options,
+    resolve_axes_from_options,
+    write_reports,
+)
+from attn_export.cli._options import input_options, logging_options, model_options, report_options
+
+
+@click.command("validate")
+@click.argument("paths", metavar="[MODEL] ONNX", nargs=-1, type=click.Path(dir_okay=False))
+@model_options
+@input_options
+@report_options
+@logging_options
+@common_verb
+def validate_cmd(session, paths, factory, weights, allow_class, trust_model_file, input_specs, example_file,
+                 dynamic, static, seed, json_path, junit_path):
+    """Check ONNX against the original PyTorch MODEL: runs the original model (float32
+    reference), the model with its attention replaced, and ONNX Runtime at the example shape,
+    batch 1, sequence 1, an odd and a longer sequence length, and compares every output with a
+    tolerance derived from the dtype (docs/validation.md). A NaN where the reference has none
+    fails. Also fails when an axis declared dynamic is static in the ONNX graph.
+
+    Prints one row per case; --json / --junit write the report. Exit codes: 0 passed,
+    1 mismatch, 2 usage or input error.
+
+    \b
+    Examples:
+      attn-export validate model.pt model.onnx
+      attn-export validate model.pt model.onnx --input src:2x16x64 --json report.json --junit report.xml
+      attn-export validate --model mypkg.models:build --weights w.pt model.onnx
+    """
+    from attn_export._errors import InputError
+    from attn_export.validation import validate
+
+    want = 1 if factory else 2
+    if len(paths) != want:
+        raise InputError(
+            "expected MODEL and ONNX paths" if want == 2 else "with --model give only the ONNX path"
+        )
+    model_path, onnx_path = (None, paths[0]) if factory else paths
+    with session.step("loading the model"):
+        model, _source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+        inputs = example_inputs_from_options(model, input_specs, example_file, seed)
+        axes = resolve_axes_from_options(inputs, dynamic, static) if (dynamic or static) else None
+    with session.step("validating") as update:
+        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=seed, progress=update)
+    session.out.print(report.table())
+    write_reports(session, report, json_path, junit_path)
+    if not report.passed:
+        for line in report.failures:
+            click.echo(f"FAILED: {line}", err=True)
+        return EXIT_MISMATCH
+    session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
+    return 0

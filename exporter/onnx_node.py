@@ -1,0 +1,196 @@
+"""The custom ONNX node of the attention core and its portable body.
+
+Everything here follows the spec (csrc/attention_spec.h via attn_export.spec) and
+docs/onnx_node.md:
+
+* :func:`register_schema` registers an ``onnx.defs.OpSchema`` for the node in this process, so
+  that torch's exporter (through onnxscript) accepts the custom-domain node;
+* :func:`function_proto` builds the model-local ``FunctionProto`` of the same domain and name
+  whose body is standard ONNX ops, so ONNX Runtime (which inlines it) and any runtime without
+  the TensorRT plugin run the model unchanged.
+"""
+from __future__ import annotations
+
+import math
+
+import onnx
+from onnx import TensorProto, helper
+
+from attn_export import spec as _spec
+
+# Element types the node accepts for query/key/value/output (T) and for the masks (M).
+T_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
+M_TYPES = ("tensor(float)",)
+
+
+def register_schema() -> None:
+    """Registers the node's OpSchema with onnx (once per process; later calls do nothing)."""
+    s = _spec.load()
+    if onnx.defs.has(s.op_type, s.domain):
+        return
+    OpSchema = onnx.defs.OpSchema
+    mask_inputs = {s.input_names[3], s.input_names[4]}
+    inputs = [
+        OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
+    ]
+    attr = OpSchema.AttrType
+    attributes = [
+        OpSchema.Attribute(s.attr_num_heads, attr.INT, "number of heads H", required=True),
+        OpSchema.Attribute(s.attr_scale, attr.FLOAT, "multiplies q.k before the masks are added", required=True),
+        OpSchema.Attribute(s.attr_is_causal, onnx.helper.make_attribute(s.attr_is_causal, 0), "1: query i sees keys j <= i"),
+        OpSchema.Attribute(
+            s.attr_has_key_padding_mask, onnx.helper.make_attribute(s.attr_has_key_padding_mask, 0),
+            "0: the key_padding_mask input is a zero placeholder",
+        ),
+        OpSchema.Attribute(
+            s.attr_has_attn_mask, onnx.helper.make_attribute(s.attr_has_attn_mask, 0),
+            "0: the attn_mask input is a zero placeholder",
+        ),
+        OpSchema.Attribute(
+            s.attr_plugin_namespace, onnx.helper.make_attribute(s.attr_plugin_namespace, s.plugin_namespace),
+            "TensorRT plugin namespace",
+        ),
+        OpSchema.Attribute(
+            s.attr_plugin_version, onnx.helper.make_attribute(s.attr_plugin_version, s.plugin_version),
+            "TensorRT plugin version",
+        ),
+    ]
+    schema = OpSchema(
+        s.op_type,
+        s.domain,
+        s.domain_version,
+        "Fused scaled dot-product attention core (attn_export); see docs/onnx_node.md",
+        inputs=inputs,
+        outputs=[OpSchema.FormalParameter(name, "T") for name in s.output_names],
+        type_constraints=[("T", list(T_TYPES), "query/key/value/output"), ("M", list(M_TYPES), "additive masks")],
+        attributes=attributes,
+    )
+    onnx.defs.register_schema(schema)
+
+
+def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
+                    has_attn_mask: bool) -> dict:
+    """The attributes every exported node carries, by their spec names."""
+    s = _spec.load()
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
+    return {
+        s.attr_num_heads: int(num_heads),
+        s.attr_scale: float(scale),
+        s.attr_is_causal: int(bool(is_causal)),
+        s.attr_has_key_padding_mask: int(bool(has_key_padding_mask)),
+        s.attr_has_attn_mask: int(bool(has_attn_mask)),
+        s.attr_plugin_namespace: s.plugin_namespace,
+        s.attr_plugin_version: s.plugin_version,
+    }
+
+
+def function_proto(opset: int) -> onnx.FunctionProto:
+    """The node's model-local function for a model of default-domain opset ``opset``.
+
+    The body, in float32 whatever T is (docs/onnx_node.md, "Function body"):
+
+        q = Transpose(Reshape(query, [0, 0, H, -1]), [0, 2, 1, 3])        [B, H, Lq, D]
+        k = Transpose(Reshape(key,   [0, 0, H, -1]), [0, 2, 3, 1])        [B, H, D, Lk]
+        v = Transpose(Reshape(value, [0, 0, H, -1]), [0, 2, 1, 3])        [B, H, Lk, Dv]
+        s = scale * q @ k + Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal
+        p = Where(IsInf(ReduceMax(s, -1), detect_positive=0), 0, Softmax(s, -1))
+        output = CastLike(Reshape(Transpose(p @ v, [0, 2, 1, 3]), [0, 0, -1]), query)
+    """
+    s = _spec.load()
+    if opset < s.min_onnx_opset:
+        raise ValueError(f"the {s.op_type} function body needs ONNX opset >= {s.min_onnx_opset}; got {opset}")
+    q_in, k_in, v_in, kpm_in, mask_in = s.input_names
+    (out_name,) = s.output_names
+    f32 = TensorProto.FLOAT
+
+    def const(name, values, dtype=TensorProto.INT64, dims=None):
+        dims = [len(values)] if dims is None else dims
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, dims, values))
+
+    def attr_const(name, attr_name, kind):
+        node = helper.make_node("Constant", [], [name])
+        ref = onnx.AttributeProto()
+        ref.name = kind  # value_int / value_float
+        ref.ref_attr_name = attr_name
+        ref.type = onnx.AttributeProto.INT if kind == "value_int" else onnx.AttributeProto.FLOAT
+        node.attribute.append(ref)
+        return node
+
+    n = helper.make_node
+    nodes = [
+        # Head split: [B, L, H*D] -> [B, L, H, D] (Reshape's 0 copies B and L).
+        attr_const("heads", s.attr_num_heads, "value_int"),
+        const("axis0", [0]),
+        const("zero2", [0, 0]),
+        const("minus1", [-1]),
+        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
+        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
+        n("Cast", [q_in], ["q32"], to=f32),
+        n("Cast", [k_in], ["k32"], to=f32),
+        n("Cast", [v_in], ["v32"], to=f32),
+        n("Reshape", ["q32", "split_shape"], ["q4"]),
+        n("Reshape", ["k32", "split_shape"], ["k4"]),
+        n("Reshape", ["v32", "split_shape"], ["v4"]),
+        n("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
+        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+        # Scores and masks.
+        attr_const("scale", s.attr_scale, "value_float"),
+        n("MatMul", ["q", "kt"], ["qk"]),
+        n("Mul", ["qk", "scale"], ["scaled"]),
+        const("axes12", [1, 2]),
+        n("Unsqueeze", [kpm_in, "axes12"], ["kpm4"]),
+        n("Add", ["scaled", "kpm4"], ["s1"]),
+        n("Add", ["s1", mask_in], ["s2"]),
+        # Causal: a [Lq, Lk] additive mask, -inf above the diagonal when is_causal is 1
+        # (built unconditionally; multiplied away when is_causal is 0).
+        n("Shape", [q_in], ["lq"], start=1, end=2),
+        n("Shape", [k_in], ["lk"], start=1, end=2),
+        n("Concat", ["lq", "lk"], ["qk_shape"], axis=0),
+        n("ConstantOfShape", ["qk_shape"], ["ones"], value=helper.make_tensor("one", f32, [1], [1.0])),
+        n("Trilu", ["ones"], ["visible"], upper=0),  # 1 where j <= i (top-left aligned)
+        attr_const("causal_i", s.attr_is_causal, "value_int"),
+        n("Cast", ["causal_i"], ["causal_f"], to=f32),
+        const("one_f", [1.0], f32, []),
+        n("Sub", ["one_f", "visible"], ["above"]),
+        n("Mul", ["above", "causal_f"], ["blocked_f"]),
+        n("Cast", ["blocked_f"], ["blocked"], to=TensorProto.BOOL),
+        const("neg_inf", [-math.inf], f32, []),
+        const("zero_f", [0.0], f32, []),
+        n("Where", ["blocked", "neg_inf", "zero_f"], ["causal_add"]),
+        n("Add", ["s2", "causal_add"], ["scores"]),
+        # Softmax; a row whose scores are all -inf gives zeros, not NaN.
+        const("last_axis", [-1]),
+        n("ReduceMax", ["scores", "last_axis"], ["row_max"], keepdims=1),
+        n("IsInf", ["row_max"], ["dead_row"], detect_positive=0, detect_negative=1),
+        n("Softmax", ["scores"], ["probs_raw"], axis=-1),
+        n("Where", ["dead_row", "zero_f", "probs_raw"], ["probs"]),
+        # Weighted sum and head merge: [B, H, Lq, Dv] -> [B, Lq, H*Dv].
+        n("MatMul", ["probs", "v"], ["ctx"]),
+        n("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        const("merge_shape", [0, 0, -1]),
+        n("Reshape", ["ctx_t", "merge_shape"], ["ctx32"]),
+        n("CastLike", ["ctx32", q_in], [out_name]),
+    ]
+    return helper.make_function(
+        s.domain,
+        s.op_type,
+        inputs=list(s.input_names),
+        outputs=list(s.output_names),
+        nodes=nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        # num_heads and scale are required; the others have the spec's defaults. The has_* and
+        # plugin_* attributes are for the TensorRT plugin and unused by the body.
+        attributes=[s.attr_num_heads, s.attr_scale],
+        attribute_protos=[
+            helper.make_attribute(s.attr_is_causal, 0),
+            helper.make_attribute(s.attr_has_key_padding_mask, 0),
+            helper.make_attribute(s.attr_has_attn_mask, 0),
+            helper.make_attribute(s.attr_plugin_namespace, s.plugin_namespace),
+            helper.make_attribute(s.attr_plugin_version, s.plugin_version),
+        ],
+        doc_string="attn_export fused attention core; see docs/onnx_node.md",
+    )

@@ -1,0 +1,270 @@
+"""Model surgery: swap every ``torch.nn.MultiheadAttention`` of a model for
+:class:`~attn_export.FusedMultiheadAttention`, in place, and say exactly what happened.
+
+    >>> report = attn_export.replace_attention(model)
+    >>> print(report.num_replaced, report.skipped)
+    >>> report.to_dict()          # JSON-ready
+    >>> rich.print(report.table())
+
+Replaced layers share their parameters with the originals (the same ``Parameter`` objects), so
+optimizers, tied weights and ``state_dict`` keys are unchanged. Configurations the fused
+operator does not implement are left in place and listed with the reason.
+
+PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
+
+* ``nn.TransformerEncoderLayer`` in eval mode calls ``torch._transformer_encoder_layer_fwd``
+  with the attention weights directly. It skips that path when a submodule has a forward hook,
+  and every ``FusedMultiheadAttention`` carries a no-op pre-hook for that reason.
+* ``nn.TransformerEncoder`` turns padded batches into nested tensors in eval mode
+  (``use_nested_tensor``); that attribute is set to False on encoders whose layers were fused.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from torch import nn
+
+from attn_export.modules import FusedMultiheadAttention, unsupported_options
+
+REPLACED = "replaced"
+WILL_REPLACE = "will be replaced"
+ALREADY_FUSED = "already fused"
+SKIPPED = "skipped"
+
+
+class CoverageError(RuntimeError):
+    """Fewer attention layers would be replaced than the caller required."""
+
+
+def _qualname(obj) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class AttentionLayer:
+    """One attention layer of a model and what replace_attention does (or did) with it."""
+
+    path: str
+    cls: str
+    num_heads: Optional[int]
+    embed_dim: Optional[int]
+    status: str
+    reason: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+    also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
+
+    @property
+    def fusable(self) -> bool:
+        return self.status in (REPLACED, WILL_REPLACE, ALREADY_FUSED)
+
+
+@dataclass
+class ReplacementReport:
+    layers: List[AttentionLayer]
+    notes: List[str] = field(default_factory=list)
+    applied: bool = True  # False for inspect_attention (nothing changed)
+
+    @property
+    def replaced(self) -> List[AttentionLayer]:
+        return [layer for layer in self.layers if layer.status in (REPLACED, WILL_REPLACE)]
+
+    @property
+    def skipped(self) -> List[AttentionLayer]:
+        return [layer for layer in self.layers if layer.status == SKIPPED]
+
+    @property
+    def already_fused(self) -> List[AttentionLayer]:
+        return [layer for layer in self.layers if layer.status == ALREADY_FUSED]
+
+    @property
+    def num_replaced(self) -> int:
+        return len(self.replaced)
+
+    @property
+    def num_fused(self) -> int:
+        """Layers that run the fused operator afterwards (replaced now or fused before)."""
+        return len(self.replaced) + len(self.already_fused)
+
+    def coverage_error(self, min_replaced: Optional[int] = None, require_all: bool = False) -> Optional[str]:
+        """None when the coverage requirement holds, else the reason in one sentence."""
+        if require_all and self.skipped:
+            listed = "; ".join(f"{layer.path}: {layer.reason}" for layer in self.skipped)
+            return f"{len(self.skipped)} attention layer(s) cannot be fused ({listed})"
+        if min_replaced is not None and self.num_fused < min_replaced:
+            return (
+                f"only {self.num_fused} attention layer(s) fused, fewer than the required {min_replaced} "
+                f"({len(self.layers)} found, {len(self.skipped)} skipped)"
+            )
+        return None
+
+    def to_dict(self) -> Dict:
+        return {
+            "applied": self.applied,
+            "num_found": len(self.layers),
+            "num_replaced": self.num_replaced,
+            "num_already_fused": len(self.already_fused),
+            "num_skipped": len(self.skipped),
+            "layers": [asdict(layer) for layer in self.layers],
+            "notes": list(self.notes),
+        }
+
+    def table(self, title: Optional[str] = None):
+        """A rich Table: one row per layer."""
+        from rich.table import Table
+
+        table = Table(title=title or f"Attention layers: {self.summary()}")
+        for column in ("module path", "class", "heads", "embed dim", "status", "reason / notes"):
+            table.add_column(column, justify="right" if column in ("heads", "embed dim") else "left",
+                             overflow="fold", no_wrap=column in ("heads", "embed dim", "status"))
+        styles = {REPLACED: "green", WILL_REPLACE: "green", ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
+        for layer in self.layers:
+            detail = "; ".join(([layer.reason] if layer.reason else []) + layer.notes)
+            if layer.also_at:
+                detail = "; ".join(filter(None, [detail, "also at " + ", ".join(layer.also_at)]))
+            table.add_row(
+                layer.path or "(model)",
+                _short_class(layer.cls),
+                "-" if layer.num_heads is None else str(layer.num_heads),
+                "-" if layer.embed_dim is None else str(layer.embed_dim),
+                f"[{styles.get(layer.status, '')}]{layer.status}[/]",
+                detail,
+            )
+        return table
+
+    def summary(self) -> str:
+        verb = "replaced" if self.applied else "to replace"
+        parts = [f"{len(self.layers)} found", f"{self.num_replaced} {verb}"]
+        if self.already_fused:
+            parts.append(f"{len(self.already_fused)} already fused")
+        parts.append(f"{len(self.skipped)} skipped")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        lines = [f"attention layers: {self.summary()}"]
+        for layer in self.layers:
+            extra = f" ({layer.reason})" if layer.reason else ""
+            lines.append(f"  {layer.path or '(model)'}: {layer.cls}, {layer.status}{extra}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _short_class(qualified: str) -> str:
+    for prefix, short in (("torch.nn.modules.", "nn."), ("attn_export.modules.", "attn_export.")):
+        if qualified.startswith(prefix):
+            return short + qualified.rpartition(".")[2]
+    return qualified
+
+
+def _layer_notes(module: nn.Module) -> List[str]:
+    notes = []
+    if getattr(module, "dropout", 0.0) > 0.0:
+        notes.append(f"dropout={module.dropout}: unfused in training mode (dropout is not fused); fused in eval")
+    return notes
+
+
+def _is_attention_like(module: nn.Module) -> bool:
+    return "attention" in type(module).__name__.lower()
+
+
+def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[str, nn.Module, str]]]]:
+    """Every attention layer (by first path) and, per module id, every (path, parent, attr)."""
+    layers: List[AttentionLayer] = []
+    by_id: Dict[int, AttentionLayer] = {}
+    sites: Dict[int, List[tuple[str, nn.Module, str]]] = {}
+
+    def visit(parent: Optional[nn.Module], attr: str, module: nn.Module, path: str) -> None:
+        is_mha = isinstance(module, nn.MultiheadAttention)
+        is_fused = isinstance(module, FusedMultiheadAttention)
+        if id(module) in by_id and (is_mha or is_fused):
+            by_id[id(module)].also_at.append(path)
+            sites[id(module)].append((path, parent, attr))
+            return
+        heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
+        embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
+        heads = heads if isinstance(heads, int) else None
+        embed = embed if isinstance(embed, int) else None
+        if is_fused:
+            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED)
+        elif is_mha:
+            reasons = unsupported_options(module)
+            if type(module).forward is not nn.MultiheadAttention.forward:
+                reasons.insert(0, f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
+            if parent is None:
+                reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
+            layer = AttentionLayer(
+                path, _qualname(module), heads, embed,
+                SKIPPED if reasons else WILL_REPLACE,
+                reason="; ".join(reasons) or None,
+                notes=[] if reasons else _layer_notes(module),
+            )
+        else:
+            # Some other module named like an attention layer: listed (so that a model whose
+            # attention cannot be fused says so) unless an nn.MultiheadAttention sits inside it.
+            count = len(layers)
+            for name, child in module.named_children():
+                visit(module, name, child, f"{path}.{name}" if path else name)
+            if parent is not None and _is_attention_like(module) and len(layers) == count:
+                layers.append(AttentionLayer(
+                    path, _qualname(module), heads, embed, SKIPPED,
+                    reason="not a torch.nn.MultiheadAttention (only nn.MultiheadAttention layers are fused)",
+                ))
+            return
+        layers.append(layer)
+        by_id[id(module)] = layer
+        sites[id(module)] = [(path, parent, attr)]
+
+    visit(None, "", model, "")
+    return layers, sites
+
+
+def inspect_attention(model: nn.Module) -> ReplacementReport:
+    """What :func:`replace_attention` would do, without changing the model."""
+    layers, _ = _plan(model)
+    return ReplacementReport(layers, applied=False)
+
+
+def replace_attention(
+    model: nn.Module, *, min_replaced: Optional[int] = None, require_all: bool = False
+) -> ReplacementReport:
+    """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
+    :class:`FusedMultiheadAttention` sharing its parameters, and returns the report.
+
+    Args:
+        model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /
+            ``nn.TransformerDecoderLayer`` (self- and cross-attention) included.
+        min_replaced: raise :class:`CoverageError` (before changing anything) when fewer than
+            this many layers would end up fused.
+        require_all: raise :class:`CoverageError` when any attention layer cannot be fused.
+    """
+    layers, sites = _plan(model)
+    report = ReplacementReport(layers)
+    problem = report.coverage_error(min_replaced, require_all)
+    if problem:
+        raise CoverageError(problem)
+
+    by_path = {layer.path: layer for layer in layers}
+    fused_paths: List[str] = []
+    for module_id, where in sites.items():
+        layer = by_path[where[0][0]]
+        if layer.status != WILL_REPLACE:
+            continue
+        original = where[0][1]._modules[where[0][2]]
+        fused = FusedMultiheadAttention.from_module(original)
+        for path, parent, attr in where:
+            setattr(parent, attr, fused)
+            fused_paths.append(path)
+        layer.status = REPLACED
+
+    # nn.TransformerEncoder's nested-tensor fast path would feed nested tensors to the fused
+    # layers; switch it off on the encoders that now hold fused layers (instance attribute).
+    for path, module in model.named_modules():
+        if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
+            prefix = f"{path}." if path else ""
+            if any(p.startswith(prefix) for p in fused_paths):
+                module.use_nested_tensor = False
+                report.notes.append(
+                    f"{path or '(model)'}: use_nested_tensor set to False (its nested-tensor fast path "
+                    "would bypass the fused layers)"
+                )
+    return report

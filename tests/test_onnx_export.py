@@ -1,0 +1,302 @@
+"""export_onnx: one custom node per fused layer, the function attached, check_model passes, the
+graph's dynamic axes are symbolic, and ONNX Runtime agrees with the ORIGINAL PyTorch model."""
+import math
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import attn_export
+from attn_export import spec
+from attn_export._errors import ExportError, InputError
+from attn_export.inputs import resize
+from attn_export.onnx_export import export_onnx, read_metadata
+
+S = spec.load()
+
+
+def session(path):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def ort_run(path, inputs):
+    sess = session(path)
+    return sess.run(None, {i.name: inputs[i.name].numpy() for i in sess.get_inputs()})
+
+
+def fused_nodes(path):
+    model = onnx.load(str(path))
+    return [n for n in model.graph.node if n.op_type == S.op_type and n.domain == S.domain], model
+
+
+def attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def dims(model, name):
+    for v in list(model.graph.input) + list(model.graph.output):
+        if v.name == name:
+            return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    raise KeyError(name)
+
+
+def test_one_node_per_replaced_layer_with_its_attributes(exported_seq2seq):
+    nodes, model = fused_nodes(exported_seq2seq.path)
+    assert exported_seq2seq.replacement.num_replaced == 3 == len(nodes) == exported_seq2seq.num_attention_nodes
+    onnx.checker.check_model(model, full_check=True)
+    assert [f.name for f in model.functions] == [S.op_type]
+    by_flags = sorted((a["is_causal"], a["has_key_padding_mask"], a["has_attn_mask"]) for a in map(attrs, nodes))
+    # encoder self-attn: padding; decoder self-attn: causal + its float causal mask; cross: padding
+    assert by_flags == [(0, 1, 0), (0, 1, 0), (1, 0, 1)]
+    for a in map(attrs, nodes):
+        assert a["num_heads"] == 2
+        assert math.isclose(a["scale"], 1 / math.sqrt(8), rel_tol=1e-6)
+    # No attention math outside the nodes: the only Softmax is inside the function.
+    assert not [n for n in model.graph.node if n.op_type == "Softmax"]
+    assert read_metadata(model)["attention_nodes"] == "3"
+
+
+def test_dynamic_axes_are_symbolic_and_independent(exported_seq2seq):
+    model = onnx.load(str(exported_seq2seq.path))
+    assert dims(model, "src")[:2] == ["batch", "seq"]
+    assert dims(model, "tgt")[:2] == ["batch", "tgt_seq"]
+    assert dims(model, "src_key_padding_mask") == ["batch", "seq"]
+    assert dims(model, "output")[:2] == ["batch", "tgt_seq"]
+    assert [i.name for i in model.graph.input] == ["src", "tgt", "src_key_padding_mask"]
+
+
+@pytest.mark.parametrize("sizes", [{}, {"batch": 1}, {"seq": 1, "tgt_seq": 1}, {"seq": 7, "tgt_seq": 13},
+                                   {"batch": 3, "seq": 40, "tgt_seq": 3}])
+def test_onnx_runtime_matches_the_original_model(small_seq2seq, exported_seq2seq, sizes):
+    example = small_seq2seq.example_inputs
+    axes = {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "tgt_seq"},
+            "src_key_padding_mask": {0: "batch", 1: "seq"}}
+    base = {"batch": 2, "seq": 16, "tgt_seq": 12}
+    inputs = resize(example, axes, {**base, **sizes}, seed=1)
+    torch.backends.mha.set_fastpath_enabled(False)  # the original, slow path: every position defined
+    try:
+        with torch.no_grad():
+            expected = small_seq2seq(**inputs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    (out,) = ort_run(exported_seq2seq.path, inputs)
+    assert out.shape == tuple(expected.shape)
+    np.testing.assert_allclose(out, expected.numpy(), atol=5e-6 * float(expected.abs().max()), rtol=0)
+
+
+def test_the_original_model_is_not_modified(small_seq2seq, exported_seq2seq):
+    assert not any(isinstance(m, attn_export.FusedMultiheadAttention) for m in small_seq2seq.modules())
+
+
+def test_file_loads_and_checks_in_a_fresh_process(exported_seq2seq):
+    code = (
+        "import sys, onnx, onnxruntime as ort, numpy as np\n"
+        "m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True)\n"
+        "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+        "f = {'src': np.zeros((3, 5, 8), np.float32), 'tgt': np.zeros((3, 4, 8), np.float32),\n"
+        "     'src_key_padding_mask': np.zeros((3, 5), bool)}\n"
+        "print(s.run(None, f)[0].shape)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(exported_seq2seq.path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(3, 4, 8)"
+
+
+class CoreModel(nn.Module):
+    def forward(self, q, k, v, key_padding_mask):
+        return attn_export.attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=True, scale=0.3)
+
+
+def test_the_core_op_alone_exports_as_one_node(tmp_path):
+    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 6)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 3:] = True
+    inputs = {"q": q, "k": k, "v": v, "key_padding_mask": pad}
+    axes = {"q": {0: "batch", 2: "lq"}, "k": {0: "batch", 2: "lk"}, "v": {0: "batch", 2: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}}
+    result = export_onnx(CoreModel(), inputs, tmp_path / "core.onnx", dynamic_axes=axes, replace=False)
+    nodes, model = fused_nodes(result.path)
+    assert len(nodes) == 1 and attrs(nodes[0])["num_heads"] == 3 and attrs(nodes[0])["is_causal"] == 1
+    assert math.isclose(attrs(nodes[0])["scale"], 0.3, rel_tol=1e-6)
+    assert dims(model, "q") == ["batch", 3, "lq", 4]
+    other = resize(inputs, axes, {"batch": 3, "lq": 9, "lk": 4}, seed=2)
+    (out,) = ort_run(result.path, other)
+    expected = CoreModel()(**other)
+    np.testing.assert_allclose(out, expected.numpy(), atol=2e-6)
+
+
+class WeightsModel(nn.Module):
+    def __init__(self, use_weights, batch_first=True, average=True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=batch_first)
+        self.use_weights = use_weights
+        self.average = average
+
+    def forward(self, x, memory):
+        y, w = self.attn(x, memory, memory, average_attn_weights=self.average)  # need_weights defaults to True
+        return (y, w) if self.use_weights else y
+
+
+def test_unused_attention_weights_cost_nothing(tmp_path):
+    torch.manual_seed(0)
+    model = WeightsModel(use_weights=False).eval()
+    inputs = {"x": torch.randn(2, 5, 16), "memory": torch.randn(2, 7, 16)}
+    result = export_onnx(model, inputs, tmp_path / "w.onnx")
+    nodes, onnx_model = fused_nodes(result.path)
+    assert len(nodes) == 1 and not [n for n in onnx_model.graph.node if n.op_type == "Softmax"]
+    (out,) = ort_run(result.path, inputs)
+    np.testing.assert_allclose(out, model(**inputs).detach().numpy(), atol=2e-6)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_used_attention_weights_are_exported_too(tmp_path, average):
+    torch.manual_seed(0)
+    model = WeightsModel(use_weights=True, batch_first=False, average=average).eval()
+    inputs = {"x": torch.randn(5, 2, 16), "memory": torch.randn(7, 2, 16)}
+    axes = {"x": {0: "lq", 1: "batch"}, "memory": {0: "lk", 1: "batch"}}
+    result = export_onnx(model, inputs, tmp_path / "w.onnx", dynamic_axes=axes)
+    assert result.output_names == ["output_0", "output_1"]
+    other = resize(inputs, axes, {"lq": 3, "lk": 9, "batch": 3}, seed=3)
+    out, weights = ort_run(result.path, other)
+    ref_out, ref_w = model(**other)
+    np.testing.assert_allclose(out, ref_out.detach().numpy(), atol=2e-6)
+    np.testing.assert_allclose(weights, ref_w.detach().numpy(), atol=2e-6)
+
+
+def test_unbatched_and_float_masks(tmp_path):
+    class Unbatched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2)
+
+        def forward(self, x, bias):
+            return self.attn(x, x, x, attn_mask=bias, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Unbatched().eval()
+    inputs = {"x": torch.randn(6, 16), "bias": torch.randn(6, 6)}
+    axes = {"x": {0: "seq"}, "bias": {0: "seq", 1: "seq"}}
+    result = export_onnx(model, inputs, tmp_path / "u.onnx", dynamic_axes=axes)
+    node = fused_nodes(result.path)[0][0]
+    assert attrs(node)["has_attn_mask"] == 1 and attrs(node)["has_key_padding_mask"] == 0
+    other = resize(inputs, axes, {"seq": 11}, seed=4)
+    (out,) = ort_run(result.path, other)
+    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+
+
+def test_per_head_boolean_mask(tmp_path):
+    class PerHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x, mask):
+            return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = PerHead().eval()
+    mask = torch.rand(2 * 2, 5, 5) < 0.3
+    mask[..., 0] = False
+    result = export_onnx(model, {"x": torch.randn(2, 5, 16), "mask": mask}, tmp_path / "h.onnx", dynamic_axes={})
+    x = torch.randn(2, 5, 16)
+    (out,) = ort_run(result.path, {"x": x, "mask": mask})
+    np.testing.assert_allclose(out, model(x, mask).detach().numpy(), atol=2e-6)
+
+
+def test_size_one_example_is_traced_at_two_and_stays_dynamic(tmp_path):
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    result = export_onnx(model, {"src": torch.randn(1, 1, 16)}, tmp_path / "one.onnx")
+    assert any("size 2" in note for note in result.notes)
+    assert dims(onnx.load(str(result.path)), "src") == ["batch", "seq", 16]
+    x = torch.randn(3, 4, 16)
+    (out,) = ort_run(result.path, {"src": x})
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected = model(x).detach().numpy()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    np.testing.assert_allclose(out, expected, atol=5e-6)
+
+
+def test_static_export_and_fp16_export(tmp_path):
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    static = export_onnx(model, {"src": x}, tmp_path / "s.onnx", dynamic_axes={})
+    assert dims(onnx.load(str(static.path)), "src") == [2, 5, 16] and static.dynamic_axes == {}
+    half = export_onnx(model, {"src": x}, tmp_path / "h.onnx", dtype="fp16")
+    onnx_model = onnx.load(str(half.path))
+    assert onnx_model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    (out,) = ort_run(half.path, {"src": x.half()})
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected = model(x).detach()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert out.dtype == np.float16
+    assert np.abs(out.astype(np.float32) - expected.numpy()).max() < 2e-2 * float(expected.abs().max())
+
+
+def test_input_and_output_errors_leave_no_file(tmp_path):
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    with pytest.raises(InputError, match="rejected the example inputs"):
+        export_onnx(model, {"src": torch.randn(2, 5, 12)}, tmp_path / "bad.onnx")
+    with pytest.raises(InputError, match="unknown input name"):
+        export_onnx(model, {"source": torch.randn(2, 5, 16)}, tmp_path / "bad.onnx")
+    with pytest.raises(InputError, match="does not exist"):
+        export_onnx(model, {"src": torch.randn(2, 5, 16)}, tmp_path / "missing" / "bad.onnx")
+    with pytest.raises(InputError, match="opset"):
+        export_onnx(model, {"src": torch.randn(2, 5, 16)}, tmp_path / "bad.onnx", opset=12)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_axis_the_model_specializes_is_reported(tmp_path):
+    class FixedLength(nn.Module):
+        def forward(self, x):
+            return x.reshape(x.shape[0], 5 * 16)  # only works for length 5
+
+    class Branch(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.shape[1] == 5 else x  # torch.export specializes the length to 5
+
+    for model in (FixedLength(), Branch()):
+        with pytest.raises(ExportError, match=r"came out static: x:1 \(seq"):
+            export_onnx(model, {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx")
+    assert not (tmp_path / "f.onnx").exists()
+    # Declared static, the same model exports.
+    result = export_onnx(Branch(), {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx", dynamic_axes={"x": {0: "batch"}})
+    assert result.dynamic_axes == {"x": {0: "batch"}}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
+    class Separate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, bias=bias, batch_first=True)
+
+        def forward(self, q, k, v, key_padding_mask):
+            return self.attn(q, k, v, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Separate().eval()
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    inputs = {"q": torch.randn(2, 5, 16), "k": torch.randn(2, 7, 16), "v": torch.randn(2, 7, 16), "key_padding_mask": pad}
+    axes = {"q": {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}}
+    result = export_onnx(model, inputs, tmp_path / "sep.onnx", dynamic_axes=axes)
+    nodes, onnx_model = fused_nodes(result.path)
+    assert len(nodes) == 1 and sum(n.op_type == "MatMul" for n in onnx_model.graph.node) == 4
+    other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
+    (out,) = ort_run(result.path, other)
+    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)

@@ -1,0 +1,137 @@
+"""The node's model-local function (the portable body) in ONNX Runtime against a float64
+reference written from the definition (tests/helpers.py), on a hand-built one-node model."""
+import math
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from attn_export import onnx_node, spec
+from helpers import reference_attention
+
+S = spec.load()
+OPSET = 20
+
+
+def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET):
+    node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
+    inputs = [
+        helper.make_tensor_value_info("query", elem, ["B", "Lq", "E"]),
+        helper.make_tensor_value_info("key", elem, ["B", "Lk", "E"]),
+        helper.make_tensor_value_info("value", elem, ["B", "Lk", "Ev"]),
+        helper.make_tensor_value_info("key_padding_mask", TensorProto.FLOAT, ["mb", "mk"]),
+        helper.make_tensor_value_info("attn_mask", TensorProto.FLOAT, ["ab", "ah", "aq", "ak"]),
+    ]
+    graph = helper.make_graph([node], "one_node", inputs, [helper.make_tensor_value_info("out", elem, ["B", "Lq", "Ev"])])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(S.domain, S.domain_version)],
+        functions=[onnx_node.function_proto(opset)],
+    )
+    return model
+
+
+def run(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def pack(t):  # [B, H, L, D] -> [B, L, H*D]
+    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1).numpy()
+
+
+def additive(mask):
+    if mask is None:
+        return None
+    return torch.where(mask, -math.inf, 0.0).float() if mask.dtype == torch.bool else mask.float()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", ["none", "padding", "attn_bool", "attn_float", "both"])
+@pytest.mark.parametrize("lengths", [(5, 7), (6, 6), (1, 9)])
+def test_function_body_matches_the_definition(causal, masks, lengths):
+    B, H, D, Dv = 2, 3, 4, 6
+    Lq, Lk = lengths
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, Dv)
+    padding = attn = None
+    if masks in ("padding", "both"):
+        padding = torch.zeros(B, Lk, dtype=torch.bool)
+        padding[0, Lk // 2 + 1:] = True
+    if masks in ("attn_bool", "both"):
+        attn = torch.rand(B, H, Lq, Lk) < 0.3
+    if masks == "attn_float":
+        attn = torch.randn(1, H, Lq, Lk)
+    scale = 0.37
+    attrs = onnx_node.node_attributes(H, scale, causal, padding is not None, attn is not None)
+    feeds = {
+        "query": pack(q), "key": pack(k), "value": pack(v),
+        "key_padding_mask": additive(padding).numpy() if padding is not None else np.zeros((1, 1), np.float32),
+        "attn_mask": additive(attn).numpy() if attn is not None else np.zeros((1, 1, 1, 1), np.float32),
+    }
+    out = run(one_node_model(attrs), feeds)
+    ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=scale)
+    expected = ref.transpose(1, 2).reshape(B, Lq, H * Dv).numpy()
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    B, H, L, D = 2, 2, 4, 8
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    padding = torch.zeros(B, L, dtype=torch.bool)
+    padding[1] = True  # every key of batch 1 is padding
+    attn = torch.zeros(L, L, dtype=torch.bool)
+    attn[2] = True  # query 2 sees nothing in any batch
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
+             "key_padding_mask": additive(padding).numpy(), "attn_mask": additive(attn)[None, None].numpy()}
+    out = run(one_node_model(onnx_node.node_attributes(H, 1 / math.sqrt(D), False, True, True)), feeds)
+    assert np.isfinite(out).all()
+    assert (out[1] == 0).all() and (out[0, 2] == 0).all()
+    assert np.abs(out[0, [0, 1, 3]]).min() > 0
+
+
+@pytest.mark.parametrize("elem,dtype,tol", [(TensorProto.FLOAT16, np.float16, 2e-3)])
+def test_half_precision_inputs_accumulate_in_float32(elem, dtype, tol):
+    B, H, Lq, Lk, D = 2, 2, 5, 9, 16
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
+    feeds = {"query": pack(q).astype(dtype), "key": pack(k).astype(dtype), "value": pack(v).astype(dtype),
+             "key_padding_mask": np.zeros((1, 1), np.float32), "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
+    out = run(one_node_model(onnx_node.node_attributes(H, 0.25, True, False, False), elem), feeds)
+    assert out.dtype == dtype
+    ref, _ = reference_attention(q, k, v, is_causal=True, scale=0.25)
+    np.testing.assert_allclose(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=tol)
+
+
+@pytest.mark.parametrize("opset", [18, 20, 23])
+def test_function_is_valid_at_every_supported_opset(opset):
+    model = one_node_model(onnx_node.node_attributes(2, 0.5, True, True, False), opset=opset)
+    onnx.checker.check_model(model, full_check=True)
+
+
+def test_opset_below_the_minimum_is_refused():
+    with pytest.raises(ValueError, match="opset"):
+        onnx_node.function_proto(S.min_onnx_opset - 1)
+
+
+def test_without_the_function_onnx_runtime_cannot_run_the_node():
+    """Why the function is attached: a bare custom node is not runnable."""
+    model = one_node_model(onnx_node.node_attributes(2, 0.5, False, False, False))
+    del model.functions[:]
+    with pytest.raises(Exception, match="FusedAttention"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_checker_passes_in_a_process_without_the_registered_schema(tmp_path):
+    path = tmp_path / "node.onnx"
+    onnx.save(one_node_model(onnx_node.node_attributes(2, 0.5, True, True, True)), str(path))
+    code = (
+        "import onnx, sys; m = onnx.load(sys.argv[1]); "
+        "assert not onnx.defs.has('FusedAttention', 'attn_export'); "
+        "onnx.checker.check_model(m, full_check=True); print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -1,0 +1,248 @@
+"""replace_attention: every nn.MultiheadAttention in the tree, the fused operator really runs
+(train and eval, PyTorch's native fast paths included), outputs equal the original model's."""
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attn_export
+from attn_export import FusedMultiheadAttention, replace_attention, inspect_attention, CoverageError
+from helpers import assert_rel_close
+
+FUSED_OP = torch.ops.attn_export.multi_head_attention.default
+NATIVE_LAYER_OP = torch.ops.aten._transformer_encoder_layer_fwd.default
+
+
+class CountOps(TorchDispatchMode):
+    """Counts operator calls as they reach the dispatcher (below any Python module logic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] = self.counts.get(func, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def run_counting(model, *args, **kwargs):
+    with torch.no_grad(), CountOps() as counter:
+        out = model(*args, **kwargs)
+    return out, counter.counts
+
+
+def encoder(layers=2, **kw):
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, **kw)
+    return nn.TransformerEncoder(layer, layers)
+
+
+def padding(batch, length):
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[-1, length // 2:] = True
+    return mask
+
+
+def test_stock_encoder_layer_in_eval_takes_the_native_fast_path():
+    """The trap this module defeats: in eval, the stock layer never calls its self_attn."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    _, counts = run_counting(layer, torch.randn(2, 5, 16))
+    assert counts.get(NATIVE_LAYER_OP, 0) == 1
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_encoder_runs_the_fused_op_in_train_and_eval(mode):
+    torch.manual_seed(0)
+    original = getattr(encoder(), mode)()
+    model = copy.deepcopy(original)
+    report = replace_attention(model)
+    assert report.num_replaced == 2
+    x = torch.randn(3, 7, 16)
+    out, counts = run_counting(model, x)
+    assert counts.get(FUSED_OP, 0) == 2
+    assert counts.get(NATIVE_LAYER_OP, 0) == 0
+    # The original in eval takes the native fast path: an independent implementation.
+    expected, _ = run_counting(original, x)
+    assert_rel_close(out, expected, 2e-6, f"{mode} output")
+
+
+def test_encoder_with_padding_in_eval_matches_the_original():
+    """In eval with a padding mask the stock encoder runs nested tensors (zeros at padded
+    positions); the replaced model must agree at every real position, and everywhere with
+    PyTorch's fast paths off."""
+    torch.manual_seed(0)
+    original = encoder().eval()
+    model = copy.deepcopy(original)
+    report = replace_attention(model)
+    assert model.use_nested_tensor is False and original.use_nested_tensor is True
+    assert any("use_nested_tensor" in note for note in report.notes)
+    x, pad = torch.randn(3, 8, 16), padding(3, 8)
+    out, counts = run_counting(model, x, src_key_padding_mask=pad)
+    assert counts.get(FUSED_OP, 0) == 2
+    expected, _ = run_counting(original, x, src_key_padding_mask=pad)
+    keep = ~pad
+    assert_rel_close(out[keep], expected[keep], 2e-6, "real positions")
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected_slow, _ = run_counting(original, x, src_key_padding_mask=pad)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert_rel_close(out, expected_slow, 2e-6, "all positions, fast path off")
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_transformer_self_and_cross_attention_are_replaced(mode):
+    torch.manual_seed(0)
+    original = getattr(nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True), mode)()
+    model = copy.deepcopy(original)
+    report = replace_attention(model)
+    paths = [layer.path for layer in report.replaced]
+    assert paths == [
+        "encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
+        "decoder.layers.0.self_attn", "decoder.layers.0.multihead_attn",
+        "decoder.layers.1.self_attn", "decoder.layers.1.multihead_attn",
+    ]
+    assert all(layer.num_heads == 2 and layer.embed_dim == 16 for layer in report.replaced)
+    assert all(isinstance(m, FusedMultiheadAttention) for n, m in model.named_modules() if n in paths)
+    src, tgt = torch.randn(2, 9, 16), torch.randn(2, 5, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    kwargs = dict(tgt_mask=causal, tgt_is_causal=True)
+    out, counts = run_counting(model, src, tgt, **kwargs)
+    assert counts.get(FUSED_OP, 0) == 6
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected, _ = run_counting(original, src, tgt, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert_rel_close(out, expected, 2e-6, "transformer")
+
+
+def test_sequence_first_and_nested_custom_modules():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4)  # sequence-first
+            self.inner = nn.Sequential(nn.Linear(16, 16), nn.ModuleDict({"cross": nn.MultiheadAttention(16, 2)}))
+
+        def forward(self, x, memory):
+            y, _ = self.attn(x, x, x)
+            z, _ = self.inner[1]["cross"](y, memory, memory)
+            return self.inner[0](z)
+
+    torch.manual_seed(0)
+    original = Block().eval()
+    model = copy.deepcopy(original)
+    report = replace_attention(model)
+    assert [(layer.path, layer.num_heads) for layer in report.replaced] == [("attn", 4), ("inner.1.cross", 2)]
+    x, memory = torch.randn(6, 2, 16), torch.randn(4, 2, 16)
+    out, counts = run_counting(model, x, memory)
+    assert counts.get(FUSED_OP, 0) == 2
+    assert_rel_close(out, original(x, memory), 2e-6, "block")
+
+
+def test_parameters_are_shared_not_copied():
+    model = encoder(1)
+    before = {id(p) for p in model.parameters()}
+    replace_attention(model)
+    assert {id(p) for p in model.parameters()} == before
+    attn = model.layers[0].self_attn
+    assert isinstance(attn, FusedMultiheadAttention)
+    assert set(model.state_dict()) == set(encoder(1).state_dict())
+
+
+def test_a_module_reached_by_two_paths_is_replaced_once_everywhere():
+    shared = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    report = replace_attention(model)
+    assert report.num_replaced == 1 and report.replaced[0].also_at == ["b.0"]
+    assert model["a"] is model["b"][0] and isinstance(model["a"], FusedMultiheadAttention)
+
+
+def test_unsupported_layers_are_left_in_place_with_the_reason():
+    class Custom(nn.MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class MyAttention(nn.Module):  # not an nn.MultiheadAttention at all
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 2
+            self.proj = nn.Linear(16, 16)
+
+    model = nn.ModuleDict({
+        "ok": nn.MultiheadAttention(16, 2),
+        "bias_kv": nn.MultiheadAttention(16, 2, add_bias_kv=True),
+        "zero_attn": nn.MultiheadAttention(16, 2, add_zero_attn=True),
+        "kdim": nn.MultiheadAttention(16, 2, kdim=8, vdim=8),
+        "custom": Custom(16, 2),
+        "mine": MyAttention(),
+    })
+    report = replace_attention(model)
+    reasons = {layer.path: layer.reason for layer in report.skipped}
+    assert [layer.path for layer in report.replaced] == ["ok"]
+    assert "add_bias_kv" in reasons["bias_kv"]
+    assert "add_zero_attn" in reasons["zero_attn"]
+    assert "kdim=8" in reasons["kdim"]
+    assert "overrides" in reasons["custom"]
+    assert "not a torch.nn.MultiheadAttention" in reasons["mine"]
+    for path in ("bias_kv", "zero_attn", "kdim", "custom"):
+        assert type(model[path]) is not FusedMultiheadAttention
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["num_replaced"] == 1 and data["num_skipped"] == 5
+
+
+def test_coverage_gate_fails_before_changing_anything():
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": nn.MultiheadAttention(16, 2, add_zero_attn=True)})
+    with pytest.raises(CoverageError, match="cannot be fused"):
+        replace_attention(model, require_all=True)
+    with pytest.raises(CoverageError, match="fewer than the required 2"):
+        replace_attention(model, min_replaced=2)
+    assert type(model["ok"]) is nn.MultiheadAttention  # untouched
+    assert replace_attention(model, min_replaced=1).num_replaced == 1
+
+
+def test_inspect_changes_nothing_and_already_fused_layers_count():
+    model = encoder(2)
+    plan = inspect_attention(model)
+    assert not plan.applied and plan.num_replaced == 2
+    assert all(type(layer.self_attn) is nn.MultiheadAttention for layer in model.layers)
+    replace_attention(model)
+    again = inspect_attention(model)
+    assert again.num_replaced == 0 and len(again.already_fused) == 2 and again.num_fused == 2
+    assert again.coverage_error(min_replaced=2) is None
+
+
+def test_no_global_side_effects():
+    """Per instance only: an untouched stock layer keeps PyTorch's fast path."""
+    stock = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    replace_attention(encoder(2).eval())
+    assert torch.backends.mha.get_fastpath_enabled()
+    _, counts = run_counting(stock, torch.randn(2, 5, 16))
+    assert counts.get(NATIVE_LAYER_OP, 0) == 1
+
+
+def test_report_renders_as_a_table_and_text():
+    from rich.console import Console
+
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": nn.MultiheadAttention(16, 2, add_zero_attn=True)})
+    report = replace_attention(model)
+    console = Console(record=True, width=200)
+    console.print(report.table())
+    text = console.export_text()
+    assert "ok" in text and "replaced" in text and "add_zero_attn" in text
+    assert "1 replaced" in str(report) and "1 skipped" in str(report)
+
+
+def test_fused_layer_alone_inside_a_stock_encoder_layer_is_not_bypassed():
+    """Even swapped by hand (no replace_attention), the fused layer's hook keeps the stock
+    layer off its native path."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    layer.self_attn = FusedMultiheadAttention.from_module(layer.self_attn)
+    _, counts = run_counting(layer, torch.randn(2, 5, 16))
+    assert counts.get(FUSED_OP, 0) == 1 and counts.get(NATIVE_LAYER_OP, 0) == 0
+
+
+def test_public_api():
+    assert attn_export.replace_attention is replace_attention

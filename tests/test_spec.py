@@ -1,0 +1,104 @@
+"""One spec for the node's names (csrc/attention_spec.h): the C++ compiler, the Python parser,
+the exported ONNX and the docs must all say the same thing."""
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import onnx
+import pytest
+
+from attn_export import spec as spec_mod
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = ROOT / "csrc" / "attention_spec.h"
+
+_PRINTER = r"""
+#include <cstdio>
+#include "attention_spec.h"
+using namespace attn_export::spec;
+static void s(const char* k, const char* v, bool comma = true) { std::printf("\"%s\": \"%s\"%s", k, v, comma ? ", " : ""); }
+static void i(const char* k, int v) { std::printf("\"%s\": %d, ", k, v); }
+int main() {
+  std::printf("{");
+  s("domain", kOnnxDomain); i("domain_version", kOnnxDomainVersion); s("op_type", kOpType);
+  s("plugin_name", kPluginName); s("plugin_version", kPluginVersion); s("plugin_namespace", kPluginNamespace);
+  s("attr_num_heads", kAttrNumHeads); s("attr_scale", kAttrScale); s("attr_is_causal", kAttrIsCausal);
+  s("attr_has_key_padding_mask", kAttrHasKeyPaddingMask); s("attr_has_attn_mask", kAttrHasAttnMask);
+  s("attr_plugin_namespace", kAttrPluginNamespace); s("attr_plugin_version", kAttrPluginVersion);
+  i("output_rank", kOutputRank); i("min_onnx_opset", kMinOnnxOpset);
+  std::printf("\"input_names\": [");
+  for (int n = 0; n < kNumInputs; ++n) std::printf("\"%s\"%s", kInputNames[n], n + 1 < kNumInputs ? ", " : "");
+  std::printf("], \"input_ranks\": [");
+  for (int n = 0; n < kNumInputs; ++n) std::printf("%d%s", kInputRanks[n], n + 1 < kNumInputs ? ", " : "");
+  std::printf("], \"output_names\": [");
+  for (int n = 0; n < kNumOutputs; ++n) std::printf("\"%s\"%s", kOutputNames[n], n + 1 < kNumOutputs ? ", " : "");
+  std::printf("], \"positions\": [%d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
+              kInputKeyPaddingMask, kInputAttnMask);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_the_compiled_header_and_the_python_parser_agree(tmp_path):
+    src = tmp_path / "print_spec.cpp"
+    src.write_text(_PRINTER)
+    exe = tmp_path / "print_spec"
+    subprocess.run(["c++", "-std=c++17", "-Wall", "-Werror", f"-I{HEADER.parent}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    compiled = json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+    assert compiled.pop("positions") == list(range(5))
+    parsed = spec_mod.spec_from_header(HEADER.read_text())
+    for field, value in compiled.items():
+        got = getattr(parsed, field)
+        assert (list(got) if isinstance(got, tuple) else got) == value, field
+
+
+def test_header_includes_nothing_from_torch_or_tensorrt():
+    includes = re.findall(r"#include\s*[<\"]([^>\"]+)", HEADER.read_text())
+    assert includes == []
+
+
+def test_parser_rejects_an_incomplete_or_inconsistent_header():
+    text = HEADER.read_text()
+    with pytest.raises(spec_mod.SpecError, match="kOpType"):
+        spec_mod.spec_from_header(text.replace("kOpType", "kOpTypeRenamed"))
+    swapped = text.replace("kInputKey = 1;", "kInputKey = 2;")
+    with pytest.raises(spec_mod.SpecError, match="positions"):
+        spec_mod.spec_from_header(swapped)
+    # A name quoted in a comment is not a definition.
+    assert spec_mod.parse_header('// inline constexpr int kX = 1;\n') == {}
+
+
+def test_spec_values_the_plugin_relies_on():
+    s = spec_mod.load()
+    assert s.op_type == s.plugin_name
+    assert s.input_names[:3] == ("query", "key", "value")
+    assert len(s.input_names) == len(s.input_ranks) == 5
+    assert s.plugin_version == "1" and s.domain_version == 1
+
+
+def test_docs_name_every_input_attribute_and_identity():
+    doc = (ROOT / "docs" / "onnx_node.md").read_text()
+    s = spec_mod.load()
+    for name in (*s.input_names, *s.output_names, *s.attribute_names, s.domain, s.op_type):
+        assert f"`{name}`" in doc, name
+
+
+def test_exported_node_carries_exactly_the_spec_names(exported_seq2seq):
+    s = spec_mod.load()
+    model = onnx.load(str(exported_seq2seq.path))
+    nodes = [n for n in model.graph.node if n.op_type == s.op_type]
+    assert nodes and all(n.domain == s.domain for n in nodes)
+    for node in nodes:
+        assert len(node.input) == len(s.input_names) and all(node.input)
+        assert len(node.output) == len(s.output_names)
+        assert {a.name for a in node.attribute} == set(s.attribute_names)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs[s.attr_plugin_version] == s.plugin_version.encode()
+        assert attrs[s.attr_plugin_namespace] == s.plugin_namespace.encode()
+    (function,) = [f for f in model.functions if f.name == s.op_type]
+    assert function.domain == s.domain
+    assert tuple(function.input) == s.input_names and tuple(function.output) == s.output_names
+    assert {o.domain: o.version for o in model.opset_import}[s.domain] == s.domain_version
