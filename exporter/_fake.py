@@ -78,7 +78,12 @@ def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> No
         lambda: "attention: query and key must have the same head_dim; got query "
         f"{_sizes(query)} and key {_sizes(key)}",
     )
-    batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
+    check_attention_masks(
+        query.size(0), query.size(1), query.size(2), key.size(2), query.device, attn_mask, key_padding_mask
+    )
+
+
+def check_attention_masks(batch, heads, seqlen_q, seqlen_k, device, attn_mask, key_padding_mask) -> None:
     if attn_mask is not None:
         m = attn_mask
         torch._check(
@@ -86,8 +91,8 @@ def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> No
             lambda: f"attention: attn_mask must be bool or floating; got {_name(m.dtype)}",
         )
         torch._check(
-            m.device == query.device,
-            lambda: f"attention: attn_mask must be on the query's device {query.device}; got {m.device}",
+            m.device == device,
+            lambda: f"attention: attn_mask must be on the query's device {device}; got {m.device}",
         )
         ok_tail = m.dim() >= 2 and m.size(-2) == seqlen_q and m.size(-1) == seqlen_k
         ok_lead = (
@@ -111,8 +116,8 @@ def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> No
             lambda: f"attention: key_padding_mask must be bool or floating; got {_name(m.dtype)}",
         )
         torch._check(
-            m.device == query.device,
-            lambda: f"attention: key_padding_mask must be on the query's device {query.device}; got {m.device}",
+            m.device == device,
+            lambda: f"attention: key_padding_mask must be on the query's device {device}; got {m.device}",
         )
         torch._check(
             m.dim() == 2 and m.size(0) == batch and m.size(1) == seqlen_k,
@@ -201,6 +206,14 @@ def check_multi_head_attention_inputs(
         not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),
         lambda: "multi_head_attention: packed_qkv needs key and value of the query's shape "
         f"{_sizes(query)}; got key {_sizes(key)}, value {_sizes(value)}",
+    )
+    # The masks against the layer's geometry, as the C++ layer checks them next.
+    unbatched = query.dim() == 2
+    seq_dim = 0 if unbatched or not batch_first else 1
+    check_attention_masks(
+        1 if unbatched else query.size(0 if batch_first else 1), num_heads, query.size(seq_dim),
+        key.size(seq_dim), query.device, attn_mask,
+        key_padding_mask.unsqueeze(0) if key_padding_mask is not None and unbatched else key_padding_mask,
     )
 
 

@@ -14,7 +14,8 @@ PyTorch's native fast paths are kept from bypassing the fused layers, per instan
 
 * ``nn.TransformerEncoderLayer`` in eval mode calls ``torch._transformer_encoder_layer_fwd``
   with the attention weights directly. It skips that path when a submodule has a forward hook,
-  and every ``FusedMultiheadAttention`` carries a no-op pre-hook for that reason.
+  and every ``FusedMultiheadAttention`` carries a no-op pre-hook (on its ``out_proj``) for that
+  reason.
 * ``nn.TransformerEncoder`` turns padded batches into nested tensors in eval mode
   (``use_nested_tensor``); that attribute is set to False on encoders whose layers were fused.
 """
