@@ -17,8 +17,9 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
               help="Repeatable. Default: all three (training forward, forward+backward, inference).")
 @click.option("--no-sdpa", is_flag=True, help="Skip the F.scaled_dot_product_attention baseline.")
 @click.option("--threads", type=int, default=2, show_default=True, help="torch.set_num_threads for the run.")
-@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds per measurement.")
-@click.option("--min-run-time", type=float, default=0.2, show_default=True,
+@click.option("--rounds", type=int, default=10, show_default=True,
+              help="Interleaved rounds per measurement; the minimum of the per-round medians is kept.")
+@click.option("--min-run-time", type=float, default=0.05, show_default=True,
               help="Seconds per blocked_autorange in each round.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Write the table as Markdown.")
@@ -32,8 +33,9 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
           memory_shape):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
-    Reports torch.utils.benchmark medians and the ratio time(impl) / time(nn.MultiheadAttention);
-    below 1.00x is faster. Inference compares against nn.MultiheadAttention in eval mode under
+    Reports, per implementation, the minimum over interleaved rounds of torch.utils.benchmark
+    medians (noise on shared machines only ever inflates a measurement), and the ratio
+    time(impl) / time(nn.MultiheadAttention); below 1.00x is faster. Inference compares against nn.MultiheadAttention in eval mode under
     torch.inference_mode, i.e. PyTorch's native fused fast path.
     """
     import torch
