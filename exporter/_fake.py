@@ -231,6 +231,11 @@ def _attention_backward_fake(
         lambda: "attention backward: logsumexp must be [batch, heads, Lq] = "
         f"[{batch}, {heads}, {query.size(2)}]; got {_sizes(logsumexp)}",
     )
+    torch._check(
+        grad_output.device == query.device and logsumexp.device == query.device,
+        lambda: "attention backward: grad_output and logsumexp must be on the query's device "
+        f"{query.device}; got {grad_output.device} and {logsumexp.device}",
+    )
     return (
         empty_token_major(query, batch, heads, query.size(2), query.size(3)),
         empty_token_major(query, batch, heads, key.size(2), key.size(3)),
