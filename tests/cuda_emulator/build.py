@@ -94,7 +94,9 @@ def load(verbose: bool = False):
         "-std=c++20", "-O2", "-g0", "-pthread", "-fno-strict-aliasing",
         "-DATTN_EXPORT_SIMT_EMULATOR", "-Wno-attributes", "-Wno-unknown-pragmas",
     ]
-    ldflags = ["-pthread"]
+    # -Bsymbolic: the CUDA runtime functions emulator_runtime.cpp defines must bind to those
+    # definitions even when a CUDA build of torch has already loaded the real libcudart.
+    ldflags = ["-pthread", "-Wl,-Bsymbolic"]
     if os.environ.get("ATTN_EXPORT_EMU_TSAN"):
         cflags += ["-fsanitize=thread", "-O1"]
         ldflags += ["-fsanitize=thread"]
