@@ -18,9 +18,12 @@ import hashlib
 import os
 import pathlib
 import shutil
+import sys
 import sysconfig
+import time
 
 import torch
+import torch.utils.cpp_extension
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -46,13 +49,24 @@ def cuda_include_dir() -> pathlib.Path | None:
     return None
 
 
-def _sources_hash(files) -> str:
+def _build_hash(files) -> str:
+    """Of every input: the sources, this script, the torch and Python it builds against (an
+    extension built for another torch must never be loaded), and the sanitizer switch."""
     h = hashlib.sha256()
     for f in sorted(files):
         h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())
+    h.update(pathlib.Path(__file__).read_bytes())
+    h.update(f"{torch.__version__} {sys.version} {torch.utils.cpp_extension.__file__}".encode())
     h.update(os.environ.get("ATTN_EXPORT_EMU_TSAN", "").encode())
     return h.hexdigest()[:12]
+
+
+def _clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = 1800) -> None:
+    """torch's build lock outlives a build that was killed, and then blocks every later load."""
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
+        lock.unlink(missing_ok=True)
 
 
 def load(verbose: bool = False):
@@ -70,9 +84,10 @@ def load(verbose: bool = False):
         + sorted(HERE.glob("*.cpp"))
         + [CSRC / "attention_params.h", CSRC / "ops" / "attention_binding.h", CSRC / "ops" / "attention_binding.cpp"]
     )
-    name = f"attn_export_emu_{_sources_hash(inputs)}"
+    name = f"attn_export_emu_{_build_hash(inputs)}"
     build_dir = pathlib.Path(os.environ.get("ATTN_EXPORT_EMU_BUILD", pathlib.Path.home() / ".cache" / "attn_export_emu")) / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
 
     # Unity files: the generic kernels, the flash forward, the flash backward, the dispatch.
     groups = {
