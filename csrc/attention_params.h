@@ -4,6 +4,8 @@
 // torch or TensorRT headers, so the same struct can be filled by the PyTorch op, by the
 // TensorRT plugin's enqueue(), or by a unit test in plain C++.
 //
+// Kernels that use it: csrc/ops/cpu/attention_kernel.cpp and csrc/kernels/cuda/attention_cuda.h.
+//
 // Layout conventions (all strides are in elements, not bytes):
 //   q        [batch, num_heads, seqlen_q, head_dim]      last dim contiguous
 //   k        [batch, num_heads, seqlen_k, head_dim]      last dim contiguous
@@ -74,6 +76,8 @@ struct AttentionParams {
 
 // The backward pass reads everything the forward read (it recomputes the probabilities from
 // q, k and lse instead of storing the seqlen_q x seqlen_k matrix) plus the incoming gradients.
+// `out` (inherited) holds the forward's output: the CUDA kernels read it for the row term
+// rowsum(dO * O) of the softmax backward; the CPU kernel, which sees whole rows, ignores it.
 struct AttentionBackwardParams : AttentionParams {
   const void* grad_out = nullptr;  // like out
   int64_t grad_out_batch_stride = 0, grad_out_head_stride = 0, grad_out_row_stride = 0;

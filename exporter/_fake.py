@@ -236,7 +236,7 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
 @torch.library.register_fake("attn_export::_attention_backward")
 def _attention_backward_fake(
     grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
-    probs=None,
+    probs=None, output=None,
 ):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     batch, heads = query.size(0), query.size(1)
@@ -249,6 +249,11 @@ def _attention_backward_fake(
         list(logsumexp.shape) == [batch, heads, query.size(2)],
         lambda: "attention backward: logsumexp must be [batch, heads, Lq] = "
         f"[{batch}, {heads}, {query.size(2)}]; got {_sizes(logsumexp)}",
+    )
+    torch._check(
+        grad_output.device == query.device and logsumexp.device == query.device,
+        lambda: "attention backward: grad_output and logsumexp must be on the query's device "
+        f"{query.device}; got {grad_output.device} and {logsumexp.device}",
     )
     return (
         empty_token_major(query, batch, heads, query.size(2), query.size(3)),

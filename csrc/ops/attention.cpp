@@ -28,7 +28,8 @@ TORCH_LIBRARY(attn_export, m) {
   // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and
   // the attention probabilities when need_weights is set (an empty tensor otherwise). The
   // backward may be given the forward's probabilities (accumulation dtype) to skip recomputing
-  // them; kernels are free to ignore them.
+  // them, and the forward's output (the flash-style CUDA backward needs rowsum(dO * O));
+  // kernels ignore what they do not need and recompute what is not given.
   m.def(
       "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float? scale, bool need_weights) "
@@ -36,7 +37,7 @@ TORCH_LIBRARY(attn_export, m) {
   m.def(
       "_attention_backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, "
-      "bool is_causal, float? scale, Tensor? probs=None) "
+      "bool is_causal, float? scale, Tensor? probs=None, Tensor? output=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 
   // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention,

@@ -107,6 +107,27 @@ void check_attention_masks(
   }
 }
 
+void check_attention_backward_inputs(
+    const at::Tensor& grad_output,
+    const at::Tensor& logsumexp,
+    const at::Tensor& query,
+    const at::Tensor& value) {
+  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
+  const int64_t dim_v = value.size(3);
+  TORCH_CHECK(
+      grad_output.sizes() == at::IntArrayRef({batch, heads, seqlen_q, dim_v}),
+      "attention backward: grad_output must be [batch, heads, Lq, Dv] = [", batch, ", ", heads,
+      ", ", seqlen_q, ", ", dim_v, "]; got ", grad_output.sizes());
+  TORCH_CHECK(
+      logsumexp.sizes() == at::IntArrayRef({batch, heads, seqlen_q}),
+      "attention backward: logsumexp must be [batch, heads, Lq] = [", batch, ", ", heads, ", ",
+      seqlen_q, "]; got ", logsumexp.sizes());
+  TORCH_CHECK(
+      grad_output.device() == query.device() && logsumexp.device() == query.device(),
+      "attention backward: grad_output and logsumexp must be on the query's device ",
+      query.device(), "; got ", grad_output.device(), " and ", logsumexp.device());
+}
+
 double resolve_scale(std::optional<double> scale, int64_t head_dim) {
   if (scale.has_value()) {
     return *scale;
@@ -207,6 +228,45 @@ AttentionParams make_attention_params(
   }
   p.scale = scale;
   p.is_causal = is_causal;
+  return p;
+}
+
+AttentionBackwardParams make_attention_backward_params(
+    const AttentionParams& forward,
+    const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& grad_q,
+    const at::Tensor& grad_k,
+    const at::Tensor& grad_v) {
+  for (const at::Tensor* t : {&grad_out, &grad_q, &grad_k, &grad_v}) {
+    TORCH_INTERNAL_ASSERT(t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
+  }
+  AttentionBackwardParams p;
+  static_cast<AttentionParams&>(p) = forward;
+  p.grad_out = grad_out.data_ptr();
+  p.grad_out_batch_stride = grad_out.stride(0);
+  p.grad_out_head_stride = grad_out.stride(1);
+  p.grad_out_row_stride = grad_out.stride(2);
+  if (grad_weights.has_value()) {
+    const at::Tensor& gw = *grad_weights;
+    TORCH_INTERNAL_ASSERT(gw.size(3) <= 1 || gw.stride(3) == 1, "last dim must be contiguous");
+    p.grad_weights = gw.data_ptr();
+    p.grad_weights_batch_stride = gw.stride(0);
+    p.grad_weights_head_stride = gw.stride(1);
+    p.grad_weights_row_stride = gw.stride(2);
+  }
+  p.grad_q = grad_q.data_ptr();
+  p.grad_q_batch_stride = grad_q.stride(0);
+  p.grad_q_head_stride = grad_q.stride(1);
+  p.grad_q_row_stride = grad_q.stride(2);
+  p.grad_k = grad_k.data_ptr();
+  p.grad_k_batch_stride = grad_k.stride(0);
+  p.grad_k_head_stride = grad_k.stride(1);
+  p.grad_k_row_stride = grad_k.stride(2);
+  p.grad_v = grad_v.data_ptr();
+  p.grad_v_batch_stride = grad_v.stride(0);
+  p.grad_v_head_stride = grad_v.stride(1);
+  p.grad_v_row_stride = grad_v.stride(2);
   return p;
 }
 

@@ -33,6 +33,14 @@ void check_attention_masks(
 // or a [B, Lk] key-padding mask.
 AttentionMask mask_params(const at::Tensor& mask, bool is_key_padding);
 
+// Validates the backward's own inputs against the forward's (already checked) ones; the
+// messages quote the shapes received, and the fake kernel raises the same.
+void check_attention_backward_inputs(
+    const at::Tensor& grad_output,
+    const at::Tensor& logsumexp,
+    const at::Tensor& query,
+    const at::Tensor& value);
+
 // 1/sqrt(head_dim) unless given.
 double resolve_scale(std::optional<double> scale, int64_t head_dim);
 
@@ -65,5 +73,17 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& key_padding_mask,
     double scale,
     bool is_causal);
+
+// The backward's params: `forward` (from make_attention_params: q, k, v, lse, masks, scale,
+// causality, and `out` = the forward's output for the kernels that read it) plus the incoming
+// gradients and the gradient outputs. `grad_weights`, when given, must already be broadcast to
+// [B, H, Lq, Lk] in the accumulation dtype with its last dim contiguous.
+AttentionBackwardParams make_attention_backward_params(
+    const AttentionParams& forward,
+    const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& grad_q,
+    const at::Tensor& grad_k,
+    const at::Tensor& grad_v);
 
 }  // namespace attn_export::ops

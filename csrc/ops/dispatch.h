@@ -39,16 +39,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    const std::optional<at::Tensor>& probs = std::nullopt) {
+    const std::optional<at::Tensor>& probs = std::nullopt,
+    const std::optional<at::Tensor>& output = std::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("attn_export::_attention_backward", "")
                        .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                           bool, std::optional<double>, const std::optional<at::Tensor>&)>();
+                           bool, std::optional<double>, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&)>();
   return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
-                 key_padding_mask, is_causal, scale, probs);
+                 key_padding_mask, is_causal, scale, probs, output);
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -220,7 +220,7 @@ ProjectionGrads core_backward(
   }
   auto [dq4, dk4, dv4] = call_attention_backward(
       split_heads(grad_attn, 0, 1, l.seqlen_q, l), grad_probs, q, k, v, s.lse, a.attn_mask,
-      batched_padding_mask(a), a.is_causal, std::nullopt, probs);
+      batched_padding_mask(a), a.is_causal, std::nullopt, probs, split_heads(s.attn, 0, 1, l.seqlen_q, l));
   const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
   if (packed_qkv) {
     return {at::cat({dq, dk, dv}, 1), at::empty({0}, dq.options())};

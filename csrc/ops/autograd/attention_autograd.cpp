@@ -59,8 +59,10 @@ class AttentionFunction : public Function<AttentionFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, weights] = call_attention_forward(
         query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false);
-    ctx->save_for_backward(
-        {query, key, value, attn_mask.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor())});
+    // The output is saved through save_for_backward (not saved_data, which would hold it in a
+    // reference cycle with its own grad_fn): the CUDA backward needs it.
+    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()),
+                            key_padding_mask.value_or(at::Tensor()), out});
     ctx->saved_data["lse"] = lse;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
@@ -73,7 +75,7 @@ class AttentionFunction : public Function<AttentionFunction> {
     auto [grad_q, grad_k, grad_v] = call_attention_backward(
         grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2],
         ctx->saved_data["lse"].toTensor(), optional_of(saved[3]), optional_of(saved[4]),
-        ctx->saved_data["is_causal"].toBool(), scale);
+        ctx->saved_data["is_causal"].toBool(), scale, std::nullopt, saved[5]);
     return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -274,11 +276,11 @@ class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
       const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
         const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-      const std::optional<at::Tensor>& probs) {
+      const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs);
+                                                scale, probs, output);
     return {dq, dk, dv};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -378,10 +380,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& probs) {
+    const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output) {
   const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs);
+                                                scale, probs, output);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 

@@ -340,22 +340,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    const std::optional<at::Tensor>& probs) {
+    const std::optional<at::Tensor>& probs,
+    const std::optional<at::Tensor>& /*output: not needed on the CPU*/) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
   TORCH_CHECK(
       !probs.has_value() || probs->sizes() == at::IntArrayRef({batch, heads, seqlen_q, seqlen_k}),
       "attention backward: probs must be [batch, heads, Lq, Lk] = [", batch, ", ", heads, ", ",
       seqlen_q, ", ", seqlen_k, "]; got ", probs.has_value() ? probs->sizes() : at::IntArrayRef{});
-  TORCH_CHECK(
-      grad_output.sizes() == at::IntArrayRef({batch, heads, seqlen_q, dim_v}),
-      "attention backward: grad_output must be [batch, heads, Lq, Dv] = [", batch, ", ", heads,
-      ", ", seqlen_q, ", ", dim_v, "]; got ", grad_output.sizes());
-  TORCH_CHECK(
-      logsumexp.sizes() == at::IntArrayRef({batch, heads, seqlen_q}),
-      "attention backward: logsumexp must be [batch, heads, Lq] = [", batch, ", ", heads, ", ",
-      seqlen_q, "]; got ", logsumexp.sizes());
 
   const at::ScalarType acc = accumulation_dtype(query.scalar_type());
   const auto options = query.options().dtype(acc);
@@ -370,40 +364,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, acc);
   const auto padding = kernel_padding_mask(key_padding_mask, acc);
 
-  AttentionBackwardParams params;
-  static_cast<AttentionParams&>(params) = make_attention_params(
-      q, k, v, grad_out, lse, std::nullopt, mask4d, padding,
-      resolve_scale(scale, query.size(3)), is_causal);
-  params.out = nullptr;
-  params.grad_out = grad_out.data_ptr();
-  params.grad_out_batch_stride = grad_out.stride(0);
-  params.grad_out_head_stride = grad_out.stride(1);
-  params.grad_out_row_stride = grad_out.stride(2);
-  at::Tensor gw;
+  std::optional<at::Tensor> gw;
   if (grad_weights.has_value() && grad_weights->defined()) {
     gw = kernel_operand(grad_weights->expand({batch, heads, seqlen_q, seqlen_k}), acc);
-    params.grad_weights = gw.data_ptr();
-    params.grad_weights_batch_stride = gw.stride(0);
-    params.grad_weights_head_stride = gw.stride(1);
-    params.grad_weights_row_stride = gw.stride(2);
   }
+  // The CPU backward recomputes each probability row in full (or reads the forward's), so it
+  // needs no forward output.
+  AttentionParams forward = make_attention_params(
+      q, k, v, grad_out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
+      is_causal);
+  forward.out = nullptr;
+  AttentionBackwardParams params =
+      make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
   at::Tensor saved_probs;
   if (probs.has_value()) {
     saved_probs = probs->to(acc).contiguous();
     params.probs = saved_probs.data_ptr();
   }
-  params.grad_q = grad_q.data_ptr();
-  params.grad_q_batch_stride = grad_q.stride(0);
-  params.grad_q_head_stride = grad_q.stride(1);
-  params.grad_q_row_stride = grad_q.stride(2);
-  params.grad_k = grad_k.data_ptr();
-  params.grad_k_batch_stride = grad_k.stride(0);
-  params.grad_k_head_stride = grad_k.stride(1);
-  params.grad_k_row_stride = grad_k.stride(2);
-  params.grad_v = grad_v.data_ptr();
-  params.grad_v_batch_stride = grad_v.stride(0);
-  params.grad_v_head_stride = grad_v.stride(1);
-  params.grad_v_row_stride = grad_v.stride(2);
 
   cpu::run_attention_backward(params);
   const at::ScalarType dtype = query.scalar_type();

@@ -1,0 +1,146 @@
+// Element types, conversions and score masking shared by every attention kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../../attention_params.h"
+#include "kernel_traits.h"
+
+namespace attn_export::cuda::device {
+
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+
+template <typename Acc>
+__host__ __device__ __forceinline__ constexpr Acc neg_inf() {
+  return static_cast<Acc>(-INFINITY);
+}
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(acc_t<T> x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return x;
+  }
+}
+
+// Two floats rounded to a 16-bit type and packed into one 32-bit register, `lo` in the low
+// half: the operand format of mma.sync and of a 4-byte store of two adjacent elements.
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t bits;
+  if constexpr (std::is_same_v<Element, __half>) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&bits, &v, sizeof(bits));
+  } else {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&bits, &v, sizeof(bits));
+  }
+  return bits;
+}
+
+// One element of an additive mask, whatever its floating dtype.
+template <typename Acc>
+__device__ __forceinline__ Acc load_additive(const void* base, int64_t offset, DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+      return static_cast<Acc>(__half2float(static_cast<const __half*>(base)[offset]));
+    case DataType::kBFloat16:
+      return static_cast<Acc>(__bfloat162float(static_cast<const __nv_bfloat16*>(base)[offset]));
+    case DataType::kFloat64:
+      return static_cast<Acc>(static_cast<const double*>(base)[offset]);
+    case DataType::kFloat32:
+    default:
+      return static_cast<Acc>(static_cast<const float*>(base)[offset]);
+  }
+}
+
+// AttentionMask::present(), callable from device code (attention_params.h is plain C++).
+__device__ __forceinline__ bool mask_present(const AttentionMask& m) {
+  return m.kind != MaskKind::kNone && m.ptr != nullptr;
+}
+
+// Every mask of one (batch, head) slice, applied to one score at a time. Out-of-range rows
+// and columns (the padding of a partial tile) are masked too, so that a tile's padding
+// contributes exactly zero probability in the forward and the backward alike.
+template <typename Acc>
+struct ScoreMask {
+  const void* attn = nullptr;
+  MaskKind attn_kind = MaskKind::kNone;
+  DataType attn_dtype = DataType::kFloat32;
+  int64_t attn_offset = 0, attn_row_stride = 0, attn_col_stride = 0;
+  const void* pad = nullptr;
+  MaskKind pad_kind = MaskKind::kNone;
+  DataType pad_dtype = DataType::kFloat32;
+  int64_t pad_offset = 0, pad_col_stride = 0;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+  bool causal = false;
+  // Multiplies additive mask values: 1 for natural-log scores, log2(e) for the flash
+  // kernels, whose scores are kept in the log2 domain.
+  Acc mask_scale = 1;
+
+  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask)
+      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), mask_scale(scale_of_mask) {
+    if (mask_present(p.attn_mask)) {
+      attn = p.attn_mask.ptr;
+      attn_kind = p.attn_mask.kind;
+      attn_dtype = p.attn_mask.dtype;
+      attn_offset = b * p.attn_mask.batch_stride + h * p.attn_mask.head_stride;
+      attn_row_stride = p.attn_mask.row_stride;
+      attn_col_stride = p.attn_mask.col_stride;
+    }
+    if (mask_present(p.key_padding_mask)) {
+      pad = p.key_padding_mask.ptr;
+      pad_kind = p.key_padding_mask.kind;
+      pad_dtype = p.key_padding_mask.dtype;
+      pad_offset = b * p.key_padding_mask.batch_stride;
+      pad_col_stride = p.key_padding_mask.col_stride;
+    }
+  }
+
+  // Whether any mask tensor must be read (causality and bounds are arithmetic).
+  __device__ __forceinline__ bool reads_memory() const { return attn != nullptr || pad != nullptr; }
+
+  // `s` with the masks of query `row` and key `col` applied: -inf where attending is not allowed.
+  __device__ __forceinline__ Acc apply(Acc s, int64_t row, int64_t col) const {
+    if (row >= seqlen_q || col >= seqlen_k || (causal && col > row)) {
+      return neg_inf<Acc>();
+    }
+    if (attn != nullptr) {
+      const int64_t at = attn_offset + row * attn_row_stride + col * attn_col_stride;
+      if (attn_kind == MaskKind::kBool) {
+        if (static_cast<const uint8_t*>(attn)[at] != 0) {
+          return neg_inf<Acc>();
+        }
+      } else {
+        s += mask_scale * load_additive<Acc>(attn, at, attn_dtype);
+      }
+    }
+    if (pad != nullptr) {
+      const int64_t at = pad_offset + col * pad_col_stride;
+      if (pad_kind == MaskKind::kBool) {
+        if (static_cast<const uint8_t*>(pad)[at] != 0) {
+          return neg_inf<Acc>();
+        }
+      } else {
+        s += mask_scale * load_additive<Acc>(pad, at, pad_dtype);
+      }
+    }
+    return s;
+  }
+};
+
+}  // namespace attn_export::cuda::device

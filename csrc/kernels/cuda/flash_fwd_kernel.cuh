@@ -1,0 +1,241 @@
+// Flash forward: softmax(scale * Q K^T + masks) V for one (batch, head, block of kBlockM query
+// rows) per thread block, on tensor cores (mma.sync m16n8k16, float16/bfloat16 inputs, float32
+// accumulation).
+//
+// Keys and values stream through shared memory kBlockN rows at a time. Each warp owns 16 query
+// rows and keeps their scores S, running max, running sum and output O in registers (online
+// softmax, FlashAttention-2 style): the Lq x Lk matrix never exists anywhere, and the only
+// extra output is the row log-sum-exp the backward needs. Scores live in the log2 domain
+// (scale * log2(e) is folded into one multiply) so each probability is one ex2 instruction.
+//
+// Loads overlap compute with single-buffered K and V tiles and cp.async groups: K(n+1) is
+// fetched while the block does the softmax and P V of tile n; V(n+1) while it computes
+// S(n+1) = Q K(n+1)^T.
+#pragma once
+
+#include "device_primitives.cuh"
+#include "element.cuh"
+#include "kernel_traits.h"
+#include "launch.h"
+
+namespace attn_export::cuda {
+namespace device {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+// Rows [row0, row0 + kRows) of a [seqlen, kHeadDim] matrix (rows `row_stride` elements apart,
+// each contiguous) into a shared tile whose rows are kRowStride elements apart, 16 bytes per
+// cp.async. Rows at or past `seqlen` are zero-filled.
+template <int kRows, int kHeadDim, int kRowStride, int kNThreads, typename Element>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
+                                                int64_t row_stride, int row0, int seqlen) {
+  constexpr int kElemsPerChunk = 16 / sizeof(Element);
+  constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kNThreads == 0, "every thread issues the same number of copies");
+#pragma unroll
+  for (int i = threadIdx.x; i < kChunks; i += kNThreads) {
+    const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+    const bool valid = row0 + r < seqlen;
+    // An invalid row reads nothing, but the address handed to cp.async must still be legal.
+    const Element* src = gmem + (valid ? (row0 + r) * row_stride : 0) + c * kElemsPerChunk;
+    cp_async_16(smem + r * kRowStride + c * kElemsPerChunk, src, valid);
+  }
+}
+
+// Stores two adjacent elements (a float pair from an accumulator fragment) with one 4-byte store.
+template <typename Element>
+__device__ __forceinline__ void store_pair(Element* dst, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(lo, hi);
+}
+
+template <typename Traits, typename Element, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const AttentionParams params) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int kD = Traits::kHeadDim, kBM = Traits::kBlockM, kBN = Traits::kBlockN;
+  constexpr int kRS = Traits::kRowStride, kNT = Traits::kNThreads;
+  constexpr int kSTiles = kBN / 8;  // 8-column accumulator tiles of one warp's S
+  constexpr int kOTiles = kD / 8;   // ... and of its O
+
+  Element* sQ = shared_memory<Element>();
+  Element* sK = sQ + kBM * kRS;
+  Element* sV = sK + kBN * kRS;
+
+  const int m0 = blockIdx.x * kBM;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int seqlen_q = static_cast<int>(params.seqlen_q), seqlen_k = static_cast<int>(params.seqlen_k);
+
+  const Element* q = static_cast<const Element*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
+  const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + h * params.k_head_stride;
+  const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + h * params.v_head_stride;
+
+  // Causal: no row of this block sees a key at or past m0 + kBM, so those tiles are skipped.
+  const int key_end = kIsCausal ? imin(seqlen_k, m0 + kBM) : seqlen_k;
+  const int n_blocks = (key_end + kBN - 1) / kBN;
+
+  // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
+  // empty). "Wait until at most one group is pending" therefore always means "the tile about
+  // to be used has landed" while the next one is still in flight.
+  load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q);
+  if (n_blocks > 0) {
+    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, 0, seqlen_k);
+  }
+  cp_async_commit();
+  if (n_blocks > 0) {
+    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, 0, seqlen_k);
+  }
+  cp_async_commit();
+
+  // This thread's rows of the warp's 16: r = 0 -> row_a, r = 1 -> row_a + 8.
+  const int row_a = m0 + warp * 16 + lane / 4;
+  const int col_in_tile = (lane % 4) * 2;
+  const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
+  const ScoreMask<float> mask(params, b, h, kLog2e);
+
+  float acc_o[kOTiles][4] = {};
+  float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
+  float row_sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
+
+  for (int n = 0; n < n_blocks; ++n) {
+    const int n0 = n * kBN;
+    cp_async_wait<1>();
+    __syncthreads();  // Q and K(n) are in shared memory, for every thread
+
+    // S = Q K^T for the warp's 16 rows x kBN keys. A = Q rows (ldmatrix); B = K^T, i.e. K rows
+    // read as "col" fragments: two 8-key tiles per ldmatrix.x4.
+    float acc_s[kSTiles][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sQ + (warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int np = 0; np < kBN / 16; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kRS + ks * 16 + ((lane / 8) % 2) * 8);
+        mma_16816<Element>(acc_s[2 * np], a, bk[0], bk[1]);
+        mma_16816<Element>(acc_s[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with sK: refill it with K(n+1)
+    if (n + 1 < n_blocks) {
+      load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0 + kBN, seqlen_k);
+    }
+    cp_async_commit();
+
+    // Scale into the log2 domain; mask only the tiles that can need it.
+    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0);
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = acc_s[nt][i] * scale_log2;
+        if (masked_tile) {
+          s = mask.apply(s, row_a + (i / 2) * 8, n0 + nt * 8 + col_in_tile + (i % 2));
+        }
+        acc_s[nt][i] = s;
+      }
+    }
+
+    // Online softmax. The 4 threads of a quad share a row, so row reductions are two shuffles.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+        mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen no visible key keeps max = -inf. Subtracting 0 instead keeps every
+      // exponent at -inf (never -inf - -inf = NaN): its probabilities and correction become 0.
+      const float m_use = mx == neg_inf<float>() ? 0.f : mx;
+      const float correction = fast_exp2(row_max[r] - m_use);
+      row_max[r] = mx;
+      row_sum[r] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) {
+        acc_o[dt][2 * r] *= correction;
+        acc_o[dt][2 * r + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float p = fast_exp2(acc_s[nt][2 * r + j] - m_use);
+          acc_s[nt][2 * r + j] = p;
+          row_sum[r] += p;
+        }
+      }
+    }
+
+    cp_async_wait<1>();
+    __syncthreads();  // V(n) is in shared memory (K(n+1) may still be in flight)
+
+    // O += P V. The S accumulators of two adjacent 8-key tiles are exactly the A fragment of a
+    // 16-key step (see device_primitives.cuh), so P never leaves registers. B = V rows read
+    // transposed (ldmatrix .trans): two 8-wide head-dim tiles per ldmatrix.x4.
+#pragma unroll
+    for (int ks = 0; ks < kBN / 16; ++ks) {
+      const uint32_t a[4] = {
+          pack2<Element>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
+          pack2<Element>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
+          pack2<Element>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
+          pack2<Element>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]),
+      };
+#pragma unroll
+      for (int dd = 0; dd < kD / 16; ++dd) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, sV + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kRS + dd * 16 + (lane / 16) * 8);
+        mma_16816<Element>(acc_o[2 * dd], a, bv[0], bv[1]);
+        mma_16816<Element>(acc_o[2 * dd + 1], a, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with sV: refill it with V(n+1)
+    if (n + 1 < n_blocks) {
+      load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0 + kBN, seqlen_k);
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<0>();  // nothing may still be in flight when the block exits
+
+  // Normalize and write O and the log-sum-exp (natural log: lse = max * ln 2 + ln(sum)).
+  // A row with no visible key has sum 0: zero output and lse = -inf, as the CPU kernel.
+  Element* out = static_cast<Element*>(params.out) + b * params.out_batch_stride + h * params.out_head_stride;
+  float* lse = static_cast<float*>(params.lse) + (b * params.num_heads + h) * params.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row_a + r * 8;
+    const bool visible = sum > 0.f;
+    const float inv = visible ? 1.f / sum : 0.f;
+    if (row < seqlen_q) {
+      Element* out_row = out + row * params.out_row_stride + col_in_tile;
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) {
+        store_pair(out_row + dt * 8, acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
+      }
+      if (lane % 4 == 0) {
+        lse[row] = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace device
+
+// Host launcher, instantiated per (dtype, head dim, causal) in flash_fwd_hdim*.cu.
+template <typename Element, int kHeadDim, bool kIsCausal>
+cudaError_t run_flash_fwd_(const AttentionParams& params, cudaStream_t stream) {
+  using Traits = FlashFwdTraits<kHeadDim>;
+  const dim3 grid(static_cast<unsigned>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM),
+                  static_cast<unsigned>(params.num_heads), static_cast<unsigned>(params.batch));
+  return launch_kernel(device::flash_fwd_kernel<Traits, Element, kIsCausal>, grid,
+                       dim3(Traits::kNThreads), Traits::template smem_bytes<Element>(), stream, params);
+}
+
+}  // namespace attn_export::cuda

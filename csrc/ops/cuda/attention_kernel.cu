@@ -1,0 +1,169 @@
+// CUDA binding of the attention core: tensors -> AttentionParams -> the framework-free kernels
+// of csrc/kernels/cuda/, launched on the current stream. Results have exactly the layouts of
+// the CPU kernels and of the fake kernels: [B, H, L, D] views of token-major memory, lse
+// [B, H, Lq] float32 (float64 for float64 inputs), weights contiguous [B, H, Lq, Lk] in the
+// input dtype, or an empty tensor.
+//
+// Unlike the CPU binding, float16/bfloat16 are not upcast: the kernels read them natively and
+// accumulate in float32 (tensor cores for head dims 32/64/128, CUDA cores otherwise).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../../kernels/cuda/attention_cuda.h"
+#include "../attention_binding.h"
+
+namespace attn_export::ops {
+namespace {
+
+// The kernels read every operand's last dim contiguously; other strides are free.
+at::Tensor kernel_operand(const at::Tensor& t) {
+  return t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+}
+
+std::optional<at::Tensor> attn_mask_4d(const std::optional<at::Tensor>& mask, int64_t batch, int64_t heads) {
+  if (!mask.has_value()) {
+    return std::nullopt;
+  }
+  // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
+  return broadcast_attn_mask(*mask, batch, heads);
+}
+
+void check_supported(const AttentionParams& params) {
+  const char* why = cuda::attention_params_error(params);
+  TORCH_CHECK(why == nullptr, why);
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " (CUDA) failed: ", cudaGetErrorString(err));
+}
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale,
+    bool need_weights) {
+  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const at::ScalarType dtype = query.scalar_type();
+  const auto acc_options = query.options().dtype(accumulation_dtype(dtype));
+  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
+  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
+
+  const at::Tensor q = kernel_operand(query);
+  const at::Tensor k = kernel_operand(key);
+  const at::Tensor v = kernel_operand(value);
+  at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
+  at::Tensor lse = at::empty({batch, heads, seqlen_q}, acc_options);
+  std::optional<at::Tensor> weights;
+  if (need_weights) {
+    weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
+  }
+  const AttentionParams params = make_attention_params(
+      q, k, v, out, lse, weights, attn_mask_4d(attn_mask, batch, heads), key_padding_mask,
+      resolve_scale(scale, query.size(3)), is_causal);
+  check_supported(params);
+  check_launch(cuda::run_attention_forward(params, current_stream(query)), "attention forward");
+
+  return std::make_tuple(
+      out, lse, weights.has_value() ? weights->to(dtype) : at::empty({0}, query.options()));
+}
+
+at::Tensor attention_cuda(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale) {
+  return std::get<0>(attention_forward_cuda(
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_output,
+    const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const at::Tensor& logsumexp,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale,
+    const std::optional<at::Tensor>& /*probs: the flash backward recomputes them*/,
+    const std::optional<at::Tensor>& output) {
+  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_attention_backward_inputs(grad_output, logsumexp, query, value);
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const cudaStream_t stream = current_stream(query);
+  const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
+  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
+  const int64_t seqlen_k = key.size(2), dim = query.size(3), dim_v = value.size(3);
+  const double softmax_scale = resolve_scale(scale, dim);
+
+  const at::Tensor q = kernel_operand(query);
+  const at::Tensor k = kernel_operand(key);
+  const at::Tensor v = kernel_operand(value);
+  const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
+  const at::Tensor lse = logsumexp.to(acc).contiguous();
+  const auto mask4d = attn_mask_4d(attn_mask, batch, heads);
+
+  // The kernels need the forward's output O for rowsum(dO * O). The autograd functions pass
+  // the saved one; a caller that does not is served by one more forward pass, O(L) memory.
+  at::Tensor out;
+  if (output.has_value() && output->defined()) {
+    TORCH_CHECK(output->sizes() == at::IntArrayRef({batch, heads, seqlen_q, dim_v}),
+                "attention backward: output must be [batch, heads, Lq, Dv] = [", batch, ", ", heads,
+                ", ", seqlen_q, ", ", dim_v, "]; got ", output->sizes());
+    out = kernel_operand(output->to(dtype));
+  } else {
+    out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
+    at::Tensor lse_again = at::empty_like(lse);
+    at::Tensor lse_again = at::empty_like(lse);
+    const AttentionParams forward = make_attention_params(
+        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal);
+    check_supported(forward);
+    check_launch(cuda::run_attention_forward(forward, stream), "attention backward (recomputing the output)");
+  }
+
+  std::optional<at::Tensor> gw;
+  if (grad_weights.has_value() && grad_weights->defined()) {
+    at::Tensor expanded = grad_weights->to(acc).expand({batch, heads, seqlen_q, seqlen_k});
+    gw = kernel_operand(expanded);
+  }
+  at::Tensor grad_q = empty_token_major(batch, heads, seqlen_q, dim, query.options());
+  at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, dim, query.options());
+  at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, query.options());
+  const AttentionBackwardParams params = make_attention_backward_params(
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal),
+      grad_out, gw, grad_q, grad_k, grad_v);
+  at::Tensor workspace = at::empty(
+      {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},
+      query.options().dtype(at::kByte));
+  check_launch(cuda::run_attention_backward(params, workspace.data_ptr(), stream), "attention backward");
+  return std::make_tuple(grad_q, grad_k, grad_v);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("_attention_forward", &attention_forward_cuda);
+  m.impl("_attention_backward", &attention_backward_cuda);
+}
+
+}  // namespace attn_export::ops

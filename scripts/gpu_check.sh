@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA kernels, for a machine with an NVIDIA GPU, a CUDA build of PyTorch
+# and nvcc, and no network. In under 8 minutes on an H200 it
+#   1. builds attn_export for this GPU only (TORCH_CUDA_ARCH_LIST from its compute capability),
+#   2. runs the GPU tests (tests/test_cuda.py; with pytest if installed, else with
+#      tests/run_without_pytest.py),
+#   3. runs the GPU benchmark (scripts/bench_gpu.py),
+# and writes everything under $OUT if set, else ./gpu_check_out:
+#   environment.txt  build.log  test_cuda.log  test_cuda.xml  bench_gpu.log  bench_gpu.md
+#   bench_gpu.json  summary.txt  gpu_check.log
+# Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed.
+#
+#   scripts/gpu_check.sh                 # PYTHON=... to pick the interpreter
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT_DIR=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+PY=${PYTHON:-python3}
+START=$SECONDS
+exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+
+log() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
+summary() { echo "$*" | tee -a "$OUT_DIR/summary.txt"; }
+: > "$OUT_DIR/summary.txt"
+
+# ---- 0. Environment fingerprint
+{
+  date -u
+  nvidia-smi || true
+  (command -v nvcc && nvcc --version) || echo "nvcc not on PATH"
+  git rev-parse HEAD 2>/dev/null || true
+  "$PY" - <<'PY'
+import platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
+print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+PY
+} > "$OUT_DIR/environment.txt" 2>&1
+cat "$OUT_DIR/environment.txt"
+
+# ---- 1. Build for this GPU
+CAPABILITY=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))') || {
+  summary "FAILED build: torch sees no GPU"; exit 1; }
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAPABILITY}
+export ATTN_EXPORT_CUDA=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ -z "${CUDA_HOME:-}" ]; then
+  NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
+fi
+log "building for sm_${CAPABILITY/./} (CUDA_HOME=$CUDA_HOME, MAX_JOBS=$MAX_JOBS)"
+# An editable install needs no network with these flags; where pip cannot install (e.g. a
+# read-only environment), build in place and import the package from a symlink.
+if timeout 300 "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$OUT_DIR/build.log" 2>&1; then
+  log "installed with pip (editable)"
+else
+  log "pip install failed (see build.log); building in place"
+  if ! timeout 300 "$PY" setup.py build_ext --inplace >> "$OUT_DIR/build.log" 2>&1; then
+    summary "FAILED build (see build.log)"; tail -30 "$OUT_DIR/build.log"; exit 1
+  fi
+  mkdir -p "$OUT_DIR/pythonpath"
+  ln -sfn "$ROOT/exporter" "$OUT_DIR/pythonpath/attn_export"
+  export PYTHONPATH="$OUT_DIR/pythonpath${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! "$PY" -c 'import torch, attn_export; assert torch._C._dispatch_has_kernel_for_dispatch_key("attn_export::attention", "CUDA"), "no CUDA kernels registered"' >> "$OUT_DIR/build.log" 2>&1; then
+  summary "FAILED build: attn_export does not load with its CUDA kernels (see build.log)"; tail -30 "$OUT_DIR/build.log"; exit 1
+fi
+summary "PASSED build for sm_${CAPABILITY/./} in $((SECONDS - START)) s"
+
+# ---- 2. GPU tests
+STATUS=0
+log "running tests/test_cuda.py"
+T0=$SECONDS
+if "$PY" -c 'import pytest' 2>/dev/null; then
+  timeout 270 "$PY" -m pytest -m cuda tests/test_cuda.py -q -rf -p no:cacheprovider \
+    --junitxml "$OUT_DIR/test_cuda.xml" > "$OUT_DIR/test_cuda.log" 2>&1
+else
+  timeout 270 "$PY" tests/run_without_pytest.py test_cuda --junit "$OUT_DIR/test_cuda.xml" > "$OUT_DIR/test_cuda.log" 2>&1
+fi
+TEST_RC=$?
+tail -15 "$OUT_DIR/test_cuda.log"
+if [ $TEST_RC -eq 0 ]; then
+  summary "PASSED tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda.log")"
+else
+  [ $TEST_RC -eq 124 ] && summary "FAILED tests: timed out after $((SECONDS - T0)) s" \
+                       || summary "FAILED tests (exit $TEST_RC): $(tail -1 "$OUT_DIR/test_cuda.log")"
+  STATUS=2
+fi
+
+# ---- 3. Benchmark, with what is left of the 8 minutes (minus a margin)
+BUDGET=$((450 - (SECONDS - START) - 40))
+[ $BUDGET -lt 30 ] && BUDGET=30
+log "benchmark, budget ${BUDGET} s"
+T0=$SECONDS
+if timeout $((BUDGET + 60)) "$PY" scripts/bench_gpu.py --out "$OUT_DIR" --budget-s "$BUDGET" > "$OUT_DIR/bench_gpu.log" 2>&1; then
+  summary "PASSED benchmark in $((SECONDS - T0)) s (bench_gpu.md)"
+else
+  summary "FAILED benchmark (see bench_gpu.log)"; tail -20 "$OUT_DIR/bench_gpu.log"
+  [ $STATUS -eq 0 ] && STATUS=3
+fi
+
+summary "total $((SECONDS - START)) s"
+exit $STATUS

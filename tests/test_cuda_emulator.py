@@ -1,0 +1,226 @@
+"""The CUDA kernels (csrc/kernels/cuda), run on the CPU by the SIMT emulator
+(tests/cuda_emulator/simt_emulator.h), against float64 references written from the definition.
+
+This checks the kernels' logic where no GPU is at hand: tiling and bounds, masks, online
+softmax, fully masked rows, the backward's recomputation and accumulation, cp.async ordering
+and the MMA/ldmatrix fragment bookkeeping (the emulator implements those instructions from
+the PTX ISA's definitions). It cannot check speed or the hardware's exact rounding: the GPU
+tests (tests/test_cuda.py, scripts/gpu_check.sh) do that.
+
+Tolerances are relative to each tensor's largest magnitude. float32/float64 run the generic
+kernels, which compute in the accumulation type: a few ulps of float32, or float64 noise.
+float16/bfloat16 inputs are exact in their dtype; the flash kernels then round the
+probabilities to the dtype for the tensor-core P V product and round the output (forward:
+two roundings of at most eps/2 each), and the backward also rounds P and dS before its
+products and its results (at most four): hence 2 eps for outputs and 4 eps for gradients.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from cuda_emulator.build import cuda_include_dir
+from helpers import EPS, max_rel_err, reference_attention
+
+pytestmark = pytest.mark.skipif(
+    cuda_include_dir() is None or shutil.which("c++") is None,
+    reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels",
+)
+
+TOL_OUT = {torch.float64: 1e-12, torch.float32: 8 * EPS[torch.float32], torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
+TOL_GRAD = {torch.float64: 1e-12, torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch.float16], torch.bfloat16: 4 * EPS[torch.bfloat16]}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from cuda_emulator.build import load
+
+    return load()
+
+
+def _padding(batch, seqlen_k, dtype=torch.bool):
+    m = torch.zeros(batch, seqlen_k, dtype=torch.bool)
+    for b in range(batch):
+        m[b, seqlen_k - 3 * b - 1:] = b > 0
+    return m if dtype == torch.bool else torch.zeros(batch, seqlen_k, dtype=dtype).masked_fill(m, -math.inf)
+
+
+MASKS = {
+    "none": lambda B, H, Lq, Lk: {},
+    "causal": lambda B, H, Lq, Lk: {"is_causal": True},
+    "bool_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(Lq, Lk) < 0.4},
+    "float_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(Lq, Lk)},
+    "bool_3d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(B * H, Lq, Lk) < 0.4},
+    "float16_4d_broadcast_heads": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(B, 1, Lq, Lk).half()},
+    "padding_bool": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk)},
+    "padding_float": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk, torch.float32)},
+    "causal+padding+float": lambda B, H, Lq, Lk: {
+        "is_causal": True, "key_padding_mask": _padding(B, Lk), "attn_mask": torch.randn(Lq, Lk)},
+}
+
+
+def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None):
+    """Forward and backward through the emulated kernels, and the float64 reference's."""
+    Dv = D if Dv is None else Dv
+    make = make or (lambda *shape: torch.randn(*shape, dtype=dtype))
+    q, k, v = make(B, H, Lq, D), make(B, H, Lk, D), make(B, H, Lk, Dv)
+    masks = masks or {}
+    am, kpm, causal = masks.get("attn_mask"), masks.get("key_padding_mask"), masks.get("is_causal", False)
+    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, None, need_weights)
+    grad_out = torch.randn(B, H, Lq, Dv, dtype=dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gw = torch.randn(B, H, Lq, Lk, dtype=acc) if grad_weights else None
+    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, None)
+
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_p = reference_attention(*ref_in, **masks)
+    loss = (ref_out * grad_out.double()).sum() + ((ref_p * gw.double()).sum() if grad_weights else 0)
+    ref_grads = torch.autograd.grad(loss, ref_in, allow_unused=True)
+    ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, ref_in)]
+    return dict(q=q, k=k, v=v, out=out, lse=lse, weights=weights, grads=grads,
+                ref_out=ref_out, ref_p=ref_p, ref_grads=ref_grads, masks=masks)
+
+
+def _assert_close(actual, expected, tol, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    if expected.numel() == 0:
+        return
+    if expected.abs().max() == 0:
+        # An exactly-zero reference (e.g. dQ when each query sees one key) has no scale of its
+        # own: the inputs' (unit normal) is the scale of the rounding noise.
+        err = float(actual.double().abs().max())
+        assert err <= tol, f"{what}: max abs error {err:.2e} > {tol:.1e} against zeros"
+        return
+    err = max_rel_err(actual, expected)
+    assert err <= tol, f"{what}: max relative error {err:.2e} > {tol:.1e}"
+
+
+def _check(r, dtype):
+    _assert_close(r["out"], r["ref_out"], TOL_OUT[dtype], "output")
+    assert r["out"].dtype == dtype
+    for g, w, name in zip(r["grads"], r["ref_grads"], "qkv"):
+        assert g.dtype == dtype
+        _assert_close(g, w, TOL_GRAD[dtype], f"grad {name}")
+
+
+def _token_major(t):
+    """[B, H, L, D] -> the same values in [B, L, H, D] memory, as the layer op hands them over."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_kernels_match_reference(emu, dtype, head_dim, causal):
+    # Lengths that are not multiples of any tile, both Lq > Lk and Lq < Lk.
+    seqlen_q, seqlen_k = (67, 131) if causal else (131, 67)
+    q = torch.randn(1, 1, 8, head_dim, dtype=dtype)
+    assert emu.uses_tensor_cores(q, q, q)
+    r = _run(emu, dtype, 1, 1, seqlen_q, seqlen_k, head_dim, masks={"is_causal": causal},
+             make=lambda *s: _token_major(torch.randn(*s, dtype=dtype)))
+    _check(r, dtype)
+    lse_ref = torch.logsumexp(torch.where(
+        r["ref_p"] > 0, torch.einsum("bhid,bhjd->bhij", r["q"].double(), r["k"].double()) / math.sqrt(head_dim), -math.inf), -1)
+    _assert_close(r["lse"], lse_ref, 1e-5, "logsumexp")  # float32, from exact 16-bit inputs
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_flash_kernels_every_mask(emu, mask):
+    B, H, Lq, Lk = 2, 2, 33, 47
+    r = _run(emu, torch.float16, B, H, Lq, Lk, 64, masks=MASKS[mask](B, H, Lq, Lk))
+    _check(r, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["none", "bool_3d", "causal+padding+float"])
+def test_generic_kernels_odd_head_dims(emu, dtype, mask):
+    # head_dim 40, head_dim_v 24: no tensor-core instance, so the generic kernels run.
+    B, H, Lq, Lk = 2, 1, 19, 37
+    q = torch.randn(1, 1, 8, 40, dtype=dtype)
+    assert not emu.uses_tensor_cores(q, q, q[..., :24].contiguous())
+    r = _run(emu, dtype, B, H, Lq, Lk, 40, Dv=24, masks=MASKS[mask](B, H, Lq, Lk))
+    _check(r, dtype)
+
+
+def test_generic_kernels_large_head_dim(emu):
+    r = _run(emu, torch.float32, 1, 1, 5, 9, 300)  # 8 < 300 / 32 <= 16 elements per lane
+    _check(r, torch.float32)
+
+
+def test_unaligned_half_rows_take_the_generic_path(emu):
+    # A head-dim-64 view whose rows are 2 elements (4 bytes) off a 16-byte boundary.
+    base = torch.randn(1, 1, 9, 66, dtype=torch.float16)
+    q = base[..., 2:]
+    assert not emu.uses_tensor_cores(q, q, q)
+    out, _, _ = emu.forward(q, q, q, None, None, False, None, False)
+    _assert_close(out, reference_attention(q, q, q)[0], TOL_OUT[torch.float16], "output")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_weights_and_their_gradient(emu, dtype):
+    B, H, Lq, Lk = 2, 2, 21, 35
+    r = _run(emu, dtype, B, H, Lq, Lk, 64, masks=MASKS["causal+padding+float"](B, H, Lq, Lk),
+             need_weights=True, grad_weights=True)
+    _check(r, dtype)
+    assert r["weights"].dtype == dtype and r["weights"].is_contiguous()
+    _assert_close(r["weights"], r["ref_p"], TOL_OUT[dtype], "weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fully_masked_rows_give_zeros_and_zero_gradients(emu, dtype):
+    B, H, Lq, Lk = 2, 1, 20, 70
+    mask = torch.zeros(Lq, Lk, dtype=torch.bool)
+    mask[3] = True                                      # one query row sees nothing
+    padding = torch.zeros(B, Lk, dtype=torch.bool)
+    padding[1] = True                                   # batch 1 sees nothing at all
+    r = _run(emu, dtype, B, H, Lq, Lk, 64, masks={"attn_mask": mask, "key_padding_mask": padding})
+    out, lse = r["out"], r["lse"]
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isneginf(lse[:, :, 3]).all() and torch.isneginf(lse[1]).all()
+    dq, dk, dv = r["grads"]
+    assert torch.equal(dq[1], torch.zeros_like(dq[1])) and torch.equal(dq[:, :, 3], torch.zeros_like(dq[:, :, 3]))
+    assert torch.equal(dk[1], torch.zeros_like(dk[1])) and torch.equal(dv[1], torch.zeros_like(dv[1]))
+    _check(r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 7), (7, 1), (0, 5), (5, 0)])
+def test_degenerate_lengths(emu, dtype, seqlen_q, seqlen_k):
+    r = _run(emu, dtype, 1, 2, seqlen_q, seqlen_k, 32, masks={"is_causal": True})
+    _check(r, dtype)
+    if seqlen_k == 0:
+        assert torch.isneginf(r["lse"]).all()
+
+
+def test_causal_keys_no_query_sees_get_zero_gradients(emu):
+    # Lk > Lq with top-left causality: keys past the last query are never attended.
+    r = _run(emu, torch.bfloat16, 1, 1, 40, 200, 64, masks={"is_causal": True})
+    _check(r, torch.bfloat16)
+    dk, dv = r["grads"][1], r["grads"][2]
+    assert torch.equal(dk[:, :, 40:], torch.zeros_like(dk[:, :, 40:]))
+    assert torch.equal(dv[:, :, 40:], torch.zeros_like(dv[:, :, 40:]))
+
+
+def test_matches_the_cpu_operator(emu):
+    """Same inputs through the CPU op and the emulated CUDA kernels: the two bindings agree."""
+    import attn_export
+
+    q, k, v = (torch.randn(2, 2, 23, 64, dtype=torch.float32) for _ in range(3))
+    padding = _padding(2, 23)
+    cpu_out, cpu_lse, cpu_w = torch.ops.attn_export._attention_forward(q, k, v, None, padding, True, 0.3, True)
+    out, lse, w = emu.forward(q, k, v, None, padding, True, 0.3, True)
+    for a, b, name in ((out, cpu_out, "output"), (lse, cpu_lse, "lse"), (w, cpu_w, "weights")):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
+    grad = torch.randn_like(out)
+    cpu_grads = torch.ops.attn_export._attention_backward(grad, None, q, k, v, cpu_lse, None, padding, True, 0.3)
+    grads = emu.backward(grad, None, q, k, v, lse, None, padding, True, 0.3)
+    for a, b, name in zip(grads, cpu_grads, "qkv"):
+        assert a.shape == b.shape and a.stride() == b.stride(), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"grad {name}")
+    assert attn_export  # the CPU operators are registered by the import
