@@ -133,7 +133,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   } else {
     out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
     at::Tensor lse_again = at::empty_like(lse);
-    at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward = make_attention_params(
         q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal);
     check_supported(forward);
