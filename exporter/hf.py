@@ -24,8 +24,10 @@ How it works (docs/huggingface.md):
   (``model.set_attn_implementation``) and checks, layer by layer, that each attention module now
   dispatches to it.
 
-Supported transformers versions: :data:`MIN_VERSION` and later (the attention and mask
-interfaces both exist from 4.53; tested with 5.x, see docs/huggingface.md).
+Supported transformers versions: :data:`MIN_VERSION` and later (the first release with both
+interfaces); checked with 4.53.0, 4.57.6 and 5.24.0. Which architectures dispatch through the
+interface depends on the version (BERT from 5.0; GPT-2 and ViT in all of them): layers that do
+not are reported as skipped. See docs/huggingface.md.
 """
 from __future__ import annotations
 
@@ -50,9 +52,6 @@ _UNSUPPORTED_KWARGS = {
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
 }
-
-_registered = False
-
 
 class UnsupportedTransformersError(InputError):
     """transformers is missing or too old for the attention-interface routing."""
@@ -130,10 +129,11 @@ def to_operator_masks(attention_mask: Optional[torch.Tensor], batch, key_length)
     mask = attention_mask
     if mask.dtype == torch.bool:
         mask = ~mask
-    if mask.dim() == 2:  # a bare padding mask [B, Lk] (flash-attention style: True/1 = keep)
-        return None, mask.expand(batch, key_length)
-    if mask.dim() != 4:
-        raise ValueError(f"attn_export attention: expected a 4-D attention mask, got shape {list(mask.shape)}")
+    if mask.dim() != 4:  # e.g. a flash-attention style [B, Lk] mask: not built for this implementation
+        raise ValueError(
+            f"attn_implementation='{IMPLEMENTATION}': expected a 4-D attention mask [B, 1, Lq, Lk], got shape "
+            f"{list(mask.shape)}"
+        )
     if not _same_size(mask.shape[-1], key_length):
         # Older transformers build causal masks longer than the keys and slice them in the
         # attention function (as their sdpa function does).
@@ -244,13 +244,11 @@ def register() -> None:
     """Registers :func:`attention_forward` and :func:`attention_mask` under ``"attn_export"``
     (idempotent). Raises :class:`UnsupportedTransformersError` when transformers is missing or
     older than :data:`MIN_VERSION`."""
-    global _registered
     transformers = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
     transformers.AttentionInterface.register(IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
-    _registered = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -206,6 +206,26 @@ def test_gpt2_left_padding_has_no_nan_and_matches_at_valid_tokens():
     assert max_rel_err(got[valid], want[valid]) < TOL
 
 
+def test_grouped_query_attention_and_cached_generation():
+    """A Llama-style decoder: 2 key/value heads for 4 query heads (repeated for the operator),
+    and greedy generation with a key/value cache (one query per step attends to every key)."""
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    model, report = routed(original)
+    assert report.num_replaced == 2
+    batch = padded_batch([9, 4], 9)
+    with torch.no_grad():
+        got, want = model(**batch).logits, original(**batch).logits
+        valid = batch["attention_mask"].bool()
+        assert max_rel_err(got[valid], want[valid]) < TOL
+        prompt = batch["input_ids"][:1]
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
+                           original.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
 def test_vit_matches_the_original():
     original = tiny_vit()
     model, report = routed(original)
