@@ -476,3 +476,32 @@ def test_cli_errors_are_one_line(tmp_path, args, words):
     assert result.exit_code == 2
     assert any(line.startswith("error: ") and all(w in line for w in words) for line in result.stderr.splitlines()), \
         result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The documented examples run as written
+# --------------------------------------------------------------------------------------------
+
+def _python_blocks(path, section=None):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    if section is not None:
+        start = text.index(section)
+        end = text.find("\n## ", start + len(section))
+        text = text[start:end if end != -1 else None]
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+@pytest.mark.parametrize("path,section", [("README.md", "## Hugging Face transformers models"),
+                                          ("docs/huggingface.md", "## Using it")])
+def test_documented_example_runs_as_written(path, section, tmp_path, monkeypatch, capsys):
+    if not HF5:
+        pytest.skip("the examples use BERT, which dispatches through AttentionInterface from transformers 5")
+    block = _python_blocks(path, section)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, f"{path} example", "exec"), {"__name__": "__doc_example__"})
+    assert (tmp_path / "bert.onnx").is_file()
+    if "print(report.summary())" in block:
+        assert "2 found, 2 routed, 0 skipped" in capsys.readouterr().out
