@@ -500,7 +500,8 @@ def validate(
     k_base = reduction_length(reference, inputs, axes)
     rtol_example = tolerance(dtype, k_base)
     cases_out: List[CaseResult] = []
-    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"]
+    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"
+             + (" (transformers layers: routed to the operator)" if replacement.to_dict()["num_routed"] else "")]
     if is_hf and _hf.valid_token_mask(inputs) is not None:
         notes.append("transformers model with an attention_mask: outputs of shape [batch, seq, ...] are compared "
                      "at valid tokens only (attention_mask != 0); padded positions are not compared")
