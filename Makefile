@@ -22,7 +22,7 @@ $(VENV)/.deps: pyproject.toml
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
-	$(PIP) install --no-build-isolation -e ".[test,bench]"
+	$(PIP) install --no-build-isolation -e ".[test,bench,hf]"
 	touch $@
 
 install: $(VENV)/.built

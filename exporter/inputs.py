@@ -1,7 +1,8 @@
 """Example inputs: trtexec-style specs (``src:2x16x64``, ``ids:1x32:int64``), files of named
 tensors, dynamic-axis labels, and new inputs at other batch sizes and sequence lengths
 generated from the example (floats random, integers within their observed range, boolean
-padding masks with random valid lengths and at least one visible key per row).
+padding masks and 0/1 ``attention_mask`` integers with random valid lengths and at least one
+visible key per row).
 """
 from __future__ import annotations
 
@@ -118,14 +119,33 @@ def int_range_for(model: nn.Module) -> Tuple[int, int]:
     return (0, min(sizes)) if sizes else (0, 2)
 
 
-def synthesize(specs: Sequence[InputSpec], int_range: Tuple[int, int], seed: int = 0) -> Inputs:
+def synthesize(specs: Sequence[InputSpec], int_range: Tuple[int, int], seed: int = 0,
+               int_ranges: Optional[Mapping[str, Tuple[int, int]]] = None) -> Inputs:
+    """Random inputs for ``specs``: integers in ``int_ranges[name]`` (else ``int_range``);
+    an integer input named like ``attention_mask`` is a 0/1 padding mask (1 = keep, the
+    transformers convention) with random valid lengths, at least one valid token per row."""
     gen = torch.Generator().manual_seed(seed)
     out: Inputs = {}
     for spec in specs:
         if spec.name in out:
             raise InputError(f"--input {spec.name} given twice")
-        out[spec.name] = _random_like(spec.shape, spec.dtype, gen, int_range=int_range)
+        if _is_integer(spec.dtype) and "attention_mask" in spec.name and len(spec.shape) >= 1:
+            out[spec.name] = padding_mask(spec.shape, gen, true_is_masked=False).to(spec.dtype)
+            continue
+        low_high = (int_ranges or {}).get(spec.name, int_range)
+        out[spec.name] = _random_like(spec.shape, spec.dtype, gen, int_range=low_high)
     return out
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _is_int_mask(name: str, t: torch.Tensor) -> bool:
+    """An integer 0/1 mask (transformers' ``attention_mask``): named like a mask, values in {0, 1}."""
+    if not _is_integer(t.dtype) or t.dim() < 1 or "mask" not in name.lower() or t.numel() == 0:
+        return False
+    return bool(((t == 0) | (t == 1)).all())
 
 
 def _random_like(shape, dtype, gen, *, like: Optional[torch.Tensor] = None, int_range=(0, 2)) -> torch.Tensor:
@@ -193,9 +213,11 @@ def default_axes(inputs: Mapping[str, torch.Tensor]) -> Axes:
 
 
 def resolve_axes(inputs: Mapping[str, torch.Tensor], overrides: Sequence[Tuple[str, int, str]] = (),
-                 static: bool = False) -> Axes:
-    """The dynamic axes to export: the defaults (unless ``static``) with ``overrides`` applied."""
-    axes: Axes = {} if static else default_axes(inputs)
+                 static: bool = False, defaults: Optional[Axes] = None) -> Axes:
+    """The dynamic axes to export: the defaults (:func:`default_axes` unless given; none with
+    ``static``) with ``overrides`` applied."""
+    base = default_axes(inputs) if defaults is None else defaults
+    axes: Axes = {} if static else {name: dict(dims) for name, dims in base.items()}
     overridden = set()
     for name, dim, label in overrides:
         if name not in inputs:
@@ -226,7 +248,9 @@ def resize(inputs: Mapping[str, torch.Tensor], axes: Axes, sizes: Mapping[str, i
     """New inputs where every axis labelled in ``sizes`` has that size. Inputs whose shape does
     not change are returned as they are; the others are generated from them: floats random with
     the example's mean and std, integers within the example's range, boolean masks with random
-    valid lengths (the example's convention, true = padding unless it looked otherwise)."""
+    valid lengths (the example's convention, true = padding unless it looked otherwise), and
+    0/1 integer masks named like a mask (transformers' ``attention_mask``) likewise, 1 = keep
+    unless the example rows looked like 0..0 1..1."""
     gen = torch.Generator().manual_seed(seed)
     out: Inputs = {}
     for name, t in inputs.items():
@@ -237,6 +261,10 @@ def resize(inputs: Mapping[str, torch.Tensor], axes: Axes, sizes: Mapping[str, i
         elif t.dtype == torch.bool:
             convention = _mask_convention(t)
             out[name] = padding_mask(shape, gen, true_is_masked=convention is not False)
+        elif _is_int_mask(name, t):
+            # 0/1 integers: 1 = keep (transformers' attention_mask) unless the rows look like 0..0 1..1
+            convention = _mask_convention(t != 0)
+            out[name] = padding_mask(shape, gen, true_is_masked=convention is True).to(t.dtype)
         else:
             out[name] = _random_like(shape, t.dtype, gen, like=t)
     return out

@@ -34,6 +34,7 @@ import onnx
 import torch
 from torch import nn
 
+from attn_export import hf as _hf
 from attn_export import inputs as _inputs
 from attn_export import onnx_node
 from attn_export import spec as _spec
@@ -268,7 +269,7 @@ def output_names_for(outputs) -> List[str]:
     the keys for a dict (nested containers joined with ``_``)."""
     from torch.utils import _pytree as pytree
 
-    leaves, _ = pytree.tree_flatten_with_path(outputs)
+    leaves, _ = pytree.tree_flatten_with_path(_plain(outputs))
     if len(leaves) == 1 and not leaves[0][0]:
         return ["output"]
     names = []
@@ -287,7 +288,19 @@ def output_names_for(outputs) -> List[str]:
 def flatten_outputs(outputs) -> List[torch.Tensor]:
     from torch.utils import _pytree as pytree
 
-    return [leaf for leaf in pytree.tree_leaves(outputs)]
+    return [leaf for leaf in pytree.tree_leaves(_plain(outputs))]
+
+
+def _plain(outputs):
+    """Mappings of other types (transformers' ModelOutput, which older transformers registers
+    with torch's pytree without key paths) as plain dicts, in their own order."""
+    if isinstance(outputs, Mapping) and type(outputs) is not dict:
+        return {k: _plain(v) for k, v in outputs.items()}
+    if isinstance(outputs, dict):
+        return {k: _plain(v) for k, v in outputs.items()}
+    if type(outputs) in (list, tuple):
+        return type(outputs)(_plain(v) for v in outputs)
+    return outputs
 
 
 @contextlib.contextmanager
@@ -443,14 +456,17 @@ def export_onnx(
     fused attention layer.
 
     Args:
-        model: the model; not modified (a copy is replaced and exported, in eval mode).
+        model: the model; not modified (a copy is replaced and exported, in eval mode). A
+            transformers model is exported without its key/value cache (``use_cache=False``).
         example_inputs: name -> tensor, the names of ``model.forward``'s parameters; they become
             the ONNX graph's input names.
         path: the .onnx file to write (atomically).
         opset: default-domain ONNX opset (>= 18; default 20).
         dtype: "fp32" (default: the model's own), "fp16" or "bf16": exports in that precision.
         dynamic_axes: input -> {axis: label}; default: dim 0 "batch" and dim 1 a sequence label
-            for every input (see attn_export.inputs.default_axes); ``{}`` exports static shapes.
+            for every input (see attn_export.inputs.default_axes; for transformers models
+            attn_export.hf.default_axes: batch and sequence of the token inputs, the batch of
+            the others); ``{}`` exports static shapes.
         replace: run :func:`attn_export.replace_attention` on the copy first.
         quiet: silence torch's exporter output.
     """
@@ -466,6 +482,9 @@ def export_onnx(
     _check_writable(path)
 
     work = copy.deepcopy(model).eval()
+    is_hf = _hf.contains_hf_model(work)
+    if is_hf:
+        _hf.prepare_for_export(work)  # no key/value cache among the outputs
     report = replace_attention(work) if replace else None
     target = EXPORT_DTYPES.get(dtype) if dtype else None
     if target is not None:
@@ -473,7 +492,10 @@ def export_onnx(
     inputs = _inputs.cast_floats(_inputs.order_for_model(work, example_inputs), target)
     if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
         raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
-    axes = _inputs.default_axes(inputs) if dynamic_axes is None else {n: dict(d) for n, d in dynamic_axes.items() if d}
+    if dynamic_axes is None:
+        axes = _hf.default_axes(inputs) if is_hf else _inputs.default_axes(inputs)
+    else:
+        axes = {n: dict(d) for n, d in dynamic_axes.items() if d}
     for name in axes:
         if name not in inputs:
             raise InputError(f"dynamic axes name an unknown input {name!r} (inputs: {', '.join(inputs)})")

@@ -10,6 +10,12 @@ Replaced layers share their parameters with the originals (the same ``Parameter`
 optimizers, tied weights and ``state_dict`` keys are unchanged. Configurations the fused
 operator does not implement are left in place and listed with the reason.
 
+Hugging Face transformers models are not patched: their attention layers look their attention
+function up by name in transformers' ``AttentionInterface``, so the model's
+``attn_implementation`` is set to ``"attn_export"`` (:mod:`attn_export.hf`) and every layer is
+checked to dispatch there; such layers are reported as ``routed``. Attention layers that compute
+attention themselves cannot be reached this way and are listed as skipped, with the reason.
+
 PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
 
 * ``nn.TransformerEncoderLayer`` in eval mode calls ``torch._transformer_encoder_layer_fwd``
@@ -26,12 +32,17 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from attn_export import hf as _hf
 from attn_export.modules import FusedMultiheadAttention, unsupported_options
 
 REPLACED = "replaced"
 WILL_REPLACE = "will be replaced"
+# transformers models: the attention layer stays, its attention function is routed to the operator
+ROUTED = "routed"
+WILL_ROUTE = "will be routed"
 ALREADY_FUSED = "already fused"
 SKIPPED = "skipped"
+_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE)
 
 
 class CoverageError(RuntimeError):
@@ -58,7 +69,7 @@ class AttentionLayer:
 
     @property
     def fusable(self) -> bool:
-        return self.status in (REPLACED, WILL_REPLACE, ALREADY_FUSED)
+        return self.status in _CHANGED + (ALREADY_FUSED,)
 
 
 @dataclass
@@ -69,7 +80,8 @@ class ReplacementReport:
 
     @property
     def replaced(self) -> List[AttentionLayer]:
-        return [layer for layer in self.layers if layer.status in (REPLACED, WILL_REPLACE)]
+        """Layers replaced (or routed) now; planned ones for inspect_attention."""
+        return [layer for layer in self.layers if layer.status in _CHANGED]
 
     @property
     def skipped(self) -> List[AttentionLayer]:
@@ -104,7 +116,8 @@ class ReplacementReport:
         return {
             "applied": self.applied,
             "num_found": len(self.layers),
-            "num_replaced": self.num_replaced,
+            "num_replaced": self.num_replaced,  # swapped modules and routed transformers layers
+            "num_routed": sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE)),
             "num_already_fused": len(self.already_fused),
             "num_skipped": len(self.skipped),
             "layers": [asdict(layer) for layer in self.layers],
@@ -119,7 +132,8 @@ class ReplacementReport:
         for column in ("module path", "class", "heads", "embed dim", "status", "reason / notes"):
             table.add_column(column, justify="right" if column in ("heads", "embed dim") else "left",
                              overflow="fold", no_wrap=column in ("heads", "embed dim", "status"))
-        styles = {REPLACED: "green", WILL_REPLACE: "green", ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
+        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green",
+                  ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
         for layer in self.layers:
             detail = "; ".join(([layer.reason] if layer.reason else []) + layer.notes)
             if layer.also_at:
@@ -135,8 +149,13 @@ class ReplacementReport:
         return table
 
     def summary(self) -> str:
-        verb = "replaced" if self.applied else "to replace"
-        parts = [f"{len(self.layers)} found", f"{self.num_replaced} {verb}"]
+        routed = sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE))
+        swapped = self.num_replaced - routed
+        parts = [f"{len(self.layers)} found"]
+        if swapped or not routed:
+            parts.append(f"{swapped} {'replaced' if self.applied else 'to replace'}")
+        if routed:
+            parts.append(f"{routed} {'routed' if self.applied else 'to route'}")
         if self.already_fused:
             parts.append(f"{len(self.already_fused)} already fused")
         parts.append(f"{len(self.skipped)} skipped")
@@ -151,7 +170,8 @@ class ReplacementReport:
 
 
 def _short_class(qualified: str) -> str:
-    for prefix, short in (("torch.nn.modules.", "nn."), ("attn_export.modules.", "attn_export.")):
+    for prefix, short in (("torch.nn.modules.", "nn."), ("attn_export.modules.", "attn_export."),
+                          ("transformers.models.", "transformers.")):
         if qualified.startswith(prefix):
             return short + qualified.rpartition(".")[2]
     return qualified
@@ -168,11 +188,16 @@ def _is_attention_like(module: nn.Module) -> bool:
     return "attention" in type(module).__name__.lower()
 
 
-def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[str, nn.Module, str]]]]:
-    """Every attention layer (by first path) and, per module id, every (path, parent, attr)."""
+def _plan(model: nn.Module, hf_layers: Optional[list] = None):
+    """Every attention layer (by first path) and, per module id, every (path, parent, attr).
+    Attention layers of transformers models that dispatch through its AttentionInterface are
+    appended to ``hf_layers`` as (layer, module)."""
     layers: List[AttentionLayer] = []
     by_id: Dict[int, AttentionLayer] = {}
     sites: Dict[int, List[tuple[str, nn.Module, str]]] = {}
+    hf_layers = [] if hf_layers is None else hf_layers
+    hf_by_id: Dict[int, AttentionLayer] = {}
+    in_hf = _hf.contains_hf_model(model)
 
     def visit(parent: Optional[nn.Module], attr: str, module: nn.Module, path: str) -> None:
         is_mha = isinstance(module, nn.MultiheadAttention)
@@ -181,6 +206,10 @@ def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[
             by_id[id(module)].also_at.append(path)
             sites[id(module)].append((path, parent, attr))
             return
+        if id(module) in hf_by_id:
+            hf_by_id[id(module)].also_at.append(path)
+            return
+        hf_layer = _hf.classify(module) if in_hf and not (is_mha or is_fused) else None
         heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
         embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
         heads = heads if isinstance(heads, int) else None
@@ -199,6 +228,13 @@ def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[
                 reason="; ".join(reasons) or None,
                 notes=[] if reasons else _layer_notes(module),
             )
+        elif hf_layer is not None:
+            state, reason, notes = hf_layer
+            heads, embed = _hf.layer_geometry(module)
+            status = {"routed": ALREADY_FUSED, "routable": WILL_ROUTE}.get(state, SKIPPED)
+            layer = AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
+                                   notes=notes if status != SKIPPED else [])
+            hf_layers.append((layer, module))
         else:
             # Some other module named like an attention layer: listed (so that a model whose
             # attention cannot be fused says so) unless an nn.MultiheadAttention sits inside it.
@@ -206,12 +242,18 @@ def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[
             for name, child in module.named_children():
                 visit(module, name, child, f"{path}.{name}" if path else name)
             if parent is not None and _is_attention_like(module) and len(layers) == count:
-                layers.append(AttentionLayer(
-                    path, _qualname(module), heads, embed, SKIPPED,
-                    reason="not a torch.nn.MultiheadAttention (only nn.MultiheadAttention layers are fused)",
-                ))
+                reason = (
+                    "does not dispatch through transformers' AttentionInterface (it computes attention "
+                    "itself), so attn_implementation cannot route it"
+                    if in_hf else
+                    "not a torch.nn.MultiheadAttention (only nn.MultiheadAttention layers are fused)"
+                )
+                layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason))
             return
         layers.append(layer)
+        if hf_layer is not None:
+            hf_by_id[id(module)] = layer
+            return
         by_id[id(module)] = layer
         sites[id(module)] = [(path, parent, attr)]
 
@@ -219,30 +261,65 @@ def _plan(model: nn.Module) -> tuple[List[AttentionLayer], Dict[int, List[tuple[
     return layers, sites
 
 
+def _routing_note(hf_layers, applied: bool) -> List[str]:
+    if not any(layer.status in (ROUTED, WILL_ROUTE) for layer, _ in hf_layers):
+        return []
+    verb = "are routed" if applied else "will be routed"
+    return [f"transformers attention layers {verb} through transformers' AttentionInterface "
+            f"(attn_implementation='{_hf.IMPLEMENTATION}'); the modules themselves stay in place"]
+
+
 def inspect_attention(model: nn.Module) -> ReplacementReport:
     """What :func:`replace_attention` would do, without changing the model."""
-    layers, _ = _plan(model)
-    return ReplacementReport(layers, applied=False)
+    hf_layers: list = []
+    layers, _ = _plan(model, hf_layers)
+    return ReplacementReport(layers, notes=_routing_note(hf_layers, applied=False), applied=False)
 
 
 def replace_attention(
     model: nn.Module, *, min_replaced: Optional[int] = None, require_all: bool = False
 ) -> ReplacementReport:
     """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
-    :class:`FusedMultiheadAttention` sharing its parameters, and returns the report.
+    :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
+    Hugging Face transformers models to the operator (``attn_implementation="attn_export"``,
+    see :mod:`attn_export.hf`), and returns the report.
 
     Args:
         model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /
-            ``nn.TransformerDecoderLayer`` (self- and cross-attention) included.
+            ``nn.TransformerDecoderLayer`` (self- and cross-attention) included, and
+            transformers ``PreTrainedModel``s (the model itself or nested ones).
         min_replaced: raise :class:`CoverageError` (before changing anything) when fewer than
             this many layers would end up fused.
         require_all: raise :class:`CoverageError` when any attention layer cannot be fused.
     """
-    layers, sites = _plan(model)
+    hf_layers: list = []
+    layers, sites = _plan(model, hf_layers)
     report = ReplacementReport(layers)
     problem = report.coverage_error(min_replaced, require_all)
     if problem:
         raise CoverageError(problem)
+
+    # Attention layers of transformers models: routed, not swapped (their attention function is
+    # looked up by name in transformers' AttentionInterface), then checked one by one.
+    if any(layer.status == WILL_ROUTE for layer, _ in hf_layers):
+        refusals = _hf.route(model)
+        for layer, module in hf_layers:
+            if layer.status != WILL_ROUTE:
+                continue
+            config = _hf.module_config(module)
+            if config is not None and config._attn_implementation == _hf.IMPLEMENTATION:
+                layer.status = ROUTED
+            else:
+                layer.status = SKIPPED
+                layer.notes = []
+                now = None if config is None else config._attn_implementation
+                layer.reason = (
+                    f"transformers did not set attn_implementation='{_hf.IMPLEMENTATION}' on it (it stays "
+                    f"{now!r}; the model class may not support changing it after loading: load it with "
+                    f"attn_implementation='{_hf.IMPLEMENTATION}')"
+                    + (f"; {'; '.join(refusals)}" if refusals else "")
+                )
+        report.notes.extend(_routing_note(hf_layers, applied=True))
 
     by_path = {layer.path: layer for layer in layers}
     fused_paths: List[str] = []

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from attn_export import hf as _hf
 from attn_export import inputs as _inputs
 from attn_export._errors import InputError, first_line as _first_line
 
@@ -212,6 +213,8 @@ def reduction_length(model: nn.Module, inputs: Mapping[str, torch.Tensor], axes:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             widths.append(m.in_features)
+        elif type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+            widths.append(int(m.weight.shape[0]))  # transformers' Conv1D (GPT-2): weight [in, out]
         elif hasattr(m, "embed_dim") and isinstance(getattr(m, "embed_dim"), int):
             widths.append(m.embed_dim)
         elif isinstance(m, nn.LayerNorm):
@@ -228,13 +231,17 @@ def tolerance(dtype: torch.dtype, k: int) -> float:
     return TOLERANCE_FACTOR * torch.finfo(dtype).eps * math.sqrt(max(k, 1))
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> Dict[str, object]:
+def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float,
+            valid: Optional[torch.Tensor] = None) -> Dict[str, object]:
     """Errors of ``actual`` against ``expected``; floats judged by max|a - e| <= rtol * max|e|
     over the positions where the reference is finite, plus: a NaN/inf where the reference is
-    finite fails. Non-float outputs must match exactly."""
+    finite fails. Non-float outputs must match exactly. ``valid`` (booleans of the outputs'
+    shape) restricts every check to those positions (e.g. the valid tokens of a padded batch)."""
     if tuple(actual.shape) != tuple(expected.shape):
         return {"passed": False, "message": f"shape {list(actual.shape)} != reference {list(expected.shape)}",
                 "max_abs_err": None, "max_rel_err": None, "atol": None, "nan_mismatch": 0}
+    if valid is not None:
+        actual, expected = actual[valid], expected[valid]
     if not expected.dtype.is_floating_point:
         diff = int((actual.to(expected.dtype) != expected).sum())
         return {"passed": diff == 0, "message": "" if diff == 0 else f"{diff} element(s) differ",
@@ -352,6 +359,23 @@ def _run_torch(model: nn.Module, inputs: Mapping[str, torch.Tensor]):
         return flatten_outputs(model(**inputs))
 
 
+def _prepared(model: nn.Module) -> nn.Module:
+    """An eval-mode copy; transformers models without their key/value cache in the outputs
+    (as exported)."""
+    copied = copy.deepcopy(model).eval()
+    if _hf.contains_hf_model(copied):
+        _hf.prepare_for_export(copied)
+    return copied
+
+
+def _positions(valid_tokens: Optional[torch.Tensor], output: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [B, L] valid-token mask broadcast over an output of shape [B, L, ...]; None (every
+    position compared) for outputs of other shapes."""
+    if valid_tokens is None or output.dim() < 2 or tuple(output.shape[:2]) != tuple(valid_tokens.shape):
+        return None
+    return valid_tokens.reshape(*valid_tokens.shape, *([1] * (output.dim() - 2))).expand(output.shape)
+
+
 class _ReferenceMode:
     """The reference runs the original model with PyTorch's native MHA fast paths off: the
     nested-tensor path of nn.TransformerEncoder writes zeros at padded positions, which no
@@ -408,7 +432,8 @@ def validate(
     dtype_name = meta.get("dtype") or _dtype_of_graph(onnx_model)
     dtype = _DTYPE_FROM_NAME.get(dtype_name, torch.float32)
 
-    reference = copy.deepcopy(model).eval().float()
+    is_hf = _hf.contains_hf_model(model)
+    reference = _prepared(model).float()
     inputs = _inputs.order_for_model(reference, example_inputs)
     missing = [n for n in graph_inputs if n not in inputs]
     if missing:
@@ -453,12 +478,12 @@ def validate(
         checks.append(CheckResult("attention nodes", False, f"metadata says {expected_nodes} nodes, graph has {nodes}"))
 
     # Backends.
-    replaced = copy.deepcopy(model).eval()
+    replaced = _prepared(model)
     replacement = replace_attention(replaced)
     replaced = replaced.to(dtype) if dtype != torch.float32 else replaced.float()
     baseline_model = None
     if dtype in (torch.float16, torch.bfloat16):
-        baseline_model = copy.deepcopy(model).eval().to(dtype)
+        baseline_model = _prepared(model).to(dtype)
     say("loading the ONNX model in ONNX Runtime")
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -475,7 +500,11 @@ def validate(
     k_base = reduction_length(reference, inputs, axes)
     rtol_example = tolerance(dtype, k_base)
     cases_out: List[CaseResult] = []
-    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"]
+    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"
+             + (" (transformers layers: routed to the operator)" if replacement.to_dict()["num_routed"] else "")]
+    if is_hf and _hf.valid_token_mask(inputs) is not None:
+        notes.append("transformers model with an attention_mask: outputs of shape [batch, seq, ...] are compared "
+                     "at valid tokens only (attention_mask != 0); padded positions are not compared")
     if not axes:
         notes.append("the ONNX graph has no symbolic input axis: only the example shape is checked")
     seen_shapes = []
@@ -522,11 +551,13 @@ def validate(
                                             message=_first_line(exc), seconds=time.perf_counter() - start))
                 continue
             elapsed = time.perf_counter() - start
+            valid_tokens = _hf.valid_token_mask(case_inputs) if is_hf else None
             for i, (name, a, e) in enumerate(zip(output_names, got, ref)):
-                r = compare(a, e, rtol)
+                valid = _positions(valid_tokens, e)
+                r = compare(a, e, rtol, valid=valid)
                 base_err = None
                 if baseline is not None and i < len(baseline) and e.dtype.is_floating_point:
-                    b = compare(baseline[i], e, rtol)
+                    b = compare(baseline[i], e, rtol, valid=valid)
                     base_err = b["max_rel_err"]
                 cases_out.append(CaseResult(
                     case_name, backend, name, shapes, "passed" if r["passed"] else "failed", bool(r["passed"]),

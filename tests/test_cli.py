@@ -26,7 +26,8 @@ def test_help_lists_verbs():
 @pytest.mark.parametrize("verb,words", [
     ("convert", ["--to", "--input", "--example-inputs", "--dynamic", "--static", "--opset", "--dtype",
                  "--no-validate", "--trust-model-file", "EXECUTES CODE", "--allow-class", "--model", "--weights",
-                 "--quiet", "--verbose", "--json", "--junit", "--min-replaced"]),
+                 "--quiet", "--verbose", "--json", "--junit", "--min-replaced", "transformers:CLASS",
+                 "--config", "save_pretrained folder"]),
     ("inspect", ["--allow-class", "--trust-model-file", "--require-all"]),
     ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes"]),
     ("export", ["--to"]),  # alias of convert

@@ -43,6 +43,9 @@ def main() -> None:
     attn-export validate MODEL ONNX    the parity gate alone (exit 0 pass, 1 mismatch, 2 usage)
     attn-export bench                  time the fused layer against nn.MultiheadAttention
 
+    MODEL is a torch.save(model) file or a Hugging Face transformers save_pretrained folder
+    (`pip install 'attn-export[hf]'`).
+
     `attn-export VERB --help` explains each verb.
     """
 

@@ -87,11 +87,35 @@ def silence_library_warnings(verbose: bool) -> None:
 
 
 def load_model_from_options(model_path: Optional[str], factory: Optional[str], weights: Optional[str],
-                            allow_class: Sequence[str], trust_model_file: bool):
-    """(model, description) from either a MODEL file or --model module:factory."""
+                            allow_class: Sequence[str], trust_model_file: bool, hf_config: Optional[str] = None,
+                            seed: int = 0):
+    """(model, description) from a MODEL file, a transformers save_pretrained folder (MODEL),
+    --model module:factory, or --model transformers:CLASS (with the folder or --config)."""
+    from pathlib import Path
+
     from attn_export import loading
     from attn_export._errors import InputError
 
+    if factory and factory.startswith("transformers:"):
+        from attn_export import hf
+
+        if weights:
+            raise InputError("--weights goes with --model module:factory; a transformers model loads its weights "
+                             "from its save_pretrained folder (MODEL)")
+        class_name = factory.partition(":")[2] or None
+        model = hf.load(class_name, path=model_path, config_path=hf_config, seed=seed)
+        return model, model_path or f"{factory} ({hf_config})"
+    if hf_config:
+        raise InputError("--config goes with --model transformers:CLASS")
+    if model_path and Path(model_path).is_dir():
+        from attn_export import hf
+
+        if factory:
+            raise InputError("give either a MODEL folder or --model module:factory, not both")
+        if not hf.is_pretrained_dir(model_path):
+            raise InputError(f"{model_path}: is a directory without config.json: neither a model file nor a "
+                             "transformers save_pretrained folder")
+        return hf.load(None, path=model_path), model_path
     if model_path and factory:
         raise InputError("give either a MODEL file or --model module:factory, not both")
     if factory:
@@ -99,7 +123,8 @@ def load_model_from_options(model_path: Optional[str], factory: Optional[str], w
     if weights:
         raise InputError("--weights goes with --model module:factory")
     if not model_path:
-        raise InputError("no model: give a MODEL file (torch.save(model)) or --model module:factory")
+        raise InputError("no model: give a MODEL file (torch.save(model)), a transformers save_pretrained folder, "
+                         "or --model module:factory")
     return loading.load_model(model_path, allow_classes=allow_class, trust_file=trust_model_file), model_path
 
 
@@ -109,14 +134,20 @@ def example_inputs_from_options(model, input_specs: Sequence[str], example_file:
     from attn_export import inputs as _inputs
     from attn_export._errors import InputError
 
+    from attn_export import hf
+
+    is_hf = hf.contains_hf_model(model)
     inputs = {}
     if example_file:
         inputs.update(_inputs.load_example_file(example_file))
     if input_specs:
         specs = [_inputs.parse_input_spec(s) for s in input_specs]
-        inputs.update(_inputs.synthesize(specs, _inputs.int_range_for(model), seed=seed))
+        inputs.update(_inputs.synthesize(specs, _inputs.int_range_for(model), seed=seed,
+                                         int_ranges=hf.int_ranges(model) if is_hf else None))
     if not inputs:
         inputs = _inputs.from_attribute(model) or {}
+    if not inputs and is_hf:
+        inputs = hf.example_inputs(model, seed=seed)
     if not inputs:
         params, _ = _inputs.forward_parameters(model)
         raise InputError(
@@ -127,14 +158,16 @@ def example_inputs_from_options(model, input_specs: Sequence[str], example_file:
     return _inputs.order_for_model(model, inputs)
 
 
-def resolve_axes_from_options(inputs, dynamic: Sequence[str], static: bool):
+def resolve_axes_from_options(inputs, dynamic: Sequence[str], static: bool, model=None):
+    from attn_export import hf
     from attn_export import inputs as _inputs
     from attn_export._errors import InputError
 
     overrides = [_inputs.parse_dynamic_spec(d) for d in dynamic]
     if static and overrides:
         raise InputError("--static and --dynamic exclude each other")
-    return _inputs.resolve_axes(inputs, overrides, static=static)
+    defaults = hf.default_axes(inputs) if model is not None and hf.contains_hf_model(model) else None
+    return _inputs.resolve_axes(inputs, overrides, static=static, defaults=defaults)
 
 
 def write_reports(session: Session, report, json_path: Optional[str], junit_path: Optional[str], extra=None) -> None:

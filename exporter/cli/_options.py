@@ -18,7 +18,13 @@ def model_options(f):
     return _apply([
         click.option("--model", "factory", metavar="MODULE:FACTORY",
                      help="Build the model by calling FACTORY() from MODULE (importable; the current "
-                          "directory is on the path) instead of loading a MODEL file."),
+                          "directory is on the path) instead of loading a MODEL file. "
+                          "transformers:CLASS (e.g. transformers:AutoModelForCausalLM) loads a Hugging Face "
+                          "model with that class: from the save_pretrained folder MODEL, or from --config."),
+        click.option("--config", "hf_config", metavar="PATH",
+                     type=click.Path(exists=True, file_okay=True, dir_okay=True),
+                     help="With --model transformers:CLASS: a config.json (or a folder holding one); the "
+                          "model is built from it with random weights (seeded by --seed where the verb has it)."),
         click.option("--weights", metavar="FILE", type=click.Path(dir_okay=False),
                      help="With --model: a state_dict file, loaded weights-only (no code runs)."),
         click.option("--allow-class", "allow_class", multiple=True, metavar="MODULE:CLASS",

@@ -25,12 +25,15 @@ from attn_export.cli._options import (
 def default_output(model_path, factory, to: str) -> Path:
     suffix = "." + to
     if model_path:
-        return Path(model_path).with_suffix(suffix)
+        path = Path(model_path)
+        if path.is_dir():  # a transformers save_pretrained folder: <folder>.onnx beside it
+            return path.parent / (path.resolve().name + suffix)
+        return path.with_suffix(suffix)
     return Path(factory.rpartition(":")[2] + suffix)
 
 
 @click.command("convert")
-@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path(dir_okay=False))
+@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
 @click.option("--to", "to", type=click.Choice(["onnx"]), default="onnx", show_default=True,
               help="Target format.")
 @click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
@@ -46,17 +49,21 @@ def default_output(model_path, factory, to: str) -> Path:
 @report_options
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, factory, weights, allow_class, trust_model_file, input_specs,
+def convert(session, model_path, to, output, factory, hf_config, weights, allow_class, trust_model_file, input_specs,
             example_file, dynamic, static, seed, opset, dtype, no_replace, no_validate, min_replaced,
             require_all, json_path, junit_path):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model.
 
-    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file);
-    or build the model with --model module:factory. Example inputs come from --input,
-    --example-inputs or the model's example_inputs attribute; the ONNX inputs take their names.
-    Dim 0 (batch) and dim 1 (sequence) of every input are symbolic unless --dynamic/--static say
-    otherwise.
+    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
+    or a Hugging Face transformers save_pretrained folder (its attention is routed to the fused
+    operator through transformers' AttentionInterface); or build the model with
+    --model module:factory, or --model transformers:CLASS with a folder or --config. Example
+    inputs come from --input, --example-inputs or the model's example_inputs attribute
+    (transformers models: input_ids and a padded attention_mask, or pixel_values, by default);
+    the ONNX inputs take their names. Dim 0 (batch) and dim 1 (sequence) of every input are
+    symbolic unless --dynamic/--static say otherwise (transformers models: batch and sequence
+    of the token inputs, the batch of pixel_values).
 
     Validation (unless --no-validate) is the same as `attn-export validate`. Exit codes: 0
     passed, 1 mismatch (or a coverage gate failed), 2 usage or input error. The output file is
@@ -67,6 +74,8 @@ def convert(session, model_path, to, output, factory, weights, allow_class, trus
       attn-export model.pt --to onnx
       attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
       attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
+      attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
+      attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
     """
     import torch
 
@@ -76,10 +85,11 @@ def convert(session, model_path, to, output, factory, weights, allow_class, trus
 
     out_path = Path(output) if output else default_output(model_path, factory, to)
     with session.step("loading the model"):
-        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
+                                                hf_config=hf_config, seed=seed)
         torch.manual_seed(seed)
         inputs = example_inputs_from_options(model, input_specs, example_file, seed)
-        axes = resolve_axes_from_options(inputs, dynamic, static)
+        axes = resolve_axes_from_options(inputs, dynamic, static, model=model)
 
     plan = inspect_attention(model)
     if not no_replace:

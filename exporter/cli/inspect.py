@@ -8,24 +8,25 @@ from attn_export.cli._options import coverage_options, logging_options, model_op
 
 
 @click.command("inspect")
-@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path(dir_okay=False))
+@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
 @model_options
 @coverage_options
 @click.option("--json", "json_path", metavar="FILE", type=click.Path(dir_okay=False), help="Write the list as JSON.")
 @logging_options
 @common_verb
-def inspect_cmd(session, model_path, factory, weights, allow_class, trust_model_file, min_replaced, require_all,
+def inspect_cmd(session, model_path, factory, hf_config, weights, allow_class, trust_model_file, min_replaced, require_all,
                 json_path):
     """List every attention layer of MODEL: module path, class, heads, embed dim, and whether it
     will be replaced by the fused operator, or why not.
 
-    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file).
-    Nothing is modified. Exit 1 if a coverage gate (--min-replaced, --require-all) fails.
+    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
+    or a transformers save_pretrained folder. Nothing is modified. Exit 1 if a coverage gate (--min-replaced, --require-all) fails.
 
     \b
     Example:
       attn-export inspect model.pt
       attn-export inspect --model mypkg.models:build --require-all
+      attn-export inspect ./bert-tiny
     """
     import json
 
@@ -33,7 +34,8 @@ def inspect_cmd(session, model_path, factory, weights, allow_class, trust_model_
     from attn_export.replace import inspect_attention
 
     with session.step("loading the model"):
-        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
+                                                hf_config=hf_config)
     report = inspect_attention(model)
     session.out.print(report.table(title=f"{source}: {report.summary()}"))
     for note in report.notes:

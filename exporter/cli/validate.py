@@ -15,13 +15,13 @@ from attn_export.cli._options import input_options, logging_options, model_optio
 
 
 @click.command("validate")
-@click.argument("paths", metavar="[MODEL] ONNX", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("paths", metavar="[MODEL] ONNX", nargs=-1, type=click.Path())
 @model_options
 @input_options
 @report_options
 @logging_options
 @common_verb
-def validate_cmd(session, paths, factory, weights, allow_class, trust_model_file, input_specs, example_file,
+def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust_model_file, input_specs, example_file,
                  dynamic, static, seed, json_path, junit_path):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, and ONNX Runtime at the example shape,
@@ -37,20 +37,23 @@ def validate_cmd(session, paths, factory, weights, allow_class, trust_model_file
       attn-export validate model.pt model.onnx
       attn-export validate model.pt model.onnx --input src:2x16x64 --json report.json --junit report.xml
       attn-export validate --model mypkg.models:build --weights w.pt model.onnx
+      attn-export validate ./bert-tiny bert-tiny.onnx
     """
     from attn_export._errors import InputError
     from attn_export.validation import validate
 
-    want = 1 if factory else 2
+    model_given = not factory or (factory.startswith("transformers:") and not hf_config)
+    want = 2 if model_given else 1
     if len(paths) != want:
         raise InputError(
             "expected MODEL and ONNX paths" if want == 2 else "with --model give only the ONNX path"
         )
-    model_path, onnx_path = (None, paths[0]) if factory else paths
+    model_path, onnx_path = paths if model_given else (None, paths[0])
     with session.step("loading the model"):
-        model, _source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file)
+        model, _source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
+                                                 hf_config=hf_config, seed=seed)
         inputs = example_inputs_from_options(model, input_specs, example_file, seed)
-        axes = resolve_axes_from_options(inputs, dynamic, static) if (dynamic or static) else None
+        axes = resolve_axes_from_options(inputs, dynamic, static, model=model) if (dynamic or static) else None
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=seed, progress=update)
     session.out.print(report.table())
