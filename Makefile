@@ -33,8 +33,10 @@ test: install
 demo: install
 	$(PY) scripts/demo.py
 
+# The CPU benchmark of docs/benchmarks.md (minutes; not part of the tests).
 bench: install
-	$(PY) scripts/bench_cpu.py --shapes all --rounds 7 --plot docs/bench_cpu.png --markdown docs/bench_cpu.md
+	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
+	$(PY) scripts/bench_cpu.py --shapes sweep --no-sdpa --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
 
 clean:
 	rm -rf build exporter/_C*.so $(VENV)
