@@ -26,6 +26,15 @@ HeadView head_view(const at::Tensor& buffer, int64_t column, int64_t batch, int6
                      : HeadView{base, row, head_dim, batch * row};
 }
 
+// Points one [B, H, L, D] slot of the params (pointer and three strides) at a view.
+template <typename Ptr>
+void point(Ptr& ptr, int64_t& batch_stride, int64_t& head_stride, int64_t& row_stride, const HeadView& v) {
+  ptr = const_cast<Ptr>(v.ptr);
+  batch_stride = v.batch_stride;
+  head_stride = v.head_stride;
+  row_stride = v.row_stride;
+}
+
 // The layer's geometry, as the CPU kernels see it.
 struct Geometry {
   bool batch_first;  // token order (unbatched counts as batch-first)
@@ -65,18 +74,9 @@ CoreInputs fill_core_params(AttentionParams& p, const MultiHeadAttentionArgs& a,
   const HeadView k = head_view(kv_buf, packed_qkv ? g.embed_dim : 0, g.batch, g.seqlen_k, g.head_dim, g.batch_first);
   const HeadView v = head_view(kv_buf, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k,
                                g.head_dim, g.batch_first);
-  p.q = q.ptr;
-  p.q_batch_stride = q.batch_stride;
-  p.q_head_stride = q.head_stride;
-  p.q_row_stride = q.row_stride;
-  p.k = k.ptr;
-  p.k_batch_stride = k.batch_stride;
-  p.k_head_stride = k.head_stride;
-  p.k_row_stride = k.row_stride;
-  p.v = v.ptr;
-  p.v_batch_stride = v.batch_stride;
-  p.v_head_stride = v.head_stride;
-  p.v_row_stride = v.row_stride;
+  point(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, q);
+  point(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, k);
+  point(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, v);
   CoreInputs inputs{cpu::kernel_attn_mask(a.attn_mask, g.batch, g.heads, acc),
                     cpu::kernel_padding_mask(batched_padding_mask(a), acc)};
   if (inputs.attn_mask.has_value()) {
@@ -135,11 +135,8 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   }
   AttentionParams p;
   const CoreInputs keep_alive = fill_core_params(p, a, g, packed_qkv, q_buf, kv_buf);
-  const HeadView out = head_view(attn, 0, batch, seqlen_q, g.head_dim, g.batch_first);
-  p.out = const_cast<void*>(out.ptr);
-  p.out_batch_stride = out.batch_stride;
-  p.out_head_stride = out.head_stride;
-  p.out_row_stride = out.row_stride;
+  point(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride,
+        head_view(attn, 0, batch, seqlen_q, g.head_dim, g.batch_first));
   p.lse = r.lse.data_ptr();
   p.weights = weights.has_value() ? weights->data_ptr() : nullptr;
   cpu::run_attention_forward(p);
@@ -168,27 +165,15 @@ ProjectionGrads core_backward_cpu(
 
   AttentionBackwardParams p;
   const CoreInputs keep_alive = fill_core_params(p, a, g, packed_qkv, q_buf, kv_buf);
-  const HeadView dout = head_view(grad_out, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first);
-  p.grad_out = dout.ptr;
-  p.grad_out_batch_stride = dout.batch_stride;
-  p.grad_out_head_stride = dout.head_stride;
-  p.grad_out_row_stride = dout.row_stride;
-  const HeadView dq = head_view(grad_q, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first);
-  const HeadView dk = head_view(grad_kv, packed_qkv ? g.embed_dim : 0, g.batch, g.seqlen_k, g.head_dim, g.batch_first);
-  const HeadView dv = head_view(grad_kv, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k,
-                                g.head_dim, g.batch_first);
-  p.grad_q = const_cast<void*>(dq.ptr);
-  p.grad_q_batch_stride = dq.batch_stride;
-  p.grad_q_head_stride = dq.head_stride;
-  p.grad_q_row_stride = dq.row_stride;
-  p.grad_k = const_cast<void*>(dk.ptr);
-  p.grad_k_batch_stride = dk.batch_stride;
-  p.grad_k_head_stride = dk.head_stride;
-  p.grad_k_row_stride = dk.row_stride;
-  p.grad_v = const_cast<void*>(dv.ptr);
-  p.grad_v_batch_stride = dv.batch_stride;
-  p.grad_v_head_stride = dv.head_stride;
-  p.grad_v_row_stride = dv.row_stride;
+  point(p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride, p.grad_out_row_stride,
+        head_view(grad_out, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first));
+  point(p.grad_q, p.grad_q_batch_stride, p.grad_q_head_stride, p.grad_q_row_stride,
+        head_view(grad_q, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first));
+  point(p.grad_k, p.grad_k_batch_stride, p.grad_k_head_stride, p.grad_k_row_stride,
+        head_view(grad_kv, packed_qkv ? g.embed_dim : 0, g.batch, g.seqlen_k, g.head_dim, g.batch_first));
+  point(p.grad_v, p.grad_v_batch_stride, p.grad_v_head_stride, p.grad_v_row_stride,
+        head_view(grad_kv, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k, g.head_dim,
+                  g.batch_first));
   const at::Tensor lse = s.lse.to(acc).contiguous();
   p.lse = lse.data_ptr();
   at::Tensor probs;
