@@ -498,3 +498,48 @@ def test_validate_fails_when_no_case_fits_the_profile(fake_engine):
     report = validate(model, onnx_path, model.example_inputs, engine=engine)
     assert not report.passed
     assert any("no case fits the engine's optimization profile" in f for f in report.failures)
+
+
+# --------------------------------------------------------------------------------------------
+# torch2trt
+# --------------------------------------------------------------------------------------------
+
+def test_torch2trt_converters_import_cleanly_without_torch2trt():
+    import importlib.util
+
+    from attn_export import torch2trt_converters
+
+    assert torch2trt_converters.AVAILABLE == (importlib.util.find_spec("torch2trt") is not None)
+    assert "unverified" in torch2trt_converters.__doc__.lower()
+
+
+def test_torch2trt_registration_with_a_stand_in(monkeypatch):
+    """With torch2trt importable, both names of the core op get the converter."""
+    import importlib
+
+    registered = {}
+    package, inner = type(sys)("torch2trt"), type(sys)("torch2trt.torch2trt")
+    inner.tensorrt_converter = lambda name: (lambda fn: registered.setdefault(name, fn))
+    package.torch2trt = inner
+    package.__spec__ = importlib.machinery.ModuleSpec("torch2trt", None)
+    monkeypatch.setitem(sys.modules, "torch2trt", package)
+    monkeypatch.setitem(sys.modules, "torch2trt.torch2trt", inner)
+    monkeypatch.delitem(sys.modules, "attn_export.torch2trt_converters", raising=False)
+    module = importlib.import_module("attn_export.torch2trt_converters")
+    try:
+        assert module.REGISTERED
+        assert set(registered) == {"attn_export.ops.attention", "attn_export.attention"}
+        assert all(fn is module.convert_attention for fn in registered.values())
+    finally:
+        sys.modules.pop("attn_export.torch2trt_converters", None)
+
+
+def test_plugin_field_collection_uses_the_spec_names_and_types():
+    trt = type(sys)("tensorrt")
+    trt.PluginFieldType = type("PluginFieldType", (), {"INT32": "INT32", "FLOAT32": "FLOAT32"})
+    trt.PluginField = lambda name, data, kind: (name, data.dtype.name, data.tolist(), kind)
+    trt.PluginFieldCollection = list
+    fields = attn_trt.plugin_field_collection(trt, num_heads=4, scale=0.25, is_causal=True, has_attn_mask=True)
+    assert fields == [("num_heads", "int32", [4], "INT32"), ("scale", "float32", [0.25], "FLOAT32"),
+                      ("is_causal", "int32", [1], "INT32"), ("has_key_padding_mask", "int32", [0], "INT32"),
+                      ("has_attn_mask", "int32", [1], "INT32")]
