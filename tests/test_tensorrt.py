@@ -543,3 +543,28 @@ def test_plugin_field_collection_uses_the_spec_names_and_types():
     assert fields == [("num_heads", "int32", [4], "INT32"), ("scale", "float32", [0.25], "FLOAT32"),
                       ("is_causal", "int32", [1], "INT32"), ("has_key_padding_mask", "int32", [0], "INT32"),
                       ("has_attn_mask", "int32", [1], "INT32")]
+
+
+# --------------------------------------------------------------------------------------------
+# Docs
+# --------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+TRT_DOCS = [ROOT / "docs" / "tensorrt.md", ROOT / "docs" / "cli.md", ROOT / "plugins" / "tensorrt" / "README.md",
+            ROOT / "README.md"]
+
+
+def test_docs_use_only_options_that_exist():
+    import re
+
+    from attn_export.cli import main
+
+    options = {opt for verb in ("convert", "validate") for p in main.commands[verb].params for opt in p.opts}
+    cmake = (ROOT / "plugins" / "tensorrt" / "CMakeLists.txt").read_text()
+    for doc in TRT_DOCS:
+        text = doc.read_text()
+        for line in re.findall(r"^\s*(?:attn-export \S.*|--\S.*)$", text, flags=re.M):
+            for opt in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line):
+                assert opt in options, f"{doc.name}: {opt} in {line.strip()!r}"
+        for var in re.findall(r"-D([A-Z][A-Z0-9_]+)=", text):
+            assert var in cmake, f"{doc.name}: -D{var} is not a variable of plugins/tensorrt/CMakeLists.txt"
