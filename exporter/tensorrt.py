@@ -35,7 +35,7 @@ import onnx
 import torch
 
 from attn_export import spec as _spec
-from attn_export._errors import AttnExportError, ExportError, InputError, first_line as _first_line
+from attn_export._errors import AttnExportError, InputError, first_line as _first_line
 from attn_export._io import atomic_output, write_text
 
 PLUGIN_ENV = "ATTN_EXPORT_TRT_PLUGIN"
@@ -189,10 +189,6 @@ def check_plugin_library(path: str | os.PathLike) -> LibraryInfo:
     return LibraryInfo(path=str(path), sha256=file_sha256(path), size=path.stat().st_size)
 
 
-# --------------------------------------------------------------------------------------------
-# What the model's nodes ask for
-# --------------------------------------------------------------------------------------------
-
 _REGISTERED: Dict[str, object] = {}  # resolved library path -> handle (the registry is process-global)
 
 
@@ -212,6 +208,10 @@ def register_plugin_library(plugin: str | os.PathLike, registry, load_library: O
     _REGISTERED[key] = handle
     return handle
 
+
+# --------------------------------------------------------------------------------------------
+# What the model's nodes ask for
+# --------------------------------------------------------------------------------------------
 
 @dataclass
 class PluginRequest:
@@ -280,15 +280,16 @@ def plugin_requests(model: onnx.ModelProto) -> List[PluginRequest]:
     TensorRT's parser reads them: op_type, and the plugin_version (default "1") and
     plugin_namespace (default "") attributes; the domain is ignored. The element types of the
     nodes' inputs come from the graph's type information (shape inference fills the gaps)."""
+    from attn_export import onnx_node
+
     s = _spec.load()
     nodes = [n for n in model.graph.node if n.op_type == s.plugin_name]
     if not nodes:
         return []
+    onnx_node.register_schema()  # for shape inference, and the inputs' type constraints
+    formal = onnx.defs.get_schema(s.op_type, s.domain_version, s.domain).inputs  # type "T" or "M" (masks)
     types = _value_types(model)
     if any(i not in types for n in nodes for i in n.input):
-        from attn_export import onnx_node
-
-        onnx_node.register_schema()
         try:
             types = _value_types(onnx.shape_inference.infer_shapes(model))
         except Exception:  # noqa: BLE001 - types stay unknown; TensorRT will judge them
@@ -300,18 +301,22 @@ def plugin_requests(model: onnx.ModelProto) -> List[PluginRequest]:
         request = requests.setdefault(key, PluginRequest(*key))
         label = node.name or f"{node.op_type}#{i}"
         request.nodes.append(label)
-        for position, input_name in enumerate(node.input):
+        t_types = {}
+        for position, input_name in enumerate(node.input[:len(formal)]):
             elem = types.get(input_name)
             if elem is None:
                 continue
-            if position in (3, 4):
-                if elem != MASK_ONNX_TYPE:
-                    raise PluginError(
-                        f"node {label}: {s.input_names[position]} is {_onnx_type_name(elem)}; the plugin takes "
-                        "float32 additive masks (re-export with this attn-export)"
-                    )
-            elif position == 0:
-                request.types[label] = _onnx_type_name(elem)
+            if formal[position].type_str == "M" and elem != MASK_ONNX_TYPE:
+                raise PluginError(
+                    f"node {label}: {s.input_names[position]} is {_onnx_type_name(elem)}; the plugin takes "
+                    "float32 additive masks (re-export with this attn-export)"
+                )
+            if formal[position].type_str == "T":
+                t_types[s.input_names[position]] = _onnx_type_name(elem)
+        if len(set(t_types.values())) > 1:
+            raise PluginError(f"node {label}: query, key and value must share one type; got {t_types}")
+        if t_types:
+            request.types[label] = next(iter(t_types.values()))
     return list(requests.values())
 
 
@@ -327,7 +332,7 @@ def _onnx_type_name(elem: int) -> str:
 class PreflightReport:
     library: Optional[LibraryInfo]
     requests: List[PluginRequest]
-    creators: List[str]  # "name version namespace" of every creator the library registered
+    creators: List[str]  # "name version namespace" of every creator TensorRT had after loading the library
     notes: List[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -772,6 +777,9 @@ class EngineRunner:
                         f"{str(needs.get('sha256'))[:12]}); pass that library with --plugin.")
                 if self.plugin_library and needs.get("sha256") and needs["sha256"] != self.plugin_library.sha256:
                     hint += f" The library given ({self.plugin_library.path}) is a different build."
+            elif self.plugin_library is None:
+                hint = (" No build record is beside the engine and no plugin library was given: an engine with "
+                        "FusedAttention layers needs --plugin.")
             raise EngineError(f"TensorRT cannot deserialize {self.path}: {reason}.{hint} Engines also only load "
                               "on the TensorRT version and GPU kind they were built with.")
         self.context = self.engine.create_execution_context()
@@ -845,5 +853,4 @@ __all__ = [
     "find_plugin_library", "check_plugin_library", "register_plugin_library", "LibraryInfo", "PluginRequest", "plugin_requests",
     "expected_fields", "plugin_field_collection", "preflight", "PreflightReport", "ShapeProfile", "parse_shape_specs", "derive_profile",
     "graph_input_dims", "build_engine", "EngineInfo", "read_engine_metadata", "EngineRunner", "environment",
-    "ExportError",
 ]

@@ -572,7 +572,8 @@ def validate(
         checks.append(CheckResult(
             "tensorrt coverage", bool(ran),
             f"{len({c.case for c in ran})} case(s) ran in TensorRT" if ran else
-            "no case fits the engine's optimization profile: rebuild it with wider --min-shapes/--max-shapes",
+            "no case ran in TensorRT (see the skipped cases: shapes outside the engine's optimization profile "
+            "need an engine built with wider --min-shapes/--max-shapes)",
         ))
         env.update(trt_environment())
         env["engine"] = str(engine)
