@@ -21,9 +21,8 @@ from attn_export import spec as spec_mod
 from attn_export import tensorrt as attn_trt
 from attn_export._errors import InputError
 from attn_export.validation import BACKEND_TRT, shape_cases, _label_kinds
+from helpers import invoke, one_line_error, run
 
-SCRIPT = Path(sys.executable).parent / "attn-export"
-EXE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "attn_export.cli"]
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
 try:
@@ -334,20 +333,6 @@ def cli_dir(tmp_path_factory):
     return d
 
 
-def run(*args, env=None, cwd=None):
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([*EXE, *map(str, args)], capture_output=True, text=True, timeout=600, env=full_env, cwd=cwd)
-
-
-def one_line_error(proc, *words):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
-
-
 @pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed here")
 def test_cli_to_tensorrt_without_tensorrt_exits_2_before_exporting(cli_dir):
     proc = run("model.pt", "--to", "tensorrt", cwd=cli_dir)
@@ -369,20 +354,10 @@ def test_cli_with_tensorrt_but_no_gpu_exits_2(cli_dir, tmp_path):
     one_line_error(proc, "is a CPU build")
 
 
-def invoke(*args):
-    from click.testing import CliRunner
-
-    from attn_export.cli import main
-
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    return result.exit_code, result.stderr
-
-
 def test_cli_tensorrt_options_need_to_tensorrt(cli_dir):
-    code, err = invoke(cli_dir / "model.pt", "--to", "onnx", "--max-shapes", "src:8x64x16")
-    assert code == 2 and "go with --to tensorrt" in err
-    code, err = invoke("validate", cli_dir / "model.pt", cli_dir / "model.onnx", "--plugin", "x.so")
-    assert code == 2 and "--plugin goes with --engine" in err
+    one_line_error(invoke(cli_dir / "model.pt", "--to", "onnx", "--max-shapes", "src:8x64x16"), "go with --to tensorrt")
+    one_line_error(invoke("validate", cli_dir / "model.pt", cli_dir / "model.onnx", "--plugin", "x.so"),
+                   "--plugin goes with --engine")
 
 
 def test_cli_to_tensorrt_checks_the_plugin_and_shapes_before_exporting(cli_dir, tmp_path, monkeypatch, libraries):
@@ -390,13 +365,12 @@ def test_cli_to_tensorrt_checks_the_plugin_and_shapes_before_exporting(cli_dir, 
     monkeypatch.delenv(attn_trt.PLUGIN_ENV, raising=False)
     monkeypatch.setattr(attn_trt, "default_plugin_paths", lambda: [tmp_path / attn_trt.PLUGIN_FILENAME])
     out = tmp_path / "m.engine"
-    code, err = invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out)
-    assert code == 2 and "the FusedAttention plugin library was not found" in err
-    code, err = invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out, "--plugin", libraries["plain"])
-    assert code == 2 and "does not export getCreators and setLoggerFinder" in err
-    code, err = invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out, "--plugin", libraries["entry"],
-                       "--max-shapes", "src:8x")
-    assert code == 2 and "--max-shapes 'src:8x': expected NAME:DIMS" in err
+    one_line_error(invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out),
+                   "the FusedAttention plugin library was not found")
+    one_line_error(invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out, "--plugin", libraries["plain"]),
+                   "does not export getCreators and setLoggerFinder")
+    one_line_error(invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out, "--plugin", libraries["entry"],
+                          "--max-shapes", "src:8x"), "--max-shapes 'src:8x': expected NAME:DIMS")
     assert not list(tmp_path.glob("m.*")), "nothing is exported when the engine could not be built"
 
 

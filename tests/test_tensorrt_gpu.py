@@ -3,8 +3,6 @@ PyTorch. Needs TensorRT's Python package, an NVIDIA GPU with a CUDA build of PyT
 plugin library (--plugin's defaults: $ATTN_EXPORT_TRT_PLUGIN or build/tensorrt/); each test
 skips with the reason when one is missing (docs/tensorrt.md, "What was verified")."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -12,9 +10,7 @@ import pytest
 import torch
 
 from attn_export import tensorrt as attn_trt
-
-SCRIPT = Path(sys.executable).parent / "attn-export"
-EXE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "attn_export.cli"]
+from helpers import run
 
 pytestmark = pytest.mark.cuda
 
@@ -68,9 +64,7 @@ def test_cli_to_tensorrt(tmp_path, plugin):
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), 2).eval()
     model.example_inputs = {"src": torch.randn(2, 16, 64)}
     torch.save(model, tmp_path / "model.pt")
-    proc = subprocess.run([*EXE, "model.pt", "--to", "tensorrt", "--plugin", str(plugin), "--json", "report.json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run("model.pt", "--to", "tensorrt", "--plugin", plugin, "--json", "report.json", cwd=tmp_path, expect=0)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and report["engine"]["plugin_layers"] == 2
     assert any(c["backend"] == "tensorrt" and c["status"] == "passed" for c in report["cases"])
