@@ -12,9 +12,11 @@
 #include <vector>
 
 #include "fusedAttentionCore.h"
+#include "reference_attention.h"
 
 using namespace attn_export;
 using namespace attn_export::trt_plugin;
+using attn_export::trt_plugin::testing::reference_attention;
 
 namespace {
 
@@ -197,34 +199,6 @@ void test_params_strides() {
         "workspace: float32 lse per (batch, head, query), 256-byte multiple");
 }
 
-// The attention the node defines (docs/onnx_node.md), computed straight from [B, L, H*D] arrays.
-std::vector<double> naive(const Config& c, int64_t B, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
-                          const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                          const std::vector<float>& kpm, const std::vector<float>& mask) {
-  const int64_t H = c.num_heads;
-  std::vector<double> out(B * Lq * H * Dv, 0.0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Lq; ++i) {
-        std::vector<double> s(Lk);
-        double top = -INFINITY;
-        for (int64_t j = 0; j < Lk; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < D; ++d) dot += q[(b * Lq + i) * H * D + h * D + d] * k[(b * Lk + j) * H * D + h * D + d];
-          s[j] = c.scale * dot + kpm[b * Lk + j] + mask[((b * H + h) * Lq + i) * Lk + j];
-          if (c.is_causal && j > i) s[j] = -INFINITY;
-          top = std::max(top, s[j]);
-        }
-        if (top == -INFINITY) continue;  // a query that sees no key: zeros
-        double sum = 0;
-        for (double& x : s) sum += (x = std::exp(x - top));
-        for (int64_t j = 0; j < Lk; ++j)
-          for (int64_t d = 0; d < Dv; ++d)
-            out[(b * Lq + i) * H * Dv + h * Dv + d] += s[j] / sum * v[(b * Lk + j) * H * Dv + h * Dv + d];
-      }
-  return out;
-}
-
 // The same attention read through AttentionParams, the way the kernels address memory.
 std::vector<double> through_params(const AttentionParams& p) {
   std::vector<double> out(p.batch * p.seqlen_q * p.num_heads * p.head_dim_v, 0.0);
@@ -239,7 +213,7 @@ std::vector<double> through_params(const AttentionParams& p) {
         for (int64_t j = 0; j < p.seqlen_k; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < p.head_dim; ++d)
-            dot += q[b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride + d] *
+            dot += double(q[b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride + d]) *
                 k[b * p.k_batch_stride + h * p.k_head_stride + j * p.k_row_stride + d];
           s[j] = p.scale * dot;
           if (p.key_padding_mask.present()) {
@@ -306,7 +280,7 @@ void test_params_address_the_node_layout() {
         const void* ptrs[] = {q.data(), k.data(), v.data(), kpm_small.data(), mask_small.data()};
         float out_dummy = 0;
         const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr);
-        const std::vector<double> want = naive(c, B, Lq, Lk, D, Dv, q, k, v, kpm, mask);
+        const std::vector<double> want = reference_attention(B, H, Lq, Lk, D, Dv, c.scale, causal, q, k, v, kpm, mask);
         const std::vector<double> got = through_params(p);
         double err = 0;
         for (size_t n = 0; n < want.size(); ++n) err = std::max(err, std::abs(want[n] - got[n]));

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "attention_spec.h"
+#include "reference_attention.h"
 
 using namespace nvinfer1;
 namespace spec = attn_export::spec;
@@ -148,32 +149,7 @@ Dims dims(std::initializer_list<int64_t> values) {
   return d;
 }
 
-// ---- GPU numerics: enqueue() against a float64 reference of the node's formula.
-void reference(int64_t B, int64_t Lq, int64_t Lk, int64_t H, int64_t D, float scale, bool causal,
-               const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-               const std::vector<float>& kpm /*[B, Lk]*/, const std::vector<float>& mask /*[1, H, Lq, Lk]*/,
-               std::vector<double>& out) {
-  out.assign(B * Lq * H * D, 0.0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < Lq; ++i) {
-        std::vector<double> s(Lk);
-        double top = -INFINITY;
-        for (int64_t j = 0; j < Lk; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < D; ++d) dot += double(q[(b * Lq + i) * H * D + h * D + d]) * k[(b * Lk + j) * H * D + h * D + d];
-          s[j] = scale * dot + kpm[b * Lk + j] + mask[(h * Lq + i) * Lk + j];
-          if (causal && j > i) s[j] = -INFINITY;
-          top = std::max(top, s[j]);
-        }
-        if (top == -INFINITY) continue;
-        double sum = 0;
-        for (double& x : s) sum += (x = std::exp(x - top));
-        for (int64_t j = 0; j < Lk; ++j)
-          for (int64_t d = 0; d < D; ++d) out[(b * Lq + i) * H * D + h * D + d] += s[j] / sum * v[(b * Lk + j) * H * D + h * D + d];
-      }
-}
-
+// ---- GPU numerics: enqueue() against the float64 reference of the node's formula.
 void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
   const int64_t B = 2, Lq = 37, Lk = 53, H = 2, D = 64;
   const int32_t heads = H, on = 1;
@@ -225,8 +201,10 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
     } else {
       cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost);
     }
-    std::vector<double> want;
-    reference(B, Lq, Lk, H, D, scale, causal, q, k, v, kpm, mask, want);
+    std::vector<float> mask_full(B * H * Lq * Lk);  // the [1, H, Lq, Lk] mask for every batch
+    for (int64_t b = 0; b < B; ++b) std::copy(mask.begin(), mask.end(), mask_full.begin() + b * H * Lq * Lk);
+    const std::vector<double> want = attn_export::trt_plugin::testing::reference_attention(
+        B, H, Lq, Lk, D, D, scale, causal, q, k, v, kpm, mask_full);
     double err = 0, top = 0;
     bool finite = true;
     for (size_t n = 0; n < want.size(); ++n) {
