@@ -13,7 +13,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean plugin
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ demo: install
 bench: install
 	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
 	$(PY) scripts/bench_cpu.py --shapes sweep --no-sdpa --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
+
+# The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
+plugin:
+	cmake -S plugins/tensorrt -B build/tensorrt $(if $(TENSORRT_ROOT),-DTENSORRT_ROOT=$(TENSORRT_ROOT)) -DATTN_EXPORT_REQUIRE_TENSORRT=ON
+	cmake --build build/tensorrt -j
 
 clean:
 	rm -rf build exporter/_C*.so $(VENV)

@@ -1,7 +1,9 @@
-"""The parity gate: the original PyTorch model against the replaced PyTorch model and ONNX
-Runtime, at several shapes, with tolerances derived from the dtype (docs/validation.md).
+"""The parity gate: the original PyTorch model against the replaced PyTorch model, ONNX
+Runtime and (given an engine) TensorRT, at several shapes, with tolerances derived from the
+dtype (docs/validation.md).
 
     >>> report = attn_export.validate(model, "model.onnx", {"src": x})
+    >>> report = attn_export.validate(model, "model.onnx", {"src": x}, engine="model.engine")
     >>> report.passed, report.to_json(), report.to_junit_xml()
 
 Cases: the example shape, batch 1, sequence 1, an odd sequence length and a longer one (per
@@ -34,6 +36,7 @@ from attn_export._errors import InputError, first_line as _first_line
 TOLERANCE_FACTOR = 8.0
 BACKEND_REPLACED = "pytorch-replaced"
 BACKEND_ORT = "onnxruntime"
+BACKEND_TRT = "tensorrt"
 _DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 _ONNX_ELEM_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64, 7: torch.int64,
                        6: torch.int32, 9: torch.bool, 2: torch.uint8, 3: torch.int8, 5: torch.int16}
@@ -397,9 +400,12 @@ def validate(
     dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
     seed: int = 0,
     progress: Optional[Callable[[str], None]] = None,
+    engine: Optional[str | Path] = None,
+    plugin: Optional[str | Path] = None,
 ) -> ValidationReport:
-    """Runs the original model (float32 reference), the replaced model and ONNX Runtime at the
-    example shape, batch 1, sequence 1, an odd and a longer sequence, and compares every output.
+    """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
+    ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
+    sequence 1, an odd and a longer sequence, and compares every output.
 
     Args:
         model: the ORIGINAL model (not modified; copies are made).
@@ -409,6 +415,11 @@ def validate(
             recorded in the file's metadata, else dim 0 and 1 of every input.
         seed: for the generated inputs.
         progress: called with a short description before each step.
+        engine: a TensorRT engine of ``onnx_path`` (attn_export.tensorrt.build_engine); needs
+            TensorRT and a GPU (TensorRTUnavailable otherwise). Shapes outside its optimization
+            profile are reported as skipped; at least one case must run.
+        plugin: the FusedAttention plugin library for the engine (default: as
+            attn_export.tensorrt.find_plugin_library looks for it).
     """
     import onnx
     import onnxruntime as ort
@@ -494,6 +505,15 @@ def validate(
     except Exception as exc:  # noqa: BLE001
         session_error = f"ONNX Runtime cannot load the model: {_first_line(exc)}"
 
+    runner = None
+    if engine is not None:
+        from attn_export.tensorrt import EngineRunner
+
+        say(f"loading the TensorRT engine {engine}")
+        runner = EngineRunner(engine, plugin=plugin)
+        checks.append(_engine_check(runner, graph_inputs, output_names, nodes))
+    backends = (BACKEND_REPLACED, BACKEND_ORT) + ((BACKEND_TRT,) if runner is not None else ())
+
     axes = symbolic
     sizes = _inputs.label_sizes(inputs, axes)
     kinds = _label_kinds(axes)
@@ -522,7 +542,7 @@ def validate(
             with _ReferenceMode():
                 ref = _run_torch(reference, _inputs.cast_floats(case_inputs, torch.float32))
         except Exception as exc:  # noqa: BLE001
-            for backend in (BACKEND_REPLACED, BACKEND_ORT):
+            for backend in backends:
                 cases_out.append(CaseResult(case_name, backend, "*", shapes, "skipped", False,
                                             message=f"the original model rejects these shapes: {_first_line(exc)}"))
             continue
@@ -535,15 +555,23 @@ def validate(
                     baseline = _run_torch(baseline_model, _inputs.cast_floats(case_inputs, dtype))
             except Exception:  # noqa: BLE001 - the baseline is diagnostic only
                 baseline = None
-        for backend in (BACKEND_REPLACED, BACKEND_ORT):
+        for backend in backends:
             if backend == BACKEND_ORT and session is None:
                 continue  # reported once below
+            if backend == BACKEND_TRT:
+                outside = runner.outside_profile({n: case_inputs[n] for n in graph_inputs})
+                if outside:
+                    cases_out.append(CaseResult(case_name, backend, "*", shapes, "skipped", False, message=outside))
+                    continue
             start = time.perf_counter()
             try:
                 if backend == BACKEND_REPLACED:
                     got = _run_torch(replaced, _inputs.cast_floats(case_inputs, dtype))
-                else:
+                elif backend == BACKEND_ORT:
                     got = _run_ort(session, onnx_model, case_inputs)
+                else:
+                    named = runner.run({n: case_inputs[n] for n in graph_inputs})
+                    got = [named[n] for n in output_names]
                 if len(got) != len(ref):
                     raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
             except Exception as exc:  # noqa: BLE001
@@ -567,6 +595,21 @@ def validate(
                 ))
     if session_error:
         cases_out.append(CaseResult("all", BACKEND_ORT, "*", {}, "error", False, message=session_error))
+    env = environment(seed)
+    if runner is not None:
+        from attn_export.tensorrt import environment as trt_environment
+
+        ran = [c for c in cases_out if c.backend == BACKEND_TRT and c.status != "skipped"]
+        checks.append(CheckResult(
+            "tensorrt coverage", bool(ran),
+            f"{len({c.case for c in ran})} case(s) ran in TensorRT" if ran else
+            "no case ran in TensorRT (see the skipped cases: shapes outside the engine's optimization profile "
+            "need an engine built with wider --min-shapes/--max-shapes)",
+        ))
+        env.update(trt_environment())
+        env["engine"] = str(engine)
+        env["plugin_library"] = runner.plugin_library.path if runner.plugin_library else None
+        env["plugin_sha256"] = runner.plugin_library.sha256 if runner.plugin_library else None
     return ValidationReport(
         cases=cases_out, checks=checks, dtype=dtype_name,
         tolerance={
@@ -575,8 +618,29 @@ def validate(
             "factor": TOLERANCE_FACTOR, "eps": torch.finfo(dtype).eps, "reduction_length_example": k_base,
             "rtol_example": rtol_example, "reference": "original PyTorch model, float32, eval, fast paths off",
         },
-        environment=environment(seed), onnx_path=str(onnx_path), input_names=list(inputs),
+        environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
         output_names=output_names, notes=notes,
+    )
+
+
+def _engine_check(runner, graph_inputs: List[str], output_names: List[str], nodes: int) -> CheckResult:
+    """The engine belongs to this ONNX file (same inputs and outputs) and ran every attention
+    node as a plugin layer (as recorded beside it by build_engine)."""
+    if sorted(runner.inputs) != sorted(graph_inputs) or sorted(runner.outputs) != sorted(output_names):
+        return CheckResult(
+            "tensorrt engine", False,
+            f"the engine's inputs {runner.inputs} / outputs {runner.outputs} are not the ONNX graph's "
+            f"{graph_inputs} / {output_names}: was it built from another model?",
+        )
+    meta = runner.metadata
+    if not meta:
+        return CheckResult("tensorrt engine", True, "no build record beside the engine: plugin layer count unknown")
+    layers = meta.get("plugin_layers")
+    ok = layers == nodes
+    return CheckResult(
+        "tensorrt engine", ok,
+        f"{layers} FusedAttention plugin layer(s) for {nodes} node(s)"
+        + ("" if ok else ": the engine does not run every node as the plugin"),
     )
 
 

@@ -1,7 +1,12 @@
-"""Shared test helpers: references independent of the code under test, and tolerances."""
+"""Shared test helpers: references independent of the code under test, tolerances, and the
+console script as users run it."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -63,3 +68,46 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     visible = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~visible, 0.0), dim=-1) * visible
     return p @ v, p
+
+
+# --------------------------------------------------------------------------------------------
+# The console script
+# --------------------------------------------------------------------------------------------
+
+SCRIPT = Path(sys.executable).parent / "attn-export"
+EXE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "attn_export.cli"]
+
+
+def run(*args, cwd=None, env=None, expect=None):
+    """`attn-export ARGS` in a subprocess (``env`` is added to the environment)."""
+    proc = subprocess.run([*EXE, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**os.environ, **env} if env else None)
+    if expect is not None:
+        assert proc.returncode == expect, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+class _Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def invoke(*args):
+    """The same command line in-process (click's CliRunner): for the many quick error cases,
+    without paying a Python + torch start-up each."""
+    from click.testing import CliRunner
+
+    from attn_export.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return _Result(result.exit_code, result.stdout, result.stderr)
+
+
+def one_line_error(proc, *words):
+    """Exit 2 with exactly one `error: ...` line containing every word, and no traceback."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    for word in words:
+        assert word in errors[0], errors[0]

@@ -2,7 +2,6 @@
 errors as one line, no partial output files, safe loading."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
@@ -15,41 +14,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-SCRIPT = Path(sys.executable).parent / "attn-export"
-EXE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "attn_export.cli"]
-
-
-def run(*args, cwd=None, expect=None):
-    proc = subprocess.run([*EXE, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
-    if expect is not None:
-        assert proc.returncode == expect, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
-
-
-class _Result:
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def invoke(*args):
-    """The same command line in-process (click's CliRunner): for the many quick error cases,
-    without paying a Python + torch start-up each."""
-    from click.testing import CliRunner
-
-    from attn_export.cli import main
-
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    return _Result(result.exit_code, result.stdout, result.stderr)
-
-
-def one_line_error(proc, *words):
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
-
+from helpers import invoke, one_line_error, run
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

@@ -34,13 +34,15 @@ class DefaultVerbGroup(click.Group):
 @click.version_option(package_name="attn-export")
 def main() -> None:
     """attn-export: fused multi-head attention for PyTorch models, exported to ONNX with a
-    portable custom node and checked in ONNX Runtime.
+    portable custom node and to TensorRT with a plugin, and checked in ONNX Runtime and TensorRT.
 
     \b
     attn-export MODEL --to onnx        replace attention, export, validate
                                        (short for `attn-export convert MODEL --to onnx`)
+    attn-export MODEL --to tensorrt    ... and build a TensorRT engine (GPU, TensorRT, plugin)
     attn-export inspect MODEL          list the attention layers and what happens to them
-    attn-export validate MODEL ONNX    the parity gate alone (exit 0 pass, 1 mismatch, 2 usage)
+    attn-export validate MODEL ONNX    the parity gate alone (exit 0 pass, 1 mismatch, 2 usage);
+                                       --engine FILE adds TensorRT
     attn-export bench                  time the fused layer against nn.MultiheadAttention
 
     MODEL is a torch.save(model) file or a Hugging Face transformers save_pretrained folder

@@ -81,3 +81,28 @@ def logging_options(f):
         click.option("-q", "--quiet", is_flag=True, help="Print errors only (the exit code tells the verdict)."),
         click.option("-v", "--verbose", is_flag=True, help="Show library warnings and tracebacks."),
     ])(f)
+
+
+def plugin_option(f):
+    return click.option(
+        "--plugin", "plugin", metavar="LIB.so", type=click.Path(dir_okay=False),
+        help="The FusedAttention TensorRT plugin library (plugins/tensorrt). Default: $ATTN_EXPORT_TRT_PLUGIN, "
+             "else build/tensorrt/libattn_export_trt_plugin.so of the source checkout.",
+    )(f)
+
+
+def profile_options(f):
+    """The TensorRT engine's optimization profile (trtexec's --minShapes/--optShapes/--maxShapes)."""
+    return _apply([
+        click.option("--min-shapes", "min_shapes", multiple=True, metavar="NAME:DIMS",
+                     help="Smallest shapes of the engine's inputs, NAME:DIMS (repeatable or comma-separated, e.g. "
+                          "src:1x1x64). Dimensions the ONNX graph ties together take one value; the others keep "
+                          "their defaults. Default: 1 for every dynamic dimension."),
+        click.option("--opt-shapes", "opt_shapes", multiple=True, metavar="NAME:DIMS",
+                     help="Shapes TensorRT tunes for, as --min-shapes. Default: the example inputs' shapes."),
+        click.option("--max-shapes", "max_shapes", multiple=True, metavar="NAME:DIMS",
+                     help="Largest shapes, as --min-shapes. Default: 4 x the example sizes, and at least every "
+                          "size the validation sweeps."),
+        click.option("--workspace-mib", type=click.IntRange(min=1), metavar="MIB",
+                     help="TensorRT's workspace memory limit (default: TensorRT's, the GPU's memory)."),
+    ])(f)

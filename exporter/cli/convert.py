@@ -1,4 +1,5 @@
-"""``attn-export convert`` (also the default verb: ``attn-export model.pt --to onnx``)."""
+"""``attn-export convert`` (also the default verb: ``attn-export model.pt --to onnx`` or
+``--to tensorrt``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,12 +19,16 @@ from attn_export.cli._options import (
     input_options,
     logging_options,
     model_options,
+    plugin_option,
+    profile_options,
     report_options,
 )
 
+SUFFIXES = {"onnx": ".onnx", "tensorrt": ".engine"}
+
 
 def default_output(model_path, factory, to: str) -> Path:
-    suffix = "." + to
+    suffix = SUFFIXES[to]
     if model_path:
         path = Path(model_path)
         if path.is_dir():  # a transformers save_pretrained folder: <folder>.onnx beside it
@@ -34,26 +39,33 @@ def default_output(model_path, factory, to: str) -> Path:
 
 @click.command("convert")
 @click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
-@click.option("--to", "to", type=click.Choice(["onnx"]), default="onnx", show_default=True,
-              help="Target format.")
+@click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
+              help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
+                   "FusedAttention plugin library).")
 @click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Where to write the result (default: MODEL with the target's suffix, beside it).")
+              help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, beside it).")
+@click.option("--onnx-output", "onnx_output", metavar="PATH", type=click.Path(dir_okay=False),
+              help="With --to tensorrt: where the intermediate ONNX goes (default: the engine path with .onnx).")
 @model_options
 @input_options
 @click.option("--opset", type=int, default=None, metavar="N", help="ONNX opset (18 and up; default 20).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Export in this precision (default: the model's own).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
-@click.option("--no-validate", is_flag=True, help="Skip the parity check in ONNX Runtime after export.")
+@click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
+@plugin_option
+@profile_options
 @coverage_options
 @report_options
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, factory, hf_config, weights, allow_class, trust_model_file, input_specs,
-            example_file, dynamic, static, seed, opset, dtype, no_replace, no_validate, min_replaced,
-            require_all, json_path, junit_path):
+def convert(session, model_path, to, output, onnx_output, factory, hf_config, weights, allow_class, trust_model_file,
+            input_specs, example_file, dynamic, static, seed, opset, dtype, no_replace, no_validate, plugin,
+            min_shapes, opt_shapes, max_shapes, workspace_mib, min_replaced, require_all, json_path, junit_path):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
-    export in ONNX Runtime against the original PyTorch model.
+    export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
+    TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
+    check.
 
     MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
     or a Hugging Face transformers save_pretrained folder (its attention is routed to the fused
@@ -66,8 +78,15 @@ def convert(session, model_path, to, output, factory, hf_config, weights, allow_
     of the token inputs, the batch of pixel_values).
 
     Validation (unless --no-validate) is the same as `attn-export validate`. Exit codes: 0
-    passed, 1 mismatch (or a coverage gate failed), 2 usage or input error. The output file is
-    written whole or not at all; after a mismatch it is kept for inspection.
+    passed, 1 mismatch (or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU
+    or the plugin library missing (the message says what to install or build). Output files are
+    written whole or not at all; after a mismatch they are kept for inspection.
+
+    --to tensorrt: the engine is strongly typed (it computes in the ONNX types: --dtype fp16 for
+    a float16 engine) and has one optimization profile: every dynamic dimension from 1 (min)
+    over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
+    --max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
+    needs (docs/tensorrt.md).
 
     \b
     Examples:
@@ -76,14 +95,33 @@ def convert(session, model_path, to, output, factory, hf_config, weights, allow_
       attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
       attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
       attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
+      attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
+          --max-shapes src:8x512x64
     """
     import torch
 
+    from attn_export._errors import InputError
     from attn_export.onnx_export import export_onnx
     from attn_export.replace import inspect_attention
     from attn_export.validation import validate
 
     out_path = Path(output) if output else default_output(model_path, factory, to)
+    engine_path = None
+    if to == "tensorrt":
+        from attn_export import tensorrt as attn_trt
+
+        # What TensorRT needs is checked first: nothing is exported when it could not be built.
+        attn_trt.require_runtime()
+        plugin = attn_trt.find_plugin_library(plugin)
+        attn_trt.check_plugin_library(plugin)
+        shape_specs = {which: attn_trt.parse_shape_specs(texts, f"--{which}-shapes")
+                       for which, texts in (("min", min_shapes), ("opt", opt_shapes), ("max", max_shapes))}
+        engine_path = out_path
+        out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
+        if out_path.resolve() == engine_path.resolve():
+            raise InputError(f"the ONNX file and the engine would both be {out_path}; give -o or --onnx-output")
+    elif onnx_output or plugin or min_shapes or opt_shapes or max_shapes or workspace_mib:
+        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt")
     with session.step("loading the model"):
         model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
                                                 hf_config=hf_config, seed=seed)
@@ -109,14 +147,31 @@ def convert(session, model_path, to, output, factory, hf_config, weights, allow_
         f"wrote {out_path}: opset {result.opset}, {result.dtype}, {result.num_attention_nodes} fused attention "
         f"node(s), dynamic axes: {axes_text}"
     )
+    extra = {"export": result.to_dict()}
+    if engine_path is not None:
+        import onnx
+
+        profile = attn_trt.derive_profile(onnx.load(str(out_path)), inputs, min_shapes=shape_specs["min"],
+                                          opt_shapes=shape_specs["opt"], max_shapes=shape_specs["max"])
+        for line in profile.lines():
+            session.note(f"profile {line}")
+        with session.step(f"building the TensorRT engine {engine_path}") as update:
+            info = attn_trt.build_engine(out_path, engine_path, plugin=plugin, profile=profile,
+                                         workspace_mib=workspace_mib, progress=update)
+        session.out.print(
+            f"wrote {engine_path}: TensorRT {info.tensorrt} on {info.gpu}, {info.plugin_layers} FusedAttention plugin "
+            f"layer(s), build record {engine_path}.json"
+        )
+        extra["engine"] = info.to_dict()
     if no_validate:
         session.out.print("validation skipped (--no-validate)")
         return 0
 
     with session.step("validating against the original model") as update:
-        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=seed, progress=update)
+        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=seed, progress=update,
+                          engine=engine_path, plugin=plugin if engine_path is not None else None)
     session.out.print(report.table())
-    write_reports(session, report, json_path, junit_path, extra={"export": result.to_dict()})
+    write_reports(session, report, json_path, junit_path, extra=extra)
     if not report.passed:
         for line in report.failures:
             click.echo(f"FAILED: {line}", err=True)

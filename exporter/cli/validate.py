@@ -11,26 +11,32 @@ from attn_export.cli._common import (
     resolve_axes_from_options,
     write_reports,
 )
-from attn_export.cli._options import input_options, logging_options, model_options, report_options
+from attn_export.cli._options import input_options, logging_options, model_options, plugin_option, report_options
 
 
 @click.command("validate")
 @click.argument("paths", metavar="[MODEL] ONNX", nargs=-1, type=click.Path())
 @model_options
 @input_options
+@click.option("--engine", "engine", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Also run this TensorRT engine (built from ONNX, e.g. by --to tensorrt) and compare it "
+                   "like the other backends. Needs TensorRT, a GPU and the plugin library.")
+@plugin_option
 @report_options
 @logging_options
 @common_verb
 def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust_model_file, input_specs, example_file,
-                 dynamic, static, seed, json_path, junit_path):
+                 dynamic, static, seed, engine, plugin, json_path, junit_path):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
-    reference), the model with its attention replaced, and ONNX Runtime at the example shape,
-    batch 1, sequence 1, an odd and a longer sequence length, and compares every output with a
-    tolerance derived from the dtype (docs/validation.md). A NaN where the reference has none
-    fails. Also fails when an axis declared dynamic is static in the ONNX graph.
+    reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
+    TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
+    length, and compares every output with a tolerance derived from the dtype
+    (docs/validation.md). A NaN where the reference has none fails. Also fails when an axis
+    declared dynamic is static in the ONNX graph. Shapes outside the engine's optimization
+    profile are reported as skipped for TensorRT; at least one must run.
 
     Prints one row per case; --json / --junit write the report. Exit codes: 0 passed,
-    1 mismatch, 2 usage or input error.
+    1 mismatch, 2 usage or input error, or TensorRT, a GPU or the plugin missing.
 
     \b
     Examples:
@@ -38,9 +44,17 @@ def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust
       attn-export validate model.pt model.onnx --input src:2x16x64 --json report.json --junit report.xml
       attn-export validate --model mypkg.models:build --weights w.pt model.onnx
       attn-export validate ./bert-tiny bert-tiny.onnx
+      attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
     """
     from attn_export._errors import InputError
     from attn_export.validation import validate
+
+    if engine is not None:
+        from attn_export import tensorrt as attn_trt
+
+        attn_trt.require_runtime()  # before the model is loaded: says what to install
+    elif plugin is not None:
+        raise InputError("--plugin goes with --engine")
 
     model_given = not factory or (factory.startswith("transformers:") and not hf_config)
     want = 2 if model_given else 1
@@ -55,7 +69,8 @@ def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust
         inputs = example_inputs_from_options(model, input_specs, example_file, seed)
         axes = resolve_axes_from_options(inputs, dynamic, static, model=model) if (dynamic or static) else None
     with session.step("validating") as update:
-        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=seed, progress=update)
+        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=seed, progress=update,
+                          engine=engine, plugin=plugin)
     session.out.print(report.table())
     write_reports(session, report, json_path, junit_path)
     if not report.passed:

@@ -1,0 +1,262 @@
+#include "fusedAttentionCore.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace attn_export::trt_plugin {
+namespace {
+
+const char* type_name(int32_t type) {
+  // nvinfer1::PluginFieldType, by value.
+  static const char* const kNames[] = {"kFLOAT16", "kFLOAT32", "kFLOAT64", "kINT8", "kINT16", "kINT32",
+                                       "kCHAR",    "kDIMS",    "kUNKNOWN", "kBF16", "kINT64"};
+  return type >= 0 && type < static_cast<int32_t>(sizeof(kNames) / sizeof(kNames[0])) ? kNames[type] : "unknown";
+}
+
+bool known(int64_t d) { return d >= 0; }
+
+std::string shape_text(const Shape& s) {
+  std::ostringstream out;
+  out << "[";
+  for (int32_t i = 0; i < s.rank && i < 4; ++i) {
+    out << (i ? ", " : "");
+    if (known(s.d[i])) {
+      out << s.d[i];
+    } else {
+      out << "?";
+    }
+  }
+  out << "]";
+  return out.str();
+}
+
+// Field i of kFields as stored in a Config.
+void* slot(Config& c, int32_t i) {
+  switch (i) {
+    case 0: return &c.num_heads;
+    case 1: return &c.scale;
+    case 2: return &c.is_causal;
+    case 3: return &c.has_key_padding_mask;
+    default: return &c.has_attn_mask;
+  }
+}
+
+const void* slot(const Config& c, int32_t i) { return slot(const_cast<Config&>(c), i); }
+
+// `d` may stand for `full` in a broadcast mask: 1, equal, or not known yet.
+bool broadcastable(int64_t d, int64_t full) { return !known(d) || !known(full) || d == 1 || d == full; }
+
+int64_t stride_or_zero(int64_t size, int64_t stride) { return size == 1 ? 0 : stride; }
+
+}  // namespace
+
+std::string validate_config(const Config& c) {
+  std::ostringstream why;
+  if (c.num_heads < 1) {
+    why << spec::kAttrNumHeads << " must be >= 1; got " << c.num_heads;
+  } else if (!std::isfinite(c.scale)) {
+    why << spec::kAttrScale << " must be finite; got " << c.scale;
+  } else {
+    const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask};
+    for (int32_t i = 0; i < 3; ++i) {
+      if (flags[i] != 0 && flags[i] != 1) {
+        why << kFields[2 + i].name << " must be 0 or 1; got " << flags[i];
+        break;
+      }
+    }
+  }
+  return why.str();
+}
+
+std::string parse_fields(const Field* fields, int32_t count, Config& out) {
+  Config c;
+  bool seen[kNumFields] = {};
+  if (count > 0 && fields == nullptr) {
+    return "the field collection has fields but no field array";
+  }
+  for (int32_t f = 0; f < count; ++f) {
+    const Field& field = fields[f];
+    if (field.name == nullptr) {
+      continue;
+    }
+    for (int32_t i = 0; i < kNumFields; ++i) {
+      if (std::strcmp(field.name, kFields[i].name) != 0) {
+        continue;
+      }
+      std::ostringstream why;
+      if (seen[i]) {
+        why << "field " << kFields[i].name << " is given twice";
+      } else if (field.type != static_cast<int32_t>(kFields[i].type) || field.length != 1 || field.data == nullptr) {
+        why << "field " << kFields[i].name << " must be " << type_name(static_cast<int32_t>(kFields[i].type))
+            << " of length 1; got " << type_name(field.type) << " of length " << field.length
+            << (field.data == nullptr ? " with no data" : "");
+      }
+      if (!why.str().empty()) {
+        return why.str();
+      }
+      std::memcpy(slot(c, i), field.data, 4);  // int32_t and float: 4 bytes each
+      seen[i] = true;
+    }
+  }
+  for (int32_t i = 0; i < kNumFields; ++i) {
+    if (kFields[i].required && !seen[i]) {
+      return std::string("field ") + kFields[i].name + " is missing (every " + spec::kOpType +
+          " node written by attn-export carries the attribute)";
+    }
+  }
+  std::string why = validate_config(c);
+  if (why.empty()) {
+    out = c;
+  }
+  return why;
+}
+
+void fields_to_serialize(const Config& config, Field (&out)[kNumFields]) {
+  for (int32_t i = 0; i < kNumFields; ++i) {
+    out[i] = Field{kFields[i].name, slot(config, i), static_cast<int32_t>(kFields[i].type), 1};
+  }
+}
+
+std::string describe(const Config& c) {
+  std::ostringstream out;
+  out << spec::kAttrNumHeads << "=" << c.num_heads << " " << spec::kAttrScale << "=" << c.scale << " "
+      << spec::kAttrIsCausal << "=" << c.is_causal << " " << spec::kAttrHasKeyPaddingMask << "="
+      << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask;
+  return out.str();
+}
+
+std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
+  std::ostringstream why;
+  if (count != spec::kNumInputs || in == nullptr) {
+    why << spec::kOpType << " takes " << spec::kNumInputs << " inputs; got " << count;
+    return why.str();
+  }
+  for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    if (in[i].rank != spec::kInputRanks[i]) {
+      why << "input " << i << " (" << spec::kInputNames[i] << ") must have rank " << spec::kInputRanks[i]
+          << "; got " << shape_text(in[i]) << " (rank " << in[i].rank << ")";
+      return why.str();
+    }
+  }
+  const Shape& q = in[spec::kInputQuery];
+  const Shape& k = in[spec::kInputKey];
+  const Shape& v = in[spec::kInputValue];
+  const int64_t heads = c.num_heads;
+  const auto differ = [](int64_t a, int64_t b) { return known(a) && known(b) && a != b; };
+  const std::string shapes =
+      "query " + shape_text(q) + ", key " + shape_text(k) + ", value " + shape_text(v);
+  if (differ(k.d[0], q.d[0]) || differ(v.d[0], q.d[0])) {
+    return "query, key and value must share the batch dimension; got " + shapes;
+  }
+  if (differ(v.d[1], k.d[1])) {
+    return "key and value must have the same length Lk; got " + shapes;
+  }
+  if (differ(k.d[2], q.d[2])) {
+    return "key must be as wide as query (H*D); got " + shapes;
+  }
+  for (const int32_t i : {spec::kInputQuery, spec::kInputValue}) {
+    const int64_t width = in[i].d[2];
+    if (known(width) && (width < heads || width % heads != 0)) {
+      why << spec::kAttrNumHeads << "=" << heads << " must divide the last dimension of " << spec::kInputNames[i]
+          << " (H*D with D >= 1); got " << shapes;
+      return why.str();
+    }
+  }
+  if (c.has_key_padding_mask) {
+    const Shape& m = in[spec::kInputKeyPaddingMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], k.d[1])) {
+      return std::string(spec::kInputNames[spec::kInputKeyPaddingMask]) + " must be [B or 1, Lk or 1]; got " +
+          shape_text(m) + " with " + shapes;
+    }
+  }
+  if (c.has_attn_mask) {
+    const Shape& m = in[spec::kInputAttnMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], heads) || !broadcastable(m.d[2], q.d[1]) ||
+        !broadcastable(m.d[3], k.d[1])) {
+      why << spec::kInputNames[spec::kInputAttnMask] << " must be [B or 1, H or 1, Lq or 1, Lk or 1] with H="
+          << heads << "; got " << shape_text(m) << " with " << shapes;
+      return why.str();
+    }
+  }
+  return "";
+}
+
+Shape output_shape(const Shape* in) {
+  Shape out;
+  out.rank = spec::kOutputRank;
+  out.d[0] = in[spec::kInputQuery].d[0];
+  out.d[1] = in[spec::kInputQuery].d[1];
+  out.d[2] = in[spec::kInputValue].d[2];
+  return out;
+}
+
+AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, const void* const* ptrs,
+                            void* output, void* lse) {
+  const Shape& q = in[spec::kInputQuery];
+  const Shape& k = in[spec::kInputKey];
+  const Shape& v = in[spec::kInputValue];
+  const int64_t heads = c.num_heads;
+  const int64_t width = q.d[2], width_v = v.d[2];
+
+  AttentionParams p;
+  p.batch = q.d[0];
+  p.num_heads = heads;
+  p.seqlen_q = q.d[1];
+  p.seqlen_k = k.d[1];
+  p.head_dim = width / heads;
+  p.head_dim_v = width_v / heads;
+  p.dtype = dtype;
+
+  // Token-major [B, L, H*D]: head h of row l of batch b starts at b*L*H*D + l*H*D + h*D.
+  p.q = ptrs[spec::kInputQuery];
+  p.q_batch_stride = p.seqlen_q * width;
+  p.q_head_stride = p.head_dim;
+  p.q_row_stride = width;
+  p.k = ptrs[spec::kInputKey];
+  p.k_batch_stride = p.seqlen_k * width;
+  p.k_head_stride = p.head_dim;
+  p.k_row_stride = width;
+  p.v = ptrs[spec::kInputValue];
+  p.v_batch_stride = p.seqlen_k * width_v;
+  p.v_head_stride = p.head_dim_v;
+  p.v_row_stride = width_v;
+  p.out = output;
+  p.out_batch_stride = p.seqlen_q * width_v;
+  p.out_head_stride = p.head_dim_v;
+  p.out_row_stride = width_v;
+  p.lse = lse;
+
+  if (c.has_key_padding_mask) {
+    const Shape& m = in[spec::kInputKeyPaddingMask];  // contiguous [Bm, Lkm]
+    p.key_padding_mask.ptr = ptrs[spec::kInputKeyPaddingMask];
+    p.key_padding_mask.kind = MaskKind::kAdditive;
+    p.key_padding_mask.dtype = DataType::kFloat32;
+    p.key_padding_mask.batch_stride = stride_or_zero(m.d[0], m.d[1]);
+    p.key_padding_mask.col_stride = stride_or_zero(m.d[1], 1);
+  }
+  if (c.has_attn_mask) {
+    const Shape& m = in[spec::kInputAttnMask];  // contiguous [Bm, Hm, Lqm, Lkm]
+    p.attn_mask.ptr = ptrs[spec::kInputAttnMask];
+    p.attn_mask.kind = MaskKind::kAdditive;
+    p.attn_mask.dtype = DataType::kFloat32;
+    p.attn_mask.batch_stride = stride_or_zero(m.d[0], m.d[1] * m.d[2] * m.d[3]);
+    p.attn_mask.head_stride = stride_or_zero(m.d[1], m.d[2] * m.d[3]);
+    p.attn_mask.row_stride = stride_or_zero(m.d[2], m.d[3]);
+    p.attn_mask.col_stride = stride_or_zero(m.d[3], 1);
+  }
+  p.scale = c.scale;
+  p.is_causal = c.is_causal != 0;
+  return p;
+}
+
+size_t workspace_bytes(const Config& c, int64_t batch, int64_t seqlen_q) {
+  if (batch <= 0 || seqlen_q <= 0 || c.num_heads <= 0) {
+    return 0;
+  }
+  const size_t bytes = static_cast<size_t>(batch) * static_cast<size_t>(c.num_heads) *
+      static_cast<size_t>(seqlen_q) * sizeof(float);
+  return (bytes + 255) / 256 * 256;
+}
+
+}  // namespace attn_export::trt_plugin

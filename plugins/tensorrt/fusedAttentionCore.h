@@ -1,0 +1,101 @@
+// The TensorRT-free half of the FusedAttention plugin: its fields, their validation and
+// (de)serialization, the shape rules of the node and the AttentionParams an enqueue() fills.
+//
+// Nothing here includes TensorRT or CUDA headers, so tests/core_test.cpp compiles and runs it
+// with a plain C++ compiler (tests/test_tensorrt_plugin.py does, in CI). fusedAttentionPlugin.cpp
+// is the only file that speaks TensorRT; it converts nvinfer1::PluginField <-> Field and
+// nvinfer1::Dims <-> Shape and static_asserts that FieldType mirrors nvinfer1::PluginFieldType.
+//
+// Every name comes from csrc/attention_spec.h (the one spec of the node); the field table below
+// is the only list of the plugin's fields: the creator declares it, createPlugin() parses it,
+// getFieldsToSerialize() writes it, and the Python preflight compares it with the ONNX nodes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "attention_params.h"
+#include "attention_spec.h"
+
+namespace attn_export::trt_plugin {
+
+// The numeric values of nvinfer1::PluginFieldType for the field types the plugin uses.
+enum class FieldType : int32_t { kFloat32 = 1, kInt32 = 5, kChar = 6 };
+
+struct FieldSpec {
+  const char* name;
+  FieldType type;
+  bool required;  // no default: the exporter always writes it (the others default to 0)
+};
+
+// The plugin's fields, in the order they are declared and serialized (their meaning: the
+// parameters table of README.md). The ONNX parser hands the creator each declared field whose
+// attribute the node carries (INT -> kINT32 of length 1, FLOAT -> kFLOAT32 of length 1).
+// plugin_version / plugin_namespace are read by the parser itself and are not fields.
+inline constexpr int32_t kNumFields = 5;
+inline constexpr FieldSpec kFields[kNumFields] = {
+    {spec::kAttrNumHeads, FieldType::kInt32, true},
+    {spec::kAttrScale, FieldType::kFloat32, true},
+    {spec::kAttrIsCausal, FieldType::kInt32, false},
+    {spec::kAttrHasKeyPaddingMask, FieldType::kInt32, false},
+    {spec::kAttrHasAttnMask, FieldType::kInt32, false},
+};
+
+// A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
+struct Field {
+  const char* name = nullptr;
+  const void* data = nullptr;
+  int32_t type = 0;  // a FieldType value (nvinfer1::PluginFieldType)
+  int32_t length = 0;
+};
+
+// The plugin's configuration: one value per field.
+struct Config {
+  int32_t num_heads = 0;
+  float scale = 0.0F;
+  int32_t is_causal = 0;
+  int32_t has_key_padding_mask = 0;
+  int32_t has_attn_mask = 0;
+};
+
+// Reads `count` fields into `out` (defaults for absent optional fields) and validates the
+// result. Returns "" on success, otherwise one sentence naming the field and what is wrong.
+// Unknown field names are ignored (they are not the plugin's).
+std::string parse_fields(const Field* fields, int32_t count, Config& out);
+
+// "" when every value is acceptable, otherwise why not.
+std::string validate_config(const Config& config);
+
+// The fields of `config` in kFields order, pointing into `config` (which must outlive them).
+void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
+
+// "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0"
+std::string describe(const Config& config);
+
+// A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.
+struct Shape {
+  int32_t rank = 0;
+  int64_t d[4] = {0, 0, 0, 0};
+};
+
+// The node's shape rules (docs/onnx_node.md), checked on the dimensions that are known:
+// ranks 3/3/3/2/4, query/key/value sharing the batch, key/value sharing Lk, H dividing the
+// packed query/value widths, key as wide as query, and each mask dimension 1 or equal to
+// the dimension it stands for. Masks whose has_* is 0 are not looked at. "" when fine.
+std::string check_shapes(const Config& config, const Shape* inputs, int32_t count);
+
+// The output shape [B, Lq, H*Dv] for inputs that passed check_shapes.
+Shape output_shape(const Shape* inputs);
+
+// The kernels' params for one enqueue(): q/k/v/out token-major [B, L, H*D] (row stride H*D,
+// head stride D), masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
+// (workspace_bytes() of float32). `inputs` must have passed check_shapes with known dims.
+AttentionParams make_params(const Config& config, const Shape* inputs, DataType dtype,
+                            const void* const* input_ptrs, void* output, void* lse);
+
+// Workspace for the kernels' log-sum-exp output: batch * H * seqlen_q float32, rounded up
+// to 256 bytes (the forward writes it; nothing reads it in inference).
+size_t workspace_bytes(const Config& config, int64_t batch, int64_t seqlen_q);
+
+}  // namespace attn_export::trt_plugin

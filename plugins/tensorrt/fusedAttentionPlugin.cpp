@@ -1,0 +1,398 @@
+#include "fusedAttentionPlugin.h"
+
+#include <atomic>
+#include <cstdio>
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/attention_cuda.h"
+
+using TrtType = nvinfer1::DataType;
+using nvinfer1::PluginFieldType;
+
+namespace attn_export::trt_plugin {
+
+// FieldType mirrors nvinfer1::PluginFieldType so that the TensorRT-free core can be tested alone.
+static_assert(static_cast<int32_t>(PluginFieldType::kFLOAT32) == static_cast<int32_t>(FieldType::kFloat32));
+static_assert(static_cast<int32_t>(PluginFieldType::kINT32) == static_cast<int32_t>(FieldType::kInt32));
+static_assert(static_cast<int32_t>(PluginFieldType::kCHAR) == static_cast<int32_t>(FieldType::kChar));
+static_assert(spec::kNumOutputs == 1 && spec::kOutputOutput == 0);
+
+namespace {
+
+constexpr int32_t kSuccess = 0;
+constexpr int32_t kFailure = 1;
+
+std::atomic<nvinfer1::ILoggerFinder*> gLoggerFinder{nullptr};
+
+// One line through TensorRT's logger (stderr when the library was loaded without one).
+void log(nvinfer1::ILogger::Severity severity, const std::string& message) noexcept {
+  nvinfer1::ILogger* logger = nullptr;
+  try {
+    if (nvinfer1::ILoggerFinder* finder = gLoggerFinder.load()) {
+      logger = finder->findLogger();
+    }
+  } catch (...) {
+    logger = nullptr;
+  }
+  if (logger != nullptr) {
+    logger->log(severity, message.c_str());
+  } else if (severity <= nvinfer1::ILogger::Severity::kWARNING) {
+    std::fprintf(stderr, "%s\n", message.c_str());
+  }
+}
+
+std::string prefix(const std::string& layer) {
+  return std::string(spec::kPluginName) + (layer.empty() ? "" : "[" + layer + "]") + ": ";
+}
+
+void log_error(const std::string& layer, const std::string& what) noexcept {
+  try {
+    log(nvinfer1::ILogger::Severity::kERROR, prefix(layer) + what);
+  } catch (...) {
+    // Out of memory while formatting an error: nothing more can be said.
+  }
+}
+
+bool supported_type(TrtType t) {
+  return t == TrtType::kFLOAT || t == TrtType::kHALF || t == TrtType::kBF16;
+}
+
+const char* type_name(TrtType t) {
+  switch (t) {
+    case TrtType::kFLOAT: return "float32";
+    case TrtType::kHALF: return "float16";
+    case TrtType::kBF16: return "bfloat16";
+    case TrtType::kINT32: return "int32";
+    case TrtType::kINT64: return "int64";
+    case TrtType::kBOOL: return "bool";
+    default: return "an unsupported type";
+  }
+}
+
+attn_export::DataType kernel_type(TrtType t) {
+  return t == TrtType::kHALF ? attn_export::DataType::kFloat16
+      : t == TrtType::kBF16  ? attn_export::DataType::kBFloat16
+                              : attn_export::DataType::kFloat32;
+}
+
+Shape to_shape(const nvinfer1::Dims& dims) {
+  Shape s;
+  s.rank = dims.nbDims;
+  for (int32_t i = 0; i < dims.nbDims && i < 4; ++i) {
+    s.d[i] = dims.d[i];  // -1 for a dimension not known at build time
+  }
+  return s;
+}
+
+// Known dims of symbolic shapes: the constant ones, -1 for the others.
+Shape to_shape(const nvinfer1::DimsExprs& dims) {
+  Shape s;
+  s.rank = dims.nbDims;
+  for (int32_t i = 0; i < dims.nbDims && i < 4; ++i) {
+    s.d[i] = dims.d[i] != nullptr && dims.d[i]->isConstant() ? dims.d[i]->getConstantValue() : -1;
+  }
+  return s;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// FusedAttentionPlugin
+// ---------------------------------------------------------------------------------------------
+
+FusedAttentionPlugin::FusedAttentionPlugin(const Config& config, std::string layerName)
+    : mConfig(config), mLayerName(std::move(layerName)), mDescription(describe(config)) {}
+
+int32_t FusedAttentionPlugin::fail(const std::string& what) const noexcept {
+  log_error(mLayerName, what);
+  return kFailure;
+}
+
+nvinfer1::IPluginCapability* FusedAttentionPlugin::getCapabilityInterface(
+    nvinfer1::PluginCapabilityType type) noexcept {
+  switch (type) {
+    case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
+    case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+    case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
+  }
+  return nullptr;
+}
+
+nvinfer1::IPluginV3* FusedAttentionPlugin::clone() noexcept {
+  try {
+    return new FusedAttentionPlugin(*this);
+  } catch (const std::exception& e) {
+    fail(std::string("clone failed: ") + e.what());
+  } catch (...) {
+    fail("clone failed");
+  }
+  return nullptr;
+}
+
+const char* FusedAttentionPlugin::getPluginName() const noexcept { return spec::kPluginName; }
+const char* FusedAttentionPlugin::getPluginVersion() const noexcept { return spec::kPluginVersion; }
+const char* FusedAttentionPlugin::getPluginNamespace() const noexcept { return spec::kPluginNamespace; }
+
+int32_t FusedAttentionPlugin::getNbOutputs() const noexcept { return spec::kNumOutputs; }
+
+bool FusedAttentionPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPluginTensorDesc* inOut,
+                                                     int32_t nbInputs, int32_t nbOutputs) noexcept {
+  if (inOut == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs || pos < 0 ||
+      pos >= nbInputs + nbOutputs) {
+    return false;
+  }
+  const nvinfer1::PluginTensorDesc& desc = inOut[pos].desc;
+  if (desc.format != nvinfer1::TensorFormat::kLINEAR) {
+    return false;
+  }
+  if (pos == spec::kInputKeyPaddingMask || pos == spec::kInputAttnMask) {
+    return desc.type == TrtType::kFLOAT;  // the masks are always additive float32
+  }
+  if (pos == spec::kInputQuery) {
+    return supported_type(desc.type);
+  }
+  return desc.type == inOut[spec::kInputQuery].desc.type;  // key, value and the output follow query
+}
+
+int32_t FusedAttentionPlugin::getOutputDataTypes(TrtType* outputTypes, int32_t nbOutputs,
+                                                 const TrtType* inputTypes, int32_t nbInputs) const noexcept {
+  try {
+    if (outputTypes == nullptr || inputTypes == nullptr || nbInputs != spec::kNumInputs ||
+        nbOutputs != spec::kNumOutputs) {
+      return fail("expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output; got " +
+                  std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+    }
+    const TrtType t = inputTypes[spec::kInputQuery];
+    if (!supported_type(t) || inputTypes[spec::kInputKey] != t || inputTypes[spec::kInputValue] != t) {
+      return fail(std::string("query, key and value must share one type among float32, float16, bfloat16; got ") +
+                  type_name(t) + ", " + type_name(inputTypes[spec::kInputKey]) + ", " +
+                  type_name(inputTypes[spec::kInputValue]));
+    }
+    for (int32_t i : {spec::kInputKeyPaddingMask, spec::kInputAttnMask}) {
+      if (inputTypes[i] != TrtType::kFLOAT) {
+        return fail(std::string(spec::kInputNames[i]) + " must be float32 (an additive mask); got " +
+                    type_name(inputTypes[i]));
+      }
+    }
+    outputTypes[spec::kOutputOutput] = t;
+    return kSuccess;
+  } catch (...) {
+    return fail("getOutputDataTypes failed");
+  }
+}
+
+int32_t FusedAttentionPlugin::getOutputShapes(const nvinfer1::DimsExprs* inputs, int32_t nbInputs,
+                                              const nvinfer1::DimsExprs* /*shapeInputs*/, int32_t nbShapeInputs,
+                                              nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+                                              nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept {
+  try {
+    if (inputs == nullptr || outputs == nullptr || nbInputs != spec::kNumInputs || nbShapeInputs != 0 ||
+        nbOutputs != spec::kNumOutputs) {
+      return fail("expected " + std::to_string(spec::kNumInputs) + " inputs, no shape input and 1 output");
+    }
+    // Build-time check of what is already known (static widths, heads, mask ranks); the
+    // symbolic dimensions are checked again in onShapeChange() with their runtime values.
+    Shape shapes[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      shapes[i] = to_shape(inputs[i]);
+    }
+    const std::string why = check_shapes(mConfig, shapes, nbInputs);
+    if (!why.empty()) {
+      return fail(why);
+    }
+    // [B, Lq, H*Dv]: the output reuses the input expressions, so it is as dynamic as they are
+    // (any batch and sequence lengths the optimization profile allows).
+    nvinfer1::DimsExprs& out = outputs[spec::kOutputOutput];
+    out.nbDims = spec::kOutputRank;
+    out.d[0] = inputs[spec::kInputQuery].d[0];
+    out.d[1] = inputs[spec::kInputQuery].d[1];
+    out.d[2] = inputs[spec::kInputValue].d[2];
+    return kSuccess;
+  } catch (...) {
+    return fail("getOutputShapes failed");
+  }
+}
+
+int32_t FusedAttentionPlugin::configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nbInputs,
+                                              const nvinfer1::DynamicPluginTensorDesc* out,
+                                              int32_t nbOutputs) noexcept {
+  try {
+    if (in == nullptr || out == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs) {
+      return fail("configurePlugin: expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output");
+    }
+    Shape shapes[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      shapes[i] = to_shape(in[i].desc.dims);
+    }
+    std::string why = check_shapes(mConfig, shapes, nbInputs);
+    if (!why.empty()) {
+      return fail(why);
+    }
+    // The kernels' limits, checked against the profile's largest shapes so that the engine
+    // build fails with a reason instead of an enqueue() failing later.
+    Shape largest[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      largest[i] = to_shape(in[i].max);
+    }
+    why = check_shapes(mConfig, largest, nbInputs);
+    if (!why.empty()) {
+      return fail("at the profile's largest shapes: " + why);
+    }
+    const void* const none[spec::kNumInputs] = {};
+    const AttentionParams p = make_params(mConfig, largest, kernel_type(in[0].desc.type), none, nullptr, nullptr);
+    if (const char* limit = cuda::attention_params_error(p)) {
+      return fail(std::string("at the profile's largest shapes: ") + limit);
+    }
+    return kSuccess;
+  } catch (...) {
+    return fail("configurePlugin failed");
+  }
+}
+
+size_t FusedAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
+                                              const nvinfer1::DynamicPluginTensorDesc* /*outputs*/,
+                                              int32_t /*nbOutputs*/) const noexcept {
+  if (inputs == nullptr || nbInputs != spec::kNumInputs) {
+    return 0;
+  }
+  const nvinfer1::Dims& q = inputs[spec::kInputQuery].max;
+  return workspace_bytes(mConfig, q.d[0], q.d[1]);
+}
+
+const char* FusedAttentionPlugin::getTimingCacheID() noexcept { return mDescription.c_str(); }
+
+const char* FusedAttentionPlugin::getMetadataString() noexcept { return mDescription.c_str(); }
+
+int32_t FusedAttentionPlugin::onShapeChange(const nvinfer1::PluginTensorDesc* in, int32_t nbInputs,
+                                            const nvinfer1::PluginTensorDesc* out, int32_t nbOutputs) noexcept {
+  try {
+    if (in == nullptr || out == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs) {
+      return fail("onShapeChange: expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output");
+    }
+    Shape shapes[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      shapes[i] = to_shape(in[i].dims);
+    }
+    const std::string why = check_shapes(mConfig, shapes, nbInputs);
+    return why.empty() ? kSuccess : fail(why);
+  } catch (...) {
+    return fail("onShapeChange failed");
+  }
+}
+
+int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc,
+                                      const nvinfer1::PluginTensorDesc* outputDesc, const void* const* inputs,
+                                      void* const* outputs, void* workspace, cudaStream_t stream) noexcept {
+  try {
+    if (inputDesc == nullptr || outputDesc == nullptr || inputs == nullptr || outputs == nullptr) {
+      return fail("enqueue: missing tensor descriptions or pointers");
+    }
+    // The shapes were checked by onShapeChange(), which TensorRT calls whenever they change.
+    Shape shapes[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      shapes[i] = to_shape(inputDesc[i].dims);
+    }
+    const int64_t batch = shapes[spec::kInputQuery].d[0], seqlen_q = shapes[spec::kInputQuery].d[1];
+    if (workspace == nullptr && workspace_bytes(mConfig, batch, seqlen_q) > 0) {
+      return fail("enqueue: no workspace (getWorkspaceSize asked for one)");
+    }
+    const AttentionParams params = make_params(mConfig, shapes, kernel_type(inputDesc[spec::kInputQuery].type),
+                                               inputs, outputs[spec::kOutputOutput], workspace);
+    if (const char* why = cuda::attention_params_error(params)) {
+      return fail(why);
+    }
+    const cudaError_t err = cuda::run_attention_forward(params, stream);
+    if (err != cudaSuccess) {
+      return fail(std::string("the attention kernel failed: ") + cudaGetErrorName(err) + " (" +
+                  cudaGetErrorString(err) + ")");
+    }
+    return kSuccess;
+  } catch (...) {
+    return fail("enqueue failed");
+  }
+}
+
+nvinfer1::IPluginV3* FusedAttentionPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept {
+  return clone();  // no per-context resources
+}
+
+const nvinfer1::PluginFieldCollection* FusedAttentionPlugin::getFieldsToSerialize() noexcept {
+  Field fields[kNumFields];
+  fields_to_serialize(mConfig, fields);
+  for (int32_t i = 0; i < kNumFields; ++i) {
+    mSerialized[i] = nvinfer1::PluginField(fields[i].name, fields[i].data,
+                                           static_cast<PluginFieldType>(fields[i].type), fields[i].length);
+  }
+  mSerializedCollection.nbFields = kNumFields;
+  mSerializedCollection.fields = mSerialized;
+  return &mSerializedCollection;
+}
+
+// ---------------------------------------------------------------------------------------------
+// FusedAttentionPluginCreator
+// ---------------------------------------------------------------------------------------------
+
+FusedAttentionPluginCreator::FusedAttentionPluginCreator() {
+  for (int32_t i = 0; i < kNumFields; ++i) {
+    mFieldNames[i] = nvinfer1::PluginField(kFields[i].name, nullptr, static_cast<PluginFieldType>(kFields[i].type), 1);
+  }
+  mFieldCollection.nbFields = kNumFields;
+  mFieldCollection.fields = mFieldNames;
+}
+
+const char* FusedAttentionPluginCreator::getPluginName() const noexcept { return spec::kPluginName; }
+const char* FusedAttentionPluginCreator::getPluginVersion() const noexcept { return spec::kPluginVersion; }
+const char* FusedAttentionPluginCreator::getPluginNamespace() const noexcept { return spec::kPluginNamespace; }
+
+const nvinfer1::PluginFieldCollection* FusedAttentionPluginCreator::getFieldNames() noexcept {
+  return &mFieldCollection;
+}
+
+nvinfer1::IPluginV3* FusedAttentionPluginCreator::createPlugin(const char* name,
+                                                               const nvinfer1::PluginFieldCollection* fc,
+                                                               nvinfer1::TensorRTPhase /*phase*/) noexcept {
+  const std::string layer = name != nullptr ? name : "";
+  try {
+    if (fc == nullptr) {
+      log_error(layer, "createPlugin: no field collection");
+      return nullptr;
+    }
+    std::vector<Field> fields;
+    fields.reserve(fc->nbFields > 0 ? fc->nbFields : 0);
+    for (int32_t i = 0; i < fc->nbFields && fc->fields != nullptr; ++i) {
+      const nvinfer1::PluginField& f = fc->fields[i];
+      fields.push_back(Field{f.name, f.data, static_cast<int32_t>(f.type), f.length});
+    }
+    Config config;
+    const std::string why = parse_fields(fields.data(), static_cast<int32_t>(fields.size()), config);
+    if (!why.empty()) {
+      log_error(layer, "cannot create the plugin: " + why);
+      return nullptr;
+    }
+    return new FusedAttentionPlugin(config, layer);
+  } catch (const std::exception& e) {
+    log_error(layer, std::string("cannot create the plugin: ") + e.what());
+  } catch (...) {
+    log_error(layer, "cannot create the plugin");
+  }
+  return nullptr;
+}
+
+}  // namespace attn_export::trt_plugin
+
+// ---------------------------------------------------------------------------------------------
+// Library entry points
+// ---------------------------------------------------------------------------------------------
+
+nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
+  static attn_export::trt_plugin::FusedAttentionPluginCreator sCreator;
+  static nvinfer1::IPluginCreatorInterface* const sCreators[] = {&sCreator};
+  nbCreators = 1;
+  return sCreators;
+}
+
+void setLoggerFinder(nvinfer1::ILoggerFinder* finder) {
+  attn_export::trt_plugin::gLoggerFinder.store(finder);
+}

@@ -1,0 +1,41 @@
+// The attention the FusedAttention node defines (docs/onnx_node.md), in float64, straight from
+// token-major [B, L, H*D] arrays and masks expanded to [B, Lk] and [B, H, Lq, Lk]: the
+// reference of core_test.cpp (AttentionParams) and host_check.cpp (the plugin on a GPU).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace attn_export::trt_plugin::testing {
+
+inline std::vector<double> reference_attention(int64_t B, int64_t H, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
+                                               double scale, bool causal, const std::vector<float>& q,
+                                               const std::vector<float>& k, const std::vector<float>& v,
+                                               const std::vector<float>& kpm, const std::vector<float>& mask) {
+  std::vector<double> out(B * Lq * H * Dv, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Lq; ++i) {
+        std::vector<double> s(Lk);
+        double top = -INFINITY;
+        for (int64_t j = 0; j < Lk; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d)
+            dot += double(q[(b * Lq + i) * H * D + h * D + d]) * k[(b * Lk + j) * H * D + h * D + d];
+          s[j] = scale * dot + kpm[b * Lk + j] + mask[((b * H + h) * Lq + i) * Lk + j];
+          if (causal && j > i) s[j] = -INFINITY;
+          top = std::max(top, s[j]);
+        }
+        if (top == -INFINITY) continue;  // a query that sees no key: zeros, never NaN
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - top));
+        for (int64_t j = 0; j < Lk; ++j)
+          for (int64_t d = 0; d < Dv; ++d)
+            out[(b * Lq + i) * H * Dv + h * Dv + d] += s[j] / sum * v[(b * Lk + j) * H * Dv + h * Dv + d];
+      }
+  return out;
+}
+
+}  // namespace attn_export::trt_plugin::testing
