@@ -118,6 +118,21 @@ bool should_save_probs(const at::Tensor& query, const at::Tensor& key, int64_t n
   return elements <= kMaxSavedProbs;
 }
 
+// The layer's non-tensor arguments, packed into one integer for saved_data.
+struct LayerConfig {
+  int64_t num_heads;
+  bool packed_qkv, shared_kv, need_weights, average_attn_weights, is_causal, batch_first;
+
+  int64_t pack() const {
+    return num_heads << 6 | int64_t{packed_qkv} | int64_t{shared_kv} << 1 | int64_t{need_weights} << 2 |
+        int64_t{average_attn_weights} << 3 | int64_t{is_causal} << 4 | int64_t{batch_first} << 5;
+  }
+  static LayerConfig unpack(int64_t v) {
+    return {v >> 6, bool(v & 1), bool(v >> 1 & 1), bool(v >> 2 & 1), bool(v >> 3 & 1),
+            bool(v >> 4 & 1), bool(v >> 5 & 1)};
+  }
+};
+
 class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
  public:
   static variable_list forward(
@@ -152,19 +167,12 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
         {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,
          out_proj_bias.value_or(at::Tensor()), attn_mask.value_or(at::Tensor()),
          key_padding_mask.value_or(at::Tensor())});
-    // Intermediates only this function sees, so they need no version-counter protection.
-    ctx->saved_data["q_proj"] = q_proj;
-    ctx->saved_data["kv_proj"] = kv_proj;
-    ctx->saved_data["attn"] = attn;
-    ctx->saved_data["lse"] = lse;
-    ctx->saved_data["probs"] = probs;
-    ctx->saved_data["packed_qkv"] = packed_qkv;
-    ctx->saved_data["shared_kv"] = shared_kv;
-    ctx->saved_data["num_heads"] = num_heads;
-    ctx->saved_data["need_weights"] = need_weights;
-    ctx->saved_data["average_attn_weights"] = average_attn_weights;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["batch_first"] = batch_first;
+    // Intermediates only this function sees, so they need no version-counter protection. Two
+    // entries rather than a dozen: on small inputs every map insertion shows.
+    ctx->saved_data["intermediates"] = std::vector<at::Tensor>{q_proj, kv_proj, attn, lse, probs};
+    ctx->saved_data["config"] = LayerConfig{num_heads, packed_qkv, shared_kv, need_weights,
+                                            average_attn_weights, is_causal, batch_first}
+                                    .pack();
     if (!need_weights) {
       ctx->mark_non_differentiable({weights});
     }
@@ -173,7 +181,8 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    auto& d = ctx->saved_data;
+    const LayerConfig c = LayerConfig::unpack(ctx->saved_data["config"].toInt());
+    const auto intermediates = ctx->saved_data["intermediates"].toTensorVector();
     const std::optional<at::Tensor> in_proj_bias = optional_of(saved[4]);
     const std::optional<at::Tensor> out_proj_bias = optional_of(saved[6]);
     const std::optional<at::Tensor> attn_mask = optional_of(saved[7]);
@@ -193,15 +202,13 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
     const std::optional<at::Tensor> grad_weights = optional_of(grad_outputs[1]);
     const auto grads = call_multi_head_attention_backward(
-        grad_output, grad_weights, saved[0], saved[1], saved[2], d["num_heads"].toInt(), saved[3],
-        in_proj_bias, saved[5], out_proj_bias, attn_mask, key_padding_mask, d["need_weights"].toBool(),
-        d["average_attn_weights"].toBool(), d["is_causal"].toBool(), d["batch_first"].toBool(),
-        d["packed_qkv"].toBool(), d["shared_kv"].toBool(), d["q_proj"].toTensor(),
-        d["kv_proj"].toTensor(), d["attn"].toTensor(), d["lse"].toTensor(), d["probs"].toTensor(), needs);
+        grad_output, grad_weights, saved[0], saved[1], saved[2], c.num_heads, saved[3], in_proj_bias,
+        saved[5], out_proj_bias, attn_mask, key_padding_mask, c.need_weights, c.average_attn_weights,
+        c.is_causal, c.batch_first, c.packed_qkv, c.shared_kv, intermediates[0], intermediates[1],
+        intermediates[2], intermediates[3], intermediates[4], needs);
     // The operator returns empty tensors for gradients it does not compute (see its schema).
-    const bool packed_qkv = d["packed_qkv"].toBool(), shared_kv = d["shared_kv"].toBool();
     const std::array<bool, 7> computed = {
-        needs[0], needs[1] && !packed_qkv, needs[2] && !packed_qkv && !shared_kv, needs[3],
+        needs[0], needs[1] && !c.packed_qkv, needs[2] && !c.packed_qkv && !c.shared_kv, needs[3],
         needs[4], needs[5], needs[6]};
     std::array<at::Tensor, 7> g = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
                                    std::get<3>(grads), std::get<4>(grads), std::get<5>(grads),
