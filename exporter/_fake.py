@@ -335,6 +335,16 @@ def _multi_head_attention_backward_fake(
     ]
     like = [query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias]
     return tuple(
-        grad_output.new_empty(t.shape) if keep else grad_output.new_empty((0,))
-        for keep, t in zip(present, like)
+        (_empty_in_weight_layout(grad_output, t) if i in (3, 5) else grad_output.new_empty(t.shape))
+        if keep else grad_output.new_empty((0,))
+        for i, (keep, t) in enumerate(zip(present, like))
     )
+
+
+def _empty_in_weight_layout(like, weight):
+    """A weight gradient laid out like the weight: column-major weights (FusedMultiheadAttention
+    keeps its projections so) get column-major gradients, as csrc/ops/multi_head_attention.cpp
+    returns them."""
+    if weight.dim() == 2 and weight.size(0) > 1 and weight.stride(0) == 1:
+        return like.new_empty((weight.size(1), weight.size(0))).t()
+    return like.new_empty(weight.shape)

@@ -104,3 +104,34 @@ def test_need_weights_false_returns_none():
     x = torch.randn(4, 2, 16)
     out, w = fused(x, x, x, need_weights=False)
     assert w is None and out.shape == x.shape and out.is_contiguous()
+
+
+def test_projection_weights_are_column_major_and_gradients_follow():
+    """x @ W.t() reads a contiguous W.t() without repacking; the gradients come back in the
+    same layout, so autograd accumulates them without a copy."""
+    fused = FusedMultiheadAttention(32, 4, batch_first=True)
+    ref = nn.MultiheadAttention(32, 4, batch_first=True)
+    shared = FusedMultiheadAttention.from_module(ref)
+    for layer in (fused, shared):
+        for w in (layer.in_proj_weight, layer.out_proj.weight):
+            assert w.t().is_contiguous()
+        x = torch.randn(2, 5, 32)
+        layer(x, x, x)[0].sum().backward()
+        for w in (layer.in_proj_weight, layer.out_proj.weight):
+            assert w.grad.stride() == w.stride()
+    assert shared.in_proj_weight is ref.in_proj_weight  # re-laid out in place, still shared
+
+
+def test_opcheck_backward_with_column_major_weights():
+    E, H = 8, 2
+    x = torch.randn(2, 5, E)
+    w_in = torch.randn(E, 3 * E).t()
+    w_out = torch.randn(E, E).t()
+    b_in, b_out = torch.randn(3 * E), torch.randn(E)
+    ops = torch.ops.attn_export
+    args = (x, x, x, H, w_in, b_in, w_out, b_out, None, None, False, True, False, True)
+    _, _, q_proj, kv_proj, attn, lse, probs = ops._multi_head_attention_forward(*args, True, True)
+    torch.library.opcheck(
+        ops._multi_head_attention_backward.default,
+        (torch.randn_like(x), None, *args, True, False, q_proj, kv_proj, attn, lse, probs, [True] * 7),
+    )

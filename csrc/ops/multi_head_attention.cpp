@@ -30,6 +30,34 @@ Layout layout_of(const MultiHeadAttentionArgs& a) {
   return l;
 }
 
+// A weight stored column-major (weight.t() contiguous: FusedMultiheadAttention keeps its
+// projection weights so, which lets BLAS read x W^T without repacking W) gets its gradient in
+// the same layout, so that autograd accumulates it without a copy.
+bool column_major(const at::Tensor& weight) {
+  return weight.dim() == 2 && !weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+      weight.size(0) > 1 && weight.stride(0) == 1;
+}
+
+// dL/dW of y = x W^T from dy, laid out like `weight`.
+at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight) {
+  return column_major(weight) ? x.t().mm(dy).t() : dy.t().mm(x);
+}
+
+// Row blocks of a weight gradient, concatenated in the weight's layout.
+at::Tensor cat_weight_grads(const std::vector<at::Tensor>& parts, const at::Tensor& weight) {
+  if (parts.size() == 1) {
+    return parts[0];
+  }
+  if (!column_major(weight)) {
+    return at::cat(parts, 0);
+  }
+  std::vector<at::Tensor> transposed;
+  for (const at::Tensor& p : parts) {
+    transposed.push_back(p.t());
+  }
+  return at::cat(transposed, 1).t();
+}
+
 at::Tensor tokens2d(const at::Tensor& t, const Layout& l) {
   return t.reshape_symint({SymInt(-1), l.embed_dim});
 }
@@ -244,7 +272,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
 
   const at::Tensor dy = tokens2d(grad_output, l);
   if (needs[kOutWeight]) {
-    grads[kOutWeight] = dy.t().mm(s.attn);
+    grads[kOutWeight] = weight_grad(dy, s.attn, a.out_proj_weight);
   }
   if (needs[kOutBias] && a.out_proj_bias.has_value()) {
     grads[kOutBias] = dy.sum(0);
@@ -273,7 +301,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
       p.grad_input = dproj.mm(a.in_proj_weight.narrow(0, row0, rows));
     }
     if (needs[kInWeight]) {
-      p.grad_weight = dproj.t().mm(tokens2d(input, l));
+      p.grad_weight = weight_grad(dproj, tokens2d(input, l), a.in_proj_weight);
     }
     if (needs[kInBias] && a.in_proj_bias.has_value()) {
       p.grad_bias = dproj.sum(0);
@@ -304,7 +332,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     bias_grads.push_back(parts[i].grad_bias);
   }
   if (needs[kInWeight]) {
-    grads[kInWeight] = weight_grads.size() == 1 ? weight_grads[0] : at::cat(weight_grads, 0);
+    grads[kInWeight] = cat_weight_grads(weight_grads, a.in_proj_weight);
   }
   if (needs[kInBias] && a.in_proj_bias.has_value()) {
     grads[kInBias] = bias_grads.size() == 1 ? bias_grads[0] : at::cat(bias_grads, 0);
