@@ -132,9 +132,7 @@ void attention_forward_kernel(const AttentionParams& p) {
 
       masked_scores(p, b, h, row0, rows, cols, s, ld);
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
-      for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = cpu::vec::softmax_row(s + r * ld, cols);
-      }
+      cpu::vec::softmax_rows(s, rows, cols, ld, lse);
 
       const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
       T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +

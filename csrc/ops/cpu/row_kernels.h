@@ -235,7 +235,7 @@ ATTN_EXPORT_INLINE VecF exp_approx(VecF x) {
 // In-place softmax of one row; returns its log-sum-exp. A row with no finite score (all keys
 // masked) becomes zeros with lse = -inf instead of the 0/0 = NaN of a naive softmax.
 template <typename T>
-ATTN_EXPORT_INLINE T softmax_row(T* x, int64_t n) {  // float: see the specialization below
+ATTN_EXPORT_INLINE T softmax_row(T* x, int64_t n) {  // float64 rows; float rows: softmax_rows<float>
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   T max = kNegInf;
   for (int64_t j = 0; j < n; ++j) {
@@ -257,33 +257,57 @@ ATTN_EXPORT_INLINE T softmax_row(T* x, int64_t n) {  // float: see the specializ
   return max + std::log(sum);
 }
 
-// x holds padded_cols(n) scores, the padding -inf; on return the padding is 0.
+// softmax_row over `rows` rows ld apart, log-sum-exps into lse. The float version works in
+// passes over a group of rows (maxima, exponentials, logarithms, scaling) so that the rows'
+// dependency chains (a horizontal reduction, a log, a division each) overlap instead of
+// running one after another: on the 16-key rows of short sequences those chains dominate.
+template <typename T>
+ATTN_EXPORT_INLINE void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse) {
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = softmax_row(x + r * ld, n);
+  }
+}
+
 template <>
-ATTN_EXPORT_INLINE float softmax_row<float>(float* x, int64_t n) {
+ATTN_EXPORT_INLINE void softmax_rows<float>(float* x, int64_t rows, int64_t n, int64_t ld, float* lse) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t kGroup = 16;
   const int64_t end = padded_cols(n);
-  VecF vmax = splat(kNegInf);
-  for (int64_t j = 0; j < end; j += kWidthF) {
-    const VecF v = load(x + j);
-    vmax = v > vmax ? v : vmax;
+  float max[kGroup], sum[kGroup];
+  for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+    const int64_t count = std::min(kGroup, rows - r0);
+    float* base = x + r0 * ld;
+    for (int64_t r = 0; r < count; ++r) {
+      VecF vmax = splat(kNegInf);
+      for (int64_t j = 0; j < end; j += kWidthF) {
+        const VecF v = load(base + r * ld + j);
+        vmax = v > vmax ? v : vmax;
+      }
+      max[r] = reduce_max(vmax);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      // A row with no finite score (all keys masked) subtracts 0 instead of -inf: its
+      // exponentials are exp(-inf) = 0 and it is caught below by its maximum.
+      const float shift = max[r] == kNegInf ? 0.0f : max[r];
+      VecF vsum = splat(0.0f);
+      for (int64_t j = 0; j < end; j += kWidthF) {
+        const VecF e = exp_approx(load(base + r * ld + j) - shift);
+        vsum += e;
+        store(base + r * ld + j, e);
+      }
+      sum[r] = reduce_sum(vsum);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      lse[r0 + r] = max[r] == kNegInf ? kNegInf : max[r] + std::log(sum[r]);
+      sum[r] = max[r] == kNegInf ? 0.0f : 1.0f / sum[r];
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const float inv = sum[r];
+      for (int64_t j = 0; j < end; j += kWidthF) {
+        store(base + r * ld + j, load(base + r * ld + j) * inv);
+      }
+    }
   }
-  const float max = reduce_max(vmax);
-  if (max == kNegInf) {
-    std::fill(x, x + end, 0.0f);
-    return max;
-  }
-  VecF vsum = splat(0.0f);
-  for (int64_t j = 0; j < end; j += kWidthF) {
-    const VecF e = exp_approx(load(x + j) - max);
-    vsum += e;
-    store(x + j, e);
-  }
-  const float sum = reduce_sum(vsum);
-  const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < end; j += kWidthF) {
-    store(x + j, load(x + j) * inv);
-  }
-  return max + std::log(sum);
 }
 
 // Probabilities recomputed from scores and the forward's log-sum-exp.
