@@ -100,10 +100,12 @@ at::Tensor attention_autograd(
 }
 
 // Keeping the forward's probabilities spares the CPU backward one of its five products, at
-// B*H*Lq*Lk floats of memory: worth it up to kMaxSavedProbs elements (nn.MultiheadAttention
-// always keeps them); above, the backward recomputes and memory stays O(L). Only for concrete
-// sizes on the CPU, so that traced graphs and the CUDA (flash) path stay O(L).
-constexpr int64_t kMaxSavedProbs = int64_t{1} << 24;
+// B*H*Lq*Lk floats of memory: worth it up to kMaxSavedProbs elements (8 MiB of float32);
+// above, the backward recomputes and memory stays O(L). The bound is also where a fresh
+// allocation per step starts to cost: glibc serves larger blocks with mmap, so each step
+// would page-fault the whole buffer in (measured: 2x slower forward at 8 heads x 1024^2).
+// Only for concrete sizes on the CPU, so that traced graphs and the CUDA (flash) path stay O(L).
+constexpr int64_t kMaxSavedProbs = int64_t{1} << 21;
 
 bool should_save_probs(const at::Tensor& query, const at::Tensor& key, int64_t num_heads, bool batch_first) {
   if (!query.device().is_cpu() || query.is_meta() ||

@@ -116,6 +116,7 @@ void attention_forward_kernel(const AttentionParams& p) {
     std::vector<T> scores(p.weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0
                               ? 0
                               : block * padded_cols(seqlen_k));
+    std::vector<T> row_scale(block);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / blocks_per_head, b = bh / heads, h = bh % heads;
       const int64_t row0 = (t % blocks_per_head) * block;
@@ -132,13 +133,23 @@ void attention_forward_kernel(const AttentionParams& p) {
 
       masked_scores(p, b, h, row0, rows, cols, s, ld);
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
-      cpu::vec::softmax_rows(s, rows, cols, ld, lse);
+      // Without weights to return, P stays unnormalized and the output rows are scaled.
+      T* scale = weights == nullptr ? row_scale.data() : nullptr;
+      cpu::vec::softmax_rows(s, rows, cols, ld, lse, scale);
 
       const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
       T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
           row0 * p.out_row_stride;
       gemm_nn<T>(rows, p.head_dim_v, cols, T(1), s, ld, v, p.v_row_stride, T(0), out,
                  p.out_row_stride);
+      if (scale != nullptr) {
+        for (int64_t r = 0; r < rows; ++r) {
+          T* row = out + r * p.out_row_stride;
+          for (int64_t d = 0; d < p.head_dim_v; ++d) {
+            row[d] *= scale[r];
+          }
+        }
+      }
 
       if (weights != nullptr) {
         for (int64_t r = 0; r < rows; ++r) {

@@ -261,15 +261,23 @@ ATTN_EXPORT_INLINE T softmax_row(T* x, int64_t n) {  // float64 rows; float rows
 // passes over a group of rows (maxima, exponentials, logarithms, scaling) so that the rows'
 // dependency chains (a horizontal reduction, a log, a division each) overlap instead of
 // running one after another: on the 16-key rows of short sequences those chains dominate.
+//
+// With row_scale given, the rows are left unnormalized (exp(x - max)) and row_scale[r] gets
+// the factor 1 / sum (0 for a row with no visible key): the caller scales the product P V
+// instead, Dv values per row rather than Lk, which spares a pass over long rows.
 template <typename T>
-ATTN_EXPORT_INLINE void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse) {
+ATTN_EXPORT_INLINE void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse, T* row_scale) {
   for (int64_t r = 0; r < rows; ++r) {
     lse[r] = softmax_row(x + r * ld, n);
+    if (row_scale != nullptr) {
+      row_scale[r] = T(1);
+    }
   }
 }
 
 template <>
-ATTN_EXPORT_INLINE void softmax_rows<float>(float* x, int64_t rows, int64_t n, int64_t ld, float* lse) {
+ATTN_EXPORT_INLINE void softmax_rows<float>(float* x, int64_t rows, int64_t n, int64_t ld, float* lse,
+                                            float* row_scale) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr int64_t kGroup = 16;
   const int64_t end = padded_cols(n);
@@ -300,6 +308,10 @@ ATTN_EXPORT_INLINE void softmax_rows<float>(float* x, int64_t rows, int64_t n, i
     for (int64_t r = 0; r < count; ++r) {
       lse[r0 + r] = max[r] == kNegInf ? kNegInf : max[r] + std::log(sum[r]);
       sum[r] = max[r] == kNegInf ? 0.0f : 1.0f / sum[r];
+    }
+    if (row_scale != nullptr) {
+      std::copy(sum, sum + count, row_scale + r0);
+      continue;
     }
     for (int64_t r = 0; r < count; ++r) {
       const float inv = sum[r];

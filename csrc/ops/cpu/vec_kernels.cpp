@@ -63,8 +63,9 @@ T* panel_for(int64_t k) {
   ATTN_EXPORT_MULTIVERSION void scale_rows(int64_t m, int64_t n, T beta, T* c, int64_t ldc) {      \
     rows::scale_rows<T>(m, n, beta, c, ldc);                                                        \
   }                                                                                                 \
-  ATTN_EXPORT_MULTIVERSION void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse) {   \
-    rows::softmax_rows<T>(x, rows, n, ld, lse);                                                     \
+  ATTN_EXPORT_MULTIVERSION void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse,     \
+                                             T* row_scale) {                                        \
+    rows::softmax_rows<T>(x, rows, n, ld, lse, row_scale);                                          \
   }                                                                                                 \
   ATTN_EXPORT_MULTIVERSION void probabilities_row(T* x, int64_t n, T lse) {                        \
     rows::probabilities_row<T>(x, n, lse);                                                          \

@@ -20,7 +20,7 @@ namespace attn_export::ops::cpu::vec {
   void scale_rows(int64_t m, int64_t n, T beta, T* c, int64_t ldc);                           \
   void scores(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,  \
               int64_t ldb, T* c, int64_t ldc);                                                \
-  void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse);                       \
+  void softmax_rows(T* x, int64_t rows, int64_t n, int64_t ld, T* lse, T* row_scale);         \
   void probabilities_row(T* x, int64_t n, T lse);                                             \
   void softmax_backward_row(const T* p, T* dp, int64_t n);                                    \
   void apply_bool_mask_row(const uint8_t* mask, int64_t stride, T* x, int64_t n);             \
