@@ -197,22 +197,10 @@ AttentionParams make_attention_params(
   p.head_dim_v = v.size(3);
   p.dtype = to_data_type(q.scalar_type());
 
-  p.q = q.data_ptr();
-  p.q_batch_stride = q.stride(0);
-  p.q_head_stride = q.stride(1);
-  p.q_row_stride = q.stride(2);
-  p.k = k.data_ptr();
-  p.k_batch_stride = k.stride(0);
-  p.k_head_stride = k.stride(1);
-  p.k_row_stride = k.stride(2);
-  p.v = v.data_ptr();
-  p.v_batch_stride = v.stride(0);
-  p.v_head_stride = v.stride(1);
-  p.v_row_stride = v.stride(2);
-  p.out = out.data_ptr();
-  p.out_batch_stride = out.stride(0);
-  p.out_head_stride = out.stride(1);
-  p.out_row_stride = out.stride(2);
+  point_at(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, q);
+  point_at(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, k);
+  point_at(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, v);
+  point_at(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, out);
 
   TORCH_INTERNAL_ASSERT(lse.is_contiguous());
   p.lse = lse.data_ptr();
@@ -243,30 +231,16 @@ AttentionBackwardParams make_attention_backward_params(
   }
   AttentionBackwardParams p;
   static_cast<AttentionParams&>(p) = forward;
-  p.grad_out = grad_out.data_ptr();
-  p.grad_out_batch_stride = grad_out.stride(0);
-  p.grad_out_head_stride = grad_out.stride(1);
-  p.grad_out_row_stride = grad_out.stride(2);
+  point_at(p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride, p.grad_out_row_stride, grad_out);
   if (grad_weights.has_value()) {
     const at::Tensor& gw = *grad_weights;
     TORCH_INTERNAL_ASSERT(gw.size(3) <= 1 || gw.stride(3) == 1, "last dim must be contiguous");
-    p.grad_weights = gw.data_ptr();
-    p.grad_weights_batch_stride = gw.stride(0);
-    p.grad_weights_head_stride = gw.stride(1);
-    p.grad_weights_row_stride = gw.stride(2);
+    point_at(p.grad_weights, p.grad_weights_batch_stride, p.grad_weights_head_stride,
+             p.grad_weights_row_stride, gw);
   }
-  p.grad_q = grad_q.data_ptr();
-  p.grad_q_batch_stride = grad_q.stride(0);
-  p.grad_q_head_stride = grad_q.stride(1);
-  p.grad_q_row_stride = grad_q.stride(2);
-  p.grad_k = grad_k.data_ptr();
-  p.grad_k_batch_stride = grad_k.stride(0);
-  p.grad_k_head_stride = grad_k.stride(1);
-  p.grad_k_row_stride = grad_k.stride(2);
-  p.grad_v = grad_v.data_ptr();
-  p.grad_v_batch_stride = grad_v.stride(0);
-  p.grad_v_head_stride = grad_v.stride(1);
-  p.grad_v_row_stride = grad_v.stride(2);
+  point_at(p.grad_q, p.grad_q_batch_stride, p.grad_q_head_stride, p.grad_q_row_stride, grad_q);
+  point_at(p.grad_k, p.grad_k_batch_stride, p.grad_k_head_stride, p.grad_k_row_stride, grad_k);
+  point_at(p.grad_v, p.grad_v_batch_stride, p.grad_v_head_stride, p.grad_v_row_stride, grad_v);
   return p;
 }
 

@@ -60,6 +60,15 @@ at::ScalarType accumulation_dtype(at::ScalarType dtype);
 
 DataType to_data_type(at::ScalarType dtype);
 
+// Points one [B, H, L, D] slot of the params (pointer and three leading strides) at a tensor.
+template <typename Ptr>
+void point_at(Ptr& ptr, int64_t& batch_stride, int64_t& head_stride, int64_t& row_stride, const at::Tensor& t) {
+  ptr = t.data_ptr();
+  batch_stride = t.stride(0);
+  head_stride = t.stride(1);
+  row_stride = t.stride(2);
+}
+
 // Fills shapes, q/k/v/out strides, masks, scale and causality. `attn_mask4d` must come from
 // broadcast_attn_mask; every tensor's last dim must be contiguous.
 AttentionParams make_attention_params(
