@@ -8,6 +8,7 @@
 #include "../attention_binding.h"
 #include "../multi_head_attention.h"
 #include "attention_cpu.h"
+#include "projection.h"
 
 namespace attn_export::ops {
 namespace {
@@ -104,21 +105,22 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
 
   MultiHeadAttentionResult r;
   if (packed_qkv) {
-    r.q_proj = project(a.query.reshape({-1, embed_dim}), a.in_proj_weight, a.in_proj_bias);
+    r.q_proj = cpu::project(a.query.reshape({-1, embed_dim}), a.in_proj_weight, a.in_proj_bias);
     r.kv_proj = at::empty({0}, a.query.options());
   } else {
-    r.q_proj = project(a.query.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 0, embed_dim),
+    r.q_proj = cpu::project(a.query.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 0, embed_dim),
                        bias_rows(a.in_proj_bias, 0, embed_dim));
     if (a.key.is_same(a.value)) {
-      r.kv_proj = project(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
+      r.kv_proj = cpu::project(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
                           bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
     } else {
       r.kv_proj = at::empty({a.key.numel() / embed_dim, 2 * embed_dim}, a.query.options());
       at::Tensor k_half = r.kv_proj.narrow(1, 0, embed_dim), v_half = r.kv_proj.narrow(1, embed_dim, embed_dim);
-      k_half.copy_(project(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
-                           bias_rows(a.in_proj_bias, embed_dim, embed_dim)));
-      v_half.copy_(project(a.value.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
-                           bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim)));
+      cpu::project_into(k_half, a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
+                        bias_rows(a.in_proj_bias, embed_dim, embed_dim));
+      cpu::project_into(v_half, a.value.reshape({-1, embed_dim}),
+                        a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
+                        bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim));
     }
   }
 
@@ -142,7 +144,7 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   cpu::run_attention_forward(p);
 
   r.attn = attn.to(dtype);
-  r.output = project(r.attn, a.out_proj_weight, a.out_proj_bias).view(a.query.sizes());
+  r.output = cpu::project(r.attn, a.out_proj_weight, a.out_proj_bias).view(a.query.sizes());
   r.weights = a.need_weights ? finalize_weights(weights->to(dtype), a) : at::empty({0}, a.query.options());
   r.probs = save_probs ? *weights : at::empty({0}, options);
   return r;

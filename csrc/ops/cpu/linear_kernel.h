@@ -1,0 +1,37 @@
+// The layer's projections on few tokens: C[m, n] = A[m, k] B[k, n] + bias[n] in float32.
+//
+// Why not BLAS: at the sizes of short sequences (a few hundred tokens, embed dims of a few
+// hundred) MKL's threaded sgemm spends a third to a half of its time on its own thread
+// hand-off and per-call setup; the projections then cost more than the rest of the layer
+// together. One register-blocked AVX-512 tile loop, with the token rows (or, for a handful
+// of tokens, the column panels) split once across threads, runs them at close to the
+// single-core rate on every core (docs/benchmarks.md). Anything it does not cover (other
+// dtypes, CPUs without AVX-512, large products where BLAS is at its best) goes to BLAS.
+#pragma once
+
+#include <cstdint>
+
+namespace attn_export::ops::cpu {
+
+// Whether this CPU runs linear_rows (x86-64-v4: AVX-512 F/BW/CD/DQ/VL).
+bool linear_kernel_available();
+
+struct LinearArgs {
+  int64_t m, n, k;
+  const float* a;     // [m, k], rows lda apart, unit column stride
+  int64_t lda;
+  const float* b;     // [k, n], rows ldb apart, unit column stride (a weight W[n, k] stored column-major)
+  int64_t ldb;
+  const float* bias;  // [n] or nullptr
+  float* c;           // [m, n], rows ldc apart
+  int64_t ldc;
+};
+
+// Rows [row_begin, row_end) and columns [col_begin, col_end) of C, on the calling thread.
+// scratch: linear_scratch_floats(k) floats. Only call when linear_kernel_available().
+void linear_rows(const LinearArgs& args, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                 int64_t col_end, float* scratch);
+
+int64_t linear_scratch_floats(int64_t k);
+
+}  // namespace attn_export::ops::cpu

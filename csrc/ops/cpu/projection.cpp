@@ -1,0 +1,86 @@
+#include "projection.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../multi_head_attention.h"
+#include "linear_kernel.h"
+
+namespace attn_export::ops::cpu {
+namespace {
+
+// Above this many multiply-adds per projection BLAS is at its best (its packing and threads
+// pay for themselves), and it takes over.
+constexpr int64_t kLinearKernelMaxWork = int64_t{1} << 25;
+// Below this many per thread, a second thread costs more to wake than it saves.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
+constexpr int64_t kPanelCols = 32;  // linear_rows splits columns on panel boundaries
+
+bool unit_stride(const at::Tensor& t, int64_t dim) {
+  return t.stride(dim) == 1 || t.size(dim) <= 1;
+}
+
+bool is_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat;
+}
+
+bool linear_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return is_float(x) && is_float(weight) && x.dim() == 2 && weight.dim() == 2 &&
+         unit_stride(x, 1) && unit_stride(weight, 0) &&
+         (!bias.has_value() || (is_float(*bias) && unit_stride(*bias, 0))) &&
+         x.size(0) * weight.size(0) * weight.size(1) <= kLinearKernelMaxWork && linear_kernel_available();
+}
+
+void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  // weight is [n, k] column-major: its transpose, the B of C = A B, is row-major [k, n].
+  const LinearArgs args{m, n, k,
+                        x.data_ptr<float>(), x.stride(0),
+                        weight.data_ptr<float>(), weight.stride(1),
+                        bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                        out.data_ptr<float>(), out.stride(0)};
+  const int64_t work = m * n * k;
+  const int64_t threads = std::clamp<int64_t>(work / kMinWorkPerThread, 1, at::get_num_threads());
+  // Token rows are split when each thread gets a few; a handful of tokens (decoding) splits
+  // the weight's column panels instead.
+  const bool split_rows = m >= 8 * threads;
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t parts = split_rows ? threads : std::min(threads, panels);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(linear_scratch_floats(k)));
+    for (int64_t part = begin; part < end; ++part) {
+      if (split_rows) {
+        linear_rows(args, m * part / parts, m * (part + 1) / parts, 0, n, scratch.data());
+      } else {
+        linear_rows(args, 0, m, panels * part / parts * kPanelCols,
+                    std::min(n, panels * (part + 1) / parts * kPanelCols), scratch.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (!linear_kernel_applies(x, weight, bias)) {
+    return ops::project(x, weight, bias);
+  }
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  run_linear_kernel(out, x, weight, bias);
+  return out;
+}
+
+void project_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  if (!(is_float(out) && unit_stride(out, 1) && linear_kernel_applies(x, weight, bias))) {
+    out.copy_(ops::project(x, weight, bias));
+    return;
+  }
+  run_linear_kernel(out, x, weight, bias);
+}
+
+}  // namespace attn_export::ops::cpu

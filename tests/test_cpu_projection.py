@@ -1,0 +1,83 @@
+"""The CPU layer's own projection kernel (csrc/ops/cpu/linear_kernel.cpp) against float64.
+
+On AVX-512 CPUs float32 projections of up to 2^25 multiply-adds run on it, with the token
+rows (or, for a few tokens, the weight's column panels) split across threads; everything
+else goes to BLAS. The shapes below cover its row tails (1-13 rows per tile), narrow last
+column panels (3E not a multiple of 32), the column split, cross attention writing into
+halves of one buffer, no bias, one and two threads, and the hand-over to BLAS.
+"""
+import copy
+
+import pytest
+import torch
+
+from helpers import assert_rel_close, make_pair
+
+REL = 2e-6
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _check(embed_dim, heads, batch, seqlen_q, seqlen_k, kind, bias=True, batch_first=True):
+    torch.manual_seed(embed_dim * 1000 + batch * 10 + seqlen_q)
+    ref, fused = make_pair(embed_dim, heads, bias=bias, batch_first=batch_first)
+    ref64 = copy.deepcopy(ref).double()
+
+    def make(length):
+        return torch.randn((batch, length, embed_dim) if batch_first else (length, batch, embed_dim))
+
+    query = make(seqlen_q)
+    key = query if kind == "self" else make(seqlen_k)
+    value = key if kind in ("self", "shared_kv") else make(seqlen_k)
+    out, _ = fused(query, key, value, need_weights=False)
+    expected, _ = ref64(query.double(), key.double(), value.double(), need_weights=False)
+    assert_rel_close(out, expected, REL, f"E={embed_dim} B={batch} Lq={seqlen_q} Lk={seqlen_k} {kind}")
+
+
+@pytest.mark.parametrize(
+    "embed_dim,heads",
+    [(8, 2), (24, 3), (40, 5), (96, 4), (136, 8)],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("batch,seqlen", [(1, 1), (1, 3), (3, 4), (1, 13), (8, 16), (2, 37)])
+def test_self_attention_against_float64(threads, embed_dim, heads, batch, seqlen):
+    _check(embed_dim, heads, batch, seqlen, seqlen, "self")
+
+
+@pytest.mark.parametrize("kind", ["shared_kv", "cross"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_cross_attention_against_float64(threads, kind, batch_first):
+    _check(40, 5, 3, 7, 11, kind, batch_first=batch_first)
+
+
+@pytest.mark.parametrize("batch,seqlen", [(8, 1), (2, 50)])
+def test_without_bias(threads, batch, seqlen):
+    _check(96, 4, batch, seqlen, seqlen, "self", bias=False)
+
+
+def test_large_products_go_to_blas_and_agree(threads):
+    # 640 tokens x 256 x 768 > 2^25 multiply-adds: the input projection is BLAS's.
+    _check(256, 8, 1, 640, 640, "self")
+
+
+def _blas_calls(layer, x):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x, x, x, need_weights=False)
+    return [e.key for e in prof.key_averages() if e.key in ("aten::addmm", "aten::mm")]
+
+
+@pytest.mark.skipif(not AVX512, reason="the projection kernel needs AVX-512")
+def test_small_projections_do_not_call_blas():
+    _, fused = make_pair(128, 4, batch_first=True)
+    assert _blas_calls(fused, torch.randn(8, 16, 128)) == []
+    # A large layer still goes through BLAS, which is what makes this check able to fail.
+    _, big = make_pair(512, 8, batch_first=True)
+    assert _blas_calls(big, torch.randn(1, 512, 512)) != []
