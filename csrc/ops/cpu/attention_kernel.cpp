@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../../attention_params.h"
@@ -61,6 +62,14 @@ int64_t query_block(const AttentionParams& p, bool split_heads_across_threads) {
   return std::max<int64_t>(1, std::min(block, p.seqlen_q));
 }
 
+// Row stride of a block of scores: whole vectors, plus one cache line when that is a
+// multiple of 1 KiB: rows a power of two apart map to one or two L1 sets, and the products
+// that walk 12 of them at once (linear_kernel.h) would evict their own operands.
+int64_t score_stride(int64_t cols) {
+  const int64_t padded = padded_cols(cols);
+  return padded % 256 == 0 ? padded + cpu::rows::kRowAlign : padded;
+}
+
 // Query rows [0, row_end) see keys [0, visible) under top-left causal alignment.
 int64_t visible_keys(const AttentionParams& p, int64_t row_end) {
   return p.is_causal ? std::min(p.seqlen_k, row_end) : p.seqlen_k;
@@ -78,14 +87,16 @@ void apply_mask(const AttentionMask& m, int64_t offset, int64_t cols, T* scores)
 // s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols. Rows are ld
 // (>= padded_cols(cols)) apart and [cols, padded_cols(cols)) is set to -inf, so that it
 // vanishes in the softmax.
+//
+// keys_t, when given, is scale * K^T of this (batch, head) as HeadTransposed::keys gives it.
 template <typename T>
 void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
-                   int64_t cols, T* s, int64_t ld) {
+                   int64_t cols, T* s, int64_t ld, const float* keys_t = nullptr) {
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
       row0 * p.q_row_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
-  scores_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k,
-               p.k_row_stride, s, ld);
+  scores_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k, p.k_row_stride, s, ld,
+               keys_t, p.seqlen_k);
   const AttentionMask& am = p.attn_mask;
   const AttentionMask& kpm = p.key_padding_mask;
   for (int64_t r = 0; r < rows; ++r) {
@@ -104,6 +115,45 @@ void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
   }
 }
 
+// alpha * X^T of one (batch, head) of K or V, row-major [dim, seqlen_k]: the B of a
+// scores-like product A X^T in the layout of block_gemm.h's tiled kernel (float32, AVX-512).
+// A head's query blocks come one after another (consecutive forward tasks, the backward's
+// inner loop), so each head is transposed once instead of once per block.
+class HeadTransposed {
+ public:
+  // nullptr where the product stays with scores_nt (other dtypes, small blocks).
+  template <typename T>
+  const float* get(const void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
+                   int64_t dim, float alpha, const AttentionParams& p, int64_t b, int64_t h,
+                   int64_t rows, int64_t cols) {
+    if constexpr (!std::is_same_v<T, float>) {
+      return nullptr;
+    } else {
+      if (!cpu::product_uses_linear_kernel<float>(rows, cols, dim)) {
+        return nullptr;
+      }
+      const int64_t bh = b * p.num_heads + h;
+      if (bh != head_) {
+        data_.resize(static_cast<size_t>(dim * p.seqlen_k));
+        const float* x = static_cast<const float*>(base) + b * batch_stride + h * head_stride;
+        cpu::transpose_scaled(p.seqlen_k, dim, alpha, x, row_stride, data_.data());
+        head_ = bh;
+      }
+      return data_.data();
+    }
+  }
+
+  template <typename T>
+  const float* keys(const AttentionParams& p, int64_t b, int64_t h, int64_t rows, int64_t cols) {
+    return get<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.head_dim,
+                  static_cast<float>(p.scale), p, b, h, rows, cols);
+  }
+
+ private:
+  std::vector<float> data_;
+  int64_t head_ = -1;
+};
+
 template <typename T>
 void attention_forward_kernel(const AttentionParams& p) {
   const int64_t heads = p.num_heads, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
@@ -115,8 +165,9 @@ void attention_forward_kernel(const AttentionParams& p) {
   at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t begin, int64_t end) {
     std::vector<T> scores(p.weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0
                               ? 0
-                              : block * padded_cols(seqlen_k));
+                              : block * score_stride(seqlen_k));
     std::vector<T> row_scale(block);
+    HeadTransposed keys_t;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / blocks_per_head, b = bh / heads, h = bh % heads;
       const int64_t row0 = (t % blocks_per_head) * block;
@@ -128,10 +179,10 @@ void attention_forward_kernel(const AttentionParams& p) {
           ? nullptr
           : static_cast<T*>(p.weights) + (bh * seqlen_q + row0) * seqlen_k;
       const bool in_place = weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0;
-      const int64_t ld = in_place ? seqlen_k : padded_cols(cols);
+      const int64_t ld = in_place ? seqlen_k : score_stride(cols);
       T* s = in_place ? weights : scores.data();
 
-      masked_scores(p, b, h, row0, rows, cols, s, ld);
+      masked_scores(p, b, h, row0, rows, cols, s, ld, keys_t.keys<T>(p, b, h, rows, cols));
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
       // Without weights to return, P stays unnormalized and the output rows are scaled.
       T* scale = weights == nullptr ? row_scale.data() : nullptr;
@@ -173,7 +224,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const T scale = static_cast<T>(p.scale);
 
   at::parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(block * padded_cols(seqlen_k)), grad_scores(block * padded_cols(seqlen_k));
+    std::vector<T> probs(block * score_stride(seqlen_k)), grad_scores(block * score_stride(seqlen_k));
+    HeadTransposed keys_t, values_t;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
@@ -191,7 +243,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       for (int64_t row0 = 0; row0 < seqlen_q; row0 += block) {
         const int64_t rows = std::min(block, seqlen_q - row0);
         const int64_t cols = visible_keys(p, row0 + rows);
-        const int64_t ld = padded_cols(cols);
+        const int64_t ld = score_stride(cols);
         T* P = probs.data();
         T* dS = grad_scores.data();
         const T* lse = static_cast<const T*>(p.lse) + bh * seqlen_q + row0;
@@ -204,7 +256,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                       P + (r + 1) * ld, T(0));
           }
         } else {
-          masked_scores(p, b, h, row0, rows, cols, P, ld);
+          masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
           for (int64_t r = 0; r < rows; ++r) {
             cpu::vec::probabilities_row(P + r * ld, cols, lse[r]);
           }
@@ -213,7 +265,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         gemm_tn<T>(cols, dim_v, rows, T(1), P, ld, dO, p.grad_out_row_stride, T(1), grad_v,
                    p.grad_v_row_stride);
         // dP = dO V^T (+ the gradient of the returned weights); padding 0 like P's
-        scores_nt<T>(rows, cols, dim_v, T(1), dO, p.grad_out_row_stride, v, p.v_row_stride, dS, ld);
+        const float* v_t = values_t.get<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, dim_v,
+                                           1.0f, p, b, h, rows, cols);
+        scores_nt<T>(rows, cols, dim_v, T(1), dO, p.grad_out_row_stride, v, p.v_row_stride, dS, ld, v_t, seqlen_k);
         for (int64_t r = 0; r < rows; ++r) {
           T* row = dS + r * ld;
           std::fill(row + cols, row + ld, T(0));

@@ -2,13 +2,20 @@
 //
 // Below kBlasMinWork multiply-adds the vectorized loops of row_kernels.h win: a BLAS call
 // through ATen costs microseconds of dispatch, which would dominate the 16x16x32 blocks of
-// short sequences. Above it, the block is wrapped (no copy) and handed to ATen's BLAS.
+// short sequences. Above it, float32 blocks go to the register-tiled kernel of
+// linear_kernel.h where the CPU has AVX-512 (the inner dimension of QK^T is a head dim, and
+// BLAS spends a third of such a product packing its operands); other blocks are wrapped
+// (no copy) and handed to ATen's BLAS.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
+#include "linear_kernel.h"
 #include "row_kernels.h"
 #include "vec_kernels.h"
 
@@ -17,10 +24,48 @@ namespace attn_export::ops::cpu {
 constexpr int64_t kBlasMinWork = 64 * 64 * 64;
 
 template <typename T>
+bool use_linear_kernel() {
+  return std::is_same_v<T, float> && linear_kernel_available();
+}
+
+inline float* linear_scratch(int64_t k) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(linear_scratch_floats(k)));
+  return scratch.data();
+}
+
+// c[:m, :n] = a[:m, :k] b[:k, :n] on the calling thread (float32; unit column strides).
+inline void linear_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                         int64_t ldb, float* c, int64_t ldc) {
+  linear_rows(LinearArgs{m, n, k, a, lda, b, ldb, nullptr, c, ldc}, 0, m, 0, n, linear_scratch(k));
+}
+
+template <typename T>
 at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(
       const_cast<T*>(data), {rows, cols}, {ld, 1},
       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+// b_t[p, j] = alpha * b[j, p] for j < n, p < k (b_t row-major [k, n]): the B^T of A B^T in
+// the layout linear_kernel.h reads, the scale folded in on the way.
+inline void transpose_scaled(int64_t n, int64_t k, float alpha, const float* b, int64_t ldb, float* b_t) {
+  // In chunks of 64 rows of b, whose cache lines stay in L1 across the k passes.
+  for (int64_t j0 = 0; j0 < n; j0 += 64) {
+    const int64_t j1 = std::min(n, j0 + 64);
+    for (int64_t p = 0; p < k; ++p) {
+      float* out = b_t + p * n;
+      for (int64_t j = j0; j < j1; ++j) {
+        out[j] = alpha * b[j * ldb + p];
+      }
+    }
+  }
+}
+
+// Whether an m x n x k product of T goes to linear_kernel.h.
+template <typename T>
+bool product_uses_linear_kernel(int64_t m, int64_t n, int64_t k) {
+  return m * n * k >= kBlasMinWork && use_linear_kernel<T>();
 }
 
 // Scores S[m, 0:n] = alpha * A[m, k] B[n, k]^T into a row-padded buffer (ldc >=
@@ -28,18 +73,40 @@ at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
 template <typename T>
 void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                int64_t ldb, T* c, int64_t ldc) {
-  if (m * n * k >= kBlasMinWork) {
+  if (product_uses_linear_kernel<T>(m, n, k)) {
+    thread_local std::vector<float> b_t;
+    b_t.resize(static_cast<size_t>(k * n));
+    transpose_scaled(n, k, static_cast<float>(alpha), reinterpret_cast<const float*>(b), ldb, b_t.data());
+    linear_block(m, n, k, reinterpret_cast<const float*>(a), lda, b_t.data(), n, reinterpret_cast<float*>(c), ldc);
+  } else if (m * n * k >= kBlasMinWork) {
     wrap_block(c, m, n, ldc).addmm_(wrap_block(a, m, k, lda), wrap_block(b, n, k, ldb).t(), T(0), alpha);
   } else {
     vec::scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
   }
 }
 
+// scores_nt with alpha * B^T already at hand (b_t: row-major [k, >= n], rows ldb_t apart, as
+// transpose_scaled writes it): float32 blocks then skip the copy. b_t == nullptr: scores_nt.
+template <typename T>
+void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+               int64_t ldb, T* c, int64_t ldc, const float* b_t, int64_t ldb_t) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (b_t != nullptr) {
+      linear_block(m, n, k, a, lda, b_t, ldb_t, c, ldc);
+      return;
+    }
+  }
+  scores_nt<T>(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+}
+
 // C[m, n] = alpha * A[m, k] B[k, n] + beta * C
 template <typename T>
 void gemm_nn(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
              int64_t ldb, T beta, T* c, int64_t ldc) {
-  if (m * n * k >= kBlasMinWork) {
+  if (product_uses_linear_kernel<T>(m, n, k) && alpha == T(1) && beta == T(0)) {
+    linear_block(m, n, k, reinterpret_cast<const float*>(a), lda, reinterpret_cast<const float*>(b), ldb,
+                 reinterpret_cast<float*>(c), ldc);
+  } else if (m * n * k >= kBlasMinWork) {
     wrap_block(c, m, n, ldc).addmm_(wrap_block(a, m, k, lda), wrap_block(b, k, n, ldb), beta, alpha);
   } else {
     vec::gemm_nn(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
