@@ -40,10 +40,12 @@ MASKS = {
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("seqlen_q,seqlen_k,D", [(5, 7, 8), (7, 5, 8), (1, 1, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,D", [(5, 7, 8), (7, 5, 8), (1, 1, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32), (300, 1100, 16)])
 def test_forward_and_backward_match_float64_reference(mask, seqlen_q, seqlen_k, D):
-    # 257 x 530 x 32: float32 blocks above 64^3 multiply-adds, which run on the tiled kernel of
-    # csrc/ops/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the rest, the small-block loops.
+    # 257 x 530 x 32 and 300 x 1100 x 16: float32 blocks above 64^3 multiply-adds, which run on
+    # the tiled kernel of csrc/ops/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the
+    # latter in two query blocks, so that dK and dV accumulate across blocks. The rest: the
+    # small-block loops.
     B, H = 2, 3
     q, k, v = _qkv(B, H, seqlen_q, seqlen_k, D, requires_grad=True)
     kwargs = MASKS[mask](B, H, seqlen_q, seqlen_k)

@@ -215,17 +215,111 @@ void attention_forward_kernel(const AttentionParams& p) {
   });
 }
 
+// The backward's products into dQ, dK and dV for one (batch, head) at a time. dK and dV
+// accumulate over the head's query blocks: dV += P^T dO, dK += scale dS^T Q. BLAS takes
+// those transposed operands as they are; the tiled kernel (float32, AVX-512, large blocks)
+// needs its B read along keys, so it accumulates dK^T += Q^T (scale dS) and dV^T += dO^T P
+// into [dim, Lk] buffers and transposes them into dK and dV once, when the head is done.
+template <typename T>
+class KeyValueGrads {
+ public:
+  KeyValueGrads(const AttentionBackwardParams& p, int64_t block)
+      : p_(p), tiled_(cpu::product_uses_linear_kernel<T>(block, p.seqlen_k, std::min(p.head_dim, p.head_dim_v))) {}
+
+  void begin_head(T* grad_k, T* grad_v) {
+    grad_k_ = grad_k;
+    grad_v_ = grad_v;
+    if (tiled_) {
+      ld_ = score_stride(p_.seqlen_k);
+      grad_k_t_.assign(static_cast<size_t>(p_.head_dim * ld_), 0.0f);
+      grad_v_t_.assign(static_cast<size_t>(p_.head_dim_v * ld_), 0.0f);
+    } else {
+      cpu::vec::scale_rows(p_.seqlen_k, p_.head_dim, T(0), grad_k, p_.grad_k_row_stride);
+      cpu::vec::scale_rows(p_.seqlen_k, p_.head_dim_v, T(0), grad_v, p_.grad_v_row_stride);
+    }
+  }
+
+  // dV += P^T dO over keys [0, cols) for `rows` query rows.
+  void add_grad_v(const T* P, int64_t ld, const T* dO, int64_t rows, int64_t cols) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (tiled_) {
+        transposed(dO, p_.grad_out_row_stride, rows, p_.head_dim_v);
+        cpu::linear_block(p_.head_dim_v, cols, rows, a_t_.data(), rows, P, ld, grad_v_t_.data(), ld_, true);
+        return;
+      }
+    }
+    gemm_tn<T>(cols, p_.head_dim_v, rows, T(1), P, ld, dO, p_.grad_out_row_stride, T(1), grad_v_,
+               p_.grad_v_row_stride);
+  }
+
+  // dQ = scale dS K (rows x dim, into grad_q) and dK += scale dS^T Q. May scale dS in place.
+  void add_grad_q_k(T* dS, int64_t ld, const T* k, const T* q, T* grad_q, int64_t rows, int64_t cols) {
+    const T scale = static_cast<T>(p_.scale);
+    if constexpr (std::is_same_v<T, float>) {
+      if (tiled_) {
+        for (int64_t r = 0; r < rows; ++r) {
+          cpu::vec::scale_rows(1, cols, scale, dS + r * ld, ld);
+        }
+        cpu::linear_block(rows, p_.head_dim, cols, dS, ld, k, p_.k_row_stride, grad_q, p_.grad_q_row_stride);
+        transposed(q, p_.q_row_stride, rows, p_.head_dim);
+        cpu::linear_block(p_.head_dim, cols, rows, a_t_.data(), rows, dS, ld, grad_k_t_.data(), ld_, true);
+        return;
+      }
+    }
+    gemm_nn<T>(rows, p_.head_dim, cols, scale, dS, ld, k, p_.k_row_stride, T(0), grad_q, p_.grad_q_row_stride);
+    gemm_tn<T>(cols, p_.head_dim, rows, scale, dS, ld, q, p_.q_row_stride, T(1), grad_k_, p_.grad_k_row_stride);
+  }
+
+  void end_head() {
+    if constexpr (std::is_same_v<T, float>) {
+      if (tiled_) {
+        // [dim, Lk] -> [Lk, dim]: transpose_scaled reads rows of its source, here the columns.
+        cpu::transpose_scaled(p_.head_dim, p_.seqlen_k, 1.0f, grad_k_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim));
+        copy_rows(a_t_.data(), p_.head_dim, grad_k_, p_.grad_k_row_stride, p_.head_dim);
+        cpu::transpose_scaled(p_.head_dim_v, p_.seqlen_k, 1.0f, grad_v_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim_v));
+        copy_rows(a_t_.data(), p_.head_dim_v, grad_v_, p_.grad_v_row_stride, p_.head_dim_v);
+      }
+    }
+  }
+
+ private:
+  float* a_t_for(int64_t rows, int64_t cols) {
+    a_t_.resize(static_cast<size_t>(rows * cols));
+    return a_t_.data();
+  }
+
+  // a_t_ = x^T for x: [rows, dim] rows `stride` apart.
+  void transposed(const T* x, int64_t stride, int64_t rows, int64_t dim) {
+    if constexpr (std::is_same_v<T, float>) {
+      cpu::transpose_scaled(rows, dim, 1.0f, x, stride, a_t_for(dim, rows));
+    }
+  }
+
+  void copy_rows(const float* src, int64_t width, T* dst, int64_t dst_stride, int64_t cols) {
+    for (int64_t j = 0; j < p_.seqlen_k; ++j) {
+      std::copy(src + j * width, src + j * width + cols, dst + j * dst_stride);
+    }
+  }
+
+  const AttentionBackwardParams& p_;
+  const bool tiled_;
+  T* grad_k_ = nullptr;
+  T* grad_v_ = nullptr;
+  int64_t ld_ = 0;
+  std::vector<float> grad_k_t_, grad_v_t_, a_t_;
+};
+
 template <typename T>
 void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t heads = p.num_heads, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t block = query_block(p, /*split_heads_across_threads=*/false);
   const int64_t head_work = seqlen_q * seqlen_k * (2 * dim + 2 * dim_v);
-  const T scale = static_cast<T>(p.scale);
 
   at::parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
     std::vector<T> probs(block * score_stride(seqlen_k)), grad_scores(block * score_stride(seqlen_k));
     HeadTransposed keys_t, values_t;
+    KeyValueGrads<T> grads(p, block);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
@@ -235,10 +329,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           h * p.grad_out_head_stride;
       T* grad_q = static_cast<T*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride;
       // This task owns the (b, h) slices of dK and dV: accumulate in place.
-      T* grad_k = static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride;
-      T* grad_v = static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride;
-      cpu::vec::scale_rows(seqlen_k, dim, T(0), grad_k, p.grad_k_row_stride);
-      cpu::vec::scale_rows(seqlen_k, dim_v, T(0), grad_v, p.grad_v_row_stride);
+      grads.begin_head(static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride,
+                       static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride);
 
       for (int64_t row0 = 0; row0 < seqlen_q; row0 += block) {
         const int64_t rows = std::min(block, seqlen_q - row0);
@@ -261,9 +353,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             cpu::vec::probabilities_row(P + r * ld, cols, lse[r]);
           }
         }
-        // dV += P^T dO
-        gemm_tn<T>(cols, dim_v, rows, T(1), P, ld, dO, p.grad_out_row_stride, T(1), grad_v,
-                   p.grad_v_row_stride);
+        grads.add_grad_v(P, ld, dO, rows, cols);
         // dP = dO V^T (+ the gradient of the returned weights); padding 0 like P's
         const float* v_t = values_t.get<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, dim_v,
                                            1.0f, p, b, h, rows, cols);
@@ -281,12 +371,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           // dS = P * (dP - rowsum(P * dP))
           cpu::vec::softmax_backward_row(P + r * ld, row, cols);
         }
-        // dQ = scale * dS K ; dK += scale * dS^T Q
-        gemm_nn<T>(rows, dim, cols, scale, dS, ld, k, p.k_row_stride, T(0),
-                   grad_q + row0 * p.grad_q_row_stride, p.grad_q_row_stride);
-        gemm_tn<T>(cols, dim, rows, scale, dS, ld, q + row0 * p.q_row_stride, p.q_row_stride,
-                   T(1), grad_k, p.grad_k_row_stride);
+        grads.add_grad_q_k(dS, ld, k, q + row0 * p.q_row_stride, grad_q + row0 * p.grad_q_row_stride, rows, cols);
       }
+      grads.end_head();
     }
   });
 }

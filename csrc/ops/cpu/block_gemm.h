@@ -34,10 +34,11 @@ inline float* linear_scratch(int64_t k) {
   return scratch.data();
 }
 
-// c[:m, :n] = a[:m, :k] b[:k, :n] on the calling thread (float32; unit column strides).
+// c[:m, :n] = a[:m, :k] b[:k, :n] on the calling thread (float32; unit column strides);
+// accumulate: c += a b.
 inline void linear_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                         int64_t ldb, float* c, int64_t ldc) {
-  linear_rows(LinearArgs{m, n, k, a, lda, b, ldb, nullptr, c, ldc}, 0, m, 0, n, linear_scratch(k));
+                         int64_t ldb, float* c, int64_t ldc, bool accumulate = false) {
+  linear_rows(LinearArgs{m, n, k, a, lda, b, ldb, nullptr, c, ldc, accumulate}, 0, m, 0, n, linear_scratch(k));
 }
 
 template <typename T>

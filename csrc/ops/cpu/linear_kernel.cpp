@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define ATTN_EXPORT_LINEAR_KERNEL 1
@@ -39,17 +40,17 @@ ATTN_EXPORT_AVX512 inline void store16(float* p, Vec16 v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
-// c[0:R, 0:32] = bias + a[0:R, 0:k] b[0:k, 0:32]. The products accumulate in k order onto the
-// bias, one fused multiply-add each, like BLAS with beta = 1 over a bias-filled output.
+// c[0:R, 0:32] = bias (+ c) + a[0:R, 0:k] b[0:k, 0:32]. The products accumulate in k order
+// onto the bias, one fused multiply-add each, like BLAS with beta = 1 over a bias-filled output.
 template <int R>
 ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile(
     int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, const float* bias,
-    float* c, int64_t ldc) {
+    float* c, int64_t ldc, bool accumulate) {
   Vec16 lo[R], hi[R];
   const Vec16 bias_lo = load16(bias), bias_hi = load16(bias + 16);
   for (int r = 0; r < R; ++r) {
-    lo[r] = bias_lo;
-    hi[r] = bias_hi;
+    lo[r] = accumulate ? bias_lo + load16(c + r * ldc) : bias_lo;
+    hi[r] = accumulate ? bias_hi + load16(c + r * ldc + 16) : bias_hi;
   }
   for (int64_t p = 0; p < k; ++p) {
     const Vec16 b_lo = load16(b + p * ldb), b_hi = load16(b + p * ldb + 16);
@@ -69,14 +70,21 @@ ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile(
 template <int R = kTileRows>
 ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile_rows(
     int rows, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-    const float* bias, float* c, int64_t ldc) {
+    const float* bias, float* c, int64_t ldc, bool accumulate) {
   if constexpr (R > 0) {
     if (rows == R) {
-      tile<R>(k, a, lda, b, ldb, bias, c, ldc);
+      tile<R>(k, a, lda, b, ldb, bias, c, ldc, accumulate);
     } else {
-      tile_rows<R - 1>(rows, k, a, lda, b, ldb, bias, c, ldc);
+      tile_rows<R - 1>(rows, k, a, lda, b, ldb, bias, c, ldc, accumulate);
     }
   }
+}
+
+// Whether rows `ld` floats apart fall into at least half of the 64 sets of a 48 KiB 12-way L1
+// (64-byte lines): a row stride of L lines visits 64 / gcd(L, 64) sets.
+bool rows_spread_over_l1_sets(int64_t ld) {
+  const int64_t bytes = ld * static_cast<int64_t>(sizeof(float));
+  return bytes % 64 != 0 || std::gcd(bytes / 64, int64_t{64}) <= 2;
 }
 
 }  // namespace
@@ -94,8 +102,9 @@ ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int6
   float* const panel_bias = panel + x.k * kPanelCols;          // 32
   float* const partial = panel_bias + kPanelCols;              // kTileRows x 32 output staging
   const int64_t rows = row_end - row_begin;
-  // A panel is reused by rows / kTileRows tiles; below two the copy does not pay.
-  const bool pack_full_panels = rows >= 2 * kTileRows;
+  // A panel is reused by rows / kTileRows tiles; below two the copy does not pay, nor when
+  // its rows already spread over the L1 sets.
+  const bool pack_full_panels = rows >= 2 * kTileRows && !rows_spread_over_l1_sets(x.ldb);
   for (int64_t j0 = col_begin; j0 < col_end; j0 += kPanelCols) {
     const int64_t width = std::min(kPanelCols, col_end - j0);
     const float* b = x.b + j0;
@@ -121,9 +130,14 @@ ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int6
       const float* a = x.a + i0 * x.lda;
       float* c = x.c + i0 * x.ldc + j0;
       if (width == kPanelCols) {
-        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, c, x.ldc);
+        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, c, x.ldc, x.accumulate);
       } else {
-        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, partial, kPanelCols);
+        if (x.accumulate) {
+          for (int r = 0; r < tile_rows_here; ++r) {
+            std::copy(c + r * x.ldc, c + r * x.ldc + width, partial + r * kPanelCols);
+          }
+        }
+        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, partial, kPanelCols, x.accumulate);
         for (int r = 0; r < tile_rows_here; ++r) {
           std::memcpy(c + r * x.ldc, partial + r * kPanelCols, width * sizeof(float));
         }

@@ -1,4 +1,5 @@
-// The layer's projections on few tokens: C[m, n] = A[m, k] B[k, n] + bias[n] in float32.
+// The layer's projections on few tokens: C[m, n] = A[m, k] B[k, n] + bias[n] in float32
+// (and, from block_gemm.h, the attention core's larger blocks).
 //
 // Why not BLAS: at the sizes of short sequences (a few hundred tokens, embed dims of a few
 // hundred) MKL's threaded sgemm spends a third to a half of its time on its own thread
@@ -25,6 +26,7 @@ struct LinearArgs {
   const float* bias;  // [n] or nullptr
   float* c;           // [m, n], rows ldc apart
   int64_t ldc;
+  bool accumulate = false;  // C += A B (+ bias) instead of C = A B (+ bias)
 };
 
 // Rows [row_begin, row_end) and columns [col_begin, col_end) of C, on the calling thread.
