@@ -36,7 +36,7 @@ demo: install
 # The CPU benchmark of docs/benchmarks.md (minutes; not part of the tests).
 bench: install
 	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
-	$(PY) scripts/bench_cpu.py --shapes sweep --no-sdpa --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
+	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
 plugin:
