@@ -15,7 +15,7 @@
 
 namespace attn_export::ops::cpu {
 
-constexpr int64_t kPanelCols = 32;  // two 16-float vectors
+constexpr int64_t kPanelCols = kLinearPanelCols;  // two 16-float vectors
 constexpr int kTileRows = 12;
 
 int64_t linear_scratch_floats(int64_t k) {

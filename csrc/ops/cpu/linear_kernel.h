@@ -14,6 +14,9 @@
 
 namespace attn_export::ops::cpu {
 
+// Columns per panel of B: the tile width, and the unit a column split should use.
+constexpr int64_t kLinearPanelCols = 32;
+
 // Whether this CPU runs linear_rows (x86-64-v4: AVX-512 F/BW/CD/DQ/VL).
 bool linear_kernel_available();
 

@@ -16,7 +16,6 @@ namespace {
 constexpr int64_t kLinearKernelMaxWork = int64_t{1} << 25;
 // Below this many per thread, a second thread costs more to wake than it saves.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
-constexpr int64_t kPanelCols = 32;  // linear_rows splits columns on panel boundaries
 
 bool unit_stride(const at::Tensor& t, int64_t dim) {
   return t.stride(dim) == 1 || t.size(dim) <= 1;
@@ -47,7 +46,7 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
   // Token rows are split when each thread gets a few; a handful of tokens (decoding) splits
   // the weight's column panels instead.
   const bool split_rows = m >= 8 * threads;
-  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
   const int64_t parts = split_rows ? threads : std::min(threads, panels);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
@@ -56,8 +55,8 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
       if (split_rows) {
         linear_rows(args, m * part / parts, m * (part + 1) / parts, 0, n, scratch.data());
       } else {
-        linear_rows(args, 0, m, panels * part / parts * kPanelCols,
-                    std::min(n, panels * (part + 1) / parts * kPanelCols), scratch.data());
+        linear_rows(args, 0, m, panels * part / parts * kLinearPanelCols,
+                    std::min(n, panels * (part + 1) / parts * kLinearPanelCols), scratch.data());
       }
     }
   });
