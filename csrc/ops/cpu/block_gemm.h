@@ -74,12 +74,7 @@ bool product_uses_linear_kernel(int64_t m, int64_t n, int64_t k) {
 template <typename T>
 void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                int64_t ldb, T* c, int64_t ldc) {
-  if (product_uses_linear_kernel<T>(m, n, k)) {
-    thread_local std::vector<float> b_t;
-    b_t.resize(static_cast<size_t>(k * n));
-    transpose_scaled(n, k, static_cast<float>(alpha), reinterpret_cast<const float*>(b), ldb, b_t.data());
-    linear_block(m, n, k, reinterpret_cast<const float*>(a), lda, b_t.data(), n, reinterpret_cast<float*>(c), ldc);
-  } else if (m * n * k >= kBlasMinWork) {
+  if (m * n * k >= kBlasMinWork) {
     wrap_block(c, m, n, ldc).addmm_(wrap_block(a, m, k, lda), wrap_block(b, n, k, ldb).t(), T(0), alpha);
   } else {
     vec::scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
@@ -87,7 +82,8 @@ void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda
 }
 
 // scores_nt with alpha * B^T already at hand (b_t: row-major [k, >= n], rows ldb_t apart, as
-// transpose_scaled writes it): float32 blocks then skip the copy. b_t == nullptr: scores_nt.
+// transpose_scaled writes it, once per head: see HeadTransposed in attention_kernel.cpp): the
+// tiled kernel's way into A B^T. b_t == nullptr: scores_nt (small-block loops or BLAS).
 template <typename T>
 void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                int64_t ldb, T* c, int64_t ldc, const float* b_t, int64_t ldb_t) {
