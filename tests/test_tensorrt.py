@@ -20,7 +20,8 @@ from onnx import TensorProto, helper
 from attn_export import spec as spec_mod
 from attn_export import tensorrt as attn_trt
 from attn_export._errors import InputError
-from attn_export.validation import BACKEND_TRT, shape_cases, _label_kinds
+from attn_export.shapes import label_kinds, shape_cases
+from attn_export.validation import BACKEND_TRT
 from helpers import invoke, one_line_error, run
 
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
@@ -35,9 +36,9 @@ except Exception:  # noqa: BLE001
 
 @pytest.fixture(autouse=True)
 def _fresh_registry_cache():
-    attn_trt._REGISTERED.clear()
+    attn_trt.plugin_library._REGISTERED.clear()
     yield
-    attn_trt._REGISTERED.clear()
+    attn_trt.plugin_library._REGISTERED.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def test_default_profile_covers_every_shape_the_validator_sweeps(seq2seq_onnx, s
     axes = {n: {a: d for a, d in enumerate(dims) if isinstance(d, str)}
             for n, dims in attn_trt.graph_input_dims(seq2seq_onnx).items()}
     sizes = _inputs.label_sizes(small_seq2seq.example_inputs, axes)
-    for name, overrides in shape_cases(sizes, _label_kinds(axes)):
+    for name, overrides in shape_cases(sizes, label_kinds(axes)):
         case = _inputs.resize(small_seq2seq.example_inputs, axes, {**sizes, **overrides})
         assert profile.outside({n: t.shape for n, t in case.items()}) is None, name
 
@@ -282,7 +283,7 @@ def test_preflight_accepts_bfloat16_on_ampere(libraries):
 
 def test_find_plugin_library(tmp_path, monkeypatch, libraries):
     monkeypatch.delenv(attn_trt.PLUGIN_ENV, raising=False)
-    monkeypatch.setattr(attn_trt, "default_plugin_paths", lambda: [tmp_path / "build" / attn_trt.PLUGIN_FILENAME])
+    monkeypatch.setattr(attn_trt.plugin_library, "default_plugin_paths", lambda: [tmp_path / "build" / attn_trt.PLUGIN_FILENAME])
     with pytest.raises(attn_trt.PluginError) as err:
         attn_trt.find_plugin_library()
     assert "was not found (no --plugin, no ATTN_EXPORT_TRT_PLUGIN, not at" in str(err.value)
@@ -363,7 +364,7 @@ def test_cli_tensorrt_options_need_to_tensorrt(cli_dir):
 def test_cli_to_tensorrt_checks_the_plugin_and_shapes_before_exporting(cli_dir, tmp_path, monkeypatch, libraries):
     monkeypatch.setattr(attn_trt, "require_runtime", lambda: None)  # as if TensorRT and a GPU were here
     monkeypatch.delenv(attn_trt.PLUGIN_ENV, raising=False)
-    monkeypatch.setattr(attn_trt, "default_plugin_paths", lambda: [tmp_path / attn_trt.PLUGIN_FILENAME])
+    monkeypatch.setattr(attn_trt.plugin_library, "default_plugin_paths", lambda: [tmp_path / attn_trt.PLUGIN_FILENAME])
     out = tmp_path / "m.engine"
     one_line_error(invoke(cli_dir / "model.pt", "--to", "tensorrt", "-o", out),
                    "the FusedAttention plugin library was not found")
