@@ -64,5 +64,7 @@ __all__ = [
     "find_plugin_library", "check_plugin_library", "register_plugin_library", "LibraryInfo", "PluginRequest",
     "plugin_requests", "expected_fields", "plugin_field_collection", "preflight", "PreflightReport", "ShapeProfile",
     "parse_shape_specs", "derive_profile", "graph_input_dims", "build_engine", "EngineInfo", "read_engine_metadata",
-    "EngineRunner", "environment",
+    "EngineRunner", "environment", "ENGINE_META_SUFFIX", "BUILD_PLUGIN", "ENTRY_POINTS", "PLUGIN_ENV",
+    "PLUGIN_FILENAME", "default_plugin_paths", "file_sha256", "Dims", "MASK_ONNX_TYPE", "SUPPORTED_ONNX_TYPES",
+    "INSTALL_TENSORRT",
 ]

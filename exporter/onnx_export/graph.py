@@ -1,0 +1,126 @@
+"""Helpers on the exported graph: output names, symbolic-axis labels, the attention nodes and
+their model-local function, the exporter's metadata."""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping
+
+import onnx
+import torch
+
+from attn_export import onnx_node
+from attn_export import spec as _spec
+
+META_PREFIX = "attn_export."
+
+
+def output_names_for(outputs) -> List[str]:
+    """Names of the flattened outputs: ``output`` for one tensor, ``output_0``... for a tuple,
+    the keys for a dict (nested containers joined with ``_``)."""
+    from torch.utils import _pytree as pytree
+
+    leaves, _ = pytree.tree_flatten_with_path(_plain(outputs))
+    if len(leaves) == 1 and not leaves[0][0]:
+        return ["output"]
+    names = []
+    for path, _ in leaves:
+        parts = []
+        for key in path:
+            for attr in ("key", "idx", "name"):
+                if hasattr(key, attr):
+                    parts.append(str(getattr(key, attr)))
+                    break
+        name = "_".join(parts)
+        names.append(name if re.match(r"^[A-Za-z_]", name) else f"output_{name}")
+    return names
+
+
+def flatten_outputs(outputs) -> List[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [leaf for leaf in pytree.tree_leaves(_plain(outputs))]
+
+
+def _plain(outputs):
+    """Mappings of other types (transformers' ModelOutput, which older transformers registers
+    with torch's pytree without key paths) as plain dicts, in their own order."""
+    if isinstance(outputs, Mapping) and type(outputs) is not dict:
+        return {k: _plain(v) for k, v in outputs.items()}
+    if isinstance(outputs, dict):
+        return {k: _plain(v) for k, v in outputs.items()}
+    if type(outputs) in (list, tuple):
+        return type(outputs)(_plain(v) for v in outputs)
+    return outputs
+
+
+def _graph_dims(model: onnx.ModelProto, name: str) -> List[object]:
+    for value in model.graph.input:
+        if value.name == name:
+            return [d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
+                    for d in value.type.tensor_type.shape.dim]
+    raise KeyError(name)
+
+
+def _normalize_numeric_dims(model: onnx.ModelProto) -> None:
+    """torch's exporter can write a specialized size as dim_param "5"; make it dim_value 5."""
+    for value in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and re.fullmatch(r"\d+", dim.dim_param.strip()):
+                dim.dim_value = int(dim.dim_param)
+
+
+def _rename_symbols(model: onnx.ModelProto, mapping: Mapping[str, str]) -> None:
+    if not mapping:
+        return
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)) + r")\b")
+    values = list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)
+    for value in values:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                dim.dim_param = pattern.sub(lambda m: mapping[m.group(1)], dim.dim_param)
+
+
+def apply_axis_labels(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> tuple[dict, list]:
+    """Renames the graph's symbolic dims to the requested labels. Returns the labels per input
+    as they came out and the declared axes that came out static."""
+    _normalize_numeric_dims(model)
+    mapping: Dict[str, str] = {}
+    taken: Dict[str, str] = {}
+    static = []
+    for name, dims in axes.items():
+        graph_dims = _graph_dims(model, name)
+        for axis, label in dims.items():
+            symbol = graph_dims[axis]
+            if not isinstance(symbol, str) or not symbol:
+                static.append((name, axis, label, symbol))
+                continue
+            if symbol in mapping:
+                continue
+            final = label if label not in taken else f"{label}_{name}"
+            mapping[symbol] = final
+            taken[final] = symbol
+    # Symbols that are not labels yet must not collide with a label.
+    _rename_symbols(model, mapping)
+    result = {}
+    for name in axes:
+        graph_dims = _graph_dims(model, name)
+        result[name] = {axis: graph_dims[axis] for axis in axes[name] if isinstance(graph_dims[axis], str)}
+    return result, static
+
+
+def count_attention_nodes(model: onnx.ModelProto) -> int:
+    s = _spec.load()
+    return sum(1 for n in model.graph.node if n.op_type == s.op_type and n.domain == s.domain)
+
+
+def attach_function(model: onnx.ModelProto, opset: int) -> None:
+    s = _spec.load()
+    for f in model.functions:
+        if f.domain == s.domain and f.name == s.op_type:
+            return
+    model.functions.append(onnx_node.function_proto(opset))
+    if not any(o.domain == s.domain for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(s.domain, s.domain_version))
+
+def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:
+    return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
