@@ -398,7 +398,7 @@ def test_the_parity_gate_passes_with_padded_cases(exported, name):
 
 def test_the_parity_gate_fails_when_padding_is_ignored(exported, monkeypatch):
     model, inputs, result = exported["gpt2"]
-    monkeypatch.setattr(hf, "to_operator_masks", lambda mask, batch, length: (None, None))
+    monkeypatch.setattr(hf.interface, "to_operator_masks", lambda mask, batch, length: (None, None))
     report = validate(model, result.path, inputs)
     assert not report.passed
     failed = {(c.case, c.backend) for c in report.cases if c.status == "failed"}
