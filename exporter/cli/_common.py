@@ -11,9 +11,7 @@ from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
 import click
 
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_USAGE = 2
+from attn_export._errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
@@ -86,15 +84,17 @@ def silence_library_warnings(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def load_model_from_options(model_path: Optional[str], factory: Optional[str], weights: Optional[str],
-                            allow_class: Sequence[str], trust_model_file: bool, hf_config: Optional[str] = None,
-                            seed: int = 0):
+def load_model(model_path: Optional[str], args, seed: int = 0):
     """(model, description) from a MODEL file, a transformers save_pretrained folder (MODEL),
-    --model module:factory, or --model transformers:CLASS (with the folder or --config)."""
+    --model module:factory, or --model transformers:CLASS (with the folder or --config);
+    ``args`` is the verb's ModelArgs."""
     from pathlib import Path
 
     from attn_export import loading
     from attn_export._errors import InputError
+
+    factory, hf_config, weights = args.factory, args.hf_config, args.weights
+    allow_class, trust_model_file = args.allow_class, args.trust_model_file
 
     if factory and factory.startswith("transformers:"):
         from attn_export import hf
@@ -128,7 +128,7 @@ def load_model_from_options(model_path: Optional[str], factory: Optional[str], w
     return loading.load_model(model_path, allow_classes=allow_class, trust_file=trust_model_file), model_path
 
 
-def example_inputs_from_options(model, input_specs: Sequence[str], example_file: Optional[str], seed: int):
+def example_inputs(model, input_specs: Sequence[str], example_file: Optional[str], seed: int):
     """Example inputs: --example-inputs FILE, then --input specs (added or overriding), else the
     model's own ``example_inputs`` attribute."""
     from attn_export import inputs as _inputs
@@ -158,7 +158,7 @@ def example_inputs_from_options(model, input_specs: Sequence[str], example_file:
     return _inputs.order_for_model(model, inputs)
 
 
-def resolve_axes_from_options(inputs, dynamic: Sequence[str], static: bool, model=None):
+def resolve_axes(inputs, dynamic: Sequence[str], static: bool, model=None):
     from attn_export import hf
     from attn_export import inputs as _inputs
     from attn_export._errors import InputError
@@ -168,6 +168,19 @@ def resolve_axes_from_options(inputs, dynamic: Sequence[str], static: bool, mode
         raise InputError("--static and --dynamic exclude each other")
     defaults = hf.default_axes(inputs) if model is not None and hf.contains_hf_model(model) else None
     return _inputs.resolve_axes(inputs, overrides, static=static, defaults=defaults)
+
+
+def finish_validation(session: Session, report, reports, extra=None) -> int:
+    """The end of every verb that validates: the table, the --json/--junit reports, one
+    FAILED line per failure on stderr, and the exit code (0 passed, 1 mismatch)."""
+    session.out.print(report.table())
+    write_reports(session, report, reports.json_path, reports.junit_path, extra=extra)
+    if not report.passed:
+        for line in report.failures:
+            click.echo(f"FAILED: {line}", err=True)
+        return EXIT_MISMATCH
+    session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
+    return EXIT_OK
 
 
 def write_reports(session: Session, report, json_path: Optional[str], junit_path: Optional[str], extra=None) -> None:

@@ -1,5 +1,15 @@
-"""Option groups shared by the verbs (declared once, like Polygraphy's argument groups)."""
+"""Option groups shared by the verbs, declared once (Polygraphy's argument groups).
+
+Each group's options reach the verb as ONE object (``model_args: ModelArgs``,
+``input_args: InputArgs``, ...) that also knows what to do with them, so a verb's signature
+names the groups it takes rather than every flag.
+"""
 from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import click
 
@@ -13,9 +23,106 @@ def _apply(options):
     return decorator
 
 
+def _grouped(group_cls, keyword: str, options):
+    """The options, collected into one ``group_cls`` instance passed to the verb as ``keyword``."""
+    names = [f.name for f in dataclasses.fields(group_cls)]
+
+    def decorator(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            kwargs[keyword] = group_cls(**{name: kwargs.pop(name) for name in names})
+            return f(*args, **kwargs)
+
+        return _apply(options)(wrapper)
+
+    return decorator
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """How the model is loaded (--model, --config, --weights, --allow-class, --trust-model-file)."""
+
+    factory: Optional[str]
+    hf_config: Optional[str]
+    weights: Optional[str]
+    allow_class: Tuple[str, ...]
+    trust_model_file: bool
+
+    def load(self, model_path: Optional[str], seed: int = 0):
+        """(model, description); see attn_export.cli._common.load_model."""
+        from attn_export.cli._common import load_model
+
+        return load_model(model_path, self, seed=seed)
+
+
+@dataclass(frozen=True)
+class InputArgs:
+    """Example inputs and dynamic axes (--input, --example-inputs, --dynamic, --static, --seed)."""
+
+    input_specs: Tuple[str, ...]
+    example_file: Optional[str]
+    dynamic: Tuple[str, ...]
+    static: bool
+    seed: int
+
+    @property
+    def axes_given(self) -> bool:
+        return bool(self.dynamic or self.static)
+
+    def example_inputs(self, model):
+        from attn_export.cli._common import example_inputs
+
+        return example_inputs(model, self.input_specs, self.example_file, self.seed)
+
+    def axes(self, inputs, model=None):
+        from attn_export.cli._common import resolve_axes
+
+        return resolve_axes(inputs, self.dynamic, self.static, model=model)
+
+
+@dataclass(frozen=True)
+class CoverageArgs:
+    """The replacement-coverage gate (--min-replaced, --require-all)."""
+
+    min_replaced: Optional[int]
+    require_all: bool
+
+    def problem(self, plan) -> Optional[str]:
+        return plan.coverage_error(self.min_replaced, self.require_all)
+
+
+@dataclass(frozen=True)
+class ReportArgs:
+    """Machine-readable reports (--json, --junit)."""
+
+    json_path: Optional[str]
+    junit_path: Optional[str]
+
+
+@dataclass(frozen=True)
+class ProfileArgs:
+    """The TensorRT optimization profile (--min/--opt/--max-shapes, --workspace-mib)."""
+
+    min_shapes: Tuple[str, ...]
+    opt_shapes: Tuple[str, ...]
+    max_shapes: Tuple[str, ...]
+    workspace_mib: Optional[int]
+
+    @property
+    def given(self) -> bool:
+        return bool(self.min_shapes or self.opt_shapes or self.max_shapes or self.workspace_mib)
+
+    def shape_specs(self) -> dict:
+        """{"min"|"opt"|"max": {input: dims}}, parsed (InputError on a malformed spec)."""
+        from attn_export import tensorrt as attn_trt
+
+        return {which: attn_trt.parse_shape_specs(texts, f"--{which}-shapes")
+                for which, texts in (("min", self.min_shapes), ("opt", self.opt_shapes), ("max", self.max_shapes))}
+
+
 def model_options(f):
-    """How the model is loaded: --model / --weights / --allow-class / --trust-model-file."""
-    return _apply([
+    """How the model is loaded: ``model_args: ModelArgs``."""
+    return _grouped(ModelArgs, "model_args", [
         click.option("--model", "factory", metavar="MODULE:FACTORY",
                      help="Build the model by calling FACTORY() from MODULE (importable; the current "
                           "directory is on the path) instead of loading a MODEL file. "
@@ -38,8 +145,8 @@ def model_options(f):
 
 
 def input_options(f):
-    """Example inputs and dynamic axes."""
-    return _apply([
+    """Example inputs and dynamic axes: ``input_args: InputArgs``."""
+    return _grouped(InputArgs, "input_args", [
         click.option("--input", "input_specs", multiple=True, metavar="NAME:DIMS[:DTYPE]",
                      help="An example input, trtexec style (repeatable): src:2x16x64, ids:1x32:int64, "
                           "mask:2x16:bool. NAME is a parameter of the model's forward; random values "
@@ -58,8 +165,8 @@ def input_options(f):
 
 
 def coverage_options(f):
-    """The replacement-coverage gate."""
-    return _apply([
+    """The replacement-coverage gate: ``coverage: CoverageArgs``."""
+    return _grouped(CoverageArgs, "coverage", [
         click.option("--min-replaced", type=click.IntRange(min=0), metavar="N",
                      help="Fail (exit 1) when fewer than N attention layers end up fused."),
         click.option("--require-all", is_flag=True,
@@ -68,7 +175,8 @@ def coverage_options(f):
 
 
 def report_options(f):
-    return _apply([
+    """``reports: ReportArgs``."""
+    return _grouped(ReportArgs, "reports", [
         click.option("--json", "json_path", metavar="FILE", type=click.Path(dir_okay=False),
                      help="Write the report as JSON (top-level 'passed')."),
         click.option("--junit", "junit_path", metavar="FILE", type=click.Path(dir_okay=False),
@@ -92,8 +200,9 @@ def plugin_option(f):
 
 
 def profile_options(f):
-    """The TensorRT engine's optimization profile (trtexec's --minShapes/--optShapes/--maxShapes)."""
-    return _apply([
+    """The TensorRT engine's optimization profile (trtexec's --minShapes/--optShapes/--maxShapes):
+    ``profile_args: ProfileArgs``."""
+    return _grouped(ProfileArgs, "profile_args", [
         click.option("--min-shapes", "min_shapes", multiple=True, metavar="NAME:DIMS",
                      help="Smallest shapes of the engine's inputs, NAME:DIMS (repeatable or comma-separated, e.g. "
                           "src:1x1x64). Dimensions the ONNX graph ties together take one value; the others keep "

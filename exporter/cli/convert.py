@@ -6,14 +6,8 @@ from pathlib import Path
 
 import click
 
-from attn_export.cli._common import (
-    EXIT_MISMATCH,
-    common_verb,
-    example_inputs_from_options,
-    load_model_from_options,
-    resolve_axes_from_options,
-    write_reports,
-)
+from attn_export._errors import EXIT_MISMATCH
+from attn_export.cli._common import common_verb, finish_validation
 from attn_export.cli._options import (
     coverage_options,
     input_options,
@@ -59,9 +53,8 @@ def default_output(model_path, factory, to: str) -> Path:
 @report_options
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, onnx_output, factory, hf_config, weights, allow_class, trust_model_file,
-            input_specs, example_file, dynamic, static, seed, opset, dtype, no_replace, no_validate, plugin,
-            min_shapes, opt_shapes, max_shapes, workspace_mib, min_replaced, require_all, json_path, junit_path):
+def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, dtype, no_replace,
+            no_validate, plugin, profile_args, coverage, reports):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
     TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
@@ -105,7 +98,7 @@ def convert(session, model_path, to, output, onnx_output, factory, hf_config, we
     from attn_export.replace import inspect_attention
     from attn_export.validation import validate
 
-    out_path = Path(output) if output else default_output(model_path, factory, to)
+    out_path = Path(output) if output else default_output(model_path, model_args.factory, to)
     engine_path = None
     if to == "tensorrt":
         from attn_export import tensorrt as attn_trt
@@ -114,32 +107,30 @@ def convert(session, model_path, to, output, onnx_output, factory, hf_config, we
         attn_trt.require_runtime()
         plugin = attn_trt.find_plugin_library(plugin)
         attn_trt.check_plugin_library(plugin)
-        shape_specs = {which: attn_trt.parse_shape_specs(texts, f"--{which}-shapes")
-                       for which, texts in (("min", min_shapes), ("opt", opt_shapes), ("max", max_shapes))}
+        shape_specs = profile_args.shape_specs()
         engine_path = out_path
         out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
         if out_path.resolve() == engine_path.resolve():
             raise InputError(f"the ONNX file and the engine would both be {out_path}; give -o or --onnx-output")
-    elif onnx_output or plugin or min_shapes or opt_shapes or max_shapes or workspace_mib:
+    elif onnx_output or plugin or profile_args.given:
         raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt")
     with session.step("loading the model"):
-        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
-                                                hf_config=hf_config, seed=seed)
-        torch.manual_seed(seed)
-        inputs = example_inputs_from_options(model, input_specs, example_file, seed)
-        axes = resolve_axes_from_options(inputs, dynamic, static, model=model)
+        model, source = model_args.load(model_path, seed=input_args.seed)
+        torch.manual_seed(input_args.seed)
+        inputs = input_args.example_inputs(model)
+        axes = input_args.axes(inputs, model=model)
 
     plan = inspect_attention(model)
     if not no_replace:
         session.out.print(plan.table(title=f"{source}: {plan.summary()}"))
-        problem = plan.coverage_error(min_replaced, require_all)
+        problem = coverage.problem(plan)
         if problem:
             click.echo(f"FAILED: {problem}", err=True)
             return EXIT_MISMATCH
 
     with session.step(f"exporting to {out_path}"):
         result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
-                             replace=not no_replace, quiet=not session.verbose, seed=seed)
+                             replace=not no_replace, quiet=not session.verbose, seed=input_args.seed)
     for note in result.notes + (result.replacement.notes if result.replacement else []):
         session.note(f"note: {note}")
     axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
@@ -157,7 +148,7 @@ def convert(session, model_path, to, output, onnx_output, factory, hf_config, we
             session.note(f"profile {line}")
         with session.step(f"building the TensorRT engine {engine_path}") as update:
             info = attn_trt.build_engine(out_path, engine_path, plugin=plugin, profile=profile,
-                                         workspace_mib=workspace_mib, progress=update)
+                                         workspace_mib=profile_args.workspace_mib, progress=update)
         session.out.print(
             f"wrote {engine_path}: TensorRT {info.tensorrt} on {info.gpu}, {info.plugin_layers} FusedAttention plugin "
             f"layer(s), build record {engine_path}.json"
@@ -168,13 +159,6 @@ def convert(session, model_path, to, output, onnx_output, factory, hf_config, we
         return 0
 
     with session.step("validating against the original model") as update:
-        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=seed, progress=update,
+        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine_path, plugin=plugin if engine_path is not None else None)
-    session.out.print(report.table())
-    write_reports(session, report, json_path, junit_path, extra=extra)
-    if not report.passed:
-        for line in report.failures:
-            click.echo(f"FAILED: {line}", err=True)
-        return EXIT_MISMATCH
-    session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
-    return 0
+    return finish_validation(session, report, reports, extra=extra)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from attn_export.cli._common import EXIT_MISMATCH, common_verb, load_model_from_options
+from attn_export._errors import EXIT_MISMATCH
+from attn_export.cli._common import common_verb
 from attn_export.cli._options import coverage_options, logging_options, model_options
 
 
@@ -14,8 +15,7 @@ from attn_export.cli._options import coverage_options, logging_options, model_op
 @click.option("--json", "json_path", metavar="FILE", type=click.Path(dir_okay=False), help="Write the list as JSON.")
 @logging_options
 @common_verb
-def inspect_cmd(session, model_path, factory, hf_config, weights, allow_class, trust_model_file, min_replaced, require_all,
-                json_path):
+def inspect_cmd(session, model_path, model_args, coverage, json_path):
     """List every attention layer of MODEL: module path, class, heads, embed dim, and whether it
     will be replaced by the fused operator, or why not.
 
@@ -34,13 +34,12 @@ def inspect_cmd(session, model_path, factory, hf_config, weights, allow_class, t
     from attn_export.replace import inspect_attention
 
     with session.step("loading the model"):
-        model, source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
-                                                hf_config=hf_config)
+        model, source = model_args.load(model_path)
     report = inspect_attention(model)
     session.out.print(report.table(title=f"{source}: {report.summary()}"))
     for note in report.notes:
         session.out.print(f"note: {note}")
-    problem = report.coverage_error(min_replaced, require_all)
+    problem = coverage.problem(report)
     if json_path:
         payload = {"model": source, "passed": problem is None, **report.to_dict()}
         write_text(json_path, json.dumps(payload, indent=2) + "\n")

@@ -3,14 +3,7 @@ from __future__ import annotations
 
 import click
 
-from attn_export.cli._common import (
-    EXIT_MISMATCH,
-    common_verb,
-    example_inputs_from_options,
-    load_model_from_options,
-    resolve_axes_from_options,
-    write_reports,
-)
+from attn_export.cli._common import common_verb, finish_validation
 from attn_export.cli._options import input_options, logging_options, model_options, plugin_option, report_options
 
 
@@ -25,8 +18,7 @@ from attn_export.cli._options import input_options, logging_options, model_optio
 @report_options
 @logging_options
 @common_verb
-def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust_model_file, input_specs, example_file,
-                 dynamic, static, seed, engine, plugin, json_path, junit_path):
+def validate_cmd(session, paths, model_args, input_args, engine, plugin, reports):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -56,7 +48,8 @@ def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust
     elif plugin is not None:
         raise InputError("--plugin goes with --engine")
 
-    model_given = not factory or (factory.startswith("transformers:") and not hf_config)
+    factory = model_args.factory
+    model_given = not factory or (factory.startswith("transformers:") and not model_args.hf_config)
     want = 2 if model_given else 1
     if len(paths) != want:
         raise InputError(
@@ -64,18 +57,10 @@ def validate_cmd(session, paths, factory, hf_config, weights, allow_class, trust
         )
     model_path, onnx_path = paths if model_given else (None, paths[0])
     with session.step("loading the model"):
-        model, _source = load_model_from_options(model_path, factory, weights, allow_class, trust_model_file,
-                                                 hf_config=hf_config, seed=seed)
-        inputs = example_inputs_from_options(model, input_specs, example_file, seed)
-        axes = resolve_axes_from_options(inputs, dynamic, static, model=model) if (dynamic or static) else None
+        model, _source = model_args.load(model_path, seed=input_args.seed)
+        inputs = input_args.example_inputs(model)
+        axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
     with session.step("validating") as update:
-        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=seed, progress=update,
+        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine, plugin=plugin)
-    session.out.print(report.table())
-    write_reports(session, report, json_path, junit_path)
-    if not report.passed:
-        for line in report.failures:
-            click.echo(f"FAILED: {line}", err=True)
-        return EXIT_MISMATCH
-    session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
-    return 0
+    return finish_validation(session, report, reports)
