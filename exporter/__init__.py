@@ -26,11 +26,6 @@ from attn_export.replace import (  # noqa: E402
 
 __version__ = "0.1.0"
 
-import sys as _sys  # noqa: E402
-
-if "torch2trt" in _sys.modules:  # torch2trt imported first: register its converters (unverified path)
-    import attn_export.torch2trt_converters  # noqa: E402,F401
-
 _LAZY = {
     "export_onnx": ("attn_export.onnx_export", "export_onnx"),
     "ExportResult": ("attn_export.onnx_export", "ExportResult"),

@@ -85,13 +85,13 @@ class Result:
         return d
 
 
-def make_layer(impl: str, shape: Shape):
+def make_layer(impl: str, shape: Shape, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(layer, input) for one implementation; all share the weights of one seeded layer."""
     torch.manual_seed(0)
-    ref = nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True)
+    ref = nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True, device=device, dtype=dtype)
     layer = {"fused": lambda: FusedMultiheadAttention.from_module(ref), REFERENCE: lambda: ref,
              "sdpa": lambda: SDPAAttention(ref)}[impl]()
-    return layer, torch.randn(shape.batch, shape.seqlen, shape.embed)
+    return layer, torch.randn(shape.batch, shape.seqlen, shape.embed, device=device, dtype=dtype)
 
 
 def call_layer(impl: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +100,12 @@ def call_layer(impl: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x, x, x, need_weights=False)[0]
 
 
-def _statement(impl: str, mode: str, shape: Shape) -> Callable[[], object]:
-    layer, x = make_layer(impl, shape)
+def layer_statement(impl: str, mode: str, shape: Shape, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Callable[[], object]:
+    """What one timed call runs: the layer in ``mode`` (inference: eval + inference_mode, where
+    nn.MultiheadAttention takes PyTorch's native fast path; forward: training mode;
+    forward+backward: gradients of the input and every parameter)."""
+    layer, x = make_layer(impl, shape, device, dtype)
 
     def call(inp):
         return call_layer(impl, layer, inp)
@@ -118,7 +122,7 @@ def _statement(impl: str, mode: str, shape: Shape) -> Callable[[], object]:
     x.requires_grad_(True)
     if mode == "forward":
         return lambda: call(x)
-    grad = torch.randn(shape.batch, shape.seqlen, shape.embed)
+    grad = torch.randn_like(x)
 
     def run_backward():
         x.grad = None
@@ -145,7 +149,7 @@ def run_benchmark(
         for mode in modes:
             if progress:
                 progress(f"{shape} {mode}")
-            stmts = {impl: _statement(impl, mode, shape) for impl in implementations}
+            stmts = {impl: layer_statement(impl, mode, shape) for impl in implementations}
             for stmt in stmts.values():
                 stmt()  # warm-up: first-call allocations and lazy initialization
             medians: Dict[str, List[float]] = {impl: [] for impl in implementations}

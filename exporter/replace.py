@@ -67,10 +67,6 @@ class AttentionLayer:
     notes: List[str] = field(default_factory=list)
     also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
 
-    @property
-    def fusable(self) -> bool:
-        return self.status in _CHANGED + (ALREADY_FUSED,)
-
 
 @dataclass
 class ReplacementReport:

@@ -30,17 +30,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.benchmark import Timer
 
 import attn_export
-from attn_export import FusedMultiheadAttention
-from attn_export.bench import SHAPE_SETS, SDPAAttention
+from attn_export.bench import SHAPE_SETS, layer_statement
 
 LAYER_IMPLS = ("fused", "nn.MultiheadAttention", "sdpa")
 CORE_IMPLS = ("fused", "sdpa", "unfused")
 DEVICE = "cuda"
-
 
 def median_s(fn, min_run_time):
     fn()  # warm-up (allocations, lazy init, autotuning)
@@ -48,35 +45,7 @@ def median_s(fn, min_run_time):
         torch.cuda.synchronize()
     return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
-
 # ---- 1. layer latency at small shapes -------------------------------------------------------
-
-def layer_statement(impl, mode, shape, dtype):
-    torch.manual_seed(0)
-    ref = nn.MultiheadAttention(shape.embed, shape.heads, batch_first=True, device=DEVICE, dtype=dtype)
-    layer = {"fused": lambda: FusedMultiheadAttention.from_module(ref), "nn.MultiheadAttention": lambda: ref,
-             "sdpa": lambda: SDPAAttention(ref)}[impl]()
-    x = torch.randn(shape.batch, shape.seqlen, shape.embed, device=DEVICE, dtype=dtype)
-
-    def call(inp):
-        return layer(inp) if impl == "sdpa" else layer(inp, inp, inp, need_weights=False)[0]
-
-    if mode == "inference":
-        layer.eval()
-
-        def run():
-            with torch.inference_mode():
-                return call(x)
-
-        return run
-    layer.train()
-    x.requires_grad_(True)
-    if mode == "forward":
-        return lambda: call(x)
-    grad = torch.randn_like(x)
-    params = [x] + list(layer.parameters())
-    return lambda: torch.autograd.grad(call(x), params, grad)
-
 
 def bench_layers(args, deadline):
     rows = []
@@ -86,7 +55,8 @@ def bench_layers(args, deadline):
                 if time.monotonic() > deadline:
                     rows.append(dict(part="layer", shape=str(shape), dtype=str(dtype), mode=mode, skipped="time budget"))
                     continue
-                times = {impl: median_s(layer_statement(impl, mode, shape, dtype), args.min_run_time) for impl in LAYER_IMPLS}
+                times = {impl: median_s(layer_statement(impl, mode, shape, DEVICE, dtype), args.min_run_time)
+                         for impl in LAYER_IMPLS}
                 ref = times["nn.MultiheadAttention"]
                 row = dict(part="layer", shape=str(shape), dtype=str(dtype).replace("torch.", ""), mode=mode,
                            **{f"{i}_us": t * 1e6 for i, t in times.items()},
@@ -95,7 +65,6 @@ def bench_layers(args, deadline):
                 print(f"layer {row['shape']:>10} {row['dtype']:>8} {mode:>16}: "
                       + "  ".join(f"{i} {t * 1e6:8.1f} us" for i, t in times.items()), flush=True)
     return rows
-
 
 # ---- 2. core TFLOP/s at long sequences -----------------------------------------------------
 
@@ -115,7 +84,6 @@ def core_fn(impl, q, k, v, causal):
         return torch.softmax(s, dim=-1) @ v
 
     return unfused
-
 
 def bench_core(args, deadline):
     rows = []
@@ -157,7 +125,6 @@ def bench_core(args, deadline):
                           + "  ".join(f"{i} {row.get(f'{i}_tflops') or 0:6.1f} TFLOP/s" for i in CORE_IMPLS), flush=True)
     return rows
 
-
 def environment():
     if DEVICE != "cuda":
         return dict(device="cpu (dry run)", torch=torch.__version__)
@@ -174,7 +141,6 @@ def environment():
         attn_export=attn_export.__version__, commit=run(["git", "rev-parse", "--short", "HEAD"]),
         driver=run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
     )
-
 
 def markdown(env, rows):
     out = ["# GPU benchmark", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
@@ -197,7 +163,6 @@ def markdown(env, rows):
         out += ["", f"{len(skipped)} configurations skipped (time budget)."]
     return "\n".join(out) + "\n"
 
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gpu_check_out"))
@@ -219,7 +184,6 @@ def main():
     (args.out / "bench_gpu.json").write_text(json.dumps(dict(environment=env, results=rows), indent=2))
     (args.out / "bench_gpu.md").write_text(markdown(env, rows))
     print(f"wrote {args.out / 'bench_gpu.md'} and bench_gpu.json")
-
 
 if __name__ == "__main__":
     main()

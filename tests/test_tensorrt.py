@@ -478,13 +478,24 @@ def test_validate_fails_when_no_case_fits_the_profile(fake_engine):
 # torch2trt
 # --------------------------------------------------------------------------------------------
 
-def test_torch2trt_converters_import_cleanly_without_torch2trt():
+TORCH2TRT_DIR = Path(__file__).resolve().parent.parent / "plugins" / "torch2trt"
+
+
+def _import_torch2trt_converters(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(TORCH2TRT_DIR))
+    monkeypatch.delitem(sys.modules, "attn_export_torch2trt", raising=False)
+    return importlib.import_module("attn_export_torch2trt")
+
+
+def test_torch2trt_converters_import_cleanly_without_torch2trt(monkeypatch):
     import importlib.util
 
-    from attn_export import torch2trt_converters
-
+    torch2trt_converters = _import_torch2trt_converters(monkeypatch)
     assert torch2trt_converters.AVAILABLE == (importlib.util.find_spec("torch2trt") is not None)
     assert "unverified" in torch2trt_converters.__doc__.lower()
+    assert "attn_export_torch2trt" not in {m.split(".")[-1] for m in sys.modules if m.startswith("attn_export.")}
 
 
 def test_torch2trt_registration_with_a_stand_in(monkeypatch):
@@ -498,14 +509,10 @@ def test_torch2trt_registration_with_a_stand_in(monkeypatch):
     package.__spec__ = importlib.machinery.ModuleSpec("torch2trt", None)
     monkeypatch.setitem(sys.modules, "torch2trt", package)
     monkeypatch.setitem(sys.modules, "torch2trt.torch2trt", inner)
-    monkeypatch.delitem(sys.modules, "attn_export.torch2trt_converters", raising=False)
-    module = importlib.import_module("attn_export.torch2trt_converters")
-    try:
-        assert module.REGISTERED
-        assert set(registered) == {"attn_export.ops.attention", "attn_export.attention"}
-        assert all(fn is module.convert_attention for fn in registered.values())
-    finally:
-        sys.modules.pop("attn_export.torch2trt_converters", None)
+    module = _import_torch2trt_converters(monkeypatch)
+    assert module.REGISTERED
+    assert set(registered) == {"attn_export.ops.attention", "attn_export.attention"}
+    assert all(fn is module.convert_attention for fn in registered.values())
 
 
 def test_plugin_field_collection_uses_the_spec_names_and_types():

@@ -4,12 +4,14 @@ UNVERIFIED: torch2trt is not on the package index and TensorRT is not installed 
 was written, so these converters have never run. The tested path to TensorRT is ONNX
 (``attn-export MODEL --to tensorrt``, docs/tensorrt.md).
 
-Importing this module registers the converters when torch2trt is importable and does nothing
-otherwise (``AVAILABLE`` says which); ``import attn_export`` imports it by itself when torch2trt
-was imported first::
+It lives outside the ``attn_export`` package (an unverified binding is not imported by
+``import attn_export``): put this folder on ``sys.path`` and import it. Importing it registers
+the converters when torch2trt is importable and does nothing otherwise (``AVAILABLE`` says
+which)::
 
+    import sys; sys.path.insert(0, "plugins/torch2trt")
     import torch2trt
-    import attn_export.torch2trt_converters
+    import attn_export_torch2trt
     from attn_export import tensorrt as attn_trt
     import tensorrt as trt
 
