@@ -178,6 +178,8 @@ def finish_validation(session: Session, report, reports, extra=None) -> int:
     if not report.passed:
         for line in report.failures:
             click.echo(f"FAILED: {line}", err=True)
+        if report.diagnosis:
+            click.echo(report.diagnosis["summary"], err=True)
         return EXIT_MISMATCH
     session.out.print(f"[green]PASSED[/]: {len(report.cases)} comparisons within tolerance")
     return EXIT_OK

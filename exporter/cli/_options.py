@@ -184,6 +184,16 @@ def report_options(f):
     ])(f)
 
 
+def runtime_timeout_option(f):
+    """How long a runtime may take before it counts as hung (``runtime_timeout: float``)."""
+    return click.option(
+        "--runtime-timeout", "runtime_timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+        show_default=True, metavar="SECONDS",
+        help="ONNX Runtime and TensorRT load and run the model in a child process: a crash (e.g. a segfault) "
+             "or a hang longer than this is reported as a failed case (exit 1) with the reports written.",
+    )(f)
+
+
 def logging_options(f):
     return _apply([
         click.option("-q", "--quiet", is_flag=True, help="Print errors only (the exit code tells the verdict)."),

@@ -16,6 +16,7 @@ from attn_export.cli._options import (
     plugin_option,
     profile_options,
     report_options,
+    runtime_timeout_option,
 )
 
 SUFFIXES = {"onnx": ".onnx", "tensorrt": ".engine"}
@@ -50,11 +51,12 @@ def default_output(model_path, factory, to: str) -> Path:
 @plugin_option
 @profile_options
 @coverage_options
+@runtime_timeout_option
 @report_options
 @logging_options
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, dtype, no_replace,
-            no_validate, plugin, profile_args, coverage, reports):
+            no_validate, plugin, profile_args, coverage, runtime_timeout, reports):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
     TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
@@ -160,5 +162,6 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
 
     with session.step("validating against the original model") as update:
         report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine_path, plugin=plugin if engine_path is not None else None)
+                          engine=engine_path, plugin=plugin if engine_path is not None else None,
+                          runtime_timeout_s=runtime_timeout)
     return finish_validation(session, report, reports, extra=extra)

@@ -4,7 +4,14 @@ from __future__ import annotations
 import click
 
 from attn_export.cli._common import common_verb, finish_validation
-from attn_export.cli._options import input_options, logging_options, model_options, plugin_option, report_options
+from attn_export.cli._options import (
+    input_options,
+    logging_options,
+    model_options,
+    plugin_option,
+    report_options,
+    runtime_timeout_option,
+)
 
 
 @click.command("validate")
@@ -15,10 +22,11 @@ from attn_export.cli._options import input_options, logging_options, model_optio
               help="Also run this TensorRT engine (built from ONNX, e.g. by --to tensorrt) and compare it "
                    "like the other backends. Needs TensorRT, a GPU and the plugin library.")
 @plugin_option
+@runtime_timeout_option
 @report_options
 @logging_options
 @common_verb
-def validate_cmd(session, paths, model_args, input_args, engine, plugin, reports):
+def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime_timeout, reports):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -62,5 +70,5 @@ def validate_cmd(session, paths, model_args, input_args, engine, plugin, reports
         axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine, plugin=plugin)
+                          engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout)
     return finish_validation(session, report, reports)

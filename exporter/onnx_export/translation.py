@@ -134,22 +134,26 @@ def translate_multi_head_attention(
             return op.Unsqueeze(x, _const(op, [0]))
         return x if batch_first else op.Transpose(x, perm=[1, 0, 2])
 
+    def project(x, rows=None):
+        # The input projection runs on the caller's layout and only its result is made
+        # batch-first (MatMul acts on the last axis: the same math). Projecting first keeps a
+        # sequence-first graph input from feeding Transpose -> MatMul directly: with fp16
+        # weights that pattern segfaults ONNX Runtime 1.32 (CPU) at ORT_ENABLE_ALL while it
+        # optimizes the graph (docs/onnx_node.md, "ONNX Runtime: Transpose -> MatMul on a graph
+        # input"; tests/test_runtime_isolation.py keeps the two-node reproduction).
+        return to_batch_first(_linear(op, x, in_proj_weight, in_proj_bias, rows))
+
     embed_dim = _static_dim(in_proj_weight, 1, "embed_dim (in_proj_weight.shape[1])")
     scale = 1.0 / math.sqrt(embed_dim // num_heads)
-    xq = to_batch_first(query)
     if same_qkv:
-        q, k, v = op.Split(_linear(op, xq, in_proj_weight, in_proj_bias), axis=-1, num_outputs=3)
+        q, k, v = op.Split(project(query), axis=-1, num_outputs=3)
     else:
-        q = _linear(op, xq, in_proj_weight, in_proj_bias, slice(0, embed_dim))
-        xk = to_batch_first(key)
+        q = project(query, slice(0, embed_dim))
         if shared_kv:
-            k, v = op.Split(
-                _linear(op, xk, in_proj_weight, in_proj_bias, slice(embed_dim, 3 * embed_dim)),
-                axis=-1, num_outputs=2,
-            )
+            k, v = op.Split(project(key, slice(embed_dim, 3 * embed_dim)), axis=-1, num_outputs=2)
         else:
-            k = _linear(op, xk, in_proj_weight, in_proj_bias, slice(embed_dim, 2 * embed_dim))
-            v = _linear(op, to_batch_first(value), in_proj_weight, in_proj_bias, slice(2 * embed_dim, 3 * embed_dim))
+            k = project(key, slice(embed_dim, 2 * embed_dim))
+            v = project(value, slice(2 * embed_dim, 3 * embed_dim))
     kpm, mask, has_kpm, has_mask = _mask_inputs(op, key_padding_mask, attn_mask, num_heads)
     attn = _fused_node(custom, q, k, v, kpm, mask, num_heads=num_heads, scale=scale, is_causal=is_causal,
                        has_kpm=has_kpm, has_mask=has_mask)

@@ -17,9 +17,11 @@ from attn_export import shapes as _shapes
 from attn_export._errors import InputError, first_line as _first_line
 from attn_export.validation import checks as _checks
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
+from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.runners import (
     BACKEND_REFERENCE,
     BACKEND_REPLACED,
+    ORT_LEVELS,
     OnnxRuntimeRunner,
     Runner,
     RunnerError,
@@ -87,8 +89,10 @@ def run_cases(
                 if len(got) != len(ref):
                     raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
             except Exception as exc:  # noqa: BLE001
+                crash = getattr(exc, "crash", None)
                 results.append(CaseResult(case_name, runner.name, "*", shapes, "error", False, rtol=rtol,
-                                          message=_first_line(exc), seconds=time.perf_counter() - start))
+                                          message=_first_line(exc), seconds=time.perf_counter() - start,
+                                          crash=crash.to_dict() if crash is not None else None))
                 continue
             elapsed = time.perf_counter() - start
             for i, (name, a, e) in enumerate(zip(output_names, got, ref)):
@@ -116,6 +120,8 @@ def validate(
     progress: Optional[Callable[[str], None]] = None,
     engine: Optional[str | Path] = None,
     plugin: Optional[str | Path] = None,
+    isolate: bool = True,
+    runtime_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ValidationReport:
     """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
     ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
@@ -134,6 +140,15 @@ def validate(
             profile are reported as skipped; at least one case must run.
         plugin: the FusedAttention plugin library for the engine (default: as
             attn_export.tensorrt.find_plugin_library looks for it).
+        isolate: run TensorRT in a child process too (ONNX Runtime always runs in one); False
+            keeps the engine in this process (for a stand-in engine).
+        runtime_timeout_s: how long ONNX Runtime or TensorRT may take to load the model or run
+            one case before it counts as hung (a failed case).
+
+    A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
+    failed case that says which runtime, which step, the signal or timeout and the
+    optimization level; for ONNX Runtime the report's ``diagnosis`` then says at which lower
+    optimization levels the model loads and runs.
     """
     from attn_export.onnx_export import count_attention_nodes, output_names_for, read_metadata
     from attn_export.replace import replace_attention
@@ -173,19 +188,24 @@ def validate(
         if dtype in (torch.float16, torch.bfloat16) else None
     load_errors: List[CaseResult] = []
     say("loading the ONNX model in ONNX Runtime")
-    ort_runner = OnnxRuntimeRunner(onnx_path)
+    ort_runner = OnnxRuntimeRunner(onnx_path, timeout_s=runtime_timeout_s)
     try:
         ort_runner.load()
         runners.append(ort_runner)
     except RunnerError as exc:
-        load_errors.append(CaseResult("all", ort_runner.name, "*", {}, "error", False, message=str(exc)))
+        load_errors.append(_load_error(ort_runner.name, exc))
     trt_runner = None
     if engine is not None:
         say(f"loading the TensorRT engine {engine}")
-        trt_runner = TensorRTRunner(engine, plugin, graph_inputs, output_names)
-        checks.append(_checks.engine_check(trt_runner.engine, graph_inputs, output_names,
-                                           count_attention_nodes(onnx_model)))
-        runners.append(trt_runner)
+        try:
+            trt_runner = TensorRTRunner(engine, plugin, graph_inputs, output_names, isolate=isolate,
+                                        timeout_s=runtime_timeout_s)
+        except RunnerError as exc:  # TensorRT crashed or hung while deserializing the engine
+            load_errors.append(_load_error(TensorRTRunner.name, exc))
+        else:
+            checks.append(_checks.engine_check(trt_runner.engine, graph_inputs, output_names,
+                                               count_attention_nodes(onnx_model)))
+            runners.append(trt_runner)
 
     axes = symbolic
     sizes = _inputs.label_sizes(inputs, axes)
@@ -208,13 +228,19 @@ def validate(
     finally:
         for runner in runners:
             runner.close()
+    diagnosis = {}
+    if any(c.crash and c.backend == ort_runner.name for c in results):
+        say("ONNX Runtime crashed: trying lower optimization levels")
+        diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s)
+        notes.append(diagnosis["summary"])
 
     env = environment(seed)
-    if trt_runner is not None:
+    env["onnxruntime_optimization_level"] = ort_runner.optimization_level
+    if engine is not None:
         from attn_export.tensorrt import environment as trt_environment
 
         checks.append(_checks.tensorrt_coverage_check(results))
-        library = trt_runner.engine.plugin_library
+        library = trt_runner.engine.plugin_library if trt_runner is not None else None
         env.update(trt_environment())
         env.update(engine=str(engine), plugin_library=library.path if library else None,
                    plugin_sha256=library.sha256 if library else None)
@@ -228,8 +254,45 @@ def validate(
             "rtol_example": tolerance(dtype, k_base), "reference": "original PyTorch model, float32, eval, fast paths off",
         },
         environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
-        output_names=output_names, notes=notes,
+        output_names=output_names, notes=notes, diagnosis=diagnosis,
     )
+
+
+def _load_error(backend: str, exc: RunnerError) -> CaseResult:
+    return CaseResult("all", backend, "*", {}, "error", False, message=str(exc),
+                      crash=exc.crash.to_dict() if exc.crash is not None else None)
+
+
+def diagnose_onnxruntime(onnx_path: Path, inputs: Inputs, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dict[str, object]:
+    """Loads and runs the model (example inputs) at each ONNX Runtime optimization level, each
+    in a fresh process: which levels work says whether a graph optimization pass is at fault
+    and what users can set until the runtime or the model is fixed."""
+    levels: Dict[str, str] = {}
+    for level in ORT_LEVELS:
+        runner = OnnxRuntimeRunner(onnx_path, optimization_level=level, timeout_s=timeout_s)
+        try:
+            runner.load()
+            runner.run(inputs)
+            levels[level] = "ok"
+        except RunnerError as exc:
+            levels[level] = str(exc) if exc.crash is None else exc.crash.describe()
+        except Exception as exc:  # noqa: BLE001 - e.g. inputs ONNX Runtime cannot take
+            levels[level] = _first_line(exc)
+        finally:
+            runner.close()
+    working = [lvl for lvl, verdict in levels.items() if verdict == "ok"]
+    if not working:
+        summary = "diagnosis: ONNX Runtime fails at every optimization level (" + \
+            "; ".join(f"{lvl}: {v}" for lvl, v in levels.items()) + ")"
+    elif ORT_LEVELS[0] in working:
+        summary = (f"diagnosis: a fresh ONNX Runtime process loads and runs the model at {ORT_LEVELS[0]}: "
+                   "the failure depends on the case's shapes or is intermittent")
+    else:
+        summary = (f"diagnosis: ONNX Runtime fails at {', '.join(l for l in ORT_LEVELS if l not in working)} "
+                   f"but loads and runs the model at {', '.join(working)}: a graph optimization pass of the higher "
+                   f"level is at fault. Workaround for users: SessionOptions.graph_optimization_level = "
+                   f"{working[0]}; please report the model")
+    return {"runtime": "onnxruntime", "levels": levels, "working_levels": working, "summary": summary}
 
 
 def _load_onnx(onnx_path: Path):

@@ -29,6 +29,7 @@ class CaseResult:
     baseline_err: Optional[float] = None  # same-dtype PyTorch original vs fp32 reference (fp16/bf16)
     message: str = ""
     seconds: float = 0.0
+    crash: Optional[Dict[str, object]] = None  # isolation.CrashInfo when the runtime's process died or hung
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ValidationReport:
     input_names: List[str]
     output_names: List[str]
     notes: List[str] = field(default_factory=list)
+    # When a runtime crashed: which optimization levels load and run the model (see validate).
+    diagnosis: Dict[str, object] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -77,6 +80,7 @@ class ValidationReport:
             "cases": [asdict(c) for c in self.cases],
             "failures": self.failures,
             "notes": self.notes,
+            "diagnosis": self.diagnosis,
             "environment": self.environment,
         })
 

@@ -21,22 +21,27 @@ import torch
 from torch import nn
 
 from attn_export import inputs as _inputs
+from attn_export.validation.isolation import DEFAULT_TIMEOUT_S, RuntimeCrash, WorkerError, WorkerProcess
 
 BACKEND_REFERENCE = "pytorch"
 BACKEND_REPLACED = "pytorch-replaced"
 BACKEND_ORT = "onnxruntime"
 BACKEND_TRT = "tensorrt"
+DEFAULT_ORT_LEVEL = "ORT_ENABLE_ALL"  # ONNX Runtime's own default: what users' sessions get
+ORT_LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL")
 
 ONNX_ELEM_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64, 7: torch.int64,
                       6: torch.int32, 9: torch.bool, 2: torch.uint8, 3: torch.int8, 5: torch.int16}
 
 
 class RunnerError(RuntimeError):
-    """A runner could not load or run; ``step`` says where (load, run)."""
+    """A runner could not load or run; ``step`` says where (load, run), ``crash`` how the
+    runtime's process died (isolation.CrashInfo) when it did."""
 
-    def __init__(self, message: str, step: str = "run") -> None:
+    def __init__(self, message: str, step: str = "run", crash=None) -> None:
         super().__init__(message)
         self.step = step
+        self.crash = crash
 
 
 class Runner(abc.ABC):
@@ -109,34 +114,50 @@ def feeds_for(graph_inputs: Mapping[str, int], inputs: Mapping[str, torch.Tensor
 
 class OnnxRuntimeRunner(Runner):
     """The ONNX file in an ONNX Runtime session (CPU execution provider, default optimization
-    level)."""
+    level ORT_ENABLE_ALL), in a child process (isolation.WorkerProcess): a crash or a hang of
+    ONNX Runtime becomes a RunnerError carrying its CrashInfo, and the next case starts a fresh
+    process."""
 
     name = BACKEND_ORT
 
-    def __init__(self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
+    def __init__(self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), *,
+                 optimization_level: str = DEFAULT_ORT_LEVEL, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.onnx_path = Path(onnx_path)
         self.providers = list(providers)
-        self._session = None
+        self.optimization_level = optimization_level
+        self.timeout_s = timeout_s
+        self._worker: Optional[WorkerProcess] = None
+        self._input_types: dict = {}
 
     def load(self) -> None:
-        import onnxruntime as ort
-
-        from attn_export._errors import first_line
-
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        worker = WorkerProcess(self.timeout_s)
         try:
-            self._session = ort.InferenceSession(str(self.onnx_path), options, providers=self.providers)
-        except Exception as exc:  # noqa: BLE001
-            raise RunnerError(f"ONNX Runtime cannot load the model: {first_line(exc)}", step="load") from exc
+            info = worker.load("onnxruntime", optimization_level=self.optimization_level,
+                               path=str(self.onnx_path), providers=self.providers)
+        except RuntimeCrash as exc:
+            worker.close()
+            raise RunnerError(str(exc), step="load", crash=exc.info) from exc
+        except WorkerError as exc:
+            worker.close()
+            raise RunnerError(f"ONNX Runtime cannot load the model: {exc}", step="load") from exc
+        self._worker = worker
+        self._input_types = {name: _elem_type(kind) for name, kind in info["inputs"].items()}
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
-        graph_inputs = {v.name: _elem_type(v.type) for v in self._session.get_inputs()}
-        outs = self._session.run(None, feeds_for(graph_inputs, inputs))
+        if self._worker is None or not self._worker.alive:
+            self.close()
+            self.load()  # the process died on an earlier case: a fresh one for this case
+        try:
+            outs = self._worker.run(feeds_for(self._input_types, inputs))
+        except RuntimeCrash as exc:
+            self.close()
+            raise RunnerError(str(exc), step="run", crash=exc.info) from exc
         return [torch.from_numpy(np.asarray(o)) for o in outs]
 
     def close(self) -> None:
-        self._session = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
 
 _ORT_TYPE_TO_ELEM = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(double)": 11,
@@ -150,18 +171,25 @@ def _elem_type(ort_type: str) -> int:
 
 class TensorRTRunner(Runner):
     """A TensorRT engine of the ONNX file (attn_export.tensorrt.EngineRunner), with the
-    FusedAttention plugin library. Cases outside the engine's optimization profile are skipped."""
+    FusedAttention plugin library, in a child process unless ``isolate=False`` (a crash or a
+    hang of TensorRT then becomes a failed case). Cases outside the engine's optimization
+    profile are skipped. ``engine`` has EngineRunner's facts (inputs, outputs, metadata,
+    plugin_library) for the gate's engine check."""
 
     name = BACKEND_TRT
 
     def __init__(self, engine: str | Path, plugin: Optional[str | Path], graph_inputs: Sequence[str],
-                 output_names: Sequence[str]) -> None:
+                 output_names: Sequence[str], *, isolate: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         from attn_export import tensorrt as attn_trt  # looked up here: tests stand in for EngineRunner
 
         self.engine_path = engine
-        self.engine = attn_trt.EngineRunner(engine, plugin=plugin)
         self.graph_inputs = list(graph_inputs)
         self.output_names = list(output_names)
+        if isolate:
+            attn_trt.require_runtime()  # TensorRT or a GPU missing: exit 2 with what to install, as in-process
+            self.engine = IsolatedEngine(engine, plugin, timeout_s)
+        else:
+            self.engine = attn_trt.EngineRunner(engine, plugin=plugin)
 
     def _feeds(self, inputs: Mapping[str, torch.Tensor]):
         return {n: inputs[n] for n in self.graph_inputs}
@@ -172,3 +200,62 @@ class TensorRTRunner(Runner):
     def run(self, inputs: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
         named = self.engine.run(self._feeds(inputs))
         return [named[n] for n in self.output_names]
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+class IsolatedEngine:
+    """EngineRunner's interface over a child process that holds the engine. A crash while the
+    engine loads is raised as RunnerError (the gate reports it as a failed case); an ordinary
+    error (bad engine file, plugin missing) as EngineError (exit 2), as in-process."""
+
+    def __init__(self, engine: str | Path, plugin: Optional[str | Path], timeout_s: float) -> None:
+        from attn_export.tensorrt import EngineError, LibraryInfo, ShapeProfile
+
+        self._args = {"engine": str(engine), "plugin": None if plugin is None else str(plugin)}
+        self._timeout_s = timeout_s
+        self._worker: Optional[WorkerProcess] = None
+        try:
+            info = self._start()
+        except WorkerError as exc:
+            raise EngineError(str(exc)) from exc
+        self.inputs, self.outputs = info["inputs"], info["outputs"]
+        self.metadata = info["metadata"]
+        library = info["plugin_library"]
+        self.plugin_library = LibraryInfo(**library) if library else None
+        self.profile = ShapeProfile(shapes={n: tuple(tuple(d) for d in dims) for n, dims in info["profile"].items()},
+                                    labels={})
+
+    def _start(self) -> dict:
+        self._worker = WorkerProcess(self._timeout_s)
+        try:
+            return self._worker.load("tensorrt", **self._args)
+        except RuntimeCrash as exc:
+            self.close()
+            raise RunnerError(str(exc), step="load", crash=exc.info) from exc
+        except WorkerError:
+            self.close()
+            raise
+
+    def outside_profile(self, inputs: Mapping[str, torch.Tensor]) -> Optional[str]:
+        return self.profile.outside({n: tuple(t.shape) for n, t in inputs.items() if n in self.profile.shapes})
+
+    def run(self, inputs: Mapping[str, torch.Tensor]):
+        if self._worker is None or not self._worker.alive:
+            self.close()
+            self._start()
+        feeds = {n: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for n, t in inputs.items()}
+        try:
+            named = self._worker.run(feeds)
+        except RuntimeCrash as exc:
+            self.close()
+            raise RunnerError(str(exc), step="run", crash=exc.info) from exc
+        return {n: torch.from_numpy(a).to(getattr(torch, kind.replace("torch.", ""))) for n, (a, kind) in named.items()}
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

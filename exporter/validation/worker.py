@@ -1,0 +1,130 @@
+"""The child process of an isolated runner (attn_export.validation.isolation).
+
+A runtime that segfaults, aborts or hangs while it loads or runs a model must not take the
+parity gate with it, so ONNX Runtime and TensorRT run here, in a process of their own, and the
+gate reads their death as a failed case. This file is started as a script
+(``python worker.py``), never imported as part of attn_export, so that an ONNX Runtime worker
+starts in a fraction of a second without torch; only the TensorRT backend imports
+attn_export (and torch).
+
+Protocol (stdin -> stdout): length-prefixed pickles (8-byte little-endian size, then the
+pickle). Requests: ``{"op": "load", "backend": NAME, "args": {...}}`` then any number of
+``{"op": "run", "feeds": {name: ndarray}}``. Replies: ``{"ok": True, ...}`` or
+``{"ok": False, "error": "first line of the error"}``. The runtimes' own prints go to stderr (file
+descriptor 1 is redirected there before anything loads), so they cannot corrupt the replies.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+
+HEADER = struct.Struct("<Q")
+
+
+def read_message(stream):
+    """The next message, or None at end of stream."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(header)
+    return pickle.loads(stream.read(size))
+
+
+def write_message(stream, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(HEADER.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _first_line(exc: BaseException) -> str:
+    """As attn_export._errors.first_line (not imported: this process must start without torch)."""
+    for line in str(exc).strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+class OnnxRuntimeBackend:
+    """An ONNX Runtime InferenceSession at the requested graph optimization level."""
+
+    def __init__(self, path: str, optimization_level: str, providers, intra_op_threads: int = 0):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, optimization_level)
+        if intra_op_threads:
+            options.intra_op_num_threads = intra_op_threads
+        self.session = ort.InferenceSession(path, options, providers=list(providers))
+
+    def info(self) -> dict:
+        return {"inputs": {v.name: v.type for v in self.session.get_inputs()},
+                "outputs": [v.name for v in self.session.get_outputs()],
+                "providers": self.session.get_providers()}
+
+    def run(self, feeds):
+        import numpy as np
+
+        return [np.asarray(o) for o in self.session.run(None, feeds)]
+
+
+class TensorRTBackend:
+    """attn_export.tensorrt.EngineRunner; bfloat16 crosses the pipe as float32 (numpy has no
+    bfloat16) and is cast back on either side."""
+
+    def __init__(self, engine: str, plugin):
+        from attn_export.tensorrt import EngineRunner
+
+        self.engine = EngineRunner(engine, plugin=plugin)
+
+    def info(self) -> dict:
+        library = self.engine.plugin_library
+        return {"inputs": list(self.engine.inputs), "outputs": list(self.engine.outputs),
+                "metadata": self.engine.metadata,
+                "plugin_library": None if library is None else {"path": library.path, "sha256": library.sha256,
+                                                                 "size": library.size},
+                "profile": {n: [list(d) for d in dims] for n, dims in self.engine.profile.shapes.items()}}
+
+    def run(self, feeds):
+        import torch
+
+        named = self.engine.run({n: torch.from_numpy(a) for n, a in feeds.items()})
+        return {n: (t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy(), str(t.dtype))
+                for n, t in named.items()}
+
+
+BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend}
+
+
+def serve(requests, replies) -> None:
+    backend = None
+    while True:
+        message = read_message(requests)
+        if message is None:
+            return
+        try:
+            for path in message.get("sys_path", ()):  # the parent's, after this interpreter's own
+                if path not in sys.path:
+                    sys.path.append(path)
+            if message["op"] == "load":
+                backend = BACKENDS[message["backend"]](**message["args"])
+                write_message(replies, {"ok": True, "info": backend.info(), "pid": os.getpid()})
+            elif message["op"] == "run":
+                write_message(replies, {"ok": True, "outputs": backend.run(message["feeds"])})
+            else:
+                write_message(replies, {"ok": False, "error": f"unknown request {message['op']!r}"})
+        except Exception as exc:  # noqa: BLE001 - a Python-level error is an answer, not a crash
+            write_message(replies, {"ok": False, "error": _first_line(exc)})
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever the runtimes print goes to stderr, never into the replies
+    serve(sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":
+    main()
