@@ -7,8 +7,10 @@ plus a diagnosis of the optimization levels that do load the model.
 
 The crash used here is real: ONNX Runtime 1.32 (CPU) segfaults at ORT_ENABLE_ALL on a graph
 input that feeds Transpose(perm=[1, 0, 2]) -> an fp16 MatMul with a constant weight
-(docs/onnx_node.md). attn-export's own sequence-first translation used to write that pattern;
-``test_the_two_node_reproduction_still_crashes`` notices when ONNX Runtime fixes it.
+(docs/onnx_node.md). attn-export's own sequence-first translation used to write that pattern,
+and user models write it too; the exporter now never does (``test_export_never_writes_...``),
+so the crashing file here is written by hand. ``test_the_two_node_reproduction_still_crashes``
+notices when ONNX Runtime fixes the bug.
 """
 import json
 import os
@@ -31,11 +33,14 @@ from helpers import run
 ORT_LEVELS_THAT_LOAD = ["ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL"]
 
 
+def fixture_weight() -> np.ndarray:
+    return (np.arange(64 * 192, dtype=np.float32).reshape(64, 192) % 7 / 7 - 0.5).astype(np.float16)
+
+
 def transpose_matmul_graph(path) -> None:
     """The smallest graph found that segfaults ONNX Runtime 1.32 at ORT_ENABLE_ALL:
     x: float16[seq, batch, 64] (graph input) -> Transpose([1, 0, 2]) -> MatMul(., W fp16 [64, 192])."""
-    w = numpy_helper.from_array(
-        (np.arange(64 * 192, dtype=np.float32).reshape(64, 192) % 7 / 7 - 0.5).astype(np.float16), "W")
+    w = numpy_helper.from_array(fixture_weight(), "W")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["seq", "batch", 64])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", "seq", 192])
     nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]), helper.make_node("MatMul", ["t", "W"], ["y"])]
@@ -45,9 +50,19 @@ def transpose_matmul_graph(path) -> None:
     onnx.save(model, str(path))
 
 
+class TransposeMatMul(nn.Module):
+    """What transpose_matmul_graph computes, in PyTorch: the original model of that file."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.from_numpy(fixture_weight().astype(np.float32)))
+
+    def forward(self, x):
+        return x.transpose(0, 1) @ self.w
+
+
 class TransposeLinear(nn.Module):
-    """A user's model with the same pattern (not an attention layer: attn-export exports it
-    as it is), so that the gate meets a real crash end to end."""
+    """A user's model with the same pattern (no attention layer: attn-export exports it as it is)."""
 
     def __init__(self):
         super().__init__()
@@ -57,9 +72,8 @@ class TransposeLinear(nn.Module):
         return self.proj(x.transpose(0, 1))
 
 
-def build_transpose_linear():
-    torch.manual_seed(0)
-    return TransposeLinear()
+def build_transpose_matmul():
+    return TransposeMatMul()
 
 
 def _load(path, level="ORT_ENABLE_ALL", timeout_s=120.0):
@@ -128,13 +142,30 @@ def test_an_ordinary_load_error_stays_an_error_message(tmp_path):
     assert err.value.crash is None
 
 
-def test_validate_turns_the_crash_into_a_failed_case_with_a_diagnosis(tmp_path):
+def test_export_never_writes_the_crashing_pattern(tmp_path):
+    """The exporter moves such a projection before the transpose: the file loads at
+    ONNX Runtime's default level and validates."""
     from attn_export.onnx_export import export_onnx
 
-    model = build_transpose_linear()
+    torch.manual_seed(0)
+    model = TransposeLinear()
     inputs = {"x": torch.randn(5, 2, 64)}
     path = tmp_path / "m.onnx"
-    export_onnx(model, inputs, path, dtype="fp16", dynamic_axes={"x": {0: "seq", 1: "batch"}}, replace=False)
+    result = export_onnx(model, inputs, path, dtype="fp16", dynamic_axes={"x": {0: "seq", 1: "batch"}}, replace=False)
+    assert any("before the transpose" in note for note in result.notes)
+    graph = onnx.load(str(path)).graph
+    assert not [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == "x"]
+    assert _load(path)["outputs"] == ["output"]
+    report = validate(model, path, inputs)
+    assert report.passed, report.failures
+    assert not report.diagnosis
+
+
+def test_validate_turns_the_crash_into_a_failed_case_with_a_diagnosis(tmp_path):
+    model = TransposeMatMul()
+    inputs = {"x": torch.randn(5, 2, 64)}
+    path = tmp_path / "repro.onnx"
+    transpose_matmul_graph(path)
     report = validate(model, path, inputs)
     assert not report.passed
     crashed = [c for c in report.cases if c.crash]
@@ -147,10 +178,10 @@ def test_validate_turns_the_crash_into_a_failed_case_with_a_diagnosis(tmp_path):
 
 
 def test_cli_exits_1_with_reports_when_onnxruntime_crashes(tmp_path):
-    out = tmp_path / "m.onnx"
-    proc = run("--model", "test_runtime_isolation:build_transpose_linear", "--to", "onnx", "-o", out,
-               "--input", "x:5x2x64", "--dynamic", "x:0=seq", "--dynamic", "x:1=batch", "--dtype", "fp16",
-               "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml", cwd=tmp_path,
+    path = tmp_path / "repro.onnx"
+    transpose_matmul_graph(path)
+    proc = run("validate", "--model", "test_runtime_isolation:build_transpose_matmul", path,
+               "--input", "x:5x2x64", "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml", cwd=tmp_path,
                env={"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr

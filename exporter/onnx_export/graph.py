@@ -124,3 +124,46 @@ def attach_function(model: onnx.ModelProto, opset: int) -> None:
 
 def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:
     return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
+
+
+def project_before_transposing_inputs(model: onnx.ModelProto) -> int:
+    """Rewrites ``graph input -> Transpose(perm) -> MatMul(., W)`` (W a 2-D float16 initializer,
+    ``perm`` keeping the last axis in place) as ``MatMul(input, W) -> Transpose(perm)``: the same
+    math, since MatMul with a 2-D right operand acts on the last axis alone. ONNX Runtime 1.32
+    (CPU) segfaults at its default optimization level on the first form (docs/onnx_node.md,
+    "ONNX Runtime: Transpose -> MatMul on a graph input"); user models write it whenever they
+    transpose a sequence-first input before an fp16 nn.Linear. Returns how many MatMuls moved."""
+    inputs = {v.name for v in model.graph.input}
+    weights = {i.name: i for i in model.graph.initializer}
+    transposes = {}
+    for node in model.graph.node:
+        if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and node.input[0] in inputs:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            if perm and perm[-1] == len(perm) - 1:
+                transposes[node.output[0]] = (node, perm)
+    moved = 0
+    nodes = []
+    for node in model.graph.node:
+        found = transposes.get(node.input[0]) if node.op_type == "MatMul" and node.input else None
+        weight = weights.get(node.input[1]) if found else None
+        if weight is None or len(weight.dims) != 2 or weight.data_type != onnx.TensorProto.FLOAT16:
+            nodes.append(node)
+            continue
+        transpose, perm = found
+        projected = f"{node.output[0]}__before_transpose"
+        nodes.append(onnx.helper.make_node("MatMul", [transpose.input[0], node.input[1]], [projected],
+                                           name=f"{node.name}__projected" if node.name else ""))
+        nodes.append(onnx.helper.make_node("Transpose", [projected], list(node.output), perm=perm,
+                                           name=f"{node.name}__transposed" if node.name else ""))
+        moved += 1
+    if moved:
+        used = {name for n in nodes for name in n.input} | {o.name for o in model.graph.output}
+        kept = [n for n in nodes if not (n.op_type == "Transpose" and n.output[0] in transposes
+                                         and n.output[0] not in used)]
+        dropped = {n.output[0] for n in nodes if n not in kept}
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+        info = [v for v in model.graph.value_info if v.name not in dropped]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(info)
+    return moved

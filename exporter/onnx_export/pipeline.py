@@ -28,6 +28,7 @@ from attn_export.onnx_export.graph import (
     attach_function,
     count_attention_nodes,
     output_names_for,
+    project_before_transposing_inputs,
 )
 from attn_export.onnx_export.translation import translation_table
 
@@ -220,6 +221,9 @@ def export_onnx(
             f"axes declared dynamic came out static: {listed}. The model specializes them (a shape-dependent "
             "branch or a constant size inside); give --dynamic to declare the right axes or --static"
         )
+    if project_before_transposing_inputs(proto):
+        notes.append("an fp16 projection of a transposed graph input now runs before the transpose (the other "
+                     "order crashes ONNX Runtime 1.32 at its default optimization level; docs/onnx_node.md)")
     if count_attention_nodes(proto):
         attach_function(proto, opset)
     meta = {
