@@ -15,6 +15,8 @@ from attn_export import hf as _hf
 from attn_export import inputs as _inputs
 from attn_export import shapes as _shapes
 from attn_export._errors import InputError, first_line as _first_line
+from attn_export.onnx_export import count_attention_nodes, output_names_for, read_metadata
+from attn_export.replace import replace_attention
 from attn_export.validation import checks as _checks
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
@@ -150,12 +152,21 @@ def validate(
     optimization level; for ONNX Runtime the report's ``diagnosis`` then says at which lower
     optimization levels the model loads and runs.
     """
-    from attn_export.onnx_export import count_attention_nodes, output_names_for, read_metadata
-    from attn_export.replace import replace_attention
-
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
+    ort_runner = OnnxRuntimeRunner(onnx_path, timeout_s=runtime_timeout_s)
+    ort_runner.start()  # its process imports ONNX Runtime while PyTorch runs below
+    try:
+        return _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, dynamic_axes=dynamic_axes,
+                         seed=seed, say=say, engine=engine, plugin=plugin, isolate=isolate,
+                         runtime_timeout_s=runtime_timeout_s)
+    finally:
+        ort_runner.close()
+
+
+def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynamic_axes, seed, say, engine, plugin,
+              isolate, runtime_timeout_s) -> ValidationReport:
     meta = read_metadata(onnx_model)
     init_names = {i.name for i in onnx_model.graph.initializer}
     graph_inputs = [v.name for v in onnx_model.graph.input if v.name not in init_names]
@@ -188,7 +199,6 @@ def validate(
         if dtype in (torch.float16, torch.bfloat16) else None
     load_errors: List[CaseResult] = []
     say("loading the ONNX model in ONNX Runtime")
-    ort_runner = OnnxRuntimeRunner(onnx_path, timeout_s=runtime_timeout_s)
     try:
         ort_runner.load()
         runners.append(ort_runner)

@@ -68,13 +68,15 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     """One child process serving one runtime backend (see worker.py for the protocol)."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, preload: Optional[str] = None) -> None:
+        """Starts the child; ``preload`` names the backend whose runtime it imports right away
+        (its start-up then overlaps with the caller's work until the first request)."""
         self.timeout_s = float(timeout_s)
         self.runtime = "runtime"
         self.optimization_level: Optional[str] = None
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", str(WORKER_SCRIPT)],
+            [sys.executable, "-I", str(WORKER_SCRIPT), *([preload] if preload else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
         )
 

@@ -127,10 +127,17 @@ class OnnxRuntimeRunner(Runner):
         self.optimization_level = optimization_level
         self.timeout_s = timeout_s
         self._worker: Optional[WorkerProcess] = None
+        self._started: Optional[WorkerProcess] = None
         self._input_types: dict = {}
 
+    def start(self) -> None:
+        """Starts the child process now (it imports ONNX Runtime while the caller does other
+        work); ``load`` uses it. Optional."""
+        if self._started is None:
+            self._started = WorkerProcess(self.timeout_s, preload="onnxruntime")
+
     def load(self) -> None:
-        worker = WorkerProcess(self.timeout_s)
+        worker, self._started = self._started or WorkerProcess(self.timeout_s, preload="onnxruntime"), None
         try:
             info = worker.load("onnxruntime", optimization_level=self.optimization_level,
                                path=str(self.onnx_path), providers=self.providers)
@@ -155,9 +162,10 @@ class OnnxRuntimeRunner(Runner):
         return [torch.from_numpy(np.asarray(o)) for o in outs]
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        for worker in (self._worker, self._started):
+            if worker is not None:
+                worker.close()
+        self._worker = self._started = None
 
 
 _ORT_TYPE_TO_ELEM = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(double)": 11,

@@ -3,7 +3,7 @@
 A runtime that segfaults, aborts or hangs while it loads or runs a model must not take the
 parity gate with it, so ONNX Runtime and TensorRT run here, in a process of their own, and the
 gate reads their death as a failed case. This file is started as a script
-(``python worker.py``), never imported as part of attn_export, so that an ONNX Runtime worker
+(``python worker.py [BACKEND]``: BACKEND's runtime is imported before the first request), never imported as part of attn_export, so that an ONNX Runtime worker
 starts in a fraction of a second without torch; only the TensorRT backend imports
 attn_export (and torch).
 
@@ -120,9 +120,15 @@ def serve(requests, replies) -> None:
             write_message(replies, {"ok": False, "error": _first_line(exc)})
 
 
+PRELOAD = {"onnxruntime": "onnxruntime"}
+
+
 def main() -> None:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever the runtimes print goes to stderr, never into the replies
+    for backend in sys.argv[1:]:  # import the runtime now, while the parent still has other work
+        if backend in PRELOAD:
+            __import__(PRELOAD[backend])
     serve(sys.stdin.buffer, replies)
 
 
