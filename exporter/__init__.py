@@ -24,7 +24,7 @@ from attn_export.replace import (  # noqa: E402
     replace_attention,
 )
 
-__version__ = "0.1.0"
+from attn_export._version import __version__  # noqa: E402
 
 _LAZY = {
     "export_onnx": ("attn_export.onnx_export", "export_onnx"),

@@ -275,6 +275,6 @@ def _dtype_name(inputs: Mapping[str, torch.Tensor]) -> str:
 
 
 def _package_version() -> str:
-    from attn_export import __version__
+    from attn_export._version import __version__
 
     return __version__

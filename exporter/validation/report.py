@@ -184,7 +184,7 @@ def environment(seed: int, providers: Optional[List[str]] = None) -> Dict[str, o
     import onnx
     import onnxruntime
 
-    from attn_export import __version__
+    from attn_export._version import __version__
 
     try:
         import onnxscript
