@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
+import attn_export
 from attn_export import FusedMultiheadAttention
 
 EPS = {
@@ -45,29 +47,154 @@ def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.fl
     return ref, FusedMultiheadAttention.from_module(ref)
 
 
-def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
-    """Float64 attention written from the definition, with nn.MultiheadAttention's mask
-    conventions (bool True = masked out) and zeros for rows with no visible key."""
-    q, k, v = q.double(), k.double(), v.double()
+def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
+                        dtype=torch.float64):
+    """softmax(scale q k^T + masks) v written from the definition, computed the plain way in
+    `dtype` (float64: the exact reference; the inputs' dtype: the plain same-precision
+    computation), on the inputs' device, with nn.MultiheadAttention's mask conventions (bool
+    True = masked out) and zeros for rows with no visible key, as the fused operator gives."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    bias = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
+
+    def additive(m):
+        return torch.zeros_like(m, dtype=dtype).masked_fill(m, -math.inf) if m.dtype == torch.bool else m.to(dtype)
+
+    bias = torch.zeros(B, H, Lq, Lk, dtype=dtype, device=q.device)
     if attn_mask is not None:
         m = attn_mask
         if m.dim() == 3:
             m = m.reshape(-1, H, Lq, Lk) if m.shape[0] != 1 else m.unsqueeze(0)
-        bias = bias + (torch.where(m, -math.inf, 0.0) if m.dtype == torch.bool else m.double())
+        bias = bias + additive(m)
     if key_padding_mask is not None:
-        m = key_padding_mask[:, None, None, :]
-        bias = bias + (torch.where(m, -math.inf, 0.0) if m.dtype == torch.bool else m.double())
+        bias = bias + additive(key_padding_mask[:, None, None, :])
     if is_causal:
-        bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), -math.inf)
-    s = s + bias
+        bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    s = (q @ k.transpose(-1, -2)) * scale + bias
     visible = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~visible, 0.0), dim=-1) * visible
     return p @ v, p
+
+
+# --------------------------------------------------------------------------------------------
+# Devices, inputs and masks shared by the operator tests (CPU, CUDA, the CUDA emulator)
+# --------------------------------------------------------------------------------------------
+
+def cuda_skip_reason():
+    """Why the CUDA variants of a test cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("attn_export::attention", "CUDA"):
+        return "attn_export was built without its CUDA kernels; rebuild with ATTN_EXPORT_CUDA=1 (scripts/gpu_check.sh does)"
+    return None
+
+
+def on_cuda(*values):
+    """A parameter set that runs on the GPU: marked `cuda`, skipped with a reason without one."""
+    reason = cuda_skip_reason()
+    return pytest.param(*values, marks=[pytest.mark.cuda, pytest.mark.skipif(reason is not None, reason=reason or "")])
+
+
+DEVICES = ["cpu", on_cuda("cuda")]
+
+
+def qkv(batch=2, heads=3, seqlen_q=5, seqlen_k=7, dim=8, dtype=torch.float32, dim_v=None, requires_grad=False,
+        device="cpu"):
+    """Random q [B, H, Lq, D], k [B, H, Lk, D], v [B, H, Lk, Dv]."""
+    dim_v = dim if dim_v is None else dim_v
+    make = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=requires_grad)  # noqa: E731
+    return make(batch, heads, seqlen_q, dim), make(batch, heads, seqlen_k, dim), make(batch, heads, seqlen_k, dim_v)
+
+
+def padding_mask(batch, seqlen_k, dtype=torch.bool, device="cpu"):
+    """Key padding: batch element b > 0 loses its last 3b + 1 keys (all of them when fewer);
+    bool (True = padded) or additive (-inf) in `dtype`."""
+    m = torch.zeros(batch, seqlen_k, dtype=torch.bool, device=device)
+    for b in range(1, batch):
+        m[b, max(0, seqlen_k - 3 * b - 1):] = True
+    return m if dtype == torch.bool else torch.zeros(batch, seqlen_k, dtype=dtype, device=device).masked_fill(m, -math.inf)
+
+
+MASKS = {
+    "none": lambda B, H, Lq, Lk, device="cpu": {},
+    "causal": lambda B, H, Lq, Lk, device="cpu": {"is_causal": True},
+    "bool_2d": lambda B, H, Lq, Lk, device="cpu": {"attn_mask": torch.rand(Lq, Lk, device=device) < 0.4},
+    "float_2d": lambda B, H, Lq, Lk, device="cpu": {"attn_mask": torch.randn(Lq, Lk, device=device)},
+    "bool_3d": lambda B, H, Lq, Lk, device="cpu": {"attn_mask": torch.rand(B * H, Lq, Lk, device=device) < 0.4},
+    "float_4d_broadcast_heads": lambda B, H, Lq, Lk, device="cpu": {"attn_mask": torch.randn(B, 1, Lq, Lk, device=device)},
+    "bool_4d_full": lambda B, H, Lq, Lk, device="cpu": {"attn_mask": torch.rand(B, H, Lq, Lk, device=device) < 0.4},
+    "padding_bool": lambda B, H, Lq, Lk, device="cpu": {"key_padding_mask": padding_mask(B, Lk, device=device)},
+    "padding_float": lambda B, H, Lq, Lk, device="cpu": {"key_padding_mask": padding_mask(B, Lk, torch.float32, device)},
+    "causal+padding+float": lambda B, H, Lq, Lk, device="cpu": {
+        "is_causal": True, "key_padding_mask": padding_mask(B, Lk, device=device),
+        "attn_mask": torch.randn(Lq, Lk, device=device)},
+}
+
+
+def masks_in(masks, dtype):
+    """The same masks with the floating-point ones converted to `dtype`."""
+    return {n: (m.to(dtype) if isinstance(m, torch.Tensor) and m.is_floating_point() else m) for n, m in masks.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Tolerances derived from a plain computation (FlashAttention style; the GPU tests)
+# --------------------------------------------------------------------------------------------
+
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def scaled_err(actual, expected):
+    """max |a - e| relative to max |e| (absolute when the reference is all zeros)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.abs().max().clamp_min(1.0 if expected.abs().max() == 0 else 1e-30)
+    return float((actual - expected).abs().max() / scale)
+
+
+def assert_within(fused, plain, exact, dtype, what, n=1, factor=2.0):
+    """Error of `fused` against `exact` at most `factor` x that of `plain`, plus a slack: one eps
+    for float16/bfloat16 (whose error is dominated by roundings the plain computation shares),
+    eps * sqrt(n) for float32/float64, whose tiny errors come from the order of summation over
+    the longest reduction (n terms), which no two implementations share."""
+    assert fused.shape == exact.shape, f"{what}: shape {tuple(fused.shape)} != {tuple(exact.shape)}"
+    assert torch.isfinite(fused).all(), f"{what}: non-finite values"
+    slack = EPS[dtype] * (1.0 if dtype in HALF_TYPES else math.sqrt(n))
+    err, bound = scaled_err(fused, exact), factor * scaled_err(plain, exact) + slack
+    assert err <= bound, f"{what}: error {err:.2e} > bound {bound:.2e} ({factor}x the plain {dtype} computation's + {slack:.1e})"
+
+
+# The CPU operator computes in float32 throughout and rounds once: fixed bounds relative to
+# each tensor's scale against the float64 reference (output, gradients).
+CPU_REL = {torch.float32: (2e-6, 5e-6)}
+
+
+def check_core(device, dtype, B, H, Lq, Lk, D, masks, Dv=None, scale=None, backward=True):
+    """attn_export.attention against the float64 reference, forward and backward to q, k, v.
+    On the CPU within CPU_REL; on the GPU within 2x the error of the plain same-dtype
+    computation (assert_within)."""
+    q, k, v = qkv(B, H, Lq, Lk, D, dtype, Dv, requires_grad=True, device=device)
+    out = attn_export.attention(q, k, v, scale=scale, **masks)
+    exact, _ = reference_attention(q, k, v, scale=scale, **masks)
+    assert out.dtype == dtype and out.device == q.device
+    assert out.shape == (B, H, Lq, D if Dv is None else Dv)
+    n = max(Lq, Lk, D)
+    plain = None if device == "cpu" else reference_attention(q, k, v, scale=scale, dtype=dtype, **masks)[0]
+    if plain is None:
+        assert_rel_close(out, exact, CPU_REL[dtype][0], "output")
+    else:
+        assert_within(out, plain, exact, dtype, "output", n)
+    if not backward:
+        return
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_grads = [None] * 3 if plain is None else torch.autograd.grad(plain, (q, k, v), grad)
+    for g, p, w, name in zip(got, plain_grads, want, "qkv"):
+        assert g.dtype == dtype
+        if p is None:
+            assert_rel_close(g, w, CPU_REL[dtype][1], f"grad {name}")
+        else:
+            assert_within(g, p, w, dtype, f"grad {name}", n)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ network to install it): scripts/gpu_check.sh falls back to this.
     python tests/run_without_pytest.py test_cuda [--junit FILE] [-k SUBSTRING]
 
 Supports what tests/test_cuda.py uses: plain test functions, stacked
-@pytest.mark.parametrize, pytest.raises, pytest.skip and module-level marks. Each test runs
-with torch.manual_seed(0), like conftest.py's autouse fixture. Exit status 1 on any failure.
+@pytest.mark.parametrize, pytest.param (its marks are ignored), pytest.raises, pytest.skip and
+module-level marks. Each test runs with torch.manual_seed(0), like conftest.py's autouse
+fixture. Exit status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ def _install_pytest_stand_in() -> None:
     def skip(reason=""):
         raise Skipped(reason)
 
+    def param(*values, marks=(), id=None):  # noqa: A002  (pytest's name)
+        return values[0] if len(values) == 1 else values
+
     shim.mark = _Mark()
+    shim.param = param
     shim.raises = raises
     shim.skip = skip
     shim.fixture = lambda *a, **k: (a[0] if a and callable(a[0]) else (lambda f: f))

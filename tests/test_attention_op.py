@@ -1,120 +1,132 @@
 """The attention core operator (attn_export.attention) against a float64 reference written
-from the definition, plus float64 gradcheck and torch.library.opcheck for every operator."""
+from the definition, plus float64 gradcheck and torch.library.opcheck for every operator.
+
+Tests that hold on every device take a `device` parameter (helpers.DEVICES): the CPU always,
+the GPU where there is one and the extension has its CUDA kernels (marked `cuda`, skipped with
+the reason otherwise). Each device keeps its own tolerances: the CPU operator's fixed bounds
+(helpers.CPU_REL), the GPU's derived ones (helpers.assert_within). What only the GPU has
+(tensor-core head dims, long sequences, streams) is in tests/test_cuda.py."""
 import math
 
 import pytest
 import torch
 
 import attn_export
-from helpers import EPS, assert_rel_close, reference_attention
+from helpers import (
+    DEVICES, EPS, MASKS, assert_rel_close, assert_within, check_core, masks_in, on_cuda, padding_mask, qkv,
+    reference_attention,
+)
 
 ops = torch.ops.attn_export
+f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
-
-def _qkv(batch=2, heads=3, seqlen_q=5, seqlen_k=7, dim=8, dim_v=None, dtype=torch.float32, requires_grad=False):
-    dim_v = dim if dim_v is None else dim_v
-    make = lambda *s: torch.randn(*s, dtype=dtype, requires_grad=requires_grad)  # noqa: E731
-    return make(batch, heads, seqlen_q, dim), make(batch, heads, seqlen_k, dim), make(batch, heads, seqlen_k, dim_v)
-
-
-def _padding(batch, seqlen_k, dtype=torch.bool):
-    m = torch.zeros(batch, seqlen_k, dtype=torch.bool)
-    for b in range(batch):
-        m[b, seqlen_k - b - 1 :] = b > 0
-    return m if dtype == torch.bool else torch.zeros(batch, seqlen_k, dtype=dtype).masked_fill(m, -math.inf)
-
-
-MASKS = {
-    "none": lambda B, H, Lq, Lk: {},
-    "bool_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(Lq, Lk) < 0.4},
-    "float_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(Lq, Lk)},
-    "bool_3d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(B * H, Lq, Lk) < 0.4},
-    "float_4d_broadcast_heads": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(B, 1, Lq, Lk)},
-    "bool_4d_full": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(B, H, Lq, Lk) < 0.4},
-    "padding_bool": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk)},
-    "padding_float": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk, torch.float32)},
-    "causal": lambda B, H, Lq, Lk: {"is_causal": True},
-    "causal+padding+float": lambda B, H, Lq, Lk: {
-        "is_causal": True, "key_padding_mask": _padding(B, Lk), "attn_mask": torch.randn(Lq, Lk)},
-}
+# 257 x 530 x 32 and 300 x 1100 x 16: float32 blocks above 64^3 multiply-adds, which run on
+# the tiled kernel of csrc/ops/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the
+# latter in two query blocks, so that dK and dV accumulate across blocks. The rest: the
+# small-block loops. On the GPU: 77 x 131, head dim 64 (tensor cores for float16).
+CPU_SIZES = [(5, 7, 8), (7, 5, 8), (1, 1, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32), (300, 1100, 16)]
+EVERY_MASK_CASES = [("cpu", f32, *s) for s in CPU_SIZES] + [on_cuda("cuda", dt, 77, 131, 64) for dt in (f16, f32)]
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("seqlen_q,seqlen_k,D", [(5, 7, 8), (7, 5, 8), (1, 1, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32), (300, 1100, 16)])
-def test_forward_and_backward_match_float64_reference(mask, seqlen_q, seqlen_k, D):
-    # 257 x 530 x 32 and 300 x 1100 x 16: float32 blocks above 64^3 multiply-adds, which run on
-    # the tiled kernel of csrc/ops/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the
-    # latter in two query blocks, so that dK and dV accumulate across blocks. The rest: the
-    # small-block loops.
+@pytest.mark.parametrize("device,dtype,seqlen_q,seqlen_k,D", EVERY_MASK_CASES)
+def test_forward_and_backward_match_float64_reference(device, dtype, mask, seqlen_q, seqlen_k, D):
     B, H = 2, 3
-    q, k, v = _qkv(B, H, seqlen_q, seqlen_k, D, requires_grad=True)
-    kwargs = MASKS[mask](B, H, seqlen_q, seqlen_k)
-    out = attn_export.attention(q, k, v, **kwargs)
-    expected, _ = reference_attention(q, k, v, **kwargs)
-    assert out.shape == (B, H, seqlen_q, D)
-    assert_rel_close(out, expected, 2e-6, "output")
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(expected, (q, k, v), grad.double())
-    for g, w, name in zip(got, want, "qkv"):
-        assert_rel_close(g, w, 5e-6, f"grad {name}")
+    check_core(device, dtype, B, H, seqlen_q, seqlen_k, D, MASKS[mask](B, H, seqlen_q, seqlen_k, device))
 
 
-def test_head_dim_v_differs_and_explicit_scale():
-    q, k, v = _qkv(dim=8, dim_v=5, requires_grad=True)
-    out = attn_export.attention(q, k, v, scale=0.3)
-    expected, _ = reference_attention(q, k, v, scale=0.3)
-    assert out.shape == (2, 3, 5, 5)
-    assert_rel_close(out, expected, 2e-6, "output")
+@pytest.mark.parametrize("device,dtype,sizes,masks,scale", [
+    ("cpu", f32, (2, 3, 5, 7, 8, 5), {}, 0.3),
+    on_cuda("cuda", f16, (2, 2, 33, 47, 64, 32), {"is_causal": True}, None),
+])
+def test_head_dim_v_differs_and_explicit_scale(device, dtype, sizes, masks, scale):
+    B, H, Lq, Lk, D, Dv = sizes
+    check_core(device, dtype, B, H, Lq, Lk, D, masks, Dv=Dv, scale=scale)
 
 
 def test_boolean_mask_true_means_masked_out():
-    q, k, v = _qkv(1, 1, 1, 2, 4)
+    q, k, v = qkv(1, 1, 1, 2, 4)
     out = attn_export.attention(q, k, v, attn_mask=torch.tensor([[False, True]]))
     torch.testing.assert_close(out, v[:, :, :1], rtol=0, atol=0)  # only key 0 is visible
 
 
 def test_causal_is_top_left_aligned():
-    q, k, v = _qkv(1, 1, 3, 5, 4)
+    q, k, v = qkv(1, 1, 3, 5, 4)
     out = attn_export.attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0], rtol=0, atol=0)  # query 0 sees key 0 only
 
 
-def test_fully_masked_rows_give_zeros_and_finite_gradients():
-    q, k, v = _qkv(2, 2, 4, 3, 8, requires_grad=True)
-    mask = torch.zeros(4, 3, dtype=torch.bool)
-    mask[2] = True
-    padding = torch.tensor([[False, False, False], [True, True, True]])  # batch 1 sees nothing
+@pytest.mark.parametrize("device,dtype,sizes,row", [
+    ("cpu", f32, (2, 2, 4, 3, 8), 2),
+    *(on_cuda("cuda", dt, (2, 2, 70, 90, 64), 5) for dt in (f16, bf16, f32)),
+])
+def test_fully_masked_rows_give_zeros_and_finite_gradients(device, dtype, sizes, row):
+    B, H, Lq, Lk, D = sizes
+    q, k, v = qkv(B, H, Lq, Lk, D, dtype, requires_grad=True, device=device)
+    mask = torch.zeros(Lq, Lk, dtype=torch.bool, device=device)
+    mask[row] = True                                      # one query row sees nothing
+    padding = torch.zeros(B, Lk, dtype=torch.bool, device=device)
+    padding[1] = True                                     # batch 1 sees nothing at all
     out = attn_export.attention(q, k, v, attn_mask=mask, key_padding_mask=padding)
-    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(out[:, :, row], torch.zeros_like(out[:, :, row]))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    float_mask = torch.zeros(4, 3).masked_fill(mask, -math.inf)
+    float_mask = torch.zeros(Lq, Lk, device=device).masked_fill(mask, -math.inf)
     out_f = attn_export.attention(q, k, v, attn_mask=float_mask)
-    assert torch.equal(out_f[:, :, 2], torch.zeros_like(out_f[:, :, 2]))
-    grads = torch.autograd.grad((out.sum() + out_f.sum()), (q, k, v))
+    assert torch.equal(out_f[:, :, row], torch.zeros_like(out_f[:, :, row]))
+    grads = torch.autograd.grad(out.sum() + out_f.sum(), (q, k, v), retain_graph=True)
     assert all(torch.isfinite(g).all() for g in grads)
+    dq1, dk1, _ = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.equal(dq1[1], torch.zeros_like(dq1[1])) and torch.equal(dk1[1], torch.zeros_like(dk1[1]))
+    _, lse, _ = ops._attention_forward(q.detach(), k.detach(), v.detach(), mask, padding, False, None, False)
+    assert torch.isneginf(lse[:, :, row]).all() and torch.isneginf(lse[1]).all()
     expected, _ = reference_attention(q, k, v, attn_mask=mask, key_padding_mask=padding)
-    assert_rel_close(out, expected, 2e-6, "output")
+    if device == "cpu":
+        assert_rel_close(out, expected, 2e-6, "output")
+    else:
+        plain, _ = reference_attention(q, k, v, attn_mask=mask, key_padding_mask=padding, dtype=dtype)
+        assert_within(out, plain, expected, dtype, "output", max(Lq, Lk, D))
 
 
 def test_weights_and_lse_from_internal_forward():
-    q, k, v = _qkv(2, 2, 6, 5, 4)
-    out, lse, weights = ops._attention_forward(q, k, v, None, _padding(2, 5), False, None, True)
-    expected_out, expected_p = reference_attention(q, k, v, key_padding_mask=_padding(2, 5))
+    q, k, v = qkv(2, 2, 6, 5, 4)
+    out, lse, weights = ops._attention_forward(q, k, v, None, padding_mask(2, 5), False, None, True)
+    expected_out, expected_p = reference_attention(q, k, v, key_padding_mask=padding_mask(2, 5))
     assert_rel_close(weights, expected_p, 2e-6, "weights")
     s = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / 2.0
-    s = s.masked_fill(_padding(2, 5)[:, None, None, :], -math.inf)
+    s = s.masked_fill(padding_mask(2, 5)[:, None, None, :], -math.inf)
     assert_rel_close(lse, torch.logsumexp(s, -1), 2e-6, "logsumexp")
     _, _, no_weights = ops._attention_forward(q, k, v, None, None, False, None, False)
     assert no_weights.numel() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [f16, bf16, f32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_and_their_gradient(device, dtype):
+    """need_weights (the unfused path) and a gradient flowing into the weights, within 2x the
+    error of the plain same-dtype computation."""
+    B, H, Lq, Lk = 2, 2, 45, 67
+    masks = MASKS["causal+padding+float"](B, H, Lq, Lk, device)
+    q, k, v = qkv(B, H, Lq, Lk, 64, dtype, requires_grad=True, device=device)
+    o, lse, w = ops._attention_forward(q, k, v, masks["attn_mask"], masks["key_padding_mask"], True, None, True)
+    exact_o, exact_w = reference_attention(q, k, v, **masks)
+    plain_o, plain_w = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert w.dtype == dtype and w.is_contiguous()
+    assert_within(w, plain_w, exact_w, dtype, "weights", Lk)
+    go, gw = torch.randn_like(o), torch.randn(B, H, Lq, Lk, device=device)
+    got = ops._attention_backward(go, gw, q, k, v, lse, masks["attn_mask"], masks["key_padding_mask"], True, None)
+    loss = (exact_o * go.double()).sum() + (exact_w * gw.double()).sum()
+    want = torch.autograd.grad(loss, (q, k, v))
+    plain = torch.autograd.grad((plain_o * go).sum() + (plain_w * gw.to(dtype)).sum(), (q, k, v))
+    for g, p, wnt, name in zip(got, plain, want, "qkv"):
+        assert_within(g, p, wnt, dtype, f"grad {name}", max(Lq, Lk))
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16])
 @pytest.mark.parametrize("mask", ["none", "causal+padding+float"])
 def test_half_precision_accumulates_in_float32(dtype, mask):
-    """Error against a float64 reference must stay within a few units of the dtype's rounding:
-    inputs and output are rounded to the dtype, everything in between is float32."""
-    q, k, v = _qkv(2, 4, 33, 47, 32, dtype=dtype, requires_grad=True)
+    """CPU: error against a float64 reference must stay within a few units of the dtype's
+    rounding: inputs and output are rounded to the dtype, everything in between is float32."""
+    q, k, v = qkv(2, 4, 33, 47, 32, dtype=dtype, requires_grad=True)
     kwargs = MASKS[mask](2, 4, 33, 47)
     out = attn_export.attention(q, k, v, **kwargs)
     assert out.dtype == dtype
@@ -128,32 +140,29 @@ def test_half_precision_accumulates_in_float32(dtype, mask):
         assert_rel_close(g, w, 8 * EPS[dtype], f"grad {name}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask", ["none", "bool_3d", "float_2d", "causal+padding+float"])
-def test_gradcheck_attention_float64(mask):
-    q, k, v = _qkv(2, 2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
-    kwargs = {
-        key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
-        for key, val in MASKS[mask](2, 2, 4, 5).items()
-    }
+def test_gradcheck_attention_float64(mask, device):
+    q, k, v = qkv(2, 2, 4, 5, 3, dtype=f64, requires_grad=True, device=device)
+    kwargs = masks_in(MASKS[mask](2, 2, 4, 5, device), f64)
     assert torch.autograd.gradcheck(lambda q, k, v: attn_export.attention(q, k, v, **kwargs), (q, k, v))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["self", "separate"])
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_gradcheck_layer_float64(kind, need_weights, batch_first):
+def test_gradcheck_layer_float64(kind, need_weights, batch_first, device):
     E, H, L, S, B = 8, 2, 4, 3, 2
-    w_in = torch.randn(3 * E, E, dtype=torch.float64, requires_grad=True)
-    b_in = torch.randn(3 * E, dtype=torch.float64, requires_grad=True)
-    w_out = torch.randn(E, E, dtype=torch.float64, requires_grad=True)
-    b_out = torch.randn(E, dtype=torch.float64, requires_grad=True)
+    make = lambda *s: torch.randn(*s, dtype=f64, device=device, requires_grad=True)  # noqa: E731
+    w_in, b_in, w_out, b_out = make(3 * E, E), make(3 * E), make(E, E), make(E)
     shape = lambda n: (B, n, E) if batch_first else (n, B, E)  # noqa: E731
-    x = torch.randn(*shape(L), dtype=torch.float64, requires_grad=True)
-    padding = torch.tensor([[False, False, False], [False, True, True]])
+    x = make(*shape(L))
+    padding = torch.tensor([[False, False, False], [False, True, True]], device=device)
 
     if kind == "self":
         inputs = (x, w_in, b_in, w_out, b_out)
-        padding = torch.tensor([[False, False, False, True], [False, True, True, False]])
+        padding = torch.tensor([[False, False, False, True], [False, True, True, False]], device=device)
 
         def fn(x, w_in, b_in, w_out, b_out):
             out, w = attn_export.multi_head_attention(
@@ -161,8 +170,7 @@ def test_gradcheck_layer_float64(kind, need_weights, batch_first):
                 need_weights=need_weights, batch_first=batch_first)
             return (out, w) if need_weights else out
     else:
-        k = torch.randn(*shape(S), dtype=torch.float64, requires_grad=True)
-        v = torch.randn(*shape(S), dtype=torch.float64, requires_grad=True)
+        k, v = make(*shape(S)), make(*shape(S))
         inputs = (x, k, v, w_in, b_in, w_out, b_out)
 
         def fn(x, k, v, w_in, b_in, w_out, b_out):
@@ -175,7 +183,7 @@ def test_gradcheck_layer_float64(kind, need_weights, batch_first):
 
 
 def test_double_backward_is_refused_clearly():
-    q, k, v = _qkv(1, 1, 3, 3, 4, dtype=torch.float64, requires_grad=True)
+    q, k, v = qkv(1, 1, 3, 3, 4, dtype=f64, requires_grad=True)
     out = attn_export.attention(q, k, v)
     (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
@@ -183,25 +191,24 @@ def test_double_backward_is_refused_clearly():
 
 
 def test_mask_requiring_grad_is_refused():
-    q, k, v = _qkv(1, 1, 3, 3, 4, requires_grad=True)
+    q, k, v = qkv(1, 1, 3, 3, 4, requires_grad=True)
     mask = torch.randn(3, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="attn_mask / key_padding_mask are not supported"):
         attn_export.attention(q, k, v, attn_mask=mask)
 
 
-def _opcheck_samples():
-    B, H, Lq, Lk, D = 2, 2, 5, 4, 8
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        for kwargs in (MASKS["none"](B, H, Lq, Lk), MASKS["causal+padding+float"](B, H, Lq, Lk), MASKS["bool_3d"](B, H, Lq, Lk)):
-            kwargs = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()}
-            yield dtype, kwargs
+# The opcheck samples: small blocks on the CPU; head dim 64 (tensor cores) on the GPU.
+OPCHECK_SIZES = {"cpu": (2, 2, 5, 4, 8), "cuda": (2, 2, 37, 29, 64)}
 
 
-@pytest.mark.parametrize("dtype,kwargs", list(_opcheck_samples()))
-def test_opcheck_core_ops(dtype, kwargs):
-    q, k, v = _qkv(2, 2, 5, 4, 8, dtype=dtype, requires_grad=True)
-    attn_mask, padding = kwargs.get("attn_mask"), kwargs.get("key_padding_mask")
-    is_causal = kwargs.get("is_causal", False)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [f32, f64, bf16])
+@pytest.mark.parametrize("mask", ["none", "causal+padding+float", "bool_3d"])
+def test_opcheck_core_ops(dtype, mask, device):
+    B, H, Lq, Lk, D = OPCHECK_SIZES[device]
+    kwargs = masks_in(MASKS[mask](B, H, Lq, Lk, device), dtype)
+    attn_mask, padding, is_causal = kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), kwargs.get("is_causal", False)
+    q, k, v = qkv(B, H, Lq, Lk, D, dtype=dtype, requires_grad=True, device=device)
     torch.library.opcheck(ops.attention.default, (q, k, v, attn_mask, padding, is_causal, None))
     detached = [t.detach() for t in (q, k, v)]
     out, lse, _ = ops._attention_forward(*detached, attn_mask, padding, is_causal, None, False)
@@ -218,34 +225,40 @@ def test_opcheck_core_ops(dtype, kwargs):
     )
 
 
-@pytest.mark.parametrize("batch_first", [False, True])
-@pytest.mark.parametrize("kind", ["self", "separate", "unbatched"])
+# (E, H, L, S, B) and opcheck's tolerances. On the CPU, eager keeps the forward's probabilities
+# for the backward; the AOT-traced graph (symbolic sizes) recomputes them from q, k and the
+# log-sum-exp. The two differ by float rounding, amplified in some gradient entries: the
+# tolerance covers that, not the parity with nn.MultiheadAttention, which
+# tests/test_module_parity.py holds to ~1e-6.
+LAYER_OPCHECK = {"cpu": ((8, 2, 5, 3, 2), dict(atol=1e-4, rtol=1e-4)), "cuda": ((64, 2, 21, 21, 2), {})}
+
+
+@pytest.mark.parametrize("device,batch_first,kind", [
+    *(("cpu", bf, kind) for bf in (False, True) for kind in ("self", "separate", "unbatched")),
+    on_cuda("cuda", True, "self"),
+])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_opcheck_layer_op(batch_first, kind, need_weights):
-    E, H, L, S, B = 8, 2, 5, 3, 2
-    w_in = torch.randn(3 * E, E, requires_grad=True)
-    b_in = torch.randn(3 * E, requires_grad=True)
-    w_out = torch.randn(E, E, requires_grad=True)
+def test_opcheck_layer_op(device, batch_first, kind, need_weights):
+    (E, H, L, S, B), tolerance = LAYER_OPCHECK[device]
+    make = lambda *s: torch.randn(*s, device=device, requires_grad=True)  # noqa: E731
+    w_in, b_in, w_out = make(3 * E, E), make(3 * E), make(E, E)
     shape = lambda n: (B, n, E) if batch_first else (n, B, E)  # noqa: E731
     if kind == "unbatched":
-        q = k = v = torch.randn(L, E, requires_grad=True)
-        padding = torch.tensor([False, False, False, True, False])
+        q = k = v = make(L, E)
+        padding = torch.tensor([False, False, False, True, False], device=device)
     elif kind == "self":
-        q = k = v = torch.randn(*shape(L), requires_grad=True)
-        padding = torch.zeros(B, L, dtype=torch.bool)
+        q = k = v = make(*shape(L))
+        padding = torch.zeros(B, L, dtype=torch.bool, device=device)
+        padding[1, -3:] = True
     else:
-        q = torch.randn(*shape(L), requires_grad=True)
-        k, v = torch.randn(*shape(S), requires_grad=True), torch.randn(*shape(S), requires_grad=True)
-        padding = torch.tensor([[False, False, True], [False, False, False]])
-    # Eager keeps the forward's probabilities for the backward; the AOT-traced graph (symbolic
-    # sizes) recomputes them from q, k and the log-sum-exp. The two differ by float rounding,
-    # amplified in some gradient entries: the tolerance covers that, not the parity with
-    # nn.MultiheadAttention, which tests/test_module_parity.py holds to ~1e-6.
+        q = make(*shape(L))
+        k, v = make(*shape(S)), make(*shape(S))
+        padding = torch.tensor([[False, False, True], [False, False, False]], device=device)
     torch.library.opcheck(
         ops.multi_head_attention.default,
-        (q, k, v, H, w_in, b_in, w_out, None, torch.randn(L, S if kind == "separate" else L),
+        (q, k, v, H, w_in, b_in, w_out, None, torch.randn(L, S if kind == "separate" else L, device=device),
          padding, need_weights, True, False, batch_first),
-        atol=1e-4, rtol=1e-4,
+        **tolerance,
     )
     args = (q.detach(), k.detach(), v.detach(), H, w_in.detach(), b_in.detach(), w_out.detach(), None,
             None, padding, need_weights, True, False, batch_first)
@@ -266,7 +279,7 @@ def test_opcheck_layer_op(batch_first, kind, need_weights):
 def test_backward_from_saved_probabilities_equals_recomputation(mask):
     """The layer's backward reads the forward's probabilities when they fit in memory; the
     core recomputes them. Both must give the float64 reference gradients."""
-    q, k, v = _qkv(2, 3, 70, 33, 16)
+    q, k, v = qkv(2, 3, 70, 33, 16)
     kwargs = MASKS[mask](2, 3, 70, 33)
     attn_mask, padding, causal = kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), kwargs.get("is_causal", False)
     out, lse, probs = ops._attention_forward(q, k, v, attn_mask, padding, causal, None, True)

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from cuda_emulator.build import cuda_include_dir
-from helpers import EPS, max_rel_err, reference_attention
+from helpers import EPS, max_rel_err, padding_mask, reference_attention
+from helpers import MASKS as SHARED_MASKS
 
 pytestmark = pytest.mark.skipif(
     cuda_include_dir() is None or shutil.which("c++") is None,
@@ -41,25 +42,10 @@ def emu():
     return load()
 
 
-def _padding(batch, seqlen_k, dtype=torch.bool):
-    m = torch.zeros(batch, seqlen_k, dtype=torch.bool)
-    for b in range(batch):
-        m[b, seqlen_k - 3 * b - 1:] = b > 0
-    return m if dtype == torch.bool else torch.zeros(batch, seqlen_k, dtype=dtype).masked_fill(m, -math.inf)
-
-
-MASKS = {
-    "none": lambda B, H, Lq, Lk: {},
-    "causal": lambda B, H, Lq, Lk: {"is_causal": True},
-    "bool_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(Lq, Lk) < 0.4},
-    "float_2d": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(Lq, Lk)},
-    "bool_3d": lambda B, H, Lq, Lk: {"attn_mask": torch.rand(B * H, Lq, Lk) < 0.4},
-    "float16_4d_broadcast_heads": lambda B, H, Lq, Lk: {"attn_mask": torch.randn(B, 1, Lq, Lk).half()},
-    "padding_bool": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk)},
-    "padding_float": lambda B, H, Lq, Lk: {"key_padding_mask": _padding(B, Lk, torch.float32)},
-    "causal+padding+float": lambda B, H, Lq, Lk: {
-        "is_causal": True, "key_padding_mask": _padding(B, Lk), "attn_mask": torch.randn(Lq, Lk)},
-}
+# The shared mask kinds, with a float16 mask for the flash kernels' half-mask path in place of
+# the float32 [B, 1, Lq, Lk] one.
+MASKS = {n: f for n, f in SHARED_MASKS.items() if n != "float_4d_broadcast_heads"}
+MASKS["float16_4d_broadcast_heads"] = lambda B, H, Lq, Lk: {"attn_mask": torch.randn(B, 1, Lq, Lk).half()}
 
 
 def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None):
@@ -211,7 +197,7 @@ def test_matches_the_cpu_operator(emu):
     import attn_export
 
     q, k, v = (torch.randn(2, 2, 23, 64, dtype=torch.float32) for _ in range(3))
-    padding = _padding(2, 23)
+    padding = padding_mask(2, 23)
     cpu_out, cpu_lse, cpu_w = torch.ops.attn_export._attention_forward(q, k, v, None, padding, True, 0.3, True)
     out, lse, w = emu.forward(q, k, v, None, padding, True, 0.3, True)
     for a, b, name in ((out, cpu_out, "output"), (lse, cpu_lse, "lse"), (w, cpu_w, "weights")):

@@ -9,7 +9,10 @@ import math
 import pytest
 import torch
 
-from helpers import assert_rel_close, make_pair
+from torch import nn
+
+from attn_export import FusedMultiheadAttention
+from helpers import DEVICES, assert_rel_close, assert_within, make_pair
 
 REL = 2e-6
 
@@ -195,3 +198,44 @@ def test_causal_without_mask_matches_explicit_causal_mask(batch_first):
     out_ref, _ = ref(q, k, v, attn_mask=causal, need_weights=False)
     assert_rel_close(out, out_ref, REL, "causal output")
 
+
+def _module_pair(embed, heads, dtype, device):
+    ref = nn.MultiheadAttention(embed, heads, batch_first=True, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.1)
+    stock = nn.MultiheadAttention(embed, heads, batch_first=True, device=device, dtype=dtype)
+    stock.load_state_dict({n: t.to(dtype) for n, t in ref.state_dict().items()})
+    return ref, stock, FusedMultiheadAttention.from_module(stock)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("embed,heads", [(64, 4), (128, 4), (256, 2), (160, 4)])  # head dims 16, 32, 128, 40
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_matches_nn_multihead_attention_in_each_dtype(dtype, embed, heads, need_weights, device):
+    """float32/float16/bfloat16 layers against the stock module run in float64, within 2x the
+    error of the stock module run in the same dtype (helpers.assert_within)."""
+    batch, seqlen = 4, 37
+    ref, stock, fused = _module_pair(embed, heads, dtype, device)
+    x64 = torch.randn(batch, seqlen, embed, dtype=torch.float64, device=device)
+    padding = torch.zeros(batch, seqlen, dtype=torch.bool, device=device)
+    padding[1, -5:] = True
+    x = x64.to(dtype).requires_grad_()
+    x_ref = x.detach().double().requires_grad_()
+    kwargs = dict(key_padding_mask=padding, need_weights=need_weights)
+    out, w = fused(x, x, x, **kwargs)
+    out_stock, w_stock = stock(x, x, x, **kwargs)
+    out_ref, w_ref = ref(x_ref, x_ref, x_ref, **kwargs)
+    n = batch * seqlen  # the longest reduction: weight gradients sum over every token
+    assert_within(out, out_stock, out_ref, dtype, "output", n)
+    if need_weights:
+        assert_within(w, w_stock, w_ref, dtype, "weights", n)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x] + list(fused.parameters()), grad)
+    plain = torch.autograd.grad(out_stock, [x] + list(stock.parameters()), grad)
+    want = torch.autograd.grad(out_ref, [x_ref] + list(ref.parameters()), grad.double())
+    names = ["input"] + [n for n, _ in fused.named_parameters()]
+    for g, p, wnt, name in zip(got, plain, want, names):
+        assert_within(g, p, wnt, dtype, f"grad {name}", n)
