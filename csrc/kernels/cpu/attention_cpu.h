@@ -1,24 +1,21 @@
-// The CPU attention kernels, for callers that fill AttentionParams themselves (the layer's
-// CPU implementation runs the core straight on its projection buffers).
+// CPU kernels of the attention core, callable from any binding: the PyTorch ops
+// (csrc/ops/cpu/attention_cpu_binding.cpp, and the layer's csrc/ops/cpu/
+// multi_head_attention_cpu_binding.cpp, which fills AttentionParams over its projection
+// buffers) or a plain C++ program that defines runtime.h.
+//
+// Like csrc/kernels/cuda/, nothing here includes a framework header: the kernels see raw
+// pointers, element strides and sizes through AttentionParams, and take threads and BLAS
+// from runtime.h.
 #pragma once
-
-#include <ATen/ATen.h>
-
-#include <optional>
 
 #include "../../attention_params.h"
 
-namespace attn_export::ops::cpu {
+namespace attn_export::cpu {
 
-// p.dtype must be kFloat32 or kFloat64 (half types are converted by the caller); additive
-// masks must have p.dtype too.
-void run_attention_forward(const AttentionParams& p);
-void run_attention_backward(const AttentionBackwardParams& p);
+// Runs the kernels on `p` and returns true, or returns false without touching anything when
+// p.dtype is not kFloat32 / kFloat64 (callers convert half types); additive masks must have
+// p.dtype too.
+bool run_attention_forward(const AttentionParams& p);
+bool run_attention_backward(const AttentionBackwardParams& p);
 
-// Masks prepared for the kernels: a floating mask converted to `dtype`; the attention mask
-// broadcast to [B, H, Lq, Lk].
-std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
-                                           int64_t heads, at::ScalarType dtype);
-std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask, at::ScalarType dtype);
-
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::cpu
