@@ -374,28 +374,28 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     }
   });
 }
-}  // namespace
 
-bool run_attention_forward(const AttentionParams& p) {
+// Calls run(T{}) with T the kernels' element type for p.dtype; false for dtypes they do not take.
+template <typename Params, typename Run>
+bool by_dtype(const Params& p, Run run) {
   if (p.dtype == DataType::kFloat64) {
-    attention_forward_kernel<double>(p);
+    run(double{});
   } else if (p.dtype == DataType::kFloat32) {
-    attention_forward_kernel<float>(p);
+    run(float{});
   } else {
     return false;
   }
   return true;
 }
 
+}  // namespace
+
+bool run_attention_forward(const AttentionParams& p) {
+  return by_dtype(p, [&](auto zero) { attention_forward_kernel<decltype(zero)>(p); });
+}
+
 bool run_attention_backward(const AttentionBackwardParams& p) {
-  if (p.dtype == DataType::kFloat64) {
-    attention_backward_kernel<double>(p);
-  } else if (p.dtype == DataType::kFloat32) {
-    attention_backward_kernel<float>(p);
-  } else {
-    return false;
-  }
-  return true;
+  return by_dtype(p, [&](auto zero) { attention_backward_kernel<decltype(zero)>(p); });
 }
 
 }  // namespace attn_export::cpu

@@ -111,18 +111,18 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
     r.kv_proj = at::empty({0}, a.query.options());
   } else {
     r.q_proj = project_cpu(a.query.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 0, embed_dim),
-                       bias_rows(a.in_proj_bias, 0, embed_dim));
+                           bias_rows(a.in_proj_bias, 0, embed_dim));
     if (a.key.is_same(a.value)) {
       r.kv_proj = project_cpu(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
-                          bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
+                              bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
     } else {
       r.kv_proj = at::empty({a.key.numel() / embed_dim, 2 * embed_dim}, a.query.options());
       at::Tensor k_half = r.kv_proj.narrow(1, 0, embed_dim), v_half = r.kv_proj.narrow(1, embed_dim, embed_dim);
       project_into_cpu(k_half, a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
-                        bias_rows(a.in_proj_bias, embed_dim, embed_dim));
+                       bias_rows(a.in_proj_bias, embed_dim, embed_dim));
       project_into_cpu(v_half, a.value.reshape({-1, embed_dim}),
-                        a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
-                        bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim));
+                       a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
+                       bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim));
     }
   }
 
