@@ -45,11 +45,14 @@ def _want_cuda():
 def extension():
     debug = bool(_flag("ATTN_EXPORT_DEBUG"))
     # -fno-trapping-math lets GCC if-convert and vectorize the masked softmax loops; the kernels
-    # never rely on floating-point traps. -fopenmp: at::parallel_for and `omp simd` loops.
+    # never rely on floating-point traps. -fopenmp: at::parallel_for (the CPU kernels' threads,
+    # ops/cpu/runtime_aten.cpp) and `omp simd` loops.
     # -Wno-psabi: the 64-byte vector types of row_kernels.h never cross a non-inlined call.
     cxx = ["-std=c++20", "-fopenmp", "-fno-trapping-math", "-Wno-psabi", "-O0" if debug else "-O3", "-g" if debug else "-g0"]
+    # Kernels (csrc/kernels/<device>/, no torch headers) and their bindings (csrc/ops/<device>/).
     sources = sorted(
-        glob.glob(os.path.join(CSRC, "ops", "*.cpp"))
+        glob.glob(os.path.join(CSRC, "kernels", "cpu", "*.cpp"))
+        + glob.glob(os.path.join(CSRC, "ops", "*.cpp"))
         + glob.glob(os.path.join(CSRC, "ops", "cpu", "*.cpp"))
         + glob.glob(os.path.join(CSRC, "ops", "autograd", "*.cpp"))
     )
@@ -62,7 +65,11 @@ def extension():
         py_limited_api=False,
     )
     if _want_cuda():
-        cuda_sources = sorted(glob.glob(os.path.join(CSRC, "ops", "cuda", "*.cu")) + glob.glob(os.path.join(CSRC, "kernels", "cuda", "*.cu")))
+        cuda_sources = sorted(
+            glob.glob(os.path.join(CSRC, "kernels", "cuda", "*.cu"))
+            + glob.glob(os.path.join(CSRC, "ops", "cuda", "*.cu"))
+            + glob.glob(os.path.join(CSRC, "ops", "cuda", "*.cpp"))
+        )
         if cuda_sources:
             kwargs["sources"] += cuda_sources
             kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]
@@ -72,7 +79,7 @@ def extension():
 
 
 class BuildPyWithSpec(build_py):
-    """Ships csrc/attention_spec.h inside the package: attn_export/spec.py reads the node's names
+    """Ships csrc/attention_spec.h inside the package: exporter/spec.py reads the node's names
     from it (an editable install reads the source tree's copy)."""
 
     def run(self):

@@ -4,7 +4,7 @@
 // torch or TensorRT headers, so the same struct can be filled by the PyTorch op, by the
 // TensorRT plugin's enqueue(), or by a unit test in plain C++.
 //
-// Kernels that use it: csrc/ops/cpu/attention_kernel.cpp and csrc/kernels/cuda/attention_cuda.h.
+// Kernels that use it: csrc/kernels/cpu/attention_cpu.h and csrc/kernels/cuda/attention_cuda.h.
 //
 // Layout conventions (all strides are in elements, not bytes):
 //   q        [batch, num_heads, seqlen_q, head_dim]      last dim contiguous

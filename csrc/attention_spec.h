@@ -1,7 +1,9 @@
-// The one spec of the fused attention node's names: the ONNX node the exporter writes, the
-// model-local ONNX function beside it and the TensorRT plugin that replaces it all use the
-// constants below. Plain constexpr C++ with no includes, so the TensorRT plugin (and any plain
-// C++ test) can include it; the Python exporter reads this file (exporter/spec.py) and
+// The one spec of the fused attention node and of the PyTorch operators: names, attribute
+// types, required flags and defaults, accepted element types. The ONNX node the exporter
+// writes, the model-local ONNX function beside it, the TensorRT plugin that replaces it, the
+// torch operator registrations and the Python fake kernels all use the constants below.
+// Plain constexpr C++ with no includes, so the TensorRT plugin (and any plain C++ test) can
+// include it; the Python exporter reads this file (exporter/spec.py) and
 // tests/test_spec.py holds the exported models to it. Documented in docs/onnx_node.md.
 //
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump
@@ -19,7 +21,7 @@
 //     4 attn_mask         M    [B or 1, H or 1, Lq or 1, Lk or 1]     additive
 //   output:
 //     0 output            T    [B, Lq, H*Dv]
-//   T = float32 | float16 | bfloat16; M = float32.
+//   T = float32 | float16 | bfloat16 (kTensorTypes); M = float32 (kMaskType).
 //
 //   output[b, i, h*Dv : (h+1)*Dv] = sum_j p[b,h,i,j] * value[b, j, h*Dv : (h+1)*Dv], where
 //     s[b,h,i,j] = scale * <q_bhi, k_bhj> + key_padding_mask[b,j] + attn_mask[b,h,i,j]
@@ -71,6 +73,48 @@ inline constexpr const char* kAttrHasAttnMask = "has_attn_mask";             // 
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
+// Attribute types: the values of ONNX's AttributeProto.AttributeType.
+inline constexpr int kAttrTypeFloat = 1;
+inline constexpr int kAttrTypeInt = 2;
+inline constexpr int kAttrTypeString = 3;
+
+// One node attribute: its name, type, whether every node must carry it, and otherwise its
+// default (default_int for INT attributes, default_string for STRING ones).
+struct Attribute {
+  const char* name;
+  int type;  // kAttrType*
+  bool required;
+  int default_int;
+  const char* default_string;
+};
+
+// Every attribute of the node, in the order the exporter writes them. The first
+// kNumPluginFields are the TensorRT plugin's fields, in the order the plugin declares and
+// serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
+// itself (its defaults are these: "" and "1") and are not fields.
+inline constexpr int kNumAttributes = 7;
+inline constexpr int kNumPluginFields = 5;
+inline constexpr Attribute kAttributes[kNumAttributes] = {
+    {kAttrNumHeads, kAttrTypeInt, true, 0, ""},
+    {kAttrScale, kAttrTypeFloat, true, 0, ""},
+    {kAttrIsCausal, kAttrTypeInt, false, 0, ""},
+    {kAttrHasKeyPaddingMask, kAttrTypeInt, false, 0, ""},
+    {kAttrHasAttnMask, kAttrTypeInt, false, 0, ""},
+    {kAttrPluginNamespace, kAttrTypeString, false, 0, kPluginNamespace},
+    {kAttrPluginVersion, kAttrTypeString, false, 0, kPluginVersion},
+};
+
+// Element types: the values of ONNX's TensorProto.DataType, with the names the exporter and
+// the plugin print. T (query, key, value, output) is one of kTensorTypes; M (the masks) is
+// kMaskType.
+inline constexpr int kTypeFloat32 = 1;
+inline constexpr int kTypeFloat16 = 10;
+inline constexpr int kTypeBFloat16 = 16;
+inline constexpr int kNumTensorTypes = 3;
+inline constexpr int kTensorTypes[kNumTensorTypes] = {kTypeFloat32, kTypeFloat16, kTypeBFloat16};
+inline constexpr const char* kTensorTypeNames[kNumTensorTypes] = {"float32", "float16", "bfloat16"};
+inline constexpr int kMaskType = kTypeFloat32;
+
 // Inputs and outputs, by position.
 inline constexpr int kInputQuery = 0;
 inline constexpr int kInputKey = 1;
@@ -88,6 +132,17 @@ inline constexpr const char* kOutputNames[kNumOutputs] = {"output"};
 // Ranks of the inputs, in input order, and of the output.
 inline constexpr int kInputRanks[kNumInputs] = {3, 3, 3, 2, 4};
 inline constexpr int kOutputRank = 3;
+
+// The PyTorch operators (torch.ops.attn_export.*), by qualified name: the schemas
+// (csrc/ops/attention.cpp, whose TORCH_LIBRARY block must name kTorchNamespace), every
+// backend's registrations, the C++ callers through the dispatcher and the Python fake kernels.
+inline constexpr const char* kTorchNamespace = "attn_export";
+inline constexpr const char* kOpAttention = "attn_export::attention";
+inline constexpr const char* kOpAttentionForward = "attn_export::_attention_forward";
+inline constexpr const char* kOpAttentionBackward = "attn_export::_attention_backward";
+inline constexpr const char* kOpMultiHeadAttention = "attn_export::multi_head_attention";
+inline constexpr const char* kOpMultiHeadAttentionForward = "attn_export::_multi_head_attention_forward";
+inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_multi_head_attention_backward";
 
 // The smallest default-domain ONNX opset the function body is written for (ReduceMax with axes
 // as an input, Shape with start/end).

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from attn_export import spec as _spec
+
+_OPS = _spec.load()  # the operators' names (csrc/attention_spec.h)
+
 _SCALAR_TYPE_NAMES = {
     torch.float32: "Float",
     torch.float64: "Double",
@@ -217,13 +221,13 @@ def check_multi_head_attention_inputs(
     )
 
 
-@torch.library.register_fake("attn_export::attention")
+@torch.library.register_fake(_OPS.torch_op_attention)
 def _attention_fake(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
-@torch.library.register_fake("attn_export::_attention_forward")
+@torch.library.register_fake(_OPS.torch_op_attention_forward)
 def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
@@ -233,7 +237,7 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
     return out, lse, weights
 
 
-@torch.library.register_fake("attn_export::_attention_backward")
+@torch.library.register_fake(_OPS.torch_op_attention_backward)
 def _attention_backward_fake(
     grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
     probs=None, output=None,
@@ -274,7 +278,7 @@ def _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, ba
     return output, query.new_empty((*batch_shape, *heads_shape, seqlen_q, seqlen_k))
 
 
-@torch.library.register_fake("attn_export::multi_head_attention")
+@torch.library.register_fake(_OPS.torch_op_multi_head_attention)
 def _multi_head_attention_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
     attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True,
@@ -287,7 +291,7 @@ def _multi_head_attention_fake(
     return _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first)
 
 
-@torch.library.register_fake("attn_export::_multi_head_attention_forward")
+@torch.library.register_fake(_OPS.torch_op_multi_head_attention_forward)
 def _multi_head_attention_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
     attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first, packed_qkv,
@@ -316,7 +320,7 @@ def _multi_head_attention_forward_fake(
     return output, weights, q_proj, kv_proj, attn, lse, probs
 
 
-@torch.library.register_fake("attn_export::_multi_head_attention_backward")
+@torch.library.register_fake(_OPS.torch_op_multi_head_attention_backward)
 def _multi_head_attention_backward_fake(
     grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,

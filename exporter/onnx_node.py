@@ -18,9 +18,25 @@ from onnx import TensorProto, helper
 
 from attn_export import spec as _spec
 
-# Element types the node accepts for query/key/value/output (T) and for the masks (M).
-T_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
-M_TYPES = ("tensor(float)",)
+def _onnx_type_strings(elem_types) -> list:
+    """ONNX type-constraint strings ("tensor(float)", ...) of TensorProto element types."""
+    return [f"tensor({onnx.TensorProto.DataType.Name(t).lower()})" for t in elem_types]
+
+
+def _default_attribute(a: _spec.Attribute) -> onnx.AttributeProto:
+    return helper.make_attribute(a.name, a.default)
+
+
+# What each attribute means, for the schema (names, types, required flags and defaults: the spec).
+_ATTRIBUTE_DOCS = {
+    "num_heads": "number of heads H",
+    "scale": "multiplies q.k before the masks are added",
+    "is_causal": "1: query i sees keys j <= i",
+    "has_key_padding_mask": "0: the key_padding_mask input is a zero placeholder",
+    "has_attn_mask": "0: the attn_mask input is a zero placeholder",
+    "plugin_namespace": "TensorRT plugin namespace",
+    "plugin_version": "TensorRT plugin version",
+}
 
 
 def register_schema() -> None:
@@ -33,27 +49,10 @@ def register_schema() -> None:
     inputs = [
         OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
     ]
-    attr = OpSchema.AttrType
     attributes = [
-        OpSchema.Attribute(s.attr_num_heads, attr.INT, "number of heads H", required=True),
-        OpSchema.Attribute(s.attr_scale, attr.FLOAT, "multiplies q.k before the masks are added", required=True),
-        OpSchema.Attribute(s.attr_is_causal, onnx.helper.make_attribute(s.attr_is_causal, 0), "1: query i sees keys j <= i"),
-        OpSchema.Attribute(
-            s.attr_has_key_padding_mask, onnx.helper.make_attribute(s.attr_has_key_padding_mask, 0),
-            "0: the key_padding_mask input is a zero placeholder",
-        ),
-        OpSchema.Attribute(
-            s.attr_has_attn_mask, onnx.helper.make_attribute(s.attr_has_attn_mask, 0),
-            "0: the attn_mask input is a zero placeholder",
-        ),
-        OpSchema.Attribute(
-            s.attr_plugin_namespace, onnx.helper.make_attribute(s.attr_plugin_namespace, s.plugin_namespace),
-            "TensorRT plugin namespace",
-        ),
-        OpSchema.Attribute(
-            s.attr_plugin_version, onnx.helper.make_attribute(s.attr_plugin_version, s.plugin_version),
-            "TensorRT plugin version",
-        ),
+        OpSchema.Attribute(a.name, OpSchema.AttrType(a.type), _ATTRIBUTE_DOCS[a.name], required=True)
+        if a.required else OpSchema.Attribute(a.name, _default_attribute(a), _ATTRIBUTE_DOCS[a.name])
+        for a in s.attributes
     ]
     schema = OpSchema(
         s.op_type,
@@ -62,7 +61,10 @@ def register_schema() -> None:
         "Fused scaled dot-product attention core (attn_export); see docs/onnx_node.md",
         inputs=inputs,
         outputs=[OpSchema.FormalParameter(name, "T") for name in s.output_names],
-        type_constraints=[("T", list(T_TYPES), "query/key/value/output"), ("M", list(M_TYPES), "additive masks")],
+        type_constraints=[
+            ("T", _onnx_type_strings(s.tensor_types), "query/key/value/output"),
+            ("M", _onnx_type_strings([s.mask_type]), "additive masks"),
+        ],
         attributes=attributes,
     )
     onnx.defs.register_schema(schema)
@@ -182,15 +184,9 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         outputs=list(s.output_names),
         nodes=nodes,
         opset_imports=[helper.make_opsetid("", opset)],
-        # num_heads and scale are required; the others have the spec's defaults. The has_* and
-        # plugin_* attributes are for the TensorRT plugin and unused by the body.
-        attributes=[s.attr_num_heads, s.attr_scale],
-        attribute_protos=[
-            helper.make_attribute(s.attr_is_causal, 0),
-            helper.make_attribute(s.attr_has_key_padding_mask, 0),
-            helper.make_attribute(s.attr_has_attn_mask, 0),
-            helper.make_attribute(s.attr_plugin_namespace, s.plugin_namespace),
-            helper.make_attribute(s.attr_plugin_version, s.plugin_version),
-        ],
+        # The required attributes are the function's; the others have the spec's defaults. The
+        # has_* and plugin_* attributes are for the TensorRT plugin and unused by the body.
+        attributes=[a.name for a in s.attributes if a.required],
+        attribute_protos=[_default_attribute(a) for a in s.attributes if not a.required],
         doc_string="attn_export fused attention core; see docs/onnx_node.md",
     )

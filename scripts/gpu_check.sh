@@ -63,7 +63,7 @@ else
   ln -sfn "$ROOT/exporter" "$OUT_DIR/pythonpath/attn_export"
   export PYTHONPATH="$OUT_DIR/pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$PY" -c 'import torch, attn_export; assert torch._C._dispatch_has_kernel_for_dispatch_key("attn_export::attention", "CUDA"), "no CUDA kernels registered"' >> "$OUT_DIR/build.log" 2>&1; then
+if ! "$PY" -c 'import torch, attn_export; from attn_export import spec; assert torch._C._dispatch_has_kernel_for_dispatch_key(spec.load().torch_op_attention, "CUDA"), "no CUDA kernels registered"' >> "$OUT_DIR/build.log" 2>&1; then
   summary "FAILED build: attn_export does not load with its CUDA kernels (see build.log)"; tail -30 "$OUT_DIR/build.log"; exit 1
 fi
 summary "PASSED build for sm_${CAPABILITY/./} in $((SECONDS - START)) s"

@@ -34,7 +34,27 @@ int main() {
   for (int n = 0; n < kNumInputs; ++n) std::printf("%d%s", kInputRanks[n], n + 1 < kNumInputs ? ", " : "");
   std::printf("], \"output_names\": [");
   for (int n = 0; n < kNumOutputs; ++n) std::printf("\"%s\"%s", kOutputNames[n], n + 1 < kNumOutputs ? ", " : "");
-  std::printf("], \"positions\": [%d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
+  std::printf("], \"tensor_types\": [");
+  for (int n = 0; n < kNumTensorTypes; ++n) std::printf("%d%s", kTensorTypes[n], n + 1 < kNumTensorTypes ? ", " : "");
+  std::printf("], \"tensor_type_names\": [");
+  for (int n = 0; n < kNumTensorTypes; ++n) std::printf("\"%s\"%s", kTensorTypeNames[n], n + 1 < kNumTensorTypes ? ", " : "");
+  std::printf("], \"attributes\": [");
+  for (int n = 0; n < kNumAttributes; ++n) {
+    const Attribute& a = kAttributes[n];
+    std::printf("[\"%s\", %d, %s, ", a.name, a.type, a.required ? "true" : "false");
+    if (a.required) std::printf("null]");
+    else if (a.type == kAttrTypeString) std::printf("\"%s\"]", a.default_string);
+    else std::printf("%d]", a.default_int);
+    std::printf("%s", n + 1 < kNumAttributes ? ", " : "");
+  }
+  std::printf("], ");
+  i("num_plugin_fields", kNumPluginFields); i("mask_type", kMaskType);
+  s("torch_namespace", kTorchNamespace); s("torch_op_attention", kOpAttention);
+  s("torch_op_attention_forward", kOpAttentionForward); s("torch_op_attention_backward", kOpAttentionBackward);
+  s("torch_op_multi_head_attention", kOpMultiHeadAttention);
+  s("torch_op_multi_head_attention_forward", kOpMultiHeadAttentionForward);
+  s("torch_op_multi_head_attention_backward", kOpMultiHeadAttentionBackward);
+  std::printf("\"positions\": [%d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
               kInputKeyPaddingMask, kInputAttnMask);
 }
 """
@@ -50,6 +70,8 @@ def test_the_compiled_header_and_the_python_parser_agree(tmp_path):
     compiled = json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
     assert compiled.pop("positions") == list(range(5))
     parsed = spec_mod.spec_from_header(HEADER.read_text())
+    attributes = compiled.pop("attributes")
+    assert [[a.name, a.type, a.required, a.default] for a in parsed.attributes] == attributes
     for field, value in compiled.items():
         got = getattr(parsed, field)
         assert (list(got) if isinstance(got, tuple) else got) == value, field
@@ -77,6 +99,35 @@ def test_spec_values_the_plugin_relies_on():
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
     assert s.plugin_version == "1" and s.domain_version == 1
+
+
+def test_spec_types_defaults_and_operators():
+    """The facts every binding reads from the spec: the ONNX element and attribute types, the
+    TensorRT field types, the defaults, and the torch operators (registered under these names)."""
+    import torch
+
+    import attn_export  # noqa: F401 - loads the operators
+
+    s = spec_mod.load()
+    assert s.tensor_type_map == {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                                 onnx.TensorProto.BFLOAT16: "bfloat16"}
+    assert s.mask_type == onnx.TensorProto.FLOAT and s.mask_type_name == "float32"
+    a = s.attribute
+    assert [(f.name, f.plugin_field_type) for f in s.plugin_fields] == [
+        ("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"), ("has_key_padding_mask", "INT32"),
+        ("has_attn_mask", "INT32")]
+    assert a[s.attr_scale].type == onnx.AttributeProto.FLOAT and a[s.attr_num_heads].type == onnx.AttributeProto.INT
+    assert a[s.attr_plugin_version].type == onnx.AttributeProto.STRING
+    assert [f.name for f in s.attributes if f.required] == [s.attr_num_heads, s.attr_scale]
+    assert a[s.attr_plugin_version].default == s.plugin_version
+    assert a[s.attr_plugin_namespace].default == s.plugin_namespace
+    assert a[s.attr_is_causal].default == 0
+    for op in (s.torch_op_attention, s.torch_op_attention_forward, s.torch_op_attention_backward,
+               s.torch_op_multi_head_attention, s.torch_op_multi_head_attention_forward,
+               s.torch_op_multi_head_attention_backward):
+        namespace, name = op.split("::")
+        assert namespace == s.torch_namespace
+        assert hasattr(getattr(torch.ops, namespace), name), op
 
 
 def test_docs_name_every_input_attribute_and_identity():

@@ -174,6 +174,76 @@ DataType to_data_type(at::ScalarType dtype) {
   }
 }
 
+at::Tensor kernel_operand(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  at::Tensor r = dtype.has_value() && t.scalar_type() != *dtype ? t.to(*dtype) : t;
+  return r.size(-1) > 1 && r.stride(-1) != 1 ? r.contiguous() : r;
+}
+
+namespace {
+
+at::Tensor mask_in(const at::Tensor& mask, std::optional<at::ScalarType> dtype) {
+  return dtype.has_value() && mask.scalar_type() != at::kBool ? mask.to(*dtype) : mask;
+}
+
+}  // namespace
+
+std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
+                                           int64_t heads, std::optional<at::ScalarType> dtype) {
+  if (!mask.has_value()) {
+    return std::nullopt;
+  }
+  return broadcast_attn_mask(mask_in(*mask, dtype), batch, heads);
+}
+
+std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
+                                              std::optional<at::ScalarType> dtype) {
+  if (!mask.has_value()) {
+    return std::nullopt;
+  }
+  return mask_in(*mask, dtype);
+}
+
+AttentionForward prepare_attention_forward(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale,
+    bool need_weights,
+    at::ScalarType compute_dtype,
+    bool masks_in_compute_dtype) {
+  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
+  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
+  const auto acc_options = query.options().dtype(accumulation_dtype(query.scalar_type()));
+  const std::optional<at::ScalarType> mask_dtype =
+      masks_in_compute_dtype ? std::optional<at::ScalarType>(compute_dtype) : std::nullopt;
+
+  AttentionForward f;
+  f.q = kernel_operand(query, compute_dtype);
+  f.k = kernel_operand(key, compute_dtype);
+  f.v = kernel_operand(value, compute_dtype);
+  f.out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options().dtype(compute_dtype));
+  f.lse = at::empty({batch, heads, seqlen_q}, acc_options);
+  if (need_weights) {
+    f.weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
+  }
+  f.attn_mask = kernel_attn_mask(attn_mask, batch, heads, mask_dtype);
+  f.key_padding_mask = kernel_padding_mask(key_padding_mask, mask_dtype);
+  f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask,
+                                   resolve_scale(scale, query.size(3)), is_causal);
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_results(const AttentionForward& f,
+                                                                         const at::Tensor& query) {
+  const at::ScalarType dtype = query.scalar_type();
+  return std::make_tuple(
+      f.out.to(dtype), f.lse, f.weights.has_value() ? f.weights->to(dtype) : at::empty({0}, query.options()));
+}
+
 AttentionParams make_attention_params(
     const at::Tensor& q,
     const at::Tensor& k,

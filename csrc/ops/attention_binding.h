@@ -5,13 +5,14 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 #include "../attention_params.h"
 
 namespace attn_export::ops {
 
 // Validates the attention core's inputs; the messages quote the shapes received. The Python
-// fake kernels (attn_export/_fake.py) raise the same messages.
+// fake kernels (exporter/_fake.py) raise the same messages.
 void check_attention_inputs(
     const at::Tensor& query,
     const at::Tensor& key,
@@ -69,6 +70,18 @@ void point_at(Ptr& ptr, int64_t& batch_stride, int64_t& head_stride, int64_t& ro
   row_stride = t.stride(2);
 }
 
+// An operand as the kernels read it: converted to `dtype` when given (and different), and with
+// its last dim contiguous (other strides are free).
+at::Tensor kernel_operand(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt);
+
+// Masks as the kernels read them: the attention mask broadcast to [B, H, Lq, Lk]
+// (broadcast_attn_mask); with `dtype`, a floating mask converted to it (bool masks stay bool:
+// the kernels read them as bytes).
+std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
+                                           int64_t heads, std::optional<at::ScalarType> dtype = std::nullopt);
+std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
+                                              std::optional<at::ScalarType> dtype = std::nullopt);
+
 // Fills shapes, q/k/v/out strides, masks, scale and causality. `attn_mask4d` must come from
 // broadcast_attn_mask; every tensor's last dim must be contiguous.
 AttentionParams make_attention_params(
@@ -82,6 +95,37 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& key_padding_mask,
     double scale,
     bool is_causal);
+
+// A forward pass of the attention core set up for a device's kernels: the inputs checked,
+// q/k/v converted to `compute_dtype` (the dtype the kernels read and write: the accumulation
+// dtype on the CPU, the inputs' own on CUDA), out allocated token-major in it, lse and (with
+// need_weights) weights in the accumulation dtype, and the params pointing at all of them. The
+// tensors keep the params' memory alive. Every device binding (and the CUDA emulator's test
+// ops) starts its forward here.
+struct AttentionForward {
+  at::Tensor q, k, v, out, lse;
+  std::optional<at::Tensor> weights, attn_mask, key_padding_mask;
+  AttentionParams params;
+};
+
+// masks_in_compute_dtype: floating masks converted to compute_dtype too (the CPU kernels read
+// masks in their own dtype; the CUDA kernels read any floating dtype).
+AttentionForward prepare_attention_forward(
+    const at::Tensor& query,
+    const at::Tensor& key,
+    const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal,
+    std::optional<double> scale,
+    bool need_weights,
+    at::ScalarType compute_dtype,
+    bool masks_in_compute_dtype);
+
+// The _attention_forward op's results (output, logsumexp, weights) after the kernels ran:
+// output and weights in the query's dtype, weights an empty tensor when not computed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_results(const AttentionForward& forward,
+                                                                         const at::Tensor& query);
 
 // The backward's params: `forward` (from make_attention_params: q, k, v, lse, masks, scale,
 // causality, and `out` = the forward's output for the kernels that read it) plus the incoming

@@ -1,5 +1,6 @@
-// Typed handles to the attention core's operators, so C++ callers (the layer op, autograd)
-// go through the dispatcher and reach whichever device kernel the tensors need.
+// Typed handles to the operators, so C++ callers (the layer op, autograd) go through the
+// dispatcher and reach whichever device kernel the tensors need. Each call_* function has the
+// operator's signature, so its handle is typed by the function's own type.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -8,7 +9,15 @@
 #include <optional>
 #include <tuple>
 
+#include "../attention_spec.h"
+
 namespace attn_export::ops {
+
+// The operator `name` (a spec::kOp* name) as a handle typed by the function type Fn.
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(
     const at::Tensor& query,
@@ -19,12 +28,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(
     bool is_causal,
     std::optional<double> scale,
     bool need_weights) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("attn_export::_attention_forward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                           bool, std::optional<double>, bool)>();
+  static auto op = typed_op<decltype(call_attention_forward)>(spec::kOpAttentionForward);
   return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights);
 }
 
@@ -41,14 +45,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
     std::optional<double> scale,
     const std::optional<at::Tensor>& probs = std::nullopt,
     const std::optional<at::Tensor>& output = std::nullopt) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("attn_export::_attention_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                           bool, std::optional<double>, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&)>();
+  static auto op = typed_op<decltype(call_attention_backward)>(spec::kOpAttentionBackward);
   return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
                  key_padding_mask, is_causal, scale, probs, output);
 }
@@ -71,14 +68,7 @@ call_multi_head_attention_forward(
     bool batch_first,
     bool packed_qkv,
     bool save_probs) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attn_export::_multi_head_attention_forward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
-              const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
-              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool, bool,
-              bool, bool, bool)>();
+  static auto op = typed_op<decltype(call_multi_head_attention_forward)>(spec::kOpMultiHeadAttentionForward);
   return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
                  out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
                  is_causal, batch_first, packed_qkv, save_probs);
@@ -112,16 +102,7 @@ inline MultiHeadAttentionGrads call_multi_head_attention_backward(
     const at::Tensor& logsumexp,
     const at::Tensor& probs,
     std::array<bool, 7> output_mask) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attn_export::_multi_head_attention_backward", "")
-          .typed<MultiHeadAttentionGrads(
-              const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, int64_t, const at::Tensor&, const std::optional<at::Tensor>&,
-              const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-              const std::optional<at::Tensor>&, bool, bool, bool, bool, bool, bool, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              std::array<bool, 7>)>();
+  static auto op = typed_op<decltype(call_multi_head_attention_backward)>(spec::kOpMultiHeadAttentionBackward);
   return op.call(grad_output, grad_weights, query, key, value, num_heads, in_proj_weight,
                  in_proj_bias, out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                  need_weights, average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv,

@@ -1,7 +1,5 @@
 #include "multi_head_attention.h"
 
-#include <torch/library.h>
-
 #include "dispatch.h"
 
 namespace attn_export::ops {
@@ -338,88 +336,6 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     grads[kInBias] = bias_grads.size() == 1 ? bias_grads[0] : at::cat(bias_grads, 0);
   }
   return grads;
-}
-
-namespace {
-
-// Kernels of the operators, by implementation.
-template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
-std::tuple<at::Tensor, at::Tensor> layer_kernel(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first) {
-  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
-                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
-                                    need_weights, average_attn_weights, is_causal, batch_first};
-  const bool packed = query.is_same(key) && key.is_same(value);
-  MultiHeadAttentionResult r = Forward(args, packed, /*save_probs=*/false);
-  return std::make_tuple(r.output, r.weights);
-}
-
-template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-layer_forward_kernel(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-    bool save_probs) {
-  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
-                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
-                                    need_weights, average_attn_weights, is_causal, batch_first};
-  MultiHeadAttentionResult r = Forward(args, packed_qkv, save_probs);
-  return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse, r.probs);
-}
-
-// Undefined gradients (not needed, or flowing through another argument) travel as empty tensors.
-template <CoreBackwardFn Core>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-layer_backward_kernel(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-    bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
-  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
-                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
-                                    need_weights, average_attn_weights, is_causal, batch_first};
-  MultiHeadAttentionResult saved;
-  saved.q_proj = q_proj;
-  saved.kv_proj = kv_proj;
-  saved.attn = attn;
-  saved.lse = logsumexp;
-  saved.probs = probs;
-  auto g = multi_head_attention_backward(
-      args, packed_qkv, shared_kv, saved, grad_output, grad_weights.value_or(at::Tensor()),
-      output_mask, Core);
-  for (at::Tensor& t : g) {
-    if (!t.defined()) {
-      t = at::empty({0}, grad_output.options());
-    }
-  }
-  return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
-  m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward_cpu>);
-  m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward_cpu>);
-  m.impl("_multi_head_attention_backward", &layer_backward_kernel<core_backward_cpu>);
-}
-
-// Device-generic: projections run on the tensors' device and the core dispatches to its
-// device kernel.
-TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
-  m.impl("multi_head_attention", &layer_kernel<multi_head_attention_forward>);
-  m.impl("_multi_head_attention_forward", &layer_forward_kernel<multi_head_attention_forward>);
-  m.impl("_multi_head_attention_backward", &layer_backward_kernel<core_backward>);
 }
 
 }  // namespace attn_export::ops

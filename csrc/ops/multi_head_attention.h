@@ -5,8 +5,11 @@
 //  - a device-generic one (multi_head_attention.cpp): projections through ATen (BLAS /
 //    cuBLAS) and the core through the dispatcher, written with SymInts so that AOTAutograd
 //    can trace it with symbolic shapes; it serves CUDA and the backward pass;
-//  - a CPU one (cpu/multi_head_attention_kernel.cpp) that calls the CPU attention kernel
-//    directly on the projection buffers, without views or dispatch, for small inputs.
+//  - a CPU one (cpu/multi_head_attention_cpu_binding.cpp) that calls the CPU attention
+//    kernels directly on the projection buffers, without views or dispatch, for small inputs.
+//
+// Each backend registers the one it uses in its own folder: cpu/multi_head_attention_cpu_binding.cpp
+// the CPU one, cuda/multi_head_attention_cuda_binding.cpp the device-generic one.
 //
 // Token order: the projections work on token-major 2-D views [tokens, E] of the inputs, in
 // the inputs' own order ([L * B] rows for sequence-first, [B * L] for batch-first; unbatched
@@ -17,6 +20,7 @@
 
 #include <array>
 #include <optional>
+#include <tuple>
 
 namespace attn_export::ops {
 
@@ -110,5 +114,72 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     const at::Tensor& grad_weights,
     const std::array<bool, 7>& needs,
     CoreBackwardFn core);
+
+// The layer's operator kernels over one implementation (Forward: multi_head_attention_forward
+// or multi_head_attention_forward_cpu; Core: core_backward or core_backward_cpu), for each
+// backend's TORCH_LIBRARY_IMPL (cpu/multi_head_attention_cpu_binding.cpp,
+// cuda/multi_head_attention_cuda_binding.cpp).
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
+std::tuple<at::Tensor, at::Tensor> layer_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first) {
+  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                    need_weights, average_attn_weights, is_causal, batch_first};
+  const bool packed = query.is_same(key) && key.is_same(value);
+  MultiHeadAttentionResult r = Forward(args, packed, /*save_probs=*/false);
+  return std::make_tuple(r.output, r.weights);
+}
+
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+layer_forward_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool save_probs) {
+  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                    need_weights, average_attn_weights, is_causal, batch_first};
+  MultiHeadAttentionResult r = Forward(args, packed_qkv, save_probs);
+  return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse, r.probs);
+}
+
+// Undefined gradients (not needed, or flowing through another argument) travel as empty tensors.
+template <CoreBackwardFn Core>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+layer_backward_kernel(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
+    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
+    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
+    bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
+    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+  const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                    need_weights, average_attn_weights, is_causal, batch_first};
+  MultiHeadAttentionResult saved;
+  saved.q_proj = q_proj;
+  saved.kv_proj = kv_proj;
+  saved.attn = attn;
+  saved.lse = logsumexp;
+  saved.probs = probs;
+  auto g = multi_head_attention_backward(
+      args, packed_qkv, shared_kv, saved, grad_output, grad_weights.value_or(at::Tensor()),
+      output_mask, Core);
+  for (at::Tensor& t : g) {
+    if (!t.defined()) {
+      t = at::empty({0}, grad_output.options());
+    }
+  }
+  return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);
+}
 
 }  // namespace attn_export::ops

@@ -23,24 +23,44 @@ namespace attn_export::trt_plugin {
 // The numeric values of nvinfer1::PluginFieldType for the field types the plugin uses.
 enum class FieldType : int32_t { kFloat32 = 1, kInt32 = 5, kChar = 6 };
 
+// The field type TensorRT's ONNX parser hands the creator for an attribute of ONNX type
+// `attr_type` (spec::kAttrType*): INT -> kINT32, FLOAT -> kFLOAT32, each of length 1.
+constexpr FieldType field_type(int attr_type) {
+  return attr_type == spec::kAttrTypeFloat ? FieldType::kFloat32
+      : attr_type == spec::kAttrTypeInt    ? FieldType::kInt32
+                                           : FieldType::kChar;
+}
+
 struct FieldSpec {
   const char* name;
   FieldType type;
-  bool required;  // no default: the exporter always writes it (the others default to 0)
+  bool required;        // no default: the exporter always writes it
+  int32_t default_int;  // the value of an absent optional field
 };
 
-// The plugin's fields, in the order they are declared and serialized (their meaning: the
-// parameters table of README.md). The ONNX parser hands the creator each declared field whose
-// attribute the node carries (INT -> kINT32 of length 1, FLOAT -> kFLOAT32 of length 1).
-// plugin_version / plugin_namespace are read by the parser itself and are not fields.
-inline constexpr int32_t kNumFields = 5;
+constexpr FieldSpec field_spec(const spec::Attribute& a) {
+  return {a.name, field_type(a.type), a.required, a.default_int};
+}
+
+// The plugin's fields: the node's attributes up to spec::kNumPluginFields, with the spec's
+// names, types, required flags and defaults, in the order they are declared and serialized
+// (their meaning: the parameters table of README.md). plugin_version / plugin_namespace, the
+// attributes after them, are read by the parser itself and are not fields.
+inline constexpr int32_t kNumFields = spec::kNumPluginFields;
 inline constexpr FieldSpec kFields[kNumFields] = {
-    {spec::kAttrNumHeads, FieldType::kInt32, true},
-    {spec::kAttrScale, FieldType::kFloat32, true},
-    {spec::kAttrIsCausal, FieldType::kInt32, false},
-    {spec::kAttrHasKeyPaddingMask, FieldType::kInt32, false},
-    {spec::kAttrHasAttnMask, FieldType::kInt32, false},
+    field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
+    field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]),
 };
+
+// Config holds the fields in this order, and the optional ones are INT32 (defaults: default_int).
+static_assert(kNumFields == 5 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+                  kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
+                  kFields[4].name == spec::kAttrHasAttnMask,
+              "Config and slot() follow the spec's attribute order");
+static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
+                  kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
+                  kFields[4].type == FieldType::kInt32,
+              "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
 struct Field {
@@ -50,13 +70,13 @@ struct Field {
   int32_t length = 0;
 };
 
-// The plugin's configuration: one value per field.
+// The plugin's configuration: one value per field; optional fields start at their defaults.
 struct Config {
   int32_t num_heads = 0;
   float scale = 0.0F;
-  int32_t is_causal = 0;
-  int32_t has_key_padding_mask = 0;
-  int32_t has_attn_mask = 0;
+  int32_t is_causal = kFields[2].default_int;
+  int32_t has_key_padding_mask = kFields[3].default_int;
+  int32_t has_attn_mask = kFields[4].default_int;
 };
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -55,20 +56,59 @@ void log_error(const std::string& layer, const std::string& what) noexcept {
   }
 }
 
-bool supported_type(TrtType t) {
-  return t == TrtType::kFLOAT || t == TrtType::kHALF || t == TrtType::kBF16;
+// The ONNX element type (spec::kType*) of a TensorRT type the spec names; 0 for the others.
+int onnx_type(TrtType t) {
+  switch (t) {
+    case TrtType::kFLOAT: return spec::kTypeFloat32;
+    case TrtType::kHALF: return spec::kTypeFloat16;
+    case TrtType::kBF16: return spec::kTypeBFloat16;
+    default: return 0;
+  }
 }
 
+// T: query, key, value and the output (spec::kTensorTypes).
+bool supported_type(TrtType t) {
+  for (int type : spec::kTensorTypes) {
+    if (onnx_type(t) == type) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// M: the masks, always additive (spec::kMaskType).
+bool mask_type(TrtType t) { return onnx_type(t) == spec::kMaskType; }
+
 const char* type_name(TrtType t) {
+  for (int i = 0; i < spec::kNumTensorTypes; ++i) {
+    if (onnx_type(t) == spec::kTensorTypes[i]) {
+      return spec::kTensorTypeNames[i];
+    }
+  }
   switch (t) {
-    case TrtType::kFLOAT: return "float32";
-    case TrtType::kHALF: return "float16";
-    case TrtType::kBF16: return "bfloat16";
     case TrtType::kINT32: return "int32";
     case TrtType::kINT64: return "int64";
     case TrtType::kBOOL: return "bool";
     default: return "an unsupported type";
   }
+}
+
+// "float32, float16, bfloat16"
+std::string supported_type_names() {
+  std::string names;
+  for (const char* name : spec::kTensorTypeNames) {
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  return names;
+}
+
+std::string mask_type_name() {
+  for (int i = 0; i < spec::kNumTensorTypes; ++i) {
+    if (spec::kTensorTypes[i] == spec::kMaskType) {
+      return spec::kTensorTypeNames[i];
+    }
+  }
+  return "?";
 }
 
 attn_export::DataType kernel_type(TrtType t) {
@@ -148,7 +188,7 @@ bool FusedAttentionPlugin::supportsFormatCombination(int32_t pos, const nvinfer1
     return false;
   }
   if (pos == spec::kInputKeyPaddingMask || pos == spec::kInputAttnMask) {
-    return desc.type == TrtType::kFLOAT;  // the masks are always additive float32
+    return mask_type(desc.type);  // the masks are always additive float32
   }
   if (pos == spec::kInputQuery) {
     return supported_type(desc.type);
@@ -166,13 +206,13 @@ int32_t FusedAttentionPlugin::getOutputDataTypes(TrtType* outputTypes, int32_t n
     }
     const TrtType t = inputTypes[spec::kInputQuery];
     if (!supported_type(t) || inputTypes[spec::kInputKey] != t || inputTypes[spec::kInputValue] != t) {
-      return fail(std::string("query, key and value must share one type among float32, float16, bfloat16; got ") +
+      return fail("query, key and value must share one type among " + supported_type_names() + "; got " +
                   type_name(t) + ", " + type_name(inputTypes[spec::kInputKey]) + ", " +
                   type_name(inputTypes[spec::kInputValue]));
     }
     for (int32_t i : {spec::kInputKeyPaddingMask, spec::kInputAttnMask}) {
-      if (inputTypes[i] != TrtType::kFLOAT) {
-        return fail(std::string(spec::kInputNames[i]) + " must be float32 (an additive mask); got " +
+      if (!mask_type(inputTypes[i])) {
+        return fail(std::string(spec::kInputNames[i]) + " must be " + mask_type_name() + " (an additive mask); got " +
                     type_name(inputTypes[i]));
       }
     }

@@ -1,6 +1,7 @@
 // Test-only operators that run the CUDA kernels under the SIMT emulator on CPU tensors:
 // torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores}. They mirror the CUDA
-// binding (csrc/ops/cuda/attention_kernel.cu) step for step, minus the device guard and stream.
+// binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
+// stream; the forward's setup is the bindings' own (prepare_attention_forward).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -13,14 +14,6 @@
 namespace attn_export::ops {
 namespace {
 
-at::Tensor kernel_operand(const at::Tensor& t) {
-  return t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
-}
-
-std::optional<at::Tensor> attn_mask_4d(const std::optional<at::Tensor>& mask, int64_t batch, int64_t heads) {
-  return mask.has_value() ? std::optional<at::Tensor>(broadcast_attn_mask(*mask, batch, heads)) : std::nullopt;
-}
-
 void check(cudaError_t err, const AttentionParams& params) {
   const char* why = cuda::attention_params_error(params);
   TORCH_CHECK(why == nullptr, why);
@@ -31,23 +24,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, std::optional<double> scale, bool need_weights) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  const at::ScalarType dtype = query.scalar_type();
-  const auto acc_options = query.options().dtype(accumulation_dtype(dtype));
-  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-  const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
-  at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
-  at::Tensor lse = at::empty({batch, heads, seqlen_q}, acc_options);
-  std::optional<at::Tensor> weights;
-  if (need_weights) {
-    weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
-  }
-  const AttentionParams params = make_attention_params(
-      q, k, v, out, lse, weights, attn_mask_4d(attn_mask, batch, heads), key_padding_mask,
-      resolve_scale(scale, query.size(3)), is_causal);
-  check(cuda::run_attention_forward(params, nullptr), params);
-  return std::make_tuple(out, lse, weights.has_value() ? weights->to(dtype) : at::empty({0}, query.options()));
+  const AttentionForward f = prepare_attention_forward(
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
+      /*masks_in_compute_dtype=*/false);
+  check(cuda::run_attention_forward(f.params, nullptr), f.params);
+  return attention_forward_results(f, query);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
@@ -64,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
-  const auto mask4d = attn_mask_4d(attn_mask, batch, heads);
+  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads);
 
   at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
   {

@@ -1,5 +1,5 @@
 // CUDA kernels of the attention core, callable from any binding: the PyTorch op
-// (csrc/ops/cuda/attention_kernel.cu), the TensorRT plugin, or a plain C++ test.
+// (csrc/ops/cuda/attention_cuda_binding.cu), the TensorRT plugin, or a plain C++ test.
 //
 // Nothing here (or anywhere under csrc/kernels/) includes torch or TensorRT headers: the
 // kernels see raw pointers, element strides and sizes through AttentionParams, and run on

@@ -90,9 +90,7 @@ at::Tensor attention_autograd(
     std::optional<double> scale) {
   if (!needs_autograd({&query, &key, &value})) {
     check_masks_are_constant(attn_mask, key_padding_mask);
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("attn_export::attention", "")
-                         .typed<decltype(attention_autograd)>();
+    static auto op = typed_op<decltype(attention_autograd)>(spec::kOpAttention);
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   }
@@ -245,9 +243,7 @@ std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(
   const at::Tensor& out_bias = out_proj_bias.has_value() ? *out_proj_bias : none;
   if (!needs_autograd({&query, &key, &value, &in_proj_weight, &in_bias, &out_proj_weight, &out_bias})) {
     check_masks_are_constant(attn_mask, key_padding_mask);
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("attn_export::multi_head_attention", "")
-                         .typed<decltype(multi_head_attention_autograd)>();
+    static auto op = typed_op<decltype(multi_head_attention_autograd)>(spec::kOpMultiHeadAttention);
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
                    out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
@@ -273,8 +269,8 @@ class AttentionForwardNoGrad : public Function<AttentionForwardNoGrad> {
     return {out, lse, weights};
   }
   static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false, "attn_export::_attention_forward is an internal kernel without a derivative; "
-                       "call attn_export::attention (or the FusedMultiheadAttention module) for gradients");
+    TORCH_CHECK(false, spec::kOpAttentionForward, " is an internal kernel without a derivative; call ",
+                spec::kOpAttention, " (or the FusedMultiheadAttention module) for gradients");
   }
 };
 
@@ -314,8 +310,8 @@ class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwar
     return {output, weights, q_proj, kv_proj, attn, lse, probs};
   }
   static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false, "attn_export::_multi_head_attention_forward is an internal kernel without a "
-                       "derivative; call attn_export::multi_head_attention for gradients");
+    TORCH_CHECK(false, spec::kOpMultiHeadAttentionForward, " is an internal kernel without a derivative; call ",
+                spec::kOpMultiHeadAttention, " for gradients");
   }
 };
 
@@ -399,12 +395,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, Autograd, m) {
-  m.impl("attention", &attention_autograd);
-  m.impl("multi_head_attention", &multi_head_attention_autograd);
-  m.impl("_attention_forward", &attention_forward_autograd);
-  m.impl("_attention_backward", &attention_backward_autograd);
-  m.impl("_multi_head_attention_forward", &multi_head_attention_forward_autograd);
-  m.impl("_multi_head_attention_backward", &multi_head_attention_backward_autograd);
+  m.impl(spec::kOpAttention, &attention_autograd);
+  m.impl(spec::kOpMultiHeadAttention, &multi_head_attention_autograd);
+  m.impl(spec::kOpAttentionForward, &attention_forward_autograd);
+  m.impl(spec::kOpAttentionBackward, &attention_backward_autograd);
+  m.impl(spec::kOpMultiHeadAttentionForward, &multi_head_attention_forward_autograd);
+  m.impl(spec::kOpMultiHeadAttentionBackward, &multi_head_attention_backward_autograd);
 }
 
 }  // namespace attn_export::ops

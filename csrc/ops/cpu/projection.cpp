@@ -6,10 +6,16 @@
 #include <vector>
 
 #include "../multi_head_attention.h"
-#include "linear_kernel.h"
+#include "../../kernels/cpu/linear_kernel.h"
 
-namespace attn_export::ops::cpu {
+namespace attn_export::ops {
 namespace {
+
+using cpu::kLinearPanelCols;
+using cpu::linear_kernel_available;
+using cpu::linear_rows;
+using cpu::linear_scratch_floats;
+using cpu::LinearArgs;
 
 // Above this many multiply-adds per projection BLAS is at its best (its packing and threads
 // pay for themselves), and it takes over.
@@ -64,22 +70,22 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
 
 }  // namespace
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor project_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   if (!linear_kernel_applies(x, weight, bias)) {
-    return ops::project(x, weight, bias);
+    return project(x, weight, bias);
   }
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   run_linear_kernel(out, x, weight, bias);
   return out;
 }
 
-void project_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
+void project_into_cpu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
   if (!(is_float(out) && unit_stride(out, 1) && linear_kernel_applies(x, weight, bias))) {
-    out.copy_(ops::project(x, weight, bias));
+    out.copy_(project(x, weight, bias));
     return;
   }
   run_linear_kernel(out, x, weight, bias);
 }
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::ops

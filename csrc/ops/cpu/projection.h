@@ -1,4 +1,5 @@
-// The CPU layer's projections, x W^T + b on token-major rows: the kernel of linear_kernel.h,
+// The CPU layer's projections, x W^T + b on token-major rows: the kernel of
+// csrc/kernels/cpu/linear_kernel.h,
 // split across threads, where it applies (float32, AVX-512, a column-major weight, up to
 // kLinearKernelMaxWork multiply-adds); BLAS otherwise.
 #pragma once
@@ -7,13 +8,13 @@
 
 #include <optional>
 
-namespace attn_export::ops::cpu {
+namespace attn_export::ops {
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor project_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
 // The same, written into `out` ([rows, out_features], unit column stride, rows any distance
 // apart: e.g. one half of a [rows, 2E] buffer).
-void project_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias);
+void project_into_cpu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias);
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::ops

@@ -1,14 +1,12 @@
 // Small dense products on row-major blocks, as the CPU attention kernel needs them.
 //
 // Below kBlasMinWork multiply-adds the vectorized loops of row_kernels.h win: a BLAS call
-// through ATen costs microseconds of dispatch, which would dominate the 16x16x32 blocks of
+// through the host (runtime.h: ATen in the extension) costs microseconds of dispatch, which would dominate the 16x16x32 blocks of
 // short sequences. Above it, float32 blocks go to the register-tiled kernel of
 // linear_kernel.h where the CPU has AVX-512 (the inner dimension of QK^T is a head dim, and
-// BLAS spends a third of such a product packing its operands); other blocks are wrapped
-// (no copy) and handed to ATen's BLAS.
+// BLAS spends a third of such a product packing its operands); other blocks go to the host's
+// BLAS (runtime.h's blas_gemm).
 #pragma once
-
-#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,9 +15,10 @@
 
 #include "linear_kernel.h"
 #include "row_kernels.h"
+#include "runtime.h"
 #include "vec_kernels.h"
 
-namespace attn_export::ops::cpu {
+namespace attn_export::cpu {
 
 constexpr int64_t kBlasMinWork = 64 * 64 * 64;
 
@@ -39,13 +38,6 @@ inline float* linear_scratch(int64_t k) {
 inline void linear_block(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                          int64_t ldb, float* c, int64_t ldc, bool accumulate = false) {
   linear_rows(LinearArgs{m, n, k, a, lda, b, ldb, nullptr, c, ldc, accumulate}, 0, m, 0, n, linear_scratch(k));
-}
-
-template <typename T>
-at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(
-      const_cast<T*>(data), {rows, cols}, {ld, 1},
-      at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
 // b_t[p, j] = alpha * b[j, p] for j < n, p < k (b_t row-major [k, n]): the B^T of A B^T in
@@ -75,14 +67,14 @@ template <typename T>
 void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                int64_t ldb, T* c, int64_t ldc) {
   if (m * n * k >= kBlasMinWork) {
-    wrap_block(c, m, n, ldc).addmm_(wrap_block(a, m, k, lda), wrap_block(b, n, k, ldb).t(), T(0), alpha);
+    blas_gemm(false, true, m, n, k, alpha, a, lda, b, ldb, T(0), c, ldc);
   } else {
     vec::scores(m, n, k, alpha, a, lda, b, ldb, c, ldc);
   }
 }
 
 // scores_nt with alpha * B^T already at hand (b_t: row-major [k, >= n], rows ldb_t apart, as
-// transpose_scaled writes it, once per head: see HeadTransposed in attention_kernel.cpp): the
+// transpose_scaled writes it, once per head: see HeadTransposed in attention_cpu.cpp): the
 // tiled kernel's way into A B^T. b_t == nullptr: scores_nt (small-block loops or BLAS).
 template <typename T>
 void scores_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
@@ -104,7 +96,7 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, 
     linear_block(m, n, k, reinterpret_cast<const float*>(a), lda, reinterpret_cast<const float*>(b), ldb,
                  reinterpret_cast<float*>(c), ldc);
   } else if (m * n * k >= kBlasMinWork) {
-    wrap_block(c, m, n, ldc).addmm_(wrap_block(a, m, k, lda), wrap_block(b, k, n, ldb), beta, alpha);
+    blas_gemm(false, false, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
     vec::gemm_nn(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
@@ -115,10 +107,10 @@ template <typename T>
 void gemm_tn(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
              int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m * n * k >= kBlasMinWork) {
-    wrap_block(c, m, n, ldc).addmm_(wrap_block(a, k, m, lda).t(), wrap_block(b, k, n, ldb), beta, alpha);
+    blas_gemm(true, false, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
     vec::gemm_tn(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::cpu

@@ -14,24 +14,12 @@
 #include <optional>
 #include <tuple>
 
+#include "../../attention_spec.h"
 #include "../../kernels/cuda/attention_cuda.h"
 #include "../attention_binding.h"
 
 namespace attn_export::ops {
 namespace {
-
-// The kernels read every operand's last dim contiguously; other strides are free.
-at::Tensor kernel_operand(const at::Tensor& t) {
-  return t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
-}
-
-std::optional<at::Tensor> attn_mask_4d(const std::optional<at::Tensor>& mask, int64_t batch, int64_t heads) {
-  if (!mask.has_value()) {
-    return std::nullopt;
-  }
-  // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
-  return broadcast_attn_mask(*mask, batch, heads);
-}
 
 void check_supported(const AttentionParams& params) {
   const char* why = cuda::attention_params_error(params);
@@ -55,30 +43,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     bool is_causal,
     std::optional<double> scale,
     bool need_weights) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   const c10::cuda::CUDAGuard device_guard(query.device());
-  const at::ScalarType dtype = query.scalar_type();
-  const auto acc_options = query.options().dtype(accumulation_dtype(dtype));
-  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-
-  const at::Tensor q = kernel_operand(query);
-  const at::Tensor k = kernel_operand(key);
-  const at::Tensor v = kernel_operand(value);
-  at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
-  at::Tensor lse = at::empty({batch, heads, seqlen_q}, acc_options);
-  std::optional<at::Tensor> weights;
-  if (need_weights) {
-    weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
-  }
-  const AttentionParams params = make_attention_params(
-      q, k, v, out, lse, weights, attn_mask_4d(attn_mask, batch, heads), key_padding_mask,
-      resolve_scale(scale, query.size(3)), is_causal);
-  check_supported(params);
-  check_launch(cuda::run_attention_forward(params, current_stream(query)), "attention forward");
-
-  return std::make_tuple(
-      out, lse, weights.has_value() ? weights->to(dtype) : at::empty({0}, query.options()));
+  // float16/bfloat16 stay as they are: the kernels read them natively.
+  const AttentionForward forward = prepare_attention_forward(
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
+      /*masks_in_compute_dtype=*/false);
+  check_supported(forward.params);
+  check_launch(cuda::run_attention_forward(forward.params, current_stream(query)), "attention forward");
+  return attention_forward_results(forward, query);
 }
 
 at::Tensor attention_cuda(
@@ -120,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor v = kernel_operand(value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
-  const auto mask4d = attn_mask_4d(attn_mask, batch, heads);
+  // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
+  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads);
 
   // The kernels need the forward's output O for rowsum(dO * O). The autograd functions pass
   // the saved one; a caller that does not is served by one more forward pass, O(L) memory.
@@ -160,9 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
-  m.impl("attention", &attention_cuda);
-  m.impl("_attention_forward", &attention_forward_cuda);
-  m.impl("_attention_backward", &attention_backward_cuda);
+  m.impl(spec::kOpAttention, &attention_cuda);
+  m.impl(spec::kOpAttentionForward, &attention_forward_cuda);
+  m.impl(spec::kOpAttentionBackward, &attention_backward_cuda);
 }
 
 }  // namespace attn_export::ops

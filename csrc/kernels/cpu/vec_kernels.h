@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace attn_export::ops::cpu::vec {
+namespace attn_export::cpu::vec {
 
 // scores(): c[:, 0:n] = alpha * a b^T for a row-padded score buffer (ldc >= padded_cols(n),
 // see row_kernels.h); columns [n, padded_cols(n)) are left unspecified for the caller to fill.
@@ -31,4 +31,4 @@ ATTN_EXPORT_DECLARE_ROW_KERNELS(double)
 
 #undef ATTN_EXPORT_DECLARE_ROW_KERNELS
 
-}  // namespace attn_export::ops::cpu::vec
+}  // namespace attn_export::cpu::vec

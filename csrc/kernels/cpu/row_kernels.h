@@ -17,7 +17,7 @@
 #define ATTN_EXPORT_INLINE inline
 #endif
 
-namespace attn_export::ops::cpu::rows {
+namespace attn_export::cpu::rows {
 
 // c[i, j] = alpha * a[i, :] . b[j, :]   (i < m, j < n, reduction over k)
 template <typename T>
@@ -402,4 +402,4 @@ ATTN_EXPORT_INLINE void add_mask_row(const T* mask, int64_t stride, T* x, int64_
   }
 }
 
-}  // namespace attn_export::ops::cpu::rows
+}  // namespace attn_export::cpu::rows

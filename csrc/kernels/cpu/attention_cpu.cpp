@@ -7,11 +7,13 @@
 // recomputes the probabilities from q, k and the saved log-sum-exp, one (batch, head) per
 // task so that its dK/dV accumulation needs no synchronization.
 //
-// float16/bfloat16 inputs are converted to float32 first and every kernel runs in float32
-// (float64 for float64 inputs), so half types accumulate in float32.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// float16/bfloat16 inputs are converted to float32 by the binding (csrc/ops/cpu/
+// attention_cpu_binding.cpp) and every kernel runs in float32 (float64 for float64 inputs), so
+// half types accumulate in float32.
+//
+// Threads and BLAS come from the host through runtime.h (ATen's in the PyTorch extension), so
+// that this file includes no framework header.
+#include "attention_cpu.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,19 +22,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../attention_params.h"
-#include "../attention_binding.h"
-#include "attention_cpu.h"
 #include "block_gemm.h"
+#include "runtime.h"
 #include "vec_kernels.h"
 
-namespace attn_export::ops {
+namespace attn_export::cpu {
 namespace {
 
-using cpu::gemm_nn;
-using cpu::gemm_tn;
-using cpu::scores_nt;
-using cpu::rows::padded_cols;
+using rows::padded_cols;
 
 // Query rows per task: as many as keep a block of scores near kBlockScores floats (1 MiB for
 // float32, within L2), between kMinQueryBlock and kMaxQueryBlock. Larger blocks make the
@@ -54,7 +51,7 @@ int64_t grain_for(int64_t task_work) {
 int64_t query_block(const AttentionParams& p, bool split_heads_across_threads) {
   int64_t block = std::clamp(kBlockScores / std::max<int64_t>(1, p.seqlen_k), kMinQueryBlock, kMaxQueryBlock);
   const int64_t heads = p.batch * p.num_heads;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   if (split_heads_across_threads && heads < 2 * threads) {
     // Few heads: smaller blocks, so that every thread gets work.
     block = std::min(block, std::max(kMinQueryBlock, ceil_div(p.seqlen_q * heads, 2 * threads)));
@@ -78,9 +75,9 @@ int64_t visible_keys(const AttentionParams& p, int64_t row_end) {
 template <typename T>
 void apply_mask(const AttentionMask& m, int64_t offset, int64_t cols, T* scores) {
   if (m.kind == MaskKind::kBool) {
-    cpu::vec::apply_bool_mask_row(static_cast<const uint8_t*>(m.ptr) + offset, m.col_stride, scores, cols);
+    vec::apply_bool_mask_row(static_cast<const uint8_t*>(m.ptr) + offset, m.col_stride, scores, cols);
   } else {
-    cpu::vec::add_mask_row(static_cast<const T*>(m.ptr) + offset, m.col_stride, scores, cols);
+    vec::add_mask_row(static_cast<const T*>(m.ptr) + offset, m.col_stride, scores, cols);
   }
 }
 
@@ -129,14 +126,14 @@ class HeadTransposed {
     if constexpr (!std::is_same_v<T, float>) {
       return nullptr;
     } else {
-      if (!cpu::product_uses_linear_kernel<float>(rows, cols, dim)) {
+      if (!product_uses_linear_kernel<float>(rows, cols, dim)) {
         return nullptr;
       }
       const int64_t bh = b * p.num_heads + h;
       if (bh != head_) {
         data_.resize(static_cast<size_t>(dim * p.seqlen_k));
         const float* x = static_cast<const float*>(base) + b * batch_stride + h * head_stride;
-        cpu::transpose_scaled(p.seqlen_k, dim, alpha, x, row_stride, data_.data());
+        transpose_scaled(p.seqlen_k, dim, alpha, x, row_stride, data_.data());
         head_ = bh;
       }
       return data_.data();
@@ -162,7 +159,7 @@ void attention_forward_kernel(const AttentionParams& p) {
   const int64_t tasks = p.batch * heads * blocks_per_head;
   const int64_t task_work = block * seqlen_k * (p.head_dim + p.head_dim_v);
 
-  at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t begin, int64_t end) {
+  parallel_for(0, tasks, grain_for(task_work), [&](int64_t begin, int64_t end) {
     std::vector<T> scores(p.weights != nullptr && seqlen_k % cpu::rows::kRowAlign == 0
                               ? 0
                               : block * score_stride(seqlen_k));
@@ -186,7 +183,7 @@ void attention_forward_kernel(const AttentionParams& p) {
       T* lse = static_cast<T*>(p.lse) + bh * seqlen_q + row0;
       // Without weights to return, P stays unnormalized and the output rows are scaled.
       T* scale = weights == nullptr ? row_scale.data() : nullptr;
-      cpu::vec::softmax_rows(s, rows, cols, ld, lse, scale);
+      vec::softmax_rows(s, rows, cols, ld, lse, scale);
 
       const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
       T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
@@ -224,7 +221,7 @@ template <typename T>
 class KeyValueGrads {
  public:
   KeyValueGrads(const AttentionBackwardParams& p, int64_t block)
-      : p_(p), tiled_(cpu::product_uses_linear_kernel<T>(block, p.seqlen_k, std::min(p.head_dim, p.head_dim_v))) {}
+      : p_(p), tiled_(product_uses_linear_kernel<T>(block, p.seqlen_k, std::min(p.head_dim, p.head_dim_v))) {}
 
   void begin_head(T* grad_k, T* grad_v) {
     grad_k_ = grad_k;
@@ -234,8 +231,8 @@ class KeyValueGrads {
       grad_k_t_.assign(static_cast<size_t>(p_.head_dim * ld_), 0.0f);
       grad_v_t_.assign(static_cast<size_t>(p_.head_dim_v * ld_), 0.0f);
     } else {
-      cpu::vec::scale_rows(p_.seqlen_k, p_.head_dim, T(0), grad_k, p_.grad_k_row_stride);
-      cpu::vec::scale_rows(p_.seqlen_k, p_.head_dim_v, T(0), grad_v, p_.grad_v_row_stride);
+      vec::scale_rows(p_.seqlen_k, p_.head_dim, T(0), grad_k, p_.grad_k_row_stride);
+      vec::scale_rows(p_.seqlen_k, p_.head_dim_v, T(0), grad_v, p_.grad_v_row_stride);
     }
   }
 
@@ -244,7 +241,7 @@ class KeyValueGrads {
     if constexpr (std::is_same_v<T, float>) {
       if (tiled_) {
         transposed(dO, p_.grad_out_row_stride, rows, p_.head_dim_v);
-        cpu::linear_block(p_.head_dim_v, cols, rows, a_t_.data(), rows, P, ld, grad_v_t_.data(), ld_, true);
+        linear_block(p_.head_dim_v, cols, rows, a_t_.data(), rows, P, ld, grad_v_t_.data(), ld_, true);
         return;
       }
     }
@@ -258,11 +255,11 @@ class KeyValueGrads {
     if constexpr (std::is_same_v<T, float>) {
       if (tiled_) {
         for (int64_t r = 0; r < rows; ++r) {
-          cpu::vec::scale_rows(1, cols, scale, dS + r * ld, ld);
+          vec::scale_rows(1, cols, scale, dS + r * ld, ld);
         }
-        cpu::linear_block(rows, p_.head_dim, cols, dS, ld, k, p_.k_row_stride, grad_q, p_.grad_q_row_stride);
+        linear_block(rows, p_.head_dim, cols, dS, ld, k, p_.k_row_stride, grad_q, p_.grad_q_row_stride);
         transposed(q, p_.q_row_stride, rows, p_.head_dim);
-        cpu::linear_block(p_.head_dim, cols, rows, a_t_.data(), rows, dS, ld, grad_k_t_.data(), ld_, true);
+        linear_block(p_.head_dim, cols, rows, a_t_.data(), rows, dS, ld, grad_k_t_.data(), ld_, true);
         return;
       }
     }
@@ -274,9 +271,9 @@ class KeyValueGrads {
     if constexpr (std::is_same_v<T, float>) {
       if (tiled_) {
         // [dim, Lk] -> [Lk, dim]: transpose_scaled reads rows of its source, here the columns.
-        cpu::transpose_scaled(p_.head_dim, p_.seqlen_k, 1.0f, grad_k_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim));
+        transpose_scaled(p_.head_dim, p_.seqlen_k, 1.0f, grad_k_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim));
         copy_rows(a_t_.data(), p_.head_dim, grad_k_, p_.grad_k_row_stride, p_.head_dim);
-        cpu::transpose_scaled(p_.head_dim_v, p_.seqlen_k, 1.0f, grad_v_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim_v));
+        transpose_scaled(p_.head_dim_v, p_.seqlen_k, 1.0f, grad_v_t_.data(), ld_, a_t_for(p_.seqlen_k, p_.head_dim_v));
         copy_rows(a_t_.data(), p_.head_dim_v, grad_v_, p_.grad_v_row_stride, p_.head_dim_v);
       }
     }
@@ -291,7 +288,7 @@ class KeyValueGrads {
   // a_t_ = x^T for x: [rows, dim] rows `stride` apart.
   void transposed(const T* x, int64_t stride, int64_t rows, int64_t dim) {
     if constexpr (std::is_same_v<T, float>) {
-      cpu::transpose_scaled(rows, dim, 1.0f, x, stride, a_t_for(dim, rows));
+      transpose_scaled(rows, dim, 1.0f, x, stride, a_t_for(dim, rows));
     }
   }
 
@@ -316,7 +313,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t block = query_block(p, /*split_heads_across_threads=*/false);
   const int64_t head_work = seqlen_q * seqlen_k * (2 * dim + 2 * dim_v);
 
-  at::parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
     std::vector<T> probs(block * score_stride(seqlen_k)), grad_scores(block * score_stride(seqlen_k));
     HeadTransposed keys_t, values_t;
     KeyValueGrads<T> grads(p, block);
@@ -350,7 +347,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         } else {
           masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
           for (int64_t r = 0; r < rows; ++r) {
-            cpu::vec::probabilities_row(P + r * ld, cols, lse[r]);
+            vec::probabilities_row(P + r * ld, cols, lse[r]);
           }
         }
         grads.add_grad_v(P, ld, dO, rows, cols);
@@ -369,7 +366,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             }
           }
           // dS = P * (dP - rowsum(P * dP))
-          cpu::vec::softmax_backward_row(P + r * ld, row, cols);
+          vec::softmax_backward_row(P + r * ld, row, cols);
         }
         grads.add_grad_q_k(dS, ld, k, q + row0 * p.q_row_stride, grad_q + row0 * p.grad_q_row_stride, rows, cols);
       }
@@ -378,171 +375,27 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   });
 }
 
-// The kernels read the last dim contiguously and compute in the accumulation dtype.
-at::Tensor kernel_operand(const at::Tensor& t, at::ScalarType dtype) {
-  at::Tensor r = t.scalar_type() == dtype ? t : t.to(dtype);
-  return r.size(-1) > 1 && r.stride(-1) != 1 ? r.contiguous() : r;
+// Calls run(T{}) with T the kernels' element type for p.dtype; false for dtypes they do not take.
+template <typename Params, typename Run>
+bool by_dtype(const Params& p, Run run) {
+  if (p.dtype == DataType::kFloat64) {
+    run(double{});
+  } else if (p.dtype == DataType::kFloat32) {
+    run(float{});
+  } else {
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
 
-namespace cpu {
-
-void run_attention_forward(const AttentionParams& p) {
-  TORCH_INTERNAL_ASSERT(p.dtype == DataType::kFloat32 || p.dtype == DataType::kFloat64);
-  if (p.dtype == DataType::kFloat64) {
-    attention_forward_kernel<double>(p);
-  } else {
-    attention_forward_kernel<float>(p);
-  }
+bool run_attention_forward(const AttentionParams& p) {
+  return by_dtype(p, [&](auto zero) { attention_forward_kernel<decltype(zero)>(p); });
 }
 
-void run_attention_backward(const AttentionBackwardParams& p) {
-  TORCH_INTERNAL_ASSERT(p.dtype == DataType::kFloat32 || p.dtype == DataType::kFloat64);
-  if (p.dtype == DataType::kFloat64) {
-    attention_backward_kernel<double>(p);
-  } else {
-    attention_backward_kernel<float>(p);
-  }
+bool run_attention_backward(const AttentionBackwardParams& p) {
+  return by_dtype(p, [&](auto zero) { attention_backward_kernel<decltype(zero)>(p); });
 }
 
-std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
-                                           int64_t heads, at::ScalarType dtype) {
-  if (!mask.has_value()) {
-    return std::nullopt;
-  }
-  at::Tensor m = mask->scalar_type() == at::kBool ? *mask : mask->to(dtype);
-  return broadcast_attn_mask(m, batch, heads);
-}
-
-std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
-                                              at::ScalarType dtype) {
-  if (!mask.has_value()) {
-    return std::nullopt;
-  }
-  return mask->scalar_type() == at::kBool ? *mask : mask->to(dtype);
-}
-
-}  // namespace cpu
-
-namespace {
-
-using cpu::kernel_attn_mask;
-using cpu::kernel_padding_mask;
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
-  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-  const auto options = query.options().dtype(acc);
-
-  const at::Tensor q = kernel_operand(query, acc);
-  const at::Tensor k = kernel_operand(key, acc);
-  const at::Tensor v = kernel_operand(value, acc);
-  at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, options);
-  at::Tensor lse = at::empty({batch, heads, seqlen_q}, options);
-  std::optional<at::Tensor> weights;
-  if (need_weights) {
-    weights = at::empty({batch, heads, seqlen_q, seqlen_k}, options);
-  }
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, acc);
-  const auto padding = kernel_padding_mask(key_padding_mask, acc);
-
-  const AttentionParams params = make_attention_params(
-      q, k, v, out, lse, weights, mask4d, padding, resolve_scale(scale, query.size(3)), is_causal);
-  cpu::run_attention_forward(params);
-
-  const at::ScalarType dtype = query.scalar_type();
-  return std::make_tuple(
-      out.to(dtype), lse,
-      weights.has_value() ? weights->to(dtype) : at::empty({0}, query.options()));
-}
-
-at::Tensor attention_cpu(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale) {
-  return std::get<0>(attention_forward_cpu(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    const std::optional<at::Tensor>& probs,
-    const std::optional<at::Tensor>& /*output: not needed on the CPU*/) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_attention_backward_inputs(grad_output, logsumexp, query, value);
-  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-  TORCH_CHECK(
-      !probs.has_value() || probs->sizes() == at::IntArrayRef({batch, heads, seqlen_q, seqlen_k}),
-      "attention backward: probs must be [batch, heads, Lq, Lk] = [", batch, ", ", heads, ", ",
-      seqlen_q, ", ", seqlen_k, "]; got ", probs.has_value() ? probs->sizes() : at::IntArrayRef{});
-
-  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
-  const auto options = query.options().dtype(acc);
-  const at::Tensor q = kernel_operand(query, acc);
-  const at::Tensor k = kernel_operand(key, acc);
-  const at::Tensor v = kernel_operand(value, acc);
-  const at::Tensor grad_out = kernel_operand(grad_output, acc);
-  const at::Tensor lse = logsumexp.to(acc).contiguous();
-  at::Tensor grad_q = empty_token_major(batch, heads, seqlen_q, query.size(3), options);
-  at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, key.size(3), options);
-  at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, options);
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, acc);
-  const auto padding = kernel_padding_mask(key_padding_mask, acc);
-
-  std::optional<at::Tensor> gw;
-  if (grad_weights.has_value() && grad_weights->defined()) {
-    gw = kernel_operand(grad_weights->expand({batch, heads, seqlen_q, seqlen_k}), acc);
-  }
-  // The CPU backward recomputes each probability row in full (or reads the forward's), so it
-  // needs no forward output.
-  AttentionParams forward = make_attention_params(
-      q, k, v, grad_out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
-      is_causal);
-  forward.out = nullptr;
-  AttentionBackwardParams params =
-      make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
-  at::Tensor saved_probs;
-  if (probs.has_value()) {
-    saved_probs = probs->to(acc).contiguous();
-    params.probs = saved_probs.data_ptr();
-  }
-
-  cpu::run_attention_backward(params);
-  const at::ScalarType dtype = query.scalar_type();
-  return std::make_tuple(grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype));
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
-  m.impl("attention", &attention_cpu);
-  m.impl("_attention_forward", &attention_forward_cpu);
-  m.impl("_attention_backward", &attention_backward_cpu);
-}
-
-}  // namespace attn_export::ops
+}  // namespace attn_export::cpu

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace attn_export::ops::cpu {
+namespace attn_export::cpu {
 
 inline float exp_approx(float x) {
   // Below -87 the result is under 1.7e-38: return exactly 0, which also maps the -inf of a
@@ -36,4 +36,4 @@ inline double exp_approx(double x) {
   return std::exp(x);
 }
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::cpu

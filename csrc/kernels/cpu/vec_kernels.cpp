@@ -15,7 +15,7 @@
 #define ATTN_EXPORT_MULTIVERSION
 #endif
 
-namespace attn_export::ops::cpu::vec {
+namespace attn_export::cpu::vec {
 
 // A . B^T as dot products needs one horizontal reduction per output element; with B
 // transposed (and its columns zero-padded to the score rows' padding) the inner loop becomes
@@ -84,4 +84,4 @@ T* panel_for(int64_t k) {
 ATTN_EXPORT_DEFINE_ROW_KERNELS(float)
 ATTN_EXPORT_DEFINE_ROW_KERNELS(double)
 
-}  // namespace attn_export::ops::cpu::vec
+}  // namespace attn_export::cpu::vec

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-namespace attn_export::ops::cpu {
+namespace attn_export::cpu {
 
 // Columns per panel of B: the tile width, and the unit a column split should use.
 constexpr int64_t kLinearPanelCols = 32;
@@ -39,4 +39,4 @@ void linear_rows(const LinearArgs& args, int64_t row_begin, int64_t row_end, int
 
 int64_t linear_scratch_floats(int64_t k);
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::cpu

@@ -13,7 +13,7 @@
 #define ATTN_EXPORT_LINEAR_KERNEL 1
 #endif
 
-namespace attn_export::ops::cpu {
+namespace attn_export::cpu {
 
 constexpr int64_t kPanelCols = kLinearPanelCols;  // two 16-float vectors
 constexpr int kTileRows = 12;
@@ -156,4 +156,4 @@ void linear_rows(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*) 
 
 #endif
 
-}  // namespace attn_export::ops::cpu
+}  // namespace attn_export::cpu

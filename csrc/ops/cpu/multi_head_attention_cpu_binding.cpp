@@ -3,11 +3,13 @@
 // ever materialized and nothing goes through the dispatcher but the two GEMMs, which is what
 // makes one call cheaper than nn.MultiheadAttention's chain of small operators.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "../../attention_params.h"
+#include "../../attention_spec.h"
+#include "../../kernels/cpu/attention_cpu.h"
 #include "../attention_binding.h"
 #include "../multi_head_attention.h"
-#include "attention_cpu.h"
 #include "projection.h"
 
 namespace attn_export::ops {
@@ -78,8 +80,8 @@ CoreInputs fill_core_params(AttentionParams& p, const MultiHeadAttentionArgs& a,
   point(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, q);
   point(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, k);
   point(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, v);
-  CoreInputs inputs{cpu::kernel_attn_mask(a.attn_mask, g.batch, g.heads, acc),
-                    cpu::kernel_padding_mask(batched_padding_mask(a), acc)};
+  CoreInputs inputs{kernel_attn_mask(a.attn_mask, g.batch, g.heads, acc),
+                    kernel_padding_mask(batched_padding_mask(a), acc)};
   if (inputs.attn_mask.has_value()) {
     p.attn_mask = mask_params(*inputs.attn_mask, /*is_key_padding=*/false);
   }
@@ -105,22 +107,22 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
 
   MultiHeadAttentionResult r;
   if (packed_qkv) {
-    r.q_proj = cpu::project(a.query.reshape({-1, embed_dim}), a.in_proj_weight, a.in_proj_bias);
+    r.q_proj = project_cpu(a.query.reshape({-1, embed_dim}), a.in_proj_weight, a.in_proj_bias);
     r.kv_proj = at::empty({0}, a.query.options());
   } else {
-    r.q_proj = cpu::project(a.query.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 0, embed_dim),
-                       bias_rows(a.in_proj_bias, 0, embed_dim));
+    r.q_proj = project_cpu(a.query.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, 0, embed_dim),
+                           bias_rows(a.in_proj_bias, 0, embed_dim));
     if (a.key.is_same(a.value)) {
-      r.kv_proj = cpu::project(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
-                          bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
+      r.kv_proj = project_cpu(a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, 2 * embed_dim),
+                              bias_rows(a.in_proj_bias, embed_dim, 2 * embed_dim));
     } else {
       r.kv_proj = at::empty({a.key.numel() / embed_dim, 2 * embed_dim}, a.query.options());
       at::Tensor k_half = r.kv_proj.narrow(1, 0, embed_dim), v_half = r.kv_proj.narrow(1, embed_dim, embed_dim);
-      cpu::project_into(k_half, a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
-                        bias_rows(a.in_proj_bias, embed_dim, embed_dim));
-      cpu::project_into(v_half, a.value.reshape({-1, embed_dim}),
-                        a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
-                        bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim));
+      project_into_cpu(k_half, a.key.reshape({-1, embed_dim}), a.in_proj_weight.narrow(0, embed_dim, embed_dim),
+                       bias_rows(a.in_proj_bias, embed_dim, embed_dim));
+      project_into_cpu(v_half, a.value.reshape({-1, embed_dim}),
+                       a.in_proj_weight.narrow(0, 2 * embed_dim, embed_dim),
+                       bias_rows(a.in_proj_bias, 2 * embed_dim, embed_dim));
     }
   }
 
@@ -141,10 +143,10 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
         head_view(attn, 0, batch, seqlen_q, g.head_dim, g.batch_first));
   p.lse = r.lse.data_ptr();
   p.weights = weights.has_value() ? weights->data_ptr() : nullptr;
-  cpu::run_attention_forward(p);
+  TORCH_INTERNAL_ASSERT(cpu::run_attention_forward(p), "the CPU kernels take float32 or float64");
 
   r.attn = attn.to(dtype);
-  r.output = cpu::project(r.attn, a.out_proj_weight, a.out_proj_bias).view(a.query.sizes());
+  r.output = project_cpu(r.attn, a.out_proj_weight, a.out_proj_bias).view(a.query.sizes());
   r.weights = a.need_weights ? finalize_weights(weights->to(dtype), a) : at::empty({0}, a.query.options());
   r.probs = save_probs ? *weights : at::empty({0}, options);
   return r;
@@ -194,8 +196,14 @@ ProjectionGrads core_backward_cpu(
     p.grad_weights_head_stride = gw.stride(1);
     p.grad_weights_row_stride = gw.stride(2);
   }
-  cpu::run_attention_backward(p);
+  TORCH_INTERNAL_ASSERT(cpu::run_attention_backward(p), "the CPU kernels take float32 or float64");
   return {grad_q.to(dtype), packed_qkv ? at::empty({0}, a.query.options()) : grad_kv.to(dtype)};
+}
+
+TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
+  m.impl(spec::kOpMultiHeadAttention, &layer_kernel<multi_head_attention_forward_cpu>);
+  m.impl(spec::kOpMultiHeadAttentionForward, &layer_forward_kernel<multi_head_attention_forward_cpu>);
+  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_kernel<core_backward_cpu>);
 }
 
 }  // namespace attn_export::ops
