@@ -21,7 +21,7 @@ ops = torch.ops.attn_export
 f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 # 257 x 530 x 32 and 300 x 1100 x 16: float32 blocks above 64^3 multiply-adds, which run on
-# the tiled kernel of csrc/ops/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the
+# the tiled kernel of csrc/kernels/cpu/linear_kernel.cpp on AVX-512 CPUs (BLAS elsewhere); the
 # latter in two query blocks, so that dK and dV accumulate across blocks. The rest: the
 # small-block loops. On the GPU: 77 x 131, head dim 64 (tensor cores for float16).
 CPU_SIZES = [(5, 7, 8), (7, 5, 8), (1, 1, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32), (300, 1100, 16)]

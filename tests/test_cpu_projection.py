@@ -1,4 +1,4 @@
-"""The CPU layer's own projection kernel (csrc/ops/cpu/linear_kernel.cpp) against float64.
+"""The CPU layer's own projection kernel (csrc/kernels/cpu/linear_kernel.cpp) against float64.
 
 On AVX-512 CPUs float32 projections of up to 2^25 multiply-adds run on it, with the token
 rows (or, for a few tokens, the weight's column panels) split across threads; everything

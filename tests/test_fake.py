@@ -1,4 +1,4 @@
-"""The fake kernels (attn_export/_fake.py) must reject what the C++ kernels reject, with the
+"""The fake kernels (exporter/_fake.py) must reject what the C++ kernels reject, with the
 same message, and otherwise describe the real outputs exactly."""
 import pytest
 import torch

@@ -9,7 +9,8 @@ from typing import Callable, List, Optional, Tuple
 import onnx
 
 from attn_export.tensorrt.plugin_library import LibraryInfo, check_plugin_library, register_plugin_library
-from attn_export.tensorrt.requests import SUPPORTED_ONNX_TYPES, PluginRequest, expected_fields, plugin_requests
+from attn_export import spec as _spec
+from attn_export.tensorrt.requests import PluginRequest, expected_fields, plugin_requests
 from attn_export.tensorrt.runtime import PluginError, import_tensorrt
 
 @dataclass
@@ -58,12 +59,13 @@ def preflight(
     ``load_library`` its ``load_library``; tests pass stand-ins. Raises PluginError.
     """
     requests = plugin_requests(model)
+    supported = _spec.load().tensor_type_names
     for request in requests:
         for node, type_name in request.types.items():
-            if type_name not in SUPPORTED_ONNX_TYPES.values():
+            if type_name not in supported:
                 raise PluginError(
-                    f"node {node}: query is {type_name}; the FusedAttention plugin supports float32, float16 and "
-                    "bfloat16 (export with --dtype fp32|fp16|bf16)"
+                    f"node {node}: query is {type_name}; the FusedAttention plugin supports "
+                    f"{', '.join(supported[:-1])} and {supported[-1]} (export with --dtype fp32|fp16|bf16)"
                 )
             if type_name == "bfloat16" and compute_capability is not None and compute_capability < (8, 0):
                 raise PluginError(

@@ -10,9 +10,9 @@ import onnx
 from attn_export import spec as _spec
 from attn_export.tensorrt.runtime import PluginError
 
-SUPPORTED_ONNX_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                        onnx.TensorProto.BFLOAT16: "bfloat16"}
-MASK_ONNX_TYPE = onnx.TensorProto.FLOAT
+# The element types the plugin takes, from the spec (csrc/attention_spec.h): T and the masks' M.
+SUPPORTED_ONNX_TYPES = _spec.load().tensor_type_map
+MASK_ONNX_TYPE = _spec.load().mask_type
 
 
 @dataclass
@@ -33,14 +33,7 @@ def expected_fields() -> List[Tuple[str, str]]:
     """(name, PluginFieldType name) of every field the nodes hand the plugin creator: the ONNX
     node's attributes except plugin_version/plugin_namespace, INT -> INT32, FLOAT -> FLOAT32 (the
     parser's narrowing). tests/test_tensorrt_plugin.py holds the C++ field table to the same list."""
-    from attn_export import onnx_node
-
-    s = _spec.load()
-    onnx_node.register_schema()
-    schema = onnx.defs.get_schema(s.op_type, s.domain_version, s.domain)
-    kinds = {onnx.defs.OpSchema.AttrType.INT: "INT32", onnx.defs.OpSchema.AttrType.FLOAT: "FLOAT32"}
-    names = [a for a in s.attribute_names if a not in (s.attr_plugin_version, s.attr_plugin_namespace)]
-    return [(name, kinds[schema.attributes[name].type]) for name in names]
+    return [(f.name, f.plugin_field_type) for f in _spec.load().plugin_fields]
 
 
 def plugin_field_collection(trt, *, num_heads: int, scale: float, is_causal: bool = False,
@@ -98,8 +91,8 @@ def plugin_requests(model: onnx.ModelProto) -> List[PluginRequest]:
             pass
     requests: Dict[Tuple[str, str, str], PluginRequest] = {}
     for i, node in enumerate(nodes):
-        key = (node.op_type, _string_attr(node, s.attr_plugin_version, "1"),
-               _string_attr(node, s.attr_plugin_namespace, ""))
+        key = (node.op_type, _string_attr(node, s.attr_plugin_version, s.attribute[s.attr_plugin_version].default),
+               _string_attr(node, s.attr_plugin_namespace, s.attribute[s.attr_plugin_namespace].default))
         request = requests.setdefault(key, PluginRequest(*key))
         label = node.name or f"{node.op_type}#{i}"
         request.nodes.append(label)
@@ -111,7 +104,7 @@ def plugin_requests(model: onnx.ModelProto) -> List[PluginRequest]:
             if formal[position].type_str == "M" and elem != MASK_ONNX_TYPE:
                 raise PluginError(
                     f"node {label}: {s.input_names[position]} is {_onnx_type_name(elem)}; the plugin takes "
-                    "float32 additive masks (re-export with this attn-export)"
+                    f"{s.mask_type_name} additive masks (re-export with this attn-export)"
                 )
             if formal[position].type_str == "T":
                 t_types[s.input_names[position]] = _onnx_type_name(elem)
