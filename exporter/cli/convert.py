@@ -135,6 +135,12 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
                              replace=not no_replace, quiet=not session.verbose, seed=input_args.seed)
     for note in result.notes + (result.replacement.notes if result.replacement else []):
         session.note(f"note: {note}")
+    if result.replacement is not None:
+        # SDPA sites are confirmed when the model runs: one that made no fused call now counts as skipped.
+        problem = coverage.problem(result.replacement)
+        if problem:
+            click.echo(f"FAILED: {problem} (when the model ran)", err=True)
+            return EXIT_MISMATCH
     axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
     session.out.print(
         f"wrote {out_path}: opset {result.opset}, {result.dtype}, {result.num_attention_nodes} fused attention "
