@@ -304,8 +304,8 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
                     "does not dispatch through transformers' AttentionInterface (it computes attention "
                     "itself), so attn_implementation cannot route it"
                     if in_hf else
-                    "not a recognized attention form (nn.MultiheadAttention, F.scaled_dot_product_attention "
-                    "in its forward, or a transformers layer)"
+                    "not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
+                    "(hand-written attention is not rewritten yet)"
                 )
                 layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason, found=""))
             return

@@ -130,6 +130,18 @@ class RoutedForward:
         finally:
             stack.pop()
 
+    @property
+    def __signature__(self):  # the class forward's, without self (torch.export binds inputs by it)
+        import inspect
+
+        signature = inspect.signature(type(self.module).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __getattr__(self, name):  # __name__, __doc__, __code__ ... of the class forward
+        if name in ("module", "calls"):
+            raise AttributeError(name)
+        return getattr(type(self.module).forward, name)
+
     def __deepcopy__(self, memo):
         import copy
 

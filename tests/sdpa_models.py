@@ -163,3 +163,45 @@ def timm_vit(fused_attn: bool = True):
         block.attn.fused_attn = fused_attn  # timm's own switch between SDPA and its by-hand attention
     model.example_inputs = {"x": torch.randn(2, 3, 32, 32)}
     return model
+
+
+class SwinSdpaWindowAttention(nn.Module):
+    """timm's Swin window attention on its SDPA path: a learned relative-position bias table
+    (a parameter) plus the shifted-window mask, given to SDPA as its float attn_mask."""
+
+    def __init__(self, dim=32, heads=4, window=4, shift=True):
+        super().__init__()
+        self.heads, self.window, self.shift = heads, window, shift
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.bias_table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads) * 0.5)
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("rel_index", rel[..., 0] * (2 * window - 1) + rel[..., 1], persistent=False)
+        n = window * window
+        if shift:  # the mask of a shifted 2x2-window grid: tokens of different regions do not attend
+            region = torch.zeros(2 * window, 2 * window)
+            s = window // 2
+            for i, rows in enumerate((slice(0, -window), slice(-window, -s), slice(-s, None))):
+                for j, cols in enumerate((slice(0, -window), slice(-window, -s), slice(-s, None))):
+                    region[rows, cols] = 3 * i + j
+            windows = region.view(2, window, 2, window).permute(0, 2, 1, 3).reshape(4, n)
+            mask = (windows[:, None, :] != windows[:, :, None]).float() * -100.0
+        else:
+            mask = torch.zeros(4, n, n)
+        self.register_buffer("shift_mask", mask, persistent=False)  # [windows, N, N]
+
+    def forward(self, x):  # x: [B * 4 windows, N, C]
+        bw, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(bw, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.bias_table[self.rel_index.view(-1)].view(n, n, -1).permute(2, 0, 1)  # [H, N, N]
+        mask = bias.unsqueeze(0) + self.shift_mask.repeat(bw // 4, 1, 1).unsqueeze(1)  # [B*4, H, N, N]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(bw, n, c))
+
+
+def swin_sdpa():
+    torch.manual_seed(0)
+    model = SwinSdpaWindowAttention().eval()
+    model.example_inputs = {"x": torch.randn(8, 16, 32)}
+    return model

@@ -95,3 +95,34 @@ def test_cli_inspect_and_convert_a_factory_model(tmp_path):
     proc = run("--model", "sdpa_models:gqa_decoder", "--to", "onnx", "-o", out, "--require-all", cwd=TESTS, expect=0)
     assert "2 fused attention node(s)" in proc.stdout and "PASSED" in proc.stdout
     assert len(fused_nodes(out)) == 2
+
+
+def test_swin_style_window_attention_with_learned_bias_exports_fused(tmp_path):
+    """The relative-position bias requires grad while torch.export traces; an exported graph has
+    no backward, so the mask is detached and the call fused."""
+    model = M.swin_sdpa()
+    inputs = model.example_inputs
+    axes = {"x": {0: "windows"}}
+    result = export_onnx(model, inputs, tmp_path / "swin.onnx", dynamic_axes=axes)
+    assert result.num_attention_nodes == 1 and sdpa_nodes_left(result.path) == []
+    check = attn_export.validate(model, result.path, inputs, dynamic_axes=axes)
+    assert check.passed, check.failures
+
+
+def test_gqa_decoder_fp16_export(tmp_path):
+    model = M.gqa_decoder()
+    result = export_onnx(model, model.example_inputs, tmp_path / "m16.onnx", dtype="fp16")
+    assert result.num_attention_nodes == 2 and sdpa_nodes_left(result.path) == []
+
+
+def test_site_that_makes_no_sdpa_call_is_reported_after_export(tmp_path):
+    """timm's fused_attn=False runs its by-hand attention: the source names SDPA, the run does
+    not call it, and the export's report says so (the convert gate counts it as skipped)."""
+    model = M.timm_vit(fused_attn=False)
+    assert all(layer.found == "sdpa" for layer in inspect_attention(model).layers)
+    result = export_onnx(model, model.example_inputs, tmp_path / "vit.onnx", dynamic_axes={"x": {0: "batch"}})
+    assert result.num_attention_nodes == 0
+    layers = result.replacement.layers
+    assert all(layer.status == "skipped" and "no F.scaled_dot_product_attention call" in layer.reason
+               for layer in layers)
+    assert result.replacement.coverage_error(require_all=True) is not None

@@ -314,3 +314,19 @@ def test_route_survives_deepcopy_and_torch_export():
     assert len(nodes) == 6
     assert not any("scaled_dot_product" in str(n.target) for n in exported.graph.nodes)
     assert rel_err(exported.module()(**inputs), model(**inputs)) <= FP32_REL
+
+
+def test_swin_style_learned_bias_mask_training_stays_stock_inference_is_fused():
+    """A mask built from a learned table requires grad in training: SDPA keeps it (its gradient
+    reaches the table); without gradients the call is fused."""
+    model = M.swin_sdpa()
+    fused = routed(model)
+    x = model.example_inputs["x"]
+    fused.train(), model.train()
+    fused(x).sum().backward()
+    model(x).sum().backward()
+    assert rel_err(fused.bias_table.grad, model.bias_table.grad) <= 1e-6
+    assert list(sdpa.calls(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
+    with torch.no_grad():
+        assert rel_err(fused(x), model(x)) <= FP32_REL
+    assert sdpa.calls(fused)["fused"] == 1
