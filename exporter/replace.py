@@ -47,7 +47,9 @@ ROUTED = "routed"
 WILL_ROUTE = "will be routed"
 ALREADY_FUSED = "already fused"
 SKIPPED = "skipped"
-_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE)
+# hand-written attention rewritten to the operator in the captured graph (export only)
+REWRITTEN = "rewritten in the export"
+_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE, REWRITTEN)
 
 
 class CoverageError(RuntimeError):
@@ -143,6 +145,27 @@ class ReplacementReport:
             changed.append(f"{layer.path or '(model)'}: {layer.reason}")
         return changed
 
+    def add_pattern_sites(self, sites) -> None:
+        """Records the hand-written attention found in a captured graph
+        (attn_export.onnx_export.patterns.PatternSite rows): rewritten, or why not."""
+        by_path = {layer.path: layer for layer in self.layers}
+        for site in sites:
+            layer = by_path.get(site.path)
+            if layer is not None and layer.found not in ("", "pattern") and layer.status != SKIPPED:
+                continue  # a softmax inside a fused site (e.g. weights it returns besides): reported there
+            if layer is None:
+                layer = AttentionLayer(site.path, site.cls, None, None, SKIPPED, found="pattern")
+                self.layers.append(layer)
+                by_path[site.path] = layer
+            elif layer.found == "pattern" and layer.status == SKIPPED and site.rewritten:
+                continue  # one skipped softmax in the module is enough to say it is not fully fused
+            layer.found = "pattern"
+            if site.rewritten and not (layer.status == SKIPPED and layer.reason and layer.reason.startswith("hand")):
+                layer.status, layer.reason = REWRITTEN, None
+            else:
+                layer.status = SKIPPED
+                layer.reason = f"hand-written attention not rewritten: {site.reason}"
+
     def to_dict(self) -> Dict:
         return {
             "applied": self.applied,
@@ -164,7 +187,7 @@ class ReplacementReport:
         for column in ("module path", "class", "found", "heads", "embed dim", "status", "reason / notes"):
             table.add_column(column, justify="right" if column in ("heads", "embed dim") else "left",
                              overflow="fold", no_wrap=column in ("found", "heads", "embed dim", "status"))
-        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green",
+        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green", REWRITTEN: "green",
                   ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
         for layer in self.layers:
             detail = "; ".join(([layer.reason] if layer.reason else []) + layer.notes)
@@ -183,12 +206,15 @@ class ReplacementReport:
 
     def summary(self) -> str:
         routed = sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE))
-        swapped = self.num_replaced - routed
+        rewritten = sum(1 for layer in self.layers if layer.status == REWRITTEN)
+        swapped = self.num_replaced - routed - rewritten
         parts = [f"{len(self.layers)} found"]
-        if swapped or not routed:
+        if swapped or not (routed or rewritten):
             parts.append(f"{swapped} {'replaced' if self.applied else 'to replace'}")
         if routed:
             parts.append(f"{routed} {'routed' if self.applied else 'to route'}")
+        if rewritten:
+            parts.append(f"{rewritten} rewritten in the export")
         if self.already_fused:
             parts.append(f"{len(self.already_fused)} already fused")
         parts.append(f"{len(self.skipped)} skipped")

@@ -1,7 +1,9 @@
-"""Small models whose attention calls F.scaled_dot_product_attention, written the way popular
+"""Small models whose attention calls F.scaled_dot_product_attention or is written out by hand, the way popular
 code writes them (tests of the SDPA route, attn_export.sdpa). Also importable as
 ``--model sdpa_models:<factory>`` by the command-line tests."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -204,4 +206,180 @@ def swin_sdpa():
     torch.manual_seed(0)
     model = SwinSdpaWindowAttention().eval()
     model.example_inputs = {"x": torch.randn(8, 16, 32)}
+    return model
+
+
+# -- hand-written attention (rewritten in the captured graph: attn_export.onnx_export.patterns) --
+
+class NanoGPTManualAttention(NanoGPTAttention):
+    """nanoGPT's CausalSelfAttention, its non-flash branch (a causal buffer and masked_fill)."""
+
+    def __init__(self, dim=32, heads=4, block_size=64, dropout=0.1):
+        super().__init__(dim, heads, dropout)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        y = att @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoGPTManual(nn.Module):
+    def __init__(self, vocab=50, dim=32, layers=2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.h = nn.ModuleList(NanoGPTManualAttention(dim) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for attn in self.h:
+            x = x + attn(x)
+        return self.ln_f(x)
+
+
+class BertStyleSelfAttention(nn.Module):
+    """BERT's eager self-attention: scores / sqrt(d) + an additive [B, 1, 1, L] padding mask."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def split(self, x):
+        return x.view(x.size(0), x.size(1), self.heads, self.head_dim).permute(0, 2, 1, 3)
+
+    def forward(self, hidden, attention_mask):
+        q, k, v = self.split(self.query(hidden)), self.split(self.key(hidden)), self.split(self.value(hidden))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(self.head_dim)
+        extended = (1.0 - attention_mask[:, None, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        scores = scores + extended
+        probs = self.dropout(nn.functional.softmax(scores, dim=-1))
+        context = torch.matmul(probs, v).permute(0, 2, 1, 3)
+        return context.reshape(hidden.shape)
+
+
+class BertStyle(nn.Module):
+    def __init__(self, vocab=50, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attention = BertStyleSelfAttention(dim)
+
+    def forward(self, input_ids, attention_mask):
+        return self.attention(self.embed(input_ids), attention_mask)
+
+
+def _relative_position_index(window):
+    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0).contiguous()
+    rel[:, :, 0] += window - 1
+    rel[:, :, 1] += window - 1
+    rel[:, :, 0] *= 2 * window - 1
+    return rel.sum(-1).flatten()
+
+
+def shifted_window_attention(x, qkv, proj, relative_position_bias, window, num_heads, shift):
+    """torchvision.models.swin_transformer.shifted_window_attention (v1, no padding, no dropout in
+    eval), written out as torchvision writes it: q scaled, q.matmul(k^T), + relative bias, the
+    shift mask added through a 5-D view, softmax, dropout, matmul(v)."""
+    B, H, W, C = x.shape
+    if shift > 0:
+        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
+    num_windows = (H // window) * (W // window)
+    x = x.view(B, H // window, window, W // window, window, C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B * num_windows, window * window, C)
+    t = qkv(x)
+    t = t.reshape(x.size(0), x.size(1), 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4)
+    q, k, v = t[0], t[1], t[2]
+    q = q * (C // num_heads) ** -0.5
+    attn = q.matmul(k.transpose(-2, -1))
+    attn = attn + relative_position_bias
+    if shift > 0:
+        attn_mask = x.new_zeros((H, W))
+        slices = ((0, -window), (-window, -shift), (-shift, None))
+        count = 0
+        for h in slices:
+            for w in slices:
+                attn_mask[h[0]:h[1], w[0]:w[1]] = count
+                count += 1
+        attn_mask = attn_mask.view(H // window, window, W // window, window)
+        attn_mask = attn_mask.permute(0, 2, 1, 3).reshape(num_windows, window * window)
+        attn_mask = attn_mask.unsqueeze(1) - attn_mask.unsqueeze(2)
+        attn_mask = attn_mask.masked_fill(attn_mask != 0, float(-100.0)).masked_fill(attn_mask == 0, float(0.0))
+        attn = attn.view(x.size(0) // num_windows, num_windows, num_heads, x.size(1), x.size(1))
+        attn = attn + attn_mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, num_heads, x.size(1), x.size(1))
+    attn = F.softmax(attn, dim=-1)
+    attn = F.dropout(attn, p=0.0, training=False)
+    x = attn.matmul(v).transpose(1, 2).reshape(x.size(0), x.size(1), C)
+    x = proj(x)
+    x = x.view(B, H // window, W // window, window, window, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, C)
+    if shift > 0:
+        x = torch.roll(x, shifts=(shift, shift), dims=(1, 2))
+    return x
+
+
+class ShiftedWindowAttention(nn.Module):
+    """torchvision's ShiftedWindowAttention (v1), its parameters and bias table laid out alike."""
+
+    def __init__(self, dim=32, window=4, shift=2, num_heads=4):
+        super().__init__()
+        self.window, self.shift, self.num_heads = window, shift, num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.relative_position_bias_table = nn.Parameter(torch.randn((2 * window - 1) ** 2, num_heads) * 0.5)
+        self.register_buffer("relative_position_index", _relative_position_index(window))
+
+    def get_relative_position_bias(self):
+        n = self.window * self.window
+        bias = self.relative_position_bias_table[self.relative_position_index].view(n, n, -1)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def forward(self, x):
+        return shifted_window_attention(x, self.qkv, self.proj, self.get_relative_position_bias(), self.window,
+                                        self.num_heads, self.shift)
+
+
+class SwinStage(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.blocks = nn.ModuleList([ShiftedWindowAttention(dim, shift=0), ShiftedWindowAttention(dim, shift=2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def nanogpt_manual():
+    torch.manual_seed(0)
+    model = NanoGPTManual().eval()
+    model.example_inputs = {"idx": torch.randint(0, 50, (2, 12))}
+    return model
+
+
+def bert_style():
+    torch.manual_seed(0)
+    model = BertStyle().eval()
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    model.example_inputs = {"input_ids": torch.randint(0, 50, (2, 10)), "attention_mask": mask}
+    return model
+
+
+def swin_stage():
+    torch.manual_seed(0)
+    model = SwinStage().eval()
+    model.example_inputs = {"x": torch.randn(2, 8, 8, 32)}
     return model

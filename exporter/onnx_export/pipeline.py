@@ -30,6 +30,7 @@ from attn_export.onnx_export.graph import (
     output_names_for,
     project_before_transposing_inputs,
 )
+from attn_export.onnx_export.patterns import rewrite as rewrite_patterns
 from attn_export.onnx_export.translation import translation_table
 
 DEFAULT_OPSET = 20
@@ -209,6 +210,9 @@ def export_onnx(
             )
         except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
             raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
+        if replace:
+            # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
+            report.add_pattern_sites(rewrite_patterns(exported))
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,
