@@ -331,7 +331,7 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
                     "itself), so attn_implementation cannot route it"
                     if in_hf else
                     "not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
-                    "(hand-written attention is not rewritten yet)"
+                    "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)"
                 )
                 layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason, found=""))
             return

@@ -9,8 +9,10 @@ A match is rewritten only when it is exactly the operator's computation:
   dtype the operator takes (float32, float16, bfloat16);
 * the scale is a constant multiply or divide, on the scores (either side) before any bias, or on
   ``q`` before the product; none means 1;
-* at most one additive bias (``add``, either side) and at most one ``masked_fill(mask, -inf)``
-  with a boolean mask, both broadcastable to ``[B, H, Lq, Lk]``;
+* additive biases (``add``, either side; their sum is the operator's mask) and at most one
+  ``masked_fill(mask, -inf)`` with a boolean mask, broadcastable to ``[B, H, Lq, Lk]``; also a bias
+  added through a view that splits the batch axis into ``[B / W, W, H, Lq, Lk]`` and back
+  (torchvision's shifted-window mask), which becomes that bias expanded and reshaped to 4-D;
 * ``softmax`` along the last axis without a dtype argument, then ``matmul(p, v)`` with
   ``v`` ``[B, H, Lk, Dv]``;
 * every intermediate tensor has no other user (attention weights that are also returned or
@@ -23,6 +25,7 @@ the written-out graph gives NaN.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -31,6 +34,7 @@ import torch
 aten = torch.ops.aten
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclass
@@ -93,7 +97,7 @@ def _same(a, b) -> bool:
 
 
 def _broadcastable(mask_val, shape) -> bool:
-    if mask_val is None or mask_val.dim() > 4:
+    if mask_val is None or mask_val.dim() > len(shape):
         return False
     for m, s in zip(reversed(mask_val.shape), reversed(shape)):
         if not (_same(m, 1) or _same(m, s)):
@@ -129,7 +133,8 @@ def _match(softmax):
         raise _NoMatch("the probabilities are not multiplied by the values (matmul(p, v)) directly")
     v = out.args[1]
     erase = [out] + erase + [softmax]
-    bias = mask = None
+    biases = []  # nodes, or ("split", bias5, windows) for a bias added through a batch-splitting view
+    mask = None
     scale = None
     node = softmax.args[0]
     while True:
@@ -143,7 +148,10 @@ def _match(softmax):
             if _val(node.args[1]) is None or _val(node.args[1]).dtype != torch.bool:
                 raise _NoMatch("masked_fill with a non-boolean mask")
             mask = node.args[1]
-        elif node.target == aten.add.Tensor and bias is None and scale is None and len(node.args) == 2 \
+        elif node.target in _VIEWS and scale is None:
+            node = _split_bias(node, biases, erase)
+            continue
+        elif node.target == aten.add.Tensor and scale is None and len(node.args) == 2 \
                 and not node.kwargs.get("alpha", 1) != 1:
             a, b = node.args
             score_side = a if _is_scores(a) else b if _is_scores(b) else None
@@ -152,6 +160,7 @@ def _match(softmax):
             bias = b if score_side is a else a
             if not isinstance(bias, torch.fx.Node) or not _val(bias).dtype.is_floating_point:
                 raise _NoMatch("a non-tensor or non-floating bias")
+            biases.append(bias)
             erase.append(node)
             node = score_side
             continue
@@ -203,18 +212,54 @@ def _match(softmax):
     if not (_same(qv.shape[3], kv.shape[3]) and _same(kv.shape[2], vv.shape[2])):
         raise _NoMatch("q/k head dims or k/v lengths differ")
     full = (qv.shape[0], qv.shape[1], qv.shape[2], kv.shape[2])
-    for extra, what in ((bias, "bias"), (mask, "mask")):
+    for extra, what in [(b, "bias") for b in biases if not isinstance(b, tuple)] + [(mask, "mask")]:
         if extra is not None and not _broadcastable(_val(extra), full):
             raise _NoMatch(f"the {what} does not broadcast to [B, H, Lq, Lk]")
     if scale is None:
         scale = 1.0
-    return q, k, v, scale, bias, mask, erase, out, full
+    return q, k, v, scale, biases, mask, erase, out, full
+
+
+def _split_bias(view4, biases, erase):
+    """``view(add(view(S, [B/W, W, H, Lq, Lk]), bias5), S.shape)``: records bias5 and returns S."""
+    inner = view4.args[0]
+    if not (isinstance(inner, torch.fx.Node) and inner.target == aten.add.Tensor and len(inner.users) == 1):
+        raise _NoMatch(f"{view4.target} between the scores and the softmax")
+    a, b = inner.args
+    split = a if _is_split_scores(a) else b if _is_split_scores(b) else None
+    if split is None or len(split.users) != 1:
+        raise _NoMatch(f"{view4.target} between the scores and the softmax")
+    bias5 = b if split is a else a
+    scores = split.args[0]
+    s4, s5, out4 = _val(scores), _val(split), _val(view4)
+    windows = s5.shape[1]
+    ok = (
+        s4.dim() == 4 and s5.dim() == 5 and out4.dim() == 4 and isinstance(windows, int)
+        and all(_same(x, y) for x, y in zip(out4.shape, s4.shape))
+        and all(_same(x, y) for x, y in zip(s5.shape[2:], s4.shape[1:]))
+        and _same(s5.shape[0] * windows, s4.shape[0])
+        and isinstance(bias5, torch.fx.Node) and _val(bias5).dtype.is_floating_point
+        and _broadcastable(_val(bias5), s5.shape)
+    )
+    if not ok:
+        raise _NoMatch("a view of the scores that is not a batch split [B/W, W, H, Lq, Lk] with an added bias")
+    biases.append(("split", bias5, windows))
+    erase.extend([view4, inner, split])
+    return scores
+
+
+def _is_split_scores(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target in _VIEWS and _is_scores(node.args[0])
 
 
 def _is_scores(node) -> bool:
     """Whether ``node`` is ``q @ k^T``, possibly scaled or masked: the score side of an addition."""
     while isinstance(node, torch.fx.Node) and node.target in (aten.mul.Tensor, aten.div.Tensor,
-                                                              aten.masked_fill.Scalar):
+                                                              aten.masked_fill.Scalar, aten.add.Tensor):
+        if node.target == aten.add.Tensor:
+            a, b = node.args
+            node = a if _is_scores(a) else b
+            continue
         node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else node.args[1]
     if not (isinstance(node, torch.fx.Node) and node.target == aten.matmul.default):
         return False
@@ -225,8 +270,35 @@ def _is_scores(node) -> bool:
 def _call(graph, fake_mode, target, *args):
     node = graph.call_function(target, args)
     with fake_mode:
-        node.meta["val"] = target(*[_val(a) if isinstance(a, torch.fx.Node) else a for a in args])
+        node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda n: n.meta["val"]))
     return node
+
+
+def _size(graph, node, axis):
+    size = _val(node).shape[axis]
+    if isinstance(size, int):
+        return size
+    sym = graph.call_function(aten.sym_size.int, (node, axis))
+    sym.meta["val"] = size
+    return sym
+
+
+def _unsplit(graph, fake_mode, bias5, windows, q, k):
+    """bias5 (broadcastable to [B/W, W, H, Lq, Lk]) -> the same bias on the 4-D scores [B, H|1, Lq, Lk]."""
+    val = _val(bias5)
+    while val.dim() < 5:
+        bias5 = _call(graph, fake_mode, aten.unsqueeze.default, bias5, 0)
+        val = _val(bias5)
+    batch = _size(graph, q, 0)
+    if isinstance(batch, int):
+        groups = batch // windows
+    else:
+        groups = graph.call_function(operator.floordiv, (batch, windows))
+        groups.meta["val"] = _val(batch) // windows
+    lq, lk = _size(graph, q, 2), _size(graph, k, 2)
+    heads = val.shape[2]
+    expanded = _call(graph, fake_mode, aten.expand.default, bias5, [groups, windows, heads, lq, lk])
+    return _call(graph, fake_mode, aten.reshape.default, expanded, [batch, heads, lq, lk])
 
 
 def rewrite(exported) -> List[PatternSite]:
@@ -244,12 +316,17 @@ def rewrite(exported) -> List[PatternSite]:
             continue  # a softmax that is no attention
         path, cls = _site(softmax)
         try:
-            q, k, v, scale, bias, mask, erase, out, full = _match(softmax)
+            q, k, v, scale, biases, mask, erase, out, full = _match(softmax)
         except _NoMatch as exc:
             sites.append(PatternSite(path, cls, False, str(exc)))
             continue
         with graph.inserting_before(out):
             attn_mask = None
+            bias = None
+            for term in biases:
+                if isinstance(term, tuple):
+                    term = _unsplit(graph, fake_mode, term[1], term[2], q, k)
+                bias = term if bias is None else _call(graph, fake_mode, aten.add.Tensor, bias, term)
             if bias is not None and mask is not None:
                 attn_mask = _call(graph, fake_mode, aten.where.ScalarSelf, mask, -math.inf, bias)
             elif bias is not None or mask is not None:
