@@ -93,7 +93,7 @@ def test_cli_inspect_and_convert_a_factory_model(tmp_path):
     run("inspect", "--model", "sdpa_models:whisper_like", "--min-replaced", "7", cwd=TESTS, expect=1)
     out = tmp_path / "gqa.onnx"
     proc = run("--model", "sdpa_models:gqa_decoder", "--to", "onnx", "-o", out, "--require-all", cwd=TESTS, expect=0)
-    assert "2 fused attention node(s)" in proc.stdout and "PASSED" in proc.stdout
+    assert "2 fused attention node(s)" in proc.stdout + proc.stderr and "PASSED" in proc.stdout
     assert len(fused_nodes(out)) == 2
 
 
@@ -115,14 +115,35 @@ def test_gqa_decoder_fp16_export(tmp_path):
     assert result.num_attention_nodes == 2 and sdpa_nodes_left(result.path) == []
 
 
-def test_site_that_makes_no_sdpa_call_is_reported_after_export(tmp_path):
+def test_site_that_makes_no_sdpa_call_is_confirmed_and_its_by_hand_branch_rewritten(tmp_path):
     """timm's fused_attn=False runs its by-hand attention: the source names SDPA, the run does
-    not call it, and the export's report says so (the convert gate counts it as skipped)."""
+    not call it (the site is not fused by the SDPA route), and the export rewrites the by-hand
+    branch instead (found = pattern)."""
     model = M.timm_vit(fused_attn=False)
     assert all(layer.found == "sdpa" for layer in inspect_attention(model).layers)
-    result = export_onnx(model, model.example_inputs, tmp_path / "vit.onnx", dynamic_axes={"x": {0: "batch"}})
-    assert result.num_attention_nodes == 0
-    layers = result.replacement.layers
-    assert all(layer.status == "skipped" and "no F.scaled_dot_product_attention call" in layer.reason
-               for layer in layers)
-    assert result.replacement.coverage_error(require_all=True) is not None
+    routed = copy.deepcopy(model)
+    report = replace_attention(routed)
+    with torch.no_grad():
+        routed(model.example_inputs["x"])
+    changed = report.confirm_sdpa_calls(routed)
+    assert len(changed) == 2 and all("no F.scaled_dot_product_attention call" in line for line in changed)
+    assert report.coverage_error(require_all=True) is not None
+
+    axes = {"x": {0: "batch"}}
+    result = export_onnx(model, model.example_inputs, tmp_path / "vit.onnx", dynamic_axes=axes)
+    assert result.num_attention_nodes == 2 and sdpa_nodes_left(result.path) == []
+    assert [(layer.found, layer.status) for layer in result.replacement.layers] == \
+        [("pattern", "rewritten in the export")] * 2
+    check = attn_export.validate(model, result.path, model.example_inputs, dynamic_axes=axes)
+    assert check.passed, check.failures
+
+
+def test_cli_convert_gates_on_the_exports_report(tmp_path):
+    """torchvision-style Swin: no attention form is known before export (the gate waits), both
+    windows' attention are rewritten in the graph, --require-all passes; a hand-written attention
+    that cannot be rewritten fails it with the reason."""
+    out = tmp_path / "swin.onnx"
+    proc = run("--model", "sdpa_models:swin_stage", "--to", "onnx", "-o", out, "--dynamic", "x:0=batch",
+               "--require-all", cwd=TESTS, expect=0)
+    text = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
+    assert "2 fused attention node(s)" in text and "2 rewritten in the export" in text and "PASSED" in text
