@@ -148,10 +148,10 @@ class RoutedForward:
         copied = RoutedForward.__new__(RoutedForward)
         memo[id(self)] = copied
         copied.module = copy.deepcopy(self.module, memo)
-        copied.calls = collections.Counter(self.calls)
+        copied.calls = collections.Counter()  # a new model: its own calls are counted
         return copied
 
-    def __reduce__(self):  # torch.save(model): the route is not saved, the module is
+    def __reduce__(self):  # pickled as its module: unpickling (not a weights-only load) restores the route
         return (_rebuild, (self.module,))
 
 
@@ -192,15 +192,18 @@ class SdpaMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_one(size) -> bool:
+def is_one(size) -> bool:
+    """A dimension that is literally 1 (a Python int), never a symbolic size compared (which
+    would add a guard under torch.export)."""
     return isinstance(size, int) and size == 1
 
 
-def _known_equal(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
+def known_equal(a, b) -> bool:
+    """a == b known without adding a guard (symbolic sizes under torch.export)."""
     if a is b:
         return True
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
     try:
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -213,11 +216,11 @@ def _agree(a, b) -> bool:
     """Whether two sizes that SDPA needs equal (else broadcast) are equal. Symbolic sizes (under
     torch.export) that are not known to be equal are asserted equal with ``torch._check``, as
     SDPA's own shape checks would do, unless one of them is a literal 1 (SDPA broadcasts it)."""
-    if _known_equal(a, b):
+    if known_equal(a, b):
         return True
     if isinstance(a, int) and isinstance(b, int):
         return False
-    if _is_one(a) or _is_one(b):
+    if is_one(a) or is_one(b):
         return False
     torch._check(a == b, lambda: f"scaled_dot_product_attention: sizes {a} and {b} must agree")
     return True
@@ -265,9 +268,9 @@ def explain_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_g
         return f"batch sizes differ (query {list(query.shape)}, key {list(key.shape)}): SDPA broadcasts them"
     if rank == 4:
         hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
-        if not _known_equal(hk, hv):
+        if not known_equal(hk, hv):
             return f"key and value head counts differ ({hk} vs {hv})"
-        if not _known_equal(hq, hk):
+        if not known_equal(hq, hk):
             if not enable_gqa:
                 return f"query has {hq} heads and key/value {hk} without enable_gqa"
             if not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
@@ -295,14 +298,14 @@ def _operator_masks(attn_mask: torch.Tensor, batch, heads, lq, lk, rank: int):
     if rank == 3:
         mask = mask.unsqueeze(1)  # [N|1, 1, Lq|1, Lk|1]
     b, h, mq, mk = mask.shape
-    if _is_one(mq) and _is_one(h):  # one row per key: the key-padding mask
+    if is_one(mq) and is_one(h):  # one row per key: the key-padding mask
         kpm = mask[:, 0, 0, :]
-        if _is_one(mk) and not _is_one(lk):
+        if is_one(mk) and not is_one(lk):
             kpm = kpm.expand(kpm.shape[0], lk)
-        if _is_one(b) and not _is_one(batch):
+        if is_one(b) and not is_one(batch):
             kpm = kpm.expand(batch, kpm.shape[1])
         return None, kpm
-    if (_is_one(mq) and not _is_one(lq)) or (_is_one(mk) and not _is_one(lk)):
+    if (is_one(mq) and not is_one(lq)) or (is_one(mk) and not is_one(lk)):
         mask = mask.expand(b, h, lq, lk)
     return mask, None
 
@@ -321,9 +324,9 @@ def sdpa_via_operator(*args, **kwargs) -> Tuple[Optional[torch.Tensor], Optional
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     batch, heads, lq, _ = query.shape
     lk = key.shape[2]
-    if not _known_equal(heads, key.shape[1]):  # enable_gqa: repeat_interleave on the head axis
+    if not known_equal(heads, key.shape[1]):  # enable_gqa: repeat_interleave on the head axis
         groups = heads // key.shape[1]
-        key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
     attn, kpm = (None, None) if attn_mask is None else _operator_masks(attn_mask, batch, heads, lq, lk, rank)
     if attn is not None and attn.requires_grad:
         attn = attn.detach()  # exporting: no backward in the graph
@@ -334,7 +337,9 @@ def sdpa_via_operator(*args, **kwargs) -> Tuple[Optional[torch.Tensor], Optional
     return (out.squeeze(1) if rank == 3 else out), None
 
 
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, H, L, D] -> [B, H * groups, L, D], each head repeated ``groups`` times in place
+    (``repeat_interleave`` on the head axis, as SDPA's ``enable_gqa``)."""
     b, h, l, d = x.shape
     return x[:, :, None, :, :].expand(b, h, groups, l, d).reshape(b, h * groups, l, d)
 

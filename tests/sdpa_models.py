@@ -126,31 +126,20 @@ class NanoGPTAttention(nn.Module):
         self.c_proj = nn.Linear(dim, dim)
         self.n_head, self.dropout = heads, dropout
 
-    def forward(self, x):
+    def heads(self, x):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        return [t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)]
+
+    def merge(self, y):
+        B, _, T, _ = y.shape
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+    def forward(self, x):
+        q, k, v = self.heads(x)
         y = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-def gqa_decoder():
-    torch.manual_seed(0)
-    model = GQADecoder().eval()
-    model.example_inputs = {"input_ids": torch.randint(0, 50, (2, 12))}
-    return model
-
-
-def whisper_like():
-    torch.manual_seed(0)
-    model = WhisperLike().eval()
-    mask = torch.ones(2, 10, dtype=torch.bool)
-    mask[1, 7:] = False
-    model.example_inputs = {"mel": torch.randn(2, 10, 8), "tokens": torch.randint(0, 40, (2, 6)), "mel_mask": mask}
-    return model
+        return self.merge(y)
 
 
 def timm_vit(fused_attn: bool = True):
@@ -202,13 +191,6 @@ class SwinSdpaWindowAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(bw, n, c))
 
 
-def swin_sdpa():
-    torch.manual_seed(0)
-    model = SwinSdpaWindowAttention().eval()
-    model.example_inputs = {"x": torch.randn(8, 16, 32)}
-    return model
-
-
 # -- hand-written attention (rewritten in the captured graph: attn_export.onnx_export.patterns) --
 
 class NanoGPTManualAttention(NanoGPTAttention):
@@ -220,17 +202,13 @@ class NanoGPTManualAttention(NanoGPTAttention):
         self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
 
     def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        T = x.size(1)
+        q, k, v = self.heads(x)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
         att = F.softmax(att, dim=-1)
         att = self.attn_dropout(att)
-        y = att @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.merge(att @ v)
 
 
 class NanoGPTManual(nn.Module):
@@ -362,24 +340,43 @@ class SwinStage(nn.Module):
         return x
 
 
-def nanogpt_manual():
+# -- factories (also for `attn-export --model sdpa_models:<factory>`) ----------------------------
+
+def _build(cls, make_inputs, **kwargs):
     torch.manual_seed(0)
-    model = NanoGPTManual().eval()
-    model.example_inputs = {"idx": torch.randint(0, 50, (2, 12))}
+    model = cls(**kwargs).eval()
+    model.example_inputs = make_inputs()
     return model
+
+
+def _padding(batch, length, valid, dtype=torch.bool):
+    """[batch, length], 1/True on valid positions; the last row has only ``valid`` of them."""
+    mask = torch.ones(batch, length, dtype=dtype)
+    mask[-1, valid:] = 0
+    return mask
+
+
+def gqa_decoder():
+    return _build(GQADecoder, lambda: {"input_ids": torch.randint(0, 50, (2, 12))})
+
+
+def whisper_like():
+    return _build(WhisperLike, lambda: {"mel": torch.randn(2, 10, 8), "tokens": torch.randint(0, 40, (2, 6)),
+                                        "mel_mask": _padding(2, 10, 7)})
+
+
+def swin_sdpa():
+    return _build(SwinSdpaWindowAttention, lambda: {"x": torch.randn(8, 16, 32)})
+
+
+def nanogpt_manual():
+    return _build(NanoGPTManual, lambda: {"idx": torch.randint(0, 50, (2, 12))})
 
 
 def bert_style():
-    torch.manual_seed(0)
-    model = BertStyle().eval()
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, 6:] = 0
-    model.example_inputs = {"input_ids": torch.randint(0, 50, (2, 10)), "attention_mask": mask}
-    return model
+    return _build(BertStyle, lambda: {"input_ids": torch.randint(0, 50, (2, 10)),
+                                      "attention_mask": _padding(2, 10, 6, torch.long)})
 
 
 def swin_stage():
-    torch.manual_seed(0)
-    model = SwinStage().eval()
-    model.example_inputs = {"x": torch.randn(2, 8, 8, 32)}
-    return model
+    return _build(SwinStage, lambda: {"x": torch.randn(2, 8, 8, 32)})

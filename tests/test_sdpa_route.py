@@ -330,3 +330,21 @@ def test_swin_style_learned_bias_mask_training_stays_stock_inference_is_fused():
     with torch.no_grad():
         assert rel_err(fused(x), model(x)) <= FP32_REL
     assert sdpa.calls(fused)["fused"] == 1
+
+
+def test_torch_compile_traces_the_fused_calls():
+    model = M.gqa_decoder()
+    fused = routed(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = model.example_inputs["input_ids"]
+    with torch.no_grad():
+        out = torch.compile(fused, backend=backend, fullgraph=True)(ids)
+        assert rel_err(out, model(ids)) <= FP32_REL
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("attn_export.attention" in t for t in targets) == 2
+    assert not any("scaled_dot_product" in t for t in targets)

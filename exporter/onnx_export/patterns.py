@@ -31,6 +31,8 @@ from typing import List, Optional
 
 import torch
 
+from attn_export.sdpa import known_equal as _same
+
 aten = torch.ops.aten
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -83,17 +85,6 @@ def _is_last_two_transpose(node, rank: int) -> bool:
         perm = [d % rank for d in node.args[1]]
         return perm == list(range(rank - 2)) + [rank - 1, rank - 2]
     return False
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _broadcastable(mask_val, shape) -> bool:
@@ -169,8 +160,8 @@ def _match(softmax):
             if node.target == aten.mul.Tensor and _scalar(a) is not None:
                 a, b = b, a
             c = _scalar(b)
-            if c is None:
-                raise _NoMatch("the scores are scaled by a tensor, not a constant")
+            if c is None or c == 0 or not math.isfinite(c):
+                raise _NoMatch("the scores are scaled by a tensor or a zero or infinite constant")
             scale = c if node.target == aten.mul.Tensor else 1.0 / c
             erase.append(node)
             node = a
