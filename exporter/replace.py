@@ -147,24 +147,24 @@ class ReplacementReport:
 
     def add_pattern_sites(self, sites) -> None:
         """Records the hand-written attention found in a captured graph
-        (attn_export.onnx_export.patterns.PatternSite rows): rewritten, or why not."""
+        (attn_export.onnx_export.patterns.PatternSite rows), one row per module: rewritten when
+        every match in it was, else skipped with the first reason."""
         by_path = {layer.path: layer for layer in self.layers}
+        grouped: Dict[str, list] = {}
         for site in sites:
-            layer = by_path.get(site.path)
+            grouped.setdefault(site.path, []).append(site)
+        for path, group in grouped.items():
+            layer = by_path.get(path)
             if layer is not None and layer.found not in ("", "pattern") and layer.status != SKIPPED:
-                continue  # a softmax inside a fused site (e.g. weights it returns besides): reported there
+                continue  # a softmax inside a site fused otherwise: reported there
             if layer is None:
-                layer = AttentionLayer(site.path, site.cls, None, None, SKIPPED, found="pattern")
+                layer = AttentionLayer(path, group[0].cls, None, None, SKIPPED)
                 self.layers.append(layer)
-                by_path[site.path] = layer
-            elif layer.found == "pattern" and layer.status == SKIPPED and site.rewritten:
-                continue  # one skipped softmax in the module is enough to say it is not fully fused
+            refused = [site.reason for site in group if not site.rewritten]
             layer.found = "pattern"
-            if site.rewritten and not (layer.status == SKIPPED and layer.reason and layer.reason.startswith("hand")):
-                layer.status, layer.reason = REWRITTEN, None
-            else:
-                layer.status = SKIPPED
-                layer.reason = f"hand-written attention not rewritten: {site.reason}"
+            layer.status = SKIPPED if refused else REWRITTEN
+            layer.reason = f"hand-written attention not rewritten: {refused[0]}" if refused else None
+            layer.notes = []
 
     def to_dict(self) -> Dict:
         return {

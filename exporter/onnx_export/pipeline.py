@@ -192,12 +192,10 @@ def export_onnx(
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs)
-    if report is not None:
-        # SDPA sites were found in the source; this run says which calls really were fused.
-        notes_confirmed = report.confirm_sdpa_calls(work)
+    # SDPA sites were found in the source; this run says which calls really were fused.
+    confirmed = report.confirm_sdpa_calls(work) if report is not None else []
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
-    if report is not None:
-        notes.extend(f"not fused: {line}" for line in notes_confirmed)
+    notes.extend(f"not fused: {line}" for line in confirmed)
 
     # torch.export first, by hand: given a module, torch.onnx.export falls back to
     # torch.export.draft_export when export proper fails, which ignores shape guards and can
