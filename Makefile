@@ -23,6 +23,10 @@ $(VENV)/.deps: pyproject.toml
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	$(PIP) install --no-build-isolation -e ".[test,bench,hf]"
+	# timm's model classes for the SDPA-route tests. --no-deps: timm requires torchvision, whose wheel on
+	# the package index is a CUDA build that does not import with the CPU torch; its other dependencies
+	# (pyyaml, huggingface_hub, safetensors) come with the hf extra. The tests skip without timm.
+	$(PIP) install --no-deps "timm>=1.0"
 	touch $@
 
 install: $(VENV)/.built

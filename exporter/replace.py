@@ -16,6 +16,10 @@ function up by name in transformers' ``AttentionInterface``, so the model's
 checked to dispatch there; such layers are reported as ``routed``. Attention layers that compute
 attention themselves cannot be reached this way and are listed as skipped, with the reason.
 
+Modules whose ``forward`` calls ``F.scaled_dot_product_attention`` (timm, Whisper-style and
+nanoGPT-style code, most research models) get an instance ``forward`` that runs those calls on the
+operator (:mod:`attn_export.sdpa`); they are reported with ``found="sdpa"``.
+
 PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
 
 * ``nn.TransformerEncoderLayer`` in eval mode calls ``torch._transformer_encoder_layer_fwd``
@@ -33,6 +37,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from attn_export import hf as _hf
+from attn_export import sdpa as _sdpa
 from attn_export.modules import FusedMultiheadAttention, unsupported_options
 
 REPLACED = "replaced"
@@ -42,7 +47,9 @@ ROUTED = "routed"
 WILL_ROUTE = "will be routed"
 ALREADY_FUSED = "already fused"
 SKIPPED = "skipped"
-_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE)
+# hand-written attention rewritten to the operator in the captured graph (export only)
+REWRITTEN = "rewritten in the export"
+_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE, REWRITTEN)
 
 
 class CoverageError(RuntimeError):
@@ -66,6 +73,11 @@ class AttentionLayer:
     reason: Optional[str] = None
     notes: List[str] = field(default_factory=list)
     also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
+    # how the site was found: "module" (an nn.MultiheadAttention), "routed" (a transformers layer
+    # dispatching through AttentionInterface), "sdpa" (a module whose forward calls
+    # F.scaled_dot_product_attention), "pattern" (hand-written attention), "" (an unrecognized
+    # module named like an attention layer)
+    found: str = "module"
 
 
 @dataclass
@@ -108,12 +120,59 @@ class ReplacementReport:
             )
         return None
 
+    def confirm_sdpa_calls(self, model: nn.Module) -> List[str]:
+        """After ``model`` (the one :func:`replace_attention` changed) has run: every routed
+        ``sdpa`` site that made no SDPA call, or whose calls ran on PyTorch's SDPA, becomes
+        skipped with the reason. Returns one line per site changed."""
+        changed = []
+        for layer in self.layers:
+            if layer.found != "sdpa" or layer.status not in (ROUTED, ALREADY_FUSED):
+                continue
+            try:
+                module = model.get_submodule(layer.path) if layer.path else model
+            except AttributeError:
+                continue
+            counts = _sdpa.calls(module)
+            stock = sorted(key[len("stock: "):] for key in counts if key.startswith("stock: "))
+            if counts.get("fused", 0) and not stock:
+                continue
+            layer.status = SKIPPED
+            if stock:
+                layer.reason = "its F.scaled_dot_product_attention call(s) ran on PyTorch's SDPA: " + "; ".join(stock)
+            else:
+                layer.reason = ("its forward made no F.scaled_dot_product_attention call when the model ran (it took "
+                                "another path, e.g. a switch such as timm's fused_attn=False)")
+            changed.append(f"{layer.path or '(model)'}: {layer.reason}")
+        return changed
+
+    def add_pattern_sites(self, sites) -> None:
+        """Records the hand-written attention found in a captured graph
+        (attn_export.onnx_export.patterns.PatternSite rows), one row per module: rewritten when
+        every match in it was, else skipped with the first reason."""
+        by_path = {layer.path: layer for layer in self.layers}
+        grouped: Dict[str, list] = {}
+        for site in sites:
+            grouped.setdefault(site.path, []).append(site)
+        for path, group in grouped.items():
+            layer = by_path.get(path)
+            if layer is not None and layer.found not in ("", "pattern") and layer.status != SKIPPED:
+                continue  # a softmax inside a site fused otherwise: reported there
+            if layer is None:
+                layer = AttentionLayer(path, group[0].cls, None, None, SKIPPED)
+                self.layers.append(layer)
+            refused = [site.reason for site in group if not site.rewritten]
+            layer.found = "pattern"
+            layer.status = SKIPPED if refused else REWRITTEN
+            layer.reason = f"hand-written attention not rewritten: {refused[0]}" if refused else None
+            layer.notes = []
+
     def to_dict(self) -> Dict:
         return {
             "applied": self.applied,
             "num_found": len(self.layers),
             "num_replaced": self.num_replaced,  # swapped modules and routed transformers layers
             "num_routed": sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE)),
+            "num_sdpa": sum(1 for layer in self.layers if layer.found == "sdpa"),
             "num_already_fused": len(self.already_fused),
             "num_skipped": len(self.skipped),
             "layers": [asdict(layer) for layer in self.layers],
@@ -125,10 +184,10 @@ class ReplacementReport:
         from rich.table import Table
 
         table = Table(title=title or f"Attention layers: {self.summary()}")
-        for column in ("module path", "class", "heads", "embed dim", "status", "reason / notes"):
+        for column in ("module path", "class", "found", "heads", "embed dim", "status", "reason / notes"):
             table.add_column(column, justify="right" if column in ("heads", "embed dim") else "left",
-                             overflow="fold", no_wrap=column in ("heads", "embed dim", "status"))
-        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green",
+                             overflow="fold", no_wrap=column in ("found", "heads", "embed dim", "status"))
+        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green", REWRITTEN: "green",
                   ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
         for layer in self.layers:
             detail = "; ".join(([layer.reason] if layer.reason else []) + layer.notes)
@@ -137,6 +196,7 @@ class ReplacementReport:
             table.add_row(
                 layer.path or "(model)",
                 _short_class(layer.cls),
+                layer.found or "-",
                 "-" if layer.num_heads is None else str(layer.num_heads),
                 "-" if layer.embed_dim is None else str(layer.embed_dim),
                 f"[{styles.get(layer.status, '')}]{layer.status}[/]",
@@ -146,12 +206,15 @@ class ReplacementReport:
 
     def summary(self) -> str:
         routed = sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE))
-        swapped = self.num_replaced - routed
+        rewritten = sum(1 for layer in self.layers if layer.status == REWRITTEN)
+        swapped = self.num_replaced - routed - rewritten
         parts = [f"{len(self.layers)} found"]
-        if swapped or not routed:
+        if swapped or not (routed or rewritten):
             parts.append(f"{swapped} {'replaced' if self.applied else 'to replace'}")
         if routed:
             parts.append(f"{routed} {'routed' if self.applied else 'to route'}")
+        if rewritten:
+            parts.append(f"{rewritten} rewritten in the export")
         if self.already_fused:
             parts.append(f"{len(self.already_fused)} already fused")
         parts.append(f"{len(self.skipped)} skipped")
@@ -161,7 +224,8 @@ class ReplacementReport:
         lines = [f"attention layers: {self.summary()}"]
         for layer in self.layers:
             extra = f" ({layer.reason})" if layer.reason else ""
-            lines.append(f"  {layer.path or '(model)'}: {layer.cls}, {layer.status}{extra}")
+            how = f" [{layer.found}]" if layer.found else ""
+            lines.append(f"  {layer.path or '(model)'}: {layer.cls}{how}, {layer.status}{extra}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -184,15 +248,27 @@ def _is_attention_like(module: nn.Module) -> bool:
     return "attention" in type(module).__name__.lower()
 
 
-def _plan(model: nn.Module, hf_layers: Optional[list] = None):
+def _sdpa_notes(module: nn.Module) -> List[str]:
+    for name in ("attn_drop", "attn_dropout", "attention_dropout", "dropout", "dropout_p", "attn_pdrop"):
+        value = getattr(module, name, None)
+        value = value.p if isinstance(value, nn.Dropout) else value
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return [f"{name}={value}: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout is not "
+                    "fused); fused otherwise"]
+    return []
+
+
+def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optional[list] = None):
     """Every attention layer (by first path) and, per module id, every (path, parent, attr).
     Attention layers of transformers models that dispatch through its AttentionInterface are
-    appended to ``hf_layers`` as (layer, module)."""
+    appended to ``hf_layers`` as (layer, module), modules whose forward calls
+    F.scaled_dot_product_attention to ``sdpa_layers``."""
     layers: List[AttentionLayer] = []
     by_id: Dict[int, AttentionLayer] = {}
     sites: Dict[int, List[tuple[str, nn.Module, str]]] = {}
     hf_layers = [] if hf_layers is None else hf_layers
     hf_by_id: Dict[int, AttentionLayer] = {}
+    sdpa_layers = [] if sdpa_layers is None else sdpa_layers
     in_hf = _hf.contains_hf_model(model)
 
     def visit(parent: Optional[nn.Module], attr: str, module: nn.Module, path: str) -> None:
@@ -210,6 +286,18 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None):
         embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
         heads = heads if isinstance(heads, int) else None
         embed = embed if isinstance(embed, int) else None
+        if hf_layer is None and not (is_mha or is_fused) and _sdpa.calls_sdpa(module):
+            # A module whose forward calls F.scaled_dot_product_attention: its calls are routed
+            # to the operator (attn_export.sdpa); its children are visited too.
+            routed = _sdpa.is_routed(module)
+            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED if routed else WILL_ROUTE,
+                                   notes=_sdpa_notes(module), found="sdpa")
+            layers.append(layer)
+            hf_by_id[id(module)] = layer
+            sdpa_layers.append((layer, module))
+            for name, child in module.named_children():
+                visit(module, name, child, f"{path}.{name}" if path else name)
+            return
         if is_fused:
             layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED)
         elif is_mha:
@@ -229,7 +317,7 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None):
             heads, embed = _hf.layer_geometry(module)
             status = {"routed": ALREADY_FUSED, "routable": WILL_ROUTE}.get(state, SKIPPED)
             layer = AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
-                                   notes=notes if status != SKIPPED else [])
+                                   notes=notes if status != SKIPPED else [], found="routed")
             hf_layers.append((layer, module))
         else:
             # Some other module named like an attention layer: listed (so that a model whose
@@ -242,9 +330,10 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None):
                     "does not dispatch through transformers' AttentionInterface (it computes attention "
                     "itself), so attn_implementation cannot route it"
                     if in_hf else
-                    "not a torch.nn.MultiheadAttention (only nn.MultiheadAttention layers are fused)"
+                    "not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
+                    "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)"
                 )
-                layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason))
+                layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason, found=""))
             return
         layers.append(layer)
         if hf_layer is not None:
@@ -255,6 +344,15 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None):
 
     visit(None, "", model, "")
     return layers, sites
+
+
+def _sdpa_note(sdpa_layers, applied: bool) -> List[str]:
+    if not any(layer.status in (ROUTED, WILL_ROUTE) for layer, _ in sdpa_layers):
+        return []
+    verb = "run" if applied else "will run"
+    return [f"F.scaled_dot_product_attention calls of the 'sdpa' sites {verb} on the fused operator; calls it "
+            "cannot express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
+            "(attn_export.sdpa.calls(module) counts both)"]
 
 
 def _routing_note(hf_layers, applied: bool) -> List[str]:
@@ -268,8 +366,10 @@ def _routing_note(hf_layers, applied: bool) -> List[str]:
 def inspect_attention(model: nn.Module) -> ReplacementReport:
     """What :func:`replace_attention` would do, without changing the model."""
     hf_layers: list = []
-    layers, _ = _plan(model, hf_layers)
-    return ReplacementReport(layers, notes=_routing_note(hf_layers, applied=False), applied=False)
+    sdpa_layers: list = []
+    layers, _ = _plan(model, hf_layers, sdpa_layers)
+    notes = _routing_note(hf_layers, applied=False) + _sdpa_note(sdpa_layers, applied=False)
+    return ReplacementReport(layers, notes=notes, applied=False)
 
 
 def replace_attention(
@@ -278,7 +378,8 @@ def replace_attention(
     """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
     :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
     Hugging Face transformers models to the operator (``attn_implementation="attn_export"``,
-    see :mod:`attn_export.hf`), and returns the report.
+    see :mod:`attn_export.hf`), routes the ``F.scaled_dot_product_attention`` calls of modules
+    whose forward makes them (:mod:`attn_export.sdpa`), and returns the report.
 
     Args:
         model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /
@@ -289,7 +390,8 @@ def replace_attention(
         require_all: raise :class:`CoverageError` when any attention layer cannot be fused.
     """
     hf_layers: list = []
-    layers, sites = _plan(model, hf_layers)
+    sdpa_layers: list = []
+    layers, sites = _plan(model, hf_layers, sdpa_layers)
     report = ReplacementReport(layers)
     problem = report.coverage_error(min_replaced, require_all)
     if problem:
@@ -316,6 +418,13 @@ def replace_attention(
                     + (f"; {'; '.join(refusals)}" if refusals else "")
                 )
         report.notes.extend(_routing_note(hf_layers, applied=True))
+
+    # Modules calling F.scaled_dot_product_attention: an instance forward routes their calls.
+    for layer, module in sdpa_layers:
+        if layer.status == WILL_ROUTE:
+            _sdpa.route_module(module)
+            layer.status = ROUTED
+    report.notes.extend(_sdpa_note(sdpa_layers, applied=True))
 
     by_path = {layer.path: layer for layer in layers}
     fused_paths: List[str] = []

@@ -8,18 +8,15 @@ import torch
 from torch import nn
 
 from attn_export.hf._compat import _UNSUPPORTED_KWARGS, IMPLEMENTATION, _transformers
+from attn_export.sdpa import is_one as _is_one
+from attn_export.sdpa import repeat_heads
+from attn_export.sdpa import known_equal as _same_size
+
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return x
-    b, h, l, d = x.shape
-    return x[:, :, None, :, :].expand(b, h, groups, l, d).reshape(b, h * groups, l, d)
+    return x if groups == 1 else repeat_heads(x, groups)
 
 
-def _is_one(size) -> bool:
-    """A dimension that is literally 1 (a Python int), never a symbolic size compared (which
-    would add a guard under torch.export)."""
-    return isinstance(size, int) and size == 1
 
 
 def to_operator_masks(attention_mask: Optional[torch.Tensor], batch, key_length):
@@ -131,20 +128,6 @@ def attention_mask(*args, **kwargs):
             return padding[:, None, None, :]
     sdpa_mask = masking_utils.AttentionMaskInterface._global_mapping["sdpa"]
     return sdpa_mask(*args, **kwargs)
-
-
-def _same_size(a, b) -> bool:
-    """a == b known without adding a guard (symbolic sizes under torch.export)."""
-    if a is b:
-        return True
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def register() -> None:

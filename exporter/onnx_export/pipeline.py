@@ -30,6 +30,7 @@ from attn_export.onnx_export.graph import (
     output_names_for,
     project_before_transposing_inputs,
 )
+from attn_export.onnx_export.patterns import rewrite as rewrite_patterns
 from attn_export.onnx_export.translation import translation_table
 
 DEFAULT_OPSET = 20
@@ -191,7 +192,10 @@ def export_onnx(
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs)
+    # SDPA sites were found in the source; this run says which calls really were fused.
+    confirmed = report.confirm_sdpa_calls(work) if report is not None else []
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
+    notes.extend(f"not fused: {line}" for line in confirmed)
 
     # torch.export first, by hand: given a module, torch.onnx.export falls back to
     # torch.export.draft_export when export proper fails, which ignores shape guards and can
@@ -204,6 +208,9 @@ def export_onnx(
             )
         except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
             raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
+        if replace:
+            # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
+            report.add_pattern_sites(rewrite_patterns(exported))
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,

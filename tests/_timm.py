@@ -1,0 +1,72 @@
+"""timm for the tests, without torchvision.
+
+timm (1.0.x) imports torchvision when it is imported (``torchvision.ops.misc.FrozenBatchNorm2d``,
+``torchvision.transforms``, ``torchvision.datasets`` ...), and torchvision's wheel on the package
+index is a CUDA build that does not import with the CPU PyTorch (docs/attention_sites.md). The
+models these tests build (VisionTransformer) use none of it, so when torchvision cannot be
+imported, placeholder modules stand in for it while timm is imported: any name taken from them is a
+class that raises when it is used. timm missing altogether skips the test."""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+
+
+class _PlaceholderType(type):
+    def __getattr__(cls, name):  # enum members and constants (InterpolationMode.NEAREST): a named token
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return f"{cls.__name__}.{name}"
+
+
+class _Placeholder(metaclass=_PlaceholderType):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is not importable here; this timm feature needs it")
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].islower():  # a submodule (torchvision.ops, .transforms, ...)
+            return importlib.import_module(f"{self.__name__}.{name}")
+        value = type(name, (_Placeholder,), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def import_timm():
+    """``import timm`` (with torchvision placeholders when torchvision does not import), or skip."""
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (make install adds it)")
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or the CUDA wheel failing against the CPU torch
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _StubFinder())
+    import timm
+    import timm.models.vision_transformer  # noqa: F401
+
+    return timm
