@@ -244,7 +244,7 @@ def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynam
         diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s)
         notes.append(diagnosis["summary"])
 
-    env = environment(seed)
+    env = environment(seed, onnxruntime_version=ort_runner.version)
     env["onnxruntime_optimization_level"] = ort_runner.optimization_level
     if engine is not None:
         from attn_export.tensorrt import environment as trt_environment

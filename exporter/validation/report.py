@@ -179,10 +179,16 @@ def _json_default(obj):
     return str(obj)
 
 
-def environment(seed: int, providers: Optional[List[str]] = None) -> Dict[str, object]:
-    """Versions and machine facts for the report: what a reader needs to rerun the check."""
+def environment(seed: int, providers: Optional[List[str]] = None,
+                onnxruntime_version: Optional[str] = None) -> Dict[str, object]:
+    """Versions and machine facts for the report: what a reader needs to rerun the check.
+    ``onnxruntime_version`` as the gate's runtime process reported it (else imported here)."""
     import onnx
-    import onnxruntime
+
+    if onnxruntime_version is None:
+        import onnxruntime
+
+        onnxruntime_version = onnxruntime.__version__
 
     from attn_export._version import __version__
 
@@ -196,7 +202,7 @@ def environment(seed: int, providers: Optional[List[str]] = None) -> Dict[str, o
         "attn_export": __version__,
         "torch": torch.__version__,
         "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
+        "onnxruntime": onnxruntime_version,
         "onnxscript": onnxscript_version,
         "numpy": np.__version__,
         "python": platform.python_version(),

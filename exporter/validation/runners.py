@@ -129,6 +129,7 @@ class OnnxRuntimeRunner(Runner):
         self._worker: Optional[WorkerProcess] = None
         self._started: Optional[WorkerProcess] = None
         self._input_types: dict = {}
+        self.version: Optional[str] = None
 
     def start(self) -> None:
         """Starts the child process now (it imports ONNX Runtime while the caller does other
@@ -149,6 +150,7 @@ class OnnxRuntimeRunner(Runner):
             raise RunnerError(f"ONNX Runtime cannot load the model: {exc}", step="load") from exc
         self._worker = worker
         self._input_types = {name: _elem_type(kind) for name, kind in info["inputs"].items()}
+        self.version = info["version"]  # the report's, without importing ONNX Runtime here
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
         if self._worker is None or not self._worker.alive:

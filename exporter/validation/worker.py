@@ -53,6 +53,7 @@ class OnnxRuntimeBackend:
     def __init__(self, path: str, optimization_level: str, providers, intra_op_threads: int = 0):
         import onnxruntime as ort
 
+        self.version = ort.__version__
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, optimization_level)
@@ -63,7 +64,7 @@ class OnnxRuntimeBackend:
     def info(self) -> dict:
         return {"inputs": {v.name: v.type for v in self.session.get_inputs()},
                 "outputs": [v.name for v in self.session.get_outputs()],
-                "providers": self.session.get_providers()}
+                "providers": self.session.get_providers(), "version": self.version}
 
     def run(self, feeds):
         import numpy as np
