@@ -194,3 +194,21 @@ def test_cli_exits_1_with_reports_when_onnxruntime_crashes(tmp_path):
     junit = ET.parse(tmp_path / "r.xml").getroot()
     errors = junit.findall(".//testcase[@classname='attn_export.validate.onnxruntime']/error")
     assert errors and "SIGSEGV" in errors[0].get("message")
+
+
+def test_the_reported_model_converts_and_validates(tmp_path):
+    """Issue 18's reproduction, as reported: a sequence-first fp16 encoder with a key-padding
+    mask used to segfault ONNX Runtime at its default level (exit 139, no report)."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=False), 2,
+                                  enable_nested_tensor=False).eval()
+    torch.save(model, tmp_path / "enc.pt")
+    proc = run(tmp_path / "enc.pt", "--to", "onnx", "--input", "src:17x2x64",
+               "--input", "src_key_padding_mask:2x17:bool", "--dynamic", "src:0=seq", "--dynamic", "src:1=batch",
+               "--dynamic", "src_key_padding_mask:0=batch", "--dynamic", "src_key_padding_mask:1=seq",
+               "--dtype", "fp16", "--json", tmp_path / "r.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    ran = [c for c in report["cases"] if c["backend"] == "onnxruntime"]
+    assert len(ran) == 5 and all(c["status"] == "passed" for c in ran)
+    assert _load(tmp_path / "enc.onnx")["outputs"] == ["output"]
