@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """What running ONNX Runtime in a child process costs the parity gate (issue 18).
 
-The gate's ONNX Runtime backend loads the model in a fresh interpreter (worker.py) and sends
-every case's inputs over a pipe. This times that backend against the same work done in this
-process (an InferenceSession, the same cases), and a whole ``validate`` as shipped (the child
-starts first, so its start-up overlaps PyTorch work) against ``validate`` with the old
-in-process backend, side by side in rounds, on the bundled example model at the gate's five
-shapes. Reports medians.
+The gate's ONNX Runtime backend loads the model in a child interpreter (worker.py) and sends
+every case's inputs over a pipe. This times that backend (cold: a new child; warm: the worker
+a previous gate left) against the same work done in this process (an InferenceSession, the
+same cases), and a whole ``validate`` as shipped (the child starts first, so its start-up
+overlaps PyTorch work) against ``validate`` with the old in-process backend, in this process
+and in fresh processes as the CLI runs, side by side in rounds, on the bundled example model at
+the gate's five shapes. Reports medians.
 
     python scripts/bench_isolation.py [--rounds 7]
 """
@@ -27,7 +28,7 @@ from attn_export import inputs as _inputs
 from attn_export import shapes as _shapes
 from attn_export.examples import tiny_seq2seq
 from attn_export.onnx_export import export_onnx
-from attn_export.validation import OnnxRuntimeRunner, validate
+from attn_export.validation import OnnxRuntimeRunner, isolation, validate
 from attn_export.validation.runners import _elem_type, feeds_for
 
 
@@ -50,9 +51,11 @@ def in_process(onnx_path, cases):
         [torch.from_numpy(np.asarray(o)) for o in session.run(None, feeds_for(types, case))]
 
 
-def isolated(onnx_path, cases):
+def isolated(onnx_path, cases, cold: bool):
+    if cold:  # no warm worker: the child's whole start-up (interpreter, ONNX Runtime import) is counted
+        isolation._close_idle_workers()
     runner = OnnxRuntimeRunner(onnx_path)
-    runner.load()  # without start(): the child's whole start-up is counted
+    runner.load()
     try:
         for case in cases:
             runner.run(case)
@@ -132,11 +135,12 @@ def main() -> None:
         path = Path(tmp) / "model.onnx"
         export_onnx(model, inputs, path)
         cases = gate_cases(path, inputs)
-        times = {"in-process": [], "child process": [], "validate, ONNX Runtime in-process": [],
-                 "validate (as shipped)": []}
+        times = {"in-process": [], "child process, cold start": [], "child process, warm worker": [],
+                 "validate, ONNX Runtime in-process": [], "validate (as shipped)": []}
         for _ in range(args.rounds):
             for name, fn in (("in-process", lambda: in_process(path, cases)),
-                             ("child process", lambda: isolated(path, cases)),
+                             ("child process, cold start", lambda: isolated(path, cases, cold=True)),
+                             ("child process, warm worker", lambda: isolated(path, cases, cold=False)),
                              ("validate, ONNX Runtime in-process", lambda: validate_in_process(model, path, inputs)),
                              ("validate (as shipped)", lambda: validate(model, path, inputs))):
                 start = time.perf_counter()
@@ -150,8 +154,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     for name, value in med.items():
         print(f"  {name:50s} median {value * 1e3:8.1f} ms   (min {min(times[name]) * 1e3:8.1f} ms)")
-    delta = med["child process"] - med["in-process"]
-    print(f"  the backend alone, no overlap: +{delta * 1e3:.0f} ms")
+    delta = med["child process, cold start"] - med["in-process"]
+    print(f"  the backend alone, cold start, no overlap: {delta * 1e3:+.0f} ms")
     gate_delta = med["validate (as shipped)"] - med["validate, ONNX Runtime in-process"]
     print(f"  the whole gate, warm process: {gate_delta * 1e3:+.0f} ms = "
           f"{med['validate (as shipped)'] / med['validate, ONNX Runtime in-process']:.2f}x")

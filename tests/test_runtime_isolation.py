@@ -124,14 +124,40 @@ def test_a_signal_is_reported_with_its_name_and_the_next_case_gets_a_fresh_proce
 
 
 def test_a_hang_past_the_limit_is_a_timeout(tmp_path):
+    """A child that cannot even start within the limit stands in for a hang."""
+    from attn_export.validation import isolation
+
     path = tmp_path / "repro.onnx"
     transpose_matmul_graph(path)
+    isolation._close_idle_workers()  # no warm worker: a fresh interpreter takes far more than 1 ms
     runner = OnnxRuntimeRunner(path, optimization_level="ORT_DISABLE_ALL", timeout_s=0.001)
     with pytest.raises(RunnerError) as err:
         runner.load()
     assert err.value.step == "load" and err.value.crash.kind == "timeout"
     assert "onnxruntime timed out after 0.001 s while loading the model" in str(err.value)
     assert not runner._worker  # nothing left running
+
+
+def test_a_healthy_worker_serves_the_next_gate_and_a_crashed_one_does_not(tmp_path):
+    from attn_export.validation import isolation
+
+    path = tmp_path / "repro.onnx"
+    transpose_matmul_graph(path)
+    first = OnnxRuntimeRunner(path, optimization_level="ORT_ENABLE_EXTENDED")
+    first.load()
+    pid = first._worker._proc.pid
+    first.close()
+    second = OnnxRuntimeRunner(path, optimization_level="ORT_ENABLE_ALL")
+    with pytest.raises(RunnerError) as err:
+        second.load()  # the same process, which this model then crashes
+    assert err.value.crash.detail == "SIGSEGV"
+    third = OnnxRuntimeRunner(path, optimization_level="ORT_DISABLE_ALL")
+    third.load()
+    try:
+        assert third._worker._proc.pid != pid  # the crashed process was not kept
+    finally:
+        third.close()
+    assert isolation._IDLE["onnxruntime"].alive
 
 
 def test_an_ordinary_load_error_stays_an_error_message(tmp_path):

@@ -133,6 +133,10 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
             click.echo(f"FAILED: {problem}", err=True)
             return EXIT_MISMATCH
 
+    if not no_validate:
+        from attn_export.validation.runners import prestart_onnxruntime
+
+        prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model exports
     with session.step(f"exporting to {out_path}"):
         result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
                              replace=not no_replace, quiet=not session.verbose, seed=input_args.seed)

@@ -64,6 +64,9 @@ def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime
             "expected MODEL and ONNX paths" if want == 2 else "with --model give only the ONNX path"
         )
     model_path, onnx_path = paths if model_given else (None, paths[0])
+    from attn_export.validation.runners import prestart_onnxruntime
+
+    prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model loads
     with session.step("loading the model"):
         model, _source = model_args.load(model_path, seed=input_args.seed)
         inputs = input_args.example_inputs(model)

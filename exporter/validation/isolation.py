@@ -12,6 +12,7 @@ process that holds OpenMP or CUDA state can hang or fail to initialize the GPU).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import selectors
@@ -22,7 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from attn_export.validation import worker as _protocol
 
@@ -95,6 +96,10 @@ class WorkerProcess:
 
     def run(self, feeds: dict):
         return self._request({"op": "run", "feeds": feeds}, "run")["outputs"]
+
+    def unload(self) -> None:
+        """Drops the backend (the session, its memory); the process stays, ready for a load."""
+        self._request({"op": "unload"}, "unload")
 
     def _request(self, message: dict, step: str) -> dict:
         try:
@@ -185,3 +190,53 @@ class WorkerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Warm workers: a child's start-up (a fresh interpreter importing its runtime, ~0.2 s for ONNX
+# Runtime) is paid while the caller does other work, and paid once per process, not per gate.
+# --------------------------------------------------------------------------------------------
+
+_IDLE: Dict[str, WorkerProcess] = {}  # preload -> one started worker with no backend loaded
+
+
+def prestart(preload: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Starts a worker for ``preload`` now (e.g. before an export that takes seconds), so that the
+    next :func:`take` finds it with its runtime already imported."""
+    worker = _IDLE.get(preload)
+    if worker is None or not worker.alive:
+        if worker is not None:
+            worker.close()
+        _IDLE[preload] = WorkerProcess(timeout_s, preload=preload)
+
+
+def take(preload: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerProcess:
+    """An idle started worker for ``preload`` if there is one, else a new one."""
+    worker = _IDLE.pop(preload, None)
+    if worker is not None and worker.alive:
+        worker.timeout_s = float(timeout_s)
+        return worker
+    if worker is not None:
+        worker.close()
+    return WorkerProcess(timeout_s, preload=preload)
+
+
+def release(worker: WorkerProcess, preload: str) -> None:
+    """Keeps a healthy worker (its backend unloaded) for the next :func:`take`; closes it when
+    it died, misbehaves, or a worker of that kind is already waiting."""
+    if preload not in _IDLE and worker.alive:
+        try:
+            worker.unload()
+        except (RuntimeCrash, WorkerError):
+            worker.close()
+            return
+        worker.optimization_level = None
+        _IDLE[preload] = worker
+        return
+    worker.close()
+
+
+@atexit.register
+def _close_idle_workers() -> None:
+    while _IDLE:
+        _IDLE.popitem()[1].close()

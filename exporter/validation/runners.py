@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attn_export import inputs as _inputs
+from attn_export.validation import isolation
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S, RuntimeCrash, WorkerError, WorkerProcess
 
 BACKEND_REFERENCE = "pytorch"
@@ -28,6 +29,7 @@ BACKEND_REPLACED = "pytorch-replaced"
 BACKEND_ORT = "onnxruntime"
 BACKEND_TRT = "tensorrt"
 DEFAULT_ORT_LEVEL = "ORT_ENABLE_ALL"  # ONNX Runtime's own default: what users' sessions get
+_ORT_WORKER = "onnxruntime"  # the kind of warm worker the ONNX Runtime runner takes
 ORT_LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL")
 
 ONNX_ELEM_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64, 7: torch.int64,
@@ -112,6 +114,12 @@ def feeds_for(graph_inputs: Mapping[str, int], inputs: Mapping[str, torch.Tensor
     return feeds
 
 
+def prestart_onnxruntime(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Starts ONNX Runtime's process now (the CLI does so before exporting), so that the gate
+    finds the runtime imported."""
+    isolation.prestart(_ORT_WORKER, timeout_s)
+
+
 class OnnxRuntimeRunner(Runner):
     """The ONNX file in an ONNX Runtime session (CPU execution provider, default optimization
     level ORT_ENABLE_ALL), in a child process (isolation.WorkerProcess): a crash or a hang of
@@ -127,18 +135,16 @@ class OnnxRuntimeRunner(Runner):
         self.optimization_level = optimization_level
         self.timeout_s = timeout_s
         self._worker: Optional[WorkerProcess] = None
-        self._started: Optional[WorkerProcess] = None
         self._input_types: dict = {}
         self.version: Optional[str] = None
 
     def start(self) -> None:
         """Starts the child process now (it imports ONNX Runtime while the caller does other
         work); ``load`` uses it. Optional."""
-        if self._started is None:
-            self._started = WorkerProcess(self.timeout_s, preload="onnxruntime")
+        prestart_onnxruntime(self.timeout_s)
 
     def load(self) -> None:
-        worker, self._started = self._started or WorkerProcess(self.timeout_s, preload="onnxruntime"), None
+        worker = isolation.take(_ORT_WORKER, self.timeout_s)
         try:
             info = worker.load("onnxruntime", optimization_level=self.optimization_level,
                                path=str(self.onnx_path), providers=self.providers)
@@ -146,7 +152,7 @@ class OnnxRuntimeRunner(Runner):
             worker.close()
             raise RunnerError(str(exc), step="load", crash=exc.info) from exc
         except WorkerError as exc:
-            worker.close()
+            isolation.release(worker, _ORT_WORKER)
             raise RunnerError(f"ONNX Runtime cannot load the model: {exc}", step="load") from exc
         self._worker = worker
         self._input_types = {name: _elem_type(kind) for name, kind in info["inputs"].items()}
@@ -164,10 +170,9 @@ class OnnxRuntimeRunner(Runner):
         return [torch.from_numpy(np.asarray(o)) for o in outs]
 
     def close(self) -> None:
-        for worker in (self._worker, self._started):
-            if worker is not None:
-                worker.close()
-        self._worker = self._started = None
+        if self._worker is not None:
+            isolation.release(self._worker, _ORT_WORKER)  # kept warm for the next gate when healthy
+            self._worker = None
 
 
 _ORT_TYPE_TO_ELEM = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(double)": 11,

@@ -9,7 +9,8 @@ attn_export (and torch).
 
 Protocol (stdin -> stdout): length-prefixed pickles (8-byte little-endian size, then the
 pickle). Requests: ``{"op": "load", "backend": NAME, "args": {...}}`` then any number of
-``{"op": "run", "feeds": {name: ndarray}}``. Replies: ``{"ok": True, ...}`` or
+``{"op": "run", "feeds": {name: ndarray}}``, and ``{"op": "unload"}`` before the next load (one
+process serves one model after another). Replies: ``{"ok": True, ...}`` or
 ``{"ok": False, "error": "first line of the error"}``. The runtimes' own prints go to stderr (file
 descriptor 1 is redirected there before anything loads), so they cannot corrupt the replies.
 """
@@ -59,6 +60,9 @@ class OnnxRuntimeBackend:
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, optimization_level)
         if intra_op_threads:
             options.intra_op_num_threads = intra_op_threads
+        # Between requests the parent runs PyTorch on the same cores: ONNX Runtime's threads must
+        # sleep, not spin-wait for work (its default), or they slow the parent down.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(path, options, providers=list(providers))
 
     def info(self) -> dict:
@@ -115,6 +119,9 @@ def serve(requests, replies) -> None:
                 write_message(replies, {"ok": True, "info": backend.info(), "pid": os.getpid()})
             elif message["op"] == "run":
                 write_message(replies, {"ok": True, "outputs": backend.run(message["feeds"])})
+            elif message["op"] == "unload":
+                backend = None
+                write_message(replies, {"ok": True})
             else:
                 write_message(replies, {"ok": False, "error": f"unknown request {message['op']!r}"})
         except Exception as exc:  # noqa: BLE001 - a Python-level error is an answer, not a crash
