@@ -238,3 +238,20 @@ def test_the_reported_model_converts_and_validates(tmp_path):
     ran = [c for c in report["cases"] if c["backend"] == "onnxruntime"]
     assert len(ran) == 5 and all(c["status"] == "passed" for c in ran)
     assert _load(tmp_path / "enc.onnx")["outputs"] == ["output"]
+
+
+def test_a_warm_worker_resolves_relative_paths_from_the_callers_directory(tmp_path, monkeypatch):
+    """The kept worker was started elsewhere: a relative ONNX path must still mean the
+    caller's file."""
+    from attn_export.validation import isolation
+
+    isolation.prestart("onnxruntime")  # started in this directory ...
+    (tmp_path / "d").mkdir()
+    transpose_matmul_graph(tmp_path / "d" / "rel.onnx")
+    monkeypatch.chdir(tmp_path / "d")  # ... used from another
+    runner = OnnxRuntimeRunner("rel.onnx", optimization_level="ORT_DISABLE_ALL")
+    runner.load()
+    try:
+        assert runner.run({"x": torch.zeros(3, 2, 64)})[0].shape == (2, 3, 192)
+    finally:
+        runner.close()

@@ -91,7 +91,8 @@ class WorkerProcess:
         self.optimization_level = optimization_level
         if optimization_level is not None:
             args["optimization_level"] = optimization_level
-        reply = self._request({"op": "load", "backend": backend, "args": args, "sys_path": list(sys.path)}, "load")
+        sys_path = [os.path.abspath(p) for p in sys.path]  # "" is the caller's working directory
+        reply = self._request({"op": "load", "backend": backend, "args": args, "sys_path": sys_path}, "load")
         return reply["info"]
 
     def run(self, feeds: dict):

@@ -146,8 +146,9 @@ class OnnxRuntimeRunner(Runner):
     def load(self) -> None:
         worker = isolation.take(_ORT_WORKER, self.timeout_s)
         try:
+            # Absolute: a warm worker keeps the working directory it was started in.
             info = worker.load("onnxruntime", optimization_level=self.optimization_level,
-                               path=str(self.onnx_path), providers=self.providers)
+                               path=str(self.onnx_path.resolve()), providers=self.providers)
         except RuntimeCrash as exc:
             worker.close()
             raise RunnerError(str(exc), step="load", crash=exc.info) from exc
@@ -230,7 +231,8 @@ class IsolatedEngine:
     def __init__(self, engine: str | Path, plugin: Optional[str | Path], timeout_s: float) -> None:
         from attn_export.tensorrt import EngineError, LibraryInfo, ShapeProfile
 
-        self._args = {"engine": str(engine), "plugin": None if plugin is None else str(plugin)}
+        self._args = {"engine": str(Path(engine).resolve()),
+                      "plugin": None if plugin is None else str(Path(plugin).resolve())}
         self._timeout_s = timeout_s
         self._worker: Optional[WorkerProcess] = None
         try:
