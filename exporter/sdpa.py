@@ -12,7 +12,9 @@ each SDPA call and maps it onto the operator:
 * masks are made 4-D ([1, ...] prepended; 3-D inputs get a head axis) and their query/key axes
   expanded when broadcast; a ``[B|1, 1, 1, Lk]`` mask becomes the key-padding mask;
 * ``is_causal`` is top-left aligned in both (``tril`` of an ``Lq x Lk`` matrix of ones);
-* ``enable_gqa``: key/value heads repeated (``repeat_interleave`` on the head axis, as SDPA);
+* ``enable_gqa``: key/value heads repeated (``repeat_interleave`` on the head axis, as SDPA); a
+  single key/value head (multi-query attention, e.g. Falcon) broadcasts to every query head, as
+  SDPA broadcasts it;
 * 3-D ``[N, L, E]`` inputs run as ``[N, 1, L, E]``.
 
 Calls the operator cannot express run on PyTorch's SDPA unchanged, and the reason is recorded on
@@ -270,7 +272,7 @@ def explain_refusal(query, key, value, attn_mask, dropout_p, is_causal, enable_g
         hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
         if not known_equal(hk, hv):
             return f"key and value head counts differ ({hk} vs {hv})"
-        if not known_equal(hq, hk):
+        if not known_equal(hq, hk) and not is_one(hk):  # one key/value head broadcasts (multi-query)
             if not enable_gqa:
                 return f"query has {hq} heads and key/value {hk} without enable_gqa"
             if not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
@@ -324,7 +326,7 @@ def sdpa_via_operator(*args, **kwargs) -> Tuple[Optional[torch.Tensor], Optional
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     batch, heads, lq, _ = query.shape
     lk = key.shape[2]
-    if not known_equal(heads, key.shape[1]):  # enable_gqa: repeat_interleave on the head axis
+    if not known_equal(heads, key.shape[1]):  # enable_gqa (repeat_interleave on the head axis) or broadcast
         groups = heads // key.shape[1]
         key, value = repeat_heads(key, groups), repeat_heads(value, groups)
     attn, kpm = (None, None) if attn_mask is None else _operator_masks(attn_mask, batch, heads, lq, lk, rank)

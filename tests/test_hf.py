@@ -125,10 +125,113 @@ def test_operator_masks_follow_the_operator_convention():
     assert hf.to_operator_masks(None, 2, 3) == (None, None)
 
 
-def test_unsupported_arguments_are_refused_not_ignored():
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        hf.attention_forward(nn.Module(), q, q, q, None, softcap=30.0)
+def test_calls_with_arguments_the_operator_does_not_compute_run_transformers_eager_attention():
+    """Attention sinks (GPT-OSS's s_aux): never ignored, never a failed run: the call runs the
+    modeling file's eager attention, is counted, and the plan said so beforehand."""
+    import hf_zoo
+
+    model = hf_zoo.build(hf_zoo.BY_NAME["GPT-OSS"])
+    inputs = hf_zoo.example_inputs(hf_zoo.BY_NAME["GPT-OSS"], model)
+    plan = attn_export.inspect_attention(model)
+    assert [layer.status for layer in plan.layers] == ["skipped", "skipped"]
+    assert all("attention sinks (s_aux=...)" in layer.reason and "eager" in layer.reason for layer in plan.layers)
+    with pytest.raises(attn_export.CoverageError, match="attention sinks"):
+        attn_export.replace_attention(copy.deepcopy(model), require_all=True)
+    # Forced onto the route (as a model loaded with attn_implementation="attn_export" is): the
+    # sinks still count, through transformers' eager attention.
+    routed_model = copy.deepcopy(model)
+    hf.route(routed_model)
+    assert routed_model.config._attn_implementation == "attn_export"
+    with torch.no_grad():
+        want = model(**inputs).last_hidden_state
+        got = routed_model(**inputs).last_hidden_state
+    valid = inputs["attention_mask"].bool()
+    assert max_rel_err(got[valid], want[valid]) < TOL
+    layer = routed_model.layers[0].self_attn
+    assert list(hf.unfused_calls(layer)) == [hf.unfused_reason(layer, {"s_aux": layer.sinks})]
+    # Without the sinks the result would differ: the fallback really computes them.
+    with torch.no_grad():
+        for block in routed_model.layers:
+            block.self_attn.sinks.fill_(-1e4)
+        assert max_rel_err(routed_model(**inputs).last_hidden_state[valid], want[valid]) > 1e-3
+
+
+def test_cli_require_all_fails_with_the_reason_for_layers_left_on_transformers_attention(tmp_path):
+    import hf_zoo
+
+    hf_zoo.build(hf_zoo.BY_NAME["GPT-OSS"]).config.to_json_file(tmp_path / "oss.json")
+    args = ["--model", "transformers:AutoModel", "--config", tmp_path / "oss.json"]
+    result = _invoke("inspect", *args, "--require-all")
+    assert result.exit_code == 1, result.output
+    assert "attention sinks" in result.output + result.stderr
+    assert _invoke("inspect", *args).exit_code == 0
+
+
+def test_t5_position_bias_is_the_operators_additive_mask_and_learns_through_eager_attention(monkeypatch):
+    import hf_zoo
+
+    import dataclasses
+
+    arch = hf_zoo.BY_NAME["T5"]
+    arch = dataclasses.replace(arch, config=dict(arch.config, dropout_rate=0.0))  # training without randomness
+    model = hf_zoo.build(arch)
+    inputs = hf_zoo.example_inputs(arch, model)
+    fused = copy.deepcopy(model)
+    assert all(layer.status == "routed" for layer in attn_export.replace_attention(fused).layers)
+    counter = CountCalls(monkeypatch)
+    with torch.no_grad():
+        got, want = fused(**inputs), model(**inputs)
+    assert counter.calls == 6  # encoder self, decoder self and cross attention, 2 layers each
+    valid = inputs["attention_mask"].bool()
+    assert max_rel_err(got.encoder_last_hidden_state[valid], want.encoder_last_hidden_state[valid]) < TOL
+    assert max_rel_err(got.last_hidden_state, want.last_hidden_state) < TOL
+    # Training the relative position bias: its gradient flows (transformers' eager attention runs
+    # those calls; the operator takes no gradient for its mask) and matches the original's.
+    fused.train(), model.train()
+    weights = None
+    for m in (fused, model):
+        out = m(**inputs)
+        if weights is None:
+            gen = torch.Generator().manual_seed(1)
+            weights = [torch.randn(t.shape, generator=gen) for t in (out.last_hidden_state, out.encoder_last_hidden_state)]
+        ((out.last_hidden_state * weights[0]).sum() + (out.encoder_last_hidden_state * weights[1]).sum()).backward()
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    g_fused, g_orig = dict(fused.named_parameters())[bias].grad, dict(model.named_parameters())[bias].grad
+    assert g_orig.abs().max() > 0 and max_rel_err(g_fused, g_orig) < 1e-4
+    reasons = hf.unfused_calls(fused.encoder.block[0].layer[0].SelfAttention)
+    assert list(reasons) and "requires grad" in next(iter(reasons))
+
+
+def test_sliding_window_shorter_than_the_sequence_is_honoured():
+    import hf_zoo
+
+    arch = hf_zoo.BY_NAME["Mistral"]
+    assert arch.config["sliding_window"] < hf_zoo.SEQ
+    model = hf_zoo.build(arch)
+    inputs = hf_zoo.example_inputs(arch, model, batch=1)
+    del inputs["attention_mask"]  # no padding: causal and windowed masks only
+    global_model = copy.deepcopy(model)
+    global_model.config.sliding_window = None
+    fused = copy.deepcopy(model)
+    attn_export.replace_attention(fused)
+    with torch.no_grad():
+        got, want = fused(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+        unwindowed = global_model(**inputs).last_hidden_state
+    assert max_rel_err(got, want) < TOL
+    assert max_rel_err(unwindowed, want) > 1e-3  # the window matters at this length
+
+
+def test_a_causal_call_without_a_mask_keeps_its_sliding_window():
+    """Should transformers ever skip building the mask, the window is applied explicitly."""
+    module = nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    got, _ = hf.attention_forward(module, q, k, v, None, scaling=0.3, sliding_window=3)
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    allowed = (j <= i) & (j > i - 3)
+    scores = (q.double() @ k.double().transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    want = (scores.softmax(-1) @ v.double()).transpose(1, 2)
+    assert max_rel_err(got.double(), want) < 1e-6
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch):

@@ -41,7 +41,14 @@ from attn_export.hf._compat import (
     contains_hf_model,
     is_hf_model,
 )
-from attn_export.hf.interface import attention_forward, attention_mask, register, to_operator_masks
+from attn_export.hf.interface import (
+    attention_forward,
+    attention_mask,
+    register,
+    to_operator_masks,
+    unfused_calls,
+    unfused_reason,
+)
 from attn_export.hf.models import (
     TOKEN_INPUTS,
     default_axes,
@@ -58,6 +65,7 @@ from attn_export.hf.routing import classify, dispatches_through_interface, layer
 __all__ = [
     "IMPLEMENTATION", "INSTALL_HINT", "MIN_VERSION", "UnsupportedTransformersError", "_version_tuple",
     "contains_hf_model", "is_hf_model", "attention_forward", "attention_mask", "register", "to_operator_masks",
+    "unfused_calls", "unfused_reason",
     "TOKEN_INPUTS", "default_axes", "example_inputs", "int_ranges", "is_pretrained_dir", "load", "max_positions",
     "prepare_for_export", "valid_token_mask", "classify", "dispatches_through_interface", "layer_geometry",
     "module_config", "route",

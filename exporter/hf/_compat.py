@@ -13,11 +13,11 @@ IMPLEMENTATION = "attn_export"
 MIN_VERSION = (4, 53)
 INSTALL_HINT = "pip install 'attn-export[hf]'"
 
-# Keyword arguments some models pass to the attention function that change the math and that
-# the fused operator does not implement: refuse them loudly instead of ignoring them.
-_UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping",
-    "position_bias": "an additive position bias (T5-style)",
+# Keyword arguments of the attention call that change the math in a way the fused operator
+# does not compute. A call carrying one runs transformers' own eager attention instead, and the
+# layer is reported as skipped with this reason (routing.classify finds the same names in the
+# layer's forward, so the plan and the run agree).
+UNSERVED_KWARGS = {
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
 }

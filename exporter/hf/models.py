@@ -18,8 +18,15 @@ TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids",
 def prepare_for_export(model: nn.Module) -> nn.Module:
     """In place, on a copy: no key/value cache in the outputs (``use_cache=False``), outputs as
     ``ModelOutput`` (named)."""
-    for pretrained in _outermost_pretrained(model):
-        for config in _configs(pretrained.config):
+    seen = set()
+    # Every module's config, not only the top model's: some models give sub-modules copies of
+    # their own (T5's decoder stack), which would still return a cache.
+    owners = [m for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")]
+    for owner in owners:
+        for config in _configs(owner.config):
+            if id(config) in seen:
+                continue
+            seen.add(id(config))
             if getattr(config, "use_cache", None):
                 config.use_cache = False
             if hasattr(config, "return_dict"):
@@ -28,6 +35,18 @@ def prepare_for_export(model: nn.Module) -> nn.Module:
                 except Exception:  # noqa: BLE001 - a read-only property in some versions
                     pass
     return model
+
+
+def onnx_translations() -> Dict:
+    """The ONNX translations transformers ships for the ops its models emit that torch.onnx's
+    torchlib does not translate (e.g. ``transformers::grouped_mm_fallback`` of mixture-of-experts
+    layers, Mixtral and the like): ``{}`` for versions without its ONNX exporter module."""
+    try:
+        from transformers.exporters import exporter_onnx
+    except Exception:  # noqa: BLE001 - an older or partial transformers: torchlib alone
+        return {}
+    table = getattr(exporter_onnx, "_ONNX_TRANSLATION_TABLE", None)
+    return dict(table) if isinstance(table, dict) else {}
 
 
 def _configs(config):

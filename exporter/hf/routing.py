@@ -3,11 +3,12 @@ model to the ``attn_export`` implementation."""
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from attn_export.hf._compat import IMPLEMENTATION
+from attn_export.hf._compat import IMPLEMENTATION, UNSERVED_KWARGS
 from attn_export.hf.interface import register
 
 _DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "attention_interface")
@@ -26,6 +27,23 @@ def dispatches_through_interface(module: nn.Module) -> bool:
             source = ""
         _dispatch_cache[cls] = any(marker in source for marker in _DISPATCH_MARKERS)
     return _dispatch_cache[cls]
+
+
+_served_keywords = ("position_bias", "softcap")
+_keywords_cache: Dict[type, Tuple[str, ...]] = {}
+
+
+def _attention_call_keywords(cls: type) -> Tuple[str, ...]:
+    """The keyword arguments of interest (unserved ones, and served ones worth a note) that
+    ``cls.forward`` passes by name, e.g. ``s_aux=self.sinks``, ``position_bias=position_bias``."""
+    if cls not in _keywords_cache:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        names = tuple(UNSERVED_KWARGS) + _served_keywords
+        _keywords_cache[cls] = tuple(n for n in names if re.search(rf"\b{n}\s*=", source))
+    return _keywords_cache[cls]
 
 
 def module_config(module: nn.Module):
@@ -58,7 +76,9 @@ def layer_geometry(module: nn.Module) -> Tuple[Optional[int], Optional[int]]:
 def classify(module: nn.Module) -> Optional[Tuple[str, Optional[str], List[str]]]:
     """For a module of a transformers model: ``None`` if it is no attention layer that
     dispatches through the interface, else (state, reason, notes) with state ``"routed"`` (already
-    ``attn_export``), ``"routable"`` or ``"not routable"``."""
+    ``attn_export``), ``"routable"``, ``"not routable"`` or ``"skipped"`` (its calls carry
+    arguments the operator does not compute, so they run transformers' eager attention even in a
+    routed model; decided from the forward's source as the call decides from its arguments)."""
     if not dispatches_through_interface(module):
         return None
     config = module_config(module)
@@ -69,6 +89,17 @@ def classify(module: nn.Module) -> Optional[Tuple[str, Optional[str], List[str]]
     dropout = _attention_dropout(module, config)
     if dropout:
         notes.append(f"dropout={dropout}: unfused in training mode (transformers' sdpa runs then); fused in eval")
+    keywords = _attention_call_keywords(type(module))
+    unserved = [f"{UNSERVED_KWARGS[name]} ({name}=...)" for name in keywords if name in UNSERVED_KWARGS]
+    if unserved:
+        # Decided from the forward's source, as the run decides from the call (interface.unfused_reason).
+        return ("skipped", f"passes {', '.join(unserved)} to the attention function, which the fused operator "
+                "does not compute: transformers' eager attention runs for this layer", [])
+    if "position_bias" in keywords:
+        notes.append("position bias: fused as the operator's additive mask; while training a learned bias "
+                     "(gradients on) transformers' eager attention runs")
+    if "softcap" in keywords:
+        notes.append("logit soft-capping: the operator's softcap")
     if config._attn_implementation == IMPLEMENTATION:
         return ("routed", None, notes)
     return ("routable", None, notes)

@@ -126,6 +126,14 @@ def _check_trace_sizes(inputs, axes, seed):
     return _inputs.resize(inputs, axes, {**sizes, **small}, seed=seed), [note]
 
 
+def _translations(model: nn.Module) -> dict:
+    """torch.onnx's custom translations: the attn_export operators', over transformers' own for
+    the ops its models emit (transformers models only)."""
+    table = _hf.models.onnx_translations() if _hf.contains_hf_model(model) else {}
+    table.update(translation_table())
+    return table
+
+
 def export_onnx(
     model: nn.Module,
     example_inputs: Mapping[str, torch.Tensor],
@@ -214,7 +222,7 @@ def export_onnx(
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,
-                custom_translation_table=translation_table(), output_names=output_names,
+                custom_translation_table=_translations(work), output_names=output_names,
                 optimize=True, verbose=False, external_data=False,
             )
         except Exception as exc:  # noqa: BLE001
