@@ -37,3 +37,28 @@ def exported_seq2seq(small_seq2seq, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("export") / "seq2seq.onnx"
     return export_onnx(small_seq2seq, small_seq2seq.example_inputs, path)
+
+
+@pytest.fixture(scope="module")
+def torchlib_ops_once():
+    """For modules that export many small models. Every ``torch.onnx.export`` rebuilds its
+    registry from onnxscript's torchlib, re-parsing the source of ~500 functions (~2 s of the
+    ~3 s a small export takes here). The list is the same every time: compute it once per
+    module. The registry itself (and everything attn-export does) is still built per export.
+    Torch runs single-threaded meanwhile: tiny models, and a second thread only waits on a
+    shared machine."""
+    import functools
+    import importlib
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        try:  # the onnxscript module torch's exporter uses (torch_2_11 with torch 2.13)
+            from torch.onnx._internal._lazy_import import onnxscript_apis
+
+            apis = importlib.import_module(getattr(onnxscript_apis, "_name", None) or onnxscript_apis.__name__)
+            mp.setattr(apis, "get_torchlib_ops", functools.lru_cache(maxsize=None)(apis.get_torchlib_ops))
+        except (ImportError, AttributeError):  # another torch: no shortcut, only slower
+            pass
+        yield
+    torch.set_num_threads(threads)

@@ -303,26 +303,8 @@ def _restrict(axes, dynamic: str):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _torchlib_ops_once():
-    """Every ``torch.onnx.export`` rebuilds its registry from onnxscript's torchlib, re-parsing
-    the source of ~500 functions (~2 s of the ~3 s a small export takes here). The list is the
-    same every time: compute it once for this module, so that 100+ exports fit in minutes. The
-    registry itself (and everything attn-export does) is still built per export."""
-    import functools
-    import importlib
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only waits on a shared machine
-    with pytest.MonkeyPatch.context() as mp:
-        try:  # the onnxscript module torch's exporter uses (torch_2_11 with torch 2.13)
-            from torch.onnx._internal._lazy_import import onnxscript_apis
-
-            apis = importlib.import_module(getattr(onnxscript_apis, "_name", None) or onnxscript_apis.__name__)
-            mp.setattr(apis, "get_torchlib_ops", functools.lru_cache(maxsize=None)(apis.get_torchlib_ops))
-        except (ImportError, AttributeError):  # another torch: no shortcut, only slower
-            pass
-        yield
-    torch.set_num_threads(threads)
+def _fast_exports(torchlib_ops_once):
+    yield
 
 
 def check(c: Config, directory=None) -> Optional[str]:
