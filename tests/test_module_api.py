@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from attn_export import FusedMultiheadAttention
-from attn_export.modules import UnsupportedAttentionError
 from helpers import assert_rel_close, make_pair
 
 
@@ -50,23 +49,26 @@ def test_from_module_shares_parameters_and_mode():
 
 
 @pytest.mark.parametrize(
-    "kwargs,words",
-    [
-        ({"add_bias_kv": True}, "add_bias_kv"),
-        ({"add_zero_attn": True}, "add_zero_attn"),
-        ({"kdim": 8, "vdim": 8}, "kdim=8"),
-    ],
+    "kwargs",
+    [{"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 8, "vdim": 8}, {"kdim": 8}, {"vdim": 12, "bias": False}],
 )
-def test_unsupported_configurations_name_the_option(kwargs, words):
+def test_every_stock_configuration_constructs_and_converts(kwargs):
+    """Configurations the layer operator does not cover run on the core operator; none is refused."""
     ref = nn.MultiheadAttention(16, 2, **kwargs)
-    with pytest.raises(UnsupportedAttentionError, match=words):
-        FusedMultiheadAttention.from_module(ref)
-    with pytest.raises(UnsupportedAttentionError, match=words.split("=")[0]):
-        FusedMultiheadAttention(16, 2, **kwargs)
+    fused = FusedMultiheadAttention.from_module(ref)
+    built = FusedMultiheadAttention(16, 2, **kwargs)
+    for layer in (fused, built):
+        for name in ("_qkv_same_embed_dim", "kdim", "vdim", "add_zero_attn", "head_dim"):
+            assert getattr(layer, name) == getattr(ref, name), name
+        assert (layer.bias_k is None) == (ref.bias_k is None)
+        assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert fused.q_proj_weight is ref.q_proj_weight and fused.bias_k is ref.bias_k
 
 
 def test_constructor_rejects_bad_head_count():
     with pytest.raises(ValueError, match="divisible by num_heads"):
+        FusedMultiheadAttention(10, 3)
+    with pytest.raises(AssertionError, match="divisible by num_heads"):  # nn.MultiheadAttention's type
         FusedMultiheadAttention(10, 3)
 
 
