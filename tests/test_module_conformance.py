@@ -149,11 +149,13 @@ def _run_case(config, dtype, mask_kind, need_weights, average, unbatched, traini
     if dead.any():
         attention_output = out - (0 if fused.out_proj.bias is None else fused.out_proj.bias)
         assert torch.equal(attention_output[dead], torch.zeros_like(attention_output[dead]))
-        assert_rel_close(out[~dead], out_ref[~dead], rel, "output rows with a visible key")
+        if not dead.all():
+            assert_rel_close(out[~dead], out_ref[~dead], rel, "output rows with a visible key")
         if need_weights:
             nan = torch.isnan(w_ref)
             assert torch.equal(w[nan], torch.zeros_like(w[nan]))
-            assert_rel_close(w[~nan], w_ref[~nan], rel, "weights of rows with a visible key")
+            if not nan.all():
+                assert_rel_close(w[~nan], w_ref[~nan], rel, "weights of rows with a visible key")
         grads = torch.autograd.grad(out.sum() + (w.sum() if need_weights else 0), leaves + list(fused.parameters()))
         assert all(torch.isfinite(g).all() for g in grads)
         return
@@ -172,6 +174,11 @@ def _run_case(config, dtype, mask_kind, need_weights, average, unbatched, traini
     want = torch.autograd.grad(loss(out_ref, w_ref), leaves + params)
     for g, g_ref, name in zip(got, want, names):
         assert g.dtype == g_ref.dtype, name
+        if g_ref.abs().max() < 1e-9:
+            # Zero up to rounding (e.g. every query sees only the add_bias_kv key: the output
+            # does not depend on the query): relative error is meaningless there.
+            assert g.abs().max() < 1e-9, f"grad {name}: {g.abs().max():.3e}, stock {g_ref.abs().max():.3e}"
+            continue
         assert_rel_close(g, g_ref, rel, f"grad {name}")
 
 
