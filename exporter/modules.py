@@ -53,8 +53,8 @@ def _relayout_column_major(weight: nn.Parameter) -> None:
 
 
 def fusion_notes(module: nn.MultiheadAttention) -> List[str]:
-    """How a layer of ``module``'s configuration runs once fused, one note per option that
-    moves it off the single layer operator ([] for the common packed configuration)."""
+    """How a layer of ``module``'s configuration runs once fused: one note naming the options
+    that move it off the single layer operator ([] for the common packed configuration)."""
     options = []
     if not getattr(module, "_qkv_same_embed_dim", True):
         options.append(f"kdim={module.kdim}/vdim={module.vdim} != embed_dim={module.embed_dim}")
