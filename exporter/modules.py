@@ -261,6 +261,13 @@ class FusedMultiheadAttention(nn.Module):
         self._reset_parameters()
         self.out_proj.register_forward_pre_hook(_keep_native_fast_paths_off)
 
+    def __setstate__(self, state) -> None:
+        # Layers pickled before the separate q/k/v projection weights existed had none
+        # registered: they were packed, so the three are None.
+        super().__setstate__(state)
+        for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            self._parameters.setdefault(name, None)
+
     def _reset_parameters(self) -> None:
         # The initialization of nn.MultiheadAttention.
         if self.out_proj.weight.is_meta:

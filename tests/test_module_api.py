@@ -1,4 +1,6 @@
 """FusedMultiheadAttention as a drop-in: constructor, state_dict, from_module, dropout."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +139,13 @@ def test_opcheck_backward_with_column_major_weights():
         ops._multi_head_attention_backward.default,
         (torch.randn_like(x), None, *args, True, False, q_proj, kv_proj, attn, lse, probs, [True] * 7),
     )
+
+
+def test_a_layer_pickled_before_separate_projection_weights_still_runs():
+    fused = FusedMultiheadAttention(16, 2, dropout=0.1).train()
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        del fused._parameters[name]  # as pickled by earlier versions
+    restored = copy.deepcopy(fused)  # unpickles through __setstate__
+    assert restored.q_proj_weight is None and restored.v_proj_weight is None
+    x = torch.randn(5, 2, 16)
+    assert restored(x, x, x)[0].shape == x.shape  # the dropout path reads the three
