@@ -7,8 +7,11 @@
     >>> rich.print(report.table())
 
 Replaced layers share their parameters with the originals (the same ``Parameter`` objects), so
-optimizers, tied weights and ``state_dict`` keys are unchanged. Configurations the fused
-operator does not implement are left in place and listed with the reason.
+optimizers, tied weights and ``state_dict`` keys are unchanged. Every ``nn.MultiheadAttention``
+configuration is replaced; those that run on the attention-core operator rather than the layer
+operator (``kdim``/``vdim``, ``add_bias_kv``, ``add_zero_attn``) carry a note saying so. Layers
+that cannot be swapped safely (a subclass that overrides ``forward``, the model itself) are left
+in place and listed with the reason.
 
 Hugging Face transformers models are not patched: their attention layers look their attention
 function up by name in transformers' ``AttentionInterface``, so the model's
@@ -37,7 +40,7 @@ from torch import nn
 
 from attn_export import hf as _hf
 from attn_export import sdpa as _sdpa
-from attn_export.modules import FusedMultiheadAttention, unsupported_options
+from attn_export.modules import FusedMultiheadAttention, fusion_notes
 from attn_export.attention_sites import (  # noqa: F401 - re-exported: the statuses belong to the report
     ALREADY_FUSED,
     REPLACED,
@@ -54,7 +57,7 @@ from attn_export.attention_sites import (  # noqa: F401 - re-exported: the statu
 
 
 def _layer_notes(module: nn.Module) -> List[str]:
-    notes = []
+    notes = fusion_notes(module)
     if getattr(module, "dropout", 0.0) > 0.0:
         notes.append(f"dropout={module.dropout}: unfused in training mode (dropout is not fused); fused in eval")
     return notes
@@ -115,11 +118,11 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
                 visit(module, name, child, f"{path}.{name}" if path else name)
             return
         if is_fused:
-            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED)
+            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED, notes=fusion_notes(module))
         elif is_mha:
-            reasons = unsupported_options(module)
+            reasons = []
             if type(module).forward is not nn.MultiheadAttention.forward:
-                reasons.insert(0, f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
+                reasons.append(f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
             if parent is None:
                 reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
             layer = AttentionLayer(

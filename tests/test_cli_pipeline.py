@@ -82,19 +82,22 @@ def test_quiet_prints_nothing_and_reports_are_written(workdir, tmp_path):
 def test_inspect_lists_layers_and_the_coverage_gate(tmp_path):
     model = nn.ModuleDict({
         "encoder": nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
-        "odd": nn.MultiheadAttention(16, 2, add_zero_attn=True),
+        "odd": nn.MultiheadAttention(16, 2, add_zero_attn=True),  # fused on the core operator, with a note
     })
     torch.save(model, tmp_path / "m.pt")
     proc = run("inspect", tmp_path / "m.pt", "--json", tmp_path / "i.json", expect=0)
     text = " ".join(proc.stdout.split())
     assert "encoder.self_attn" in text and "will be replaced" in text and "add_zero_attn" in text
     data = json.loads((tmp_path / "i.json").read_text())
-    assert [(layer["path"], layer["num_heads"], layer["embed_dim"]) for layer in data["layers"]] == [
-        ("encoder.self_attn", 2, 16), ("odd", 2, 16)]
-    gate = invoke("inspect", tmp_path / "m.pt", "--require-all")
-    assert gate.returncode == 1 and "FAILED" in gate.stderr and "add_zero_attn" in gate.stderr
-    assert invoke("inspect", tmp_path / "m.pt", "--min-replaced", "2").returncode == 1
-    assert invoke("inspect", tmp_path / "m.pt", "--min-replaced", "1").returncode == 0
+    assert [(layer["path"], layer["num_heads"], layer["embed_dim"], layer["status"]) for layer in data["layers"]] == [
+        ("encoder.self_attn", 2, 16, "will be replaced"), ("odd", 2, 16, "will be replaced")]
+    assert invoke("inspect", tmp_path / "m.pt", "--require-all").returncode == 0
+    assert invoke("inspect", tmp_path / "m.pt", "--min-replaced", "3").returncode == 1
+    assert invoke("inspect", tmp_path / "m.pt", "--min-replaced", "2").returncode == 0
+    # A layer that cannot be swapped: the model itself is the attention layer.
+    torch.save(nn.MultiheadAttention(16, 2), tmp_path / "bare.pt")
+    gate = invoke("inspect", tmp_path / "bare.pt", "--require-all")
+    assert gate.returncode == 1 and "FAILED" in gate.stderr and "the model itself" in gate.stderr
 
 
 def test_errors_are_one_line_with_exit_2_and_leave_no_file(workdir, tmp_path):

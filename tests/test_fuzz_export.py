@@ -19,9 +19,11 @@ attention (``is_causal=True`` with the causal mask, as users write it), a paddin
 every key, odd sizes (embed 8..48, heads dividing it, sequences 1..13), batch 1 and sequence 1
 examples, and dynamic axes (batch and sequence, sequence only, batch only, or static).
 
-What is not drawn, because the product documents it as unsupported or it is a torch.export
-limitation (docs, README, ENVIRONMENT): ``add_bias_kv``/``add_zero_attn``/different
-``kdim``/``vdim``; an attention mask given to an encoder/decoder without an explicit
+What is not drawn: ``add_bias_kv``/``add_zero_attn``/different ``kdim``/``vdim`` (fused on the
+attention-core operator since issue 13; tests/test_module_conformance.py and
+test_onnx_export.py's core-operator test cover them, and drawing them here would change every
+seeded case). Not drawn either, because the product documents it as unsupported or it is a
+torch.export limitation (docs, README, ENVIRONMENT): an attention mask given to an encoder/decoder without an explicit
 ``is_causal`` flag (torch.export cannot trace ``_detect_is_causal_mask``); a dynamic batch
 together with a [B*H, L, S] mask (the mask's first axis is batch * heads, not a label); causal
 cross-attention.

@@ -1,10 +1,11 @@
 """FusedMultiheadAttention as a drop-in: constructor, state_dict, from_module, dropout."""
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from attn_export import FusedMultiheadAttention
-from attn_export.modules import UnsupportedAttentionError
 from helpers import assert_rel_close, make_pair
 
 
@@ -50,23 +51,26 @@ def test_from_module_shares_parameters_and_mode():
 
 
 @pytest.mark.parametrize(
-    "kwargs,words",
-    [
-        ({"add_bias_kv": True}, "add_bias_kv"),
-        ({"add_zero_attn": True}, "add_zero_attn"),
-        ({"kdim": 8, "vdim": 8}, "kdim=8"),
-    ],
+    "kwargs",
+    [{"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 8, "vdim": 8}, {"kdim": 8}, {"vdim": 12, "bias": False}],
 )
-def test_unsupported_configurations_name_the_option(kwargs, words):
+def test_every_stock_configuration_constructs_and_converts(kwargs):
+    """Configurations the layer operator does not cover run on the core operator; none is refused."""
     ref = nn.MultiheadAttention(16, 2, **kwargs)
-    with pytest.raises(UnsupportedAttentionError, match=words):
-        FusedMultiheadAttention.from_module(ref)
-    with pytest.raises(UnsupportedAttentionError, match=words.split("=")[0]):
-        FusedMultiheadAttention(16, 2, **kwargs)
+    fused = FusedMultiheadAttention.from_module(ref)
+    built = FusedMultiheadAttention(16, 2, **kwargs)
+    for layer in (fused, built):
+        for name in ("_qkv_same_embed_dim", "kdim", "vdim", "add_zero_attn", "head_dim"):
+            assert getattr(layer, name) == getattr(ref, name), name
+        assert (layer.bias_k is None) == (ref.bias_k is None)
+        assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert fused.q_proj_weight is ref.q_proj_weight and fused.bias_k is ref.bias_k
 
 
 def test_constructor_rejects_bad_head_count():
     with pytest.raises(ValueError, match="divisible by num_heads"):
+        FusedMultiheadAttention(10, 3)
+    with pytest.raises(AssertionError, match="divisible by num_heads"):  # nn.MultiheadAttention's type
         FusedMultiheadAttention(10, 3)
 
 
@@ -135,3 +139,13 @@ def test_opcheck_backward_with_column_major_weights():
         ops._multi_head_attention_backward.default,
         (torch.randn_like(x), None, *args, True, False, q_proj, kv_proj, attn, lse, probs, [True] * 7),
     )
+
+
+def test_a_layer_pickled_before_separate_projection_weights_still_runs():
+    fused = FusedMultiheadAttention(16, 2, dropout=0.1).train()
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        del fused._parameters[name]  # as pickled by earlier versions
+    restored = copy.deepcopy(fused)  # unpickles through __setstate__
+    assert restored.q_proj_weight is None and restored.v_proj_weight is None
+    x = torch.randn(5, 2, 16)
+    assert restored(x, x, x)[0].shape == x.shape  # the dropout path reads the three

@@ -300,3 +300,41 @@ def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
     other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
     (out,) = ort_run(result.path, other)
     np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+
+
+class CoreOperatorLayers(nn.Module):
+    """The configurations that run on the attention-core operator: kdim/vdim, add_bias_kv,
+    add_zero_attn."""
+
+    def __init__(self):
+        super().__init__()
+        self.cross = nn.MultiheadAttention(16, 2, kdim=8, vdim=12, batch_first=True)
+        self.extra = nn.MultiheadAttention(16, 4, add_bias_kv=True, add_zero_attn=True, batch_first=True)
+
+    def forward(self, x, k, v, key_padding_mask):
+        y = self.cross(x, k, v, key_padding_mask=key_padding_mask, need_weights=False)[0]
+        return self.extra(y, y, y, need_weights=False)[0]
+
+
+def test_core_operator_configurations_export_and_validate(tmp_path):
+    from attn_export.validation import validate
+
+    torch.manual_seed(0)
+    model = CoreOperatorLayers().eval()
+    with torch.no_grad():
+        for layer in (model.cross, model.extra):
+            layer.in_proj_bias.normal_(0, 0.1)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    inputs = {"x": torch.randn(2, 5, 16), "k": torch.randn(2, 7, 8), "v": torch.randn(2, 7, 12), "key_padding_mask": pad}
+    axes = {"x": {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}}
+    result = export_onnx(model, inputs, tmp_path / "core.onnx", dynamic_axes=axes)
+    assert result.replacement.num_replaced == 2
+    nodes, onnx_model = fused_nodes(result.path)
+    assert len(nodes) == 2 and not [n for n in onnx_model.graph.node if n.op_type == "Softmax"]
+    other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
+    (out,) = ort_run(result.path, other)
+    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+    report = validate(model, result.path, inputs, dynamic_axes=axes)
+    assert report.passed, report

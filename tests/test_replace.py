@@ -39,6 +39,13 @@ def encoder(layers=2, **kw):
     return nn.TransformerEncoder(layer, layers)
 
 
+class Custom(nn.MultiheadAttention):
+    """A subclass that overrides forward: not swapped (its forward may do anything)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
 def padding(batch, length):
     mask = torch.zeros(batch, length, dtype=torch.bool)
     mask[-1, length // 2:] = True
@@ -160,11 +167,7 @@ def test_a_module_reached_by_two_paths_is_replaced_once_everywhere():
     assert model["a"] is model["b"][0] and isinstance(model["a"], FusedMultiheadAttention)
 
 
-def test_unsupported_layers_are_left_in_place_with_the_reason():
-    class Custom(nn.MultiheadAttention):
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs)
-
+def test_every_configuration_is_replaced_and_unswappable_layers_keep_the_reason():
     class MyAttention(nn.Module):  # not an nn.MultiheadAttention at all
         def __init__(self):
             super().__init__()
@@ -179,22 +182,46 @@ def test_unsupported_layers_are_left_in_place_with_the_reason():
         "custom": Custom(16, 2),
         "mine": MyAttention(),
     })
+    plan = inspect_attention(model)
     report = replace_attention(model)
     reasons = {layer.path: layer.reason for layer in report.skipped}
-    assert [layer.path for layer in report.replaced] == ["ok"]
-    assert "add_bias_kv" in reasons["bias_kv"]
-    assert "add_zero_attn" in reasons["zero_attn"]
-    assert "kdim=8" in reasons["kdim"]
+    assert [layer.path for layer in report.replaced] == ["ok", "bias_kv", "zero_attn", "kdim"]
+    assert [layer.path for layer in plan.replaced] == ["ok", "bias_kv", "zero_attn", "kdim"]
+    # The plan and the result say the same thing about how each layer runs.
+    assert [layer.notes for layer in plan.layers] == [layer.notes for layer in report.layers]
+    notes = {layer.path: " ".join(layer.notes) for layer in report.replaced}
+    assert notes["ok"] == ""
+    assert "add_bias_kv" in notes["bias_kv"] and "core operator" in notes["bias_kv"]
+    assert "add_zero_attn" in notes["zero_attn"]
+    assert "kdim=8" in notes["kdim"]
     assert "overrides" in reasons["custom"]
     assert "not a torch.nn.MultiheadAttention" in reasons["mine"]
-    for path in ("bias_kv", "zero_attn", "kdim", "custom"):
-        assert type(model[path]) is not FusedMultiheadAttention
+    for path in ("ok", "bias_kv", "zero_attn", "kdim"):
+        assert type(model[path]) is FusedMultiheadAttention
+    assert type(model["custom"]) is Custom
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["num_replaced"] == 1 and data["num_skipped"] == 5
+    assert data["num_replaced"] == 4 and data["num_skipped"] == 2
+
+
+def test_replaced_core_operator_layers_match_the_originals():
+    torch.manual_seed(0)
+    original = nn.ModuleDict({
+        "bias_kv": nn.MultiheadAttention(16, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True),
+        "kdim": nn.MultiheadAttention(16, 2, kdim=8, vdim=12, batch_first=True),
+    }).eval()
+    model = copy.deepcopy(original)
+    replace_attention(model)
+    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 7, 8), torch.randn(2, 7, 12)
+    (out, w), counts = run_counting(model["kdim"], q, k, v)
+    assert counts.get(torch.ops.attn_export.attention.default, 0) == 1
+    out_ref, w_ref = original["kdim"](q, k, v)
+    assert_rel_close(out, out_ref, 2e-6, "kdim output")
+    assert_rel_close(w, w_ref, 2e-6, "kdim weights")
+    assert_rel_close(model["bias_kv"](q, q, q)[0], original["bias_kv"](q, q, q)[0], 2e-6, "bias_kv output")
 
 
 def test_coverage_gate_fails_before_changing_anything():
-    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": nn.MultiheadAttention(16, 2, add_zero_attn=True)})
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": Custom(16, 2)})
     with pytest.raises(CoverageError, match="cannot be fused"):
         replace_attention(model, require_all=True)
     with pytest.raises(CoverageError, match="fewer than the required 2"):
@@ -226,12 +253,12 @@ def test_no_global_side_effects():
 def test_report_renders_as_a_table_and_text():
     from rich.console import Console
 
-    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": nn.MultiheadAttention(16, 2, add_zero_attn=True)})
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bad": Custom(16, 2)})
     report = replace_attention(model)
     console = Console(record=True, width=200)
     console.print(report.table())
     text = console.export_text()
-    assert "ok" in text and "replaced" in text and "add_zero_attn" in text
+    assert "ok" in text and "replaced" in text and "overrides" in text
     assert "1 replaced" in str(report) and "1 skipped" in str(report)
 
 
