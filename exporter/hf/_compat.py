@@ -16,7 +16,6 @@ INSTALL_HINT = "pip install 'attn-export[hf]'"
 # Keyword arguments some models pass to the attention function that change the math and that
 # the fused operator does not implement: refuse them loudly instead of ignoring them.
 _UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping",
     "position_bias": "an additive position bias (T5-style)",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",

@@ -95,8 +95,10 @@ def attention_forward(
         causal = False  # the mask holds the pattern
     if attn_mask is not None and attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
         attn_mask = attn_mask.to(query.dtype)
+    # Gemma 2's attn_logit_softcapping: the operator caps the scaled scores before the mask, as
+    # transformers' eager attention does.
     out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                    is_causal=causal, scale=scaling)
+                    is_causal=causal, scale=scaling, softcap=kwargs.get("softcap"))
     # [B, H, Lq, D] laid out [B, Lq, H, D]: the transpose is free.
     return out.transpose(1, 2), None
 
