@@ -71,6 +71,10 @@ struct AttentionParams {
   AttentionMask key_padding_mask;
 
   double scale = 1.0;  // multiplies q.k before the masks are added
+  // Logit soft-capping (Gemma 2, Grok): when > 0, the scaled score x = scale * q.k becomes
+  // softcap * tanh(x / softcap) BEFORE the masks are added; 0 = off. Bounds the scores to
+  // (-softcap, softcap); the backward multiplies dS by 1 - tanh^2(x / softcap).
+  double softcap = 0.0;
   bool is_causal = false;
 };
 

@@ -7,7 +7,7 @@
 // tests/test_spec.py holds the exported models to it. Documented in docs/onnx_node.md.
 //
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump
-// kPluginVersion and kOnnxDomainVersion together.
+// kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute.
 //
 // ---------------------------------------------------------------------------------------------
 // The node: the attention core, heads packed, token-major (no transposes in the graph; the
@@ -24,12 +24,19 @@
 //   T = float32 | float16 | bfloat16 (kTensorTypes); M = float32 (kMaskType).
 //
 //   output[b, i, h*Dv : (h+1)*Dv] = sum_j p[b,h,i,j] * value[b, j, h*Dv : (h+1)*Dv], where
-//     s[b,h,i,j] = scale * <q_bhi, k_bhj> + key_padding_mask[b,j] + attn_mask[b,h,i,j]
+//     x[b,h,i,j] = scale * <q_bhi, k_bhj>
+//     c[b,h,i,j] = softcap > 0 ? softcap * tanh(x[b,h,i,j] / softcap) : x[b,h,i,j]
+//                                                  (logit soft-capping, Gemma 2 / Grok style)
+//     s[b,h,i,j] = c[b,h,i,j] + key_padding_mask[b,j] + attn_mask[b,h,i,j]
 //                  + (is_causal && j > i ? -inf : 0)            (top-left aligned causal mask)
 //     p[b,h,i,:] = softmax_j(s[b,h,i,:]), or all zeros when every s[b,h,i,j] is -inf
 //                  (a query that sees no key outputs zeros, never NaN).
 //   The scores, the softmax and the sums accumulate in float32 whatever T is.
 //   Masks broadcast (a size-1 dimension stands for every index).
+//
+// Soft-capping bounds the scores to (-softcap, softcap) BEFORE the masks are added (as
+// transformers' Gemma 2 attention does), so a -inf mask still removes a key. softcap = 0 (the
+// default) is off: the node computes exactly what version 1 computed.
 //
 // Masks are ADDITIVE float32 in the node: 0 = visible, -inf = masked out, other values are
 // added to the scaled scores. The exporter turns a PyTorch boolean mask (true = masked out,
@@ -54,13 +61,13 @@ namespace attn_export::spec {
 
 // ONNX identity of the node and of its model-local function (same domain and name).
 inline constexpr const char* kOnnxDomain = "attn_export";
-inline constexpr int kOnnxDomainVersion = 1;
+inline constexpr int kOnnxDomainVersion = 2;
 inline constexpr const char* kOpType = "FusedAttention";
 
 // TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
 // attributes plugin_version / plugin_namespace, which the exporter writes on every node.
 inline constexpr const char* kPluginName = "FusedAttention";
-inline constexpr const char* kPluginVersion = "1";
+inline constexpr const char* kPluginVersion = "2";
 inline constexpr const char* kPluginNamespace = "";
 
 // Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
@@ -70,6 +77,7 @@ inline constexpr const char* kAttrScale = "scale";                           // 
 inline constexpr const char* kAttrIsCausal = "is_causal";                    // INT   0 | 1
 inline constexpr const char* kAttrHasKeyPaddingMask = "has_key_padding_mask";  // INT 0 | 1
 inline constexpr const char* kAttrHasAttnMask = "has_attn_mask";             // INT   0 | 1
+inline constexpr const char* kAttrSoftcap = "softcap";                       // FLOAT >= 0, 0 = off
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
@@ -79,29 +87,33 @@ inline constexpr int kAttrTypeInt = 2;
 inline constexpr int kAttrTypeString = 3;
 
 // One node attribute: its name, type, whether every node must carry it, and otherwise its
-// default (default_int for INT attributes, default_string for STRING ones).
+// default (default_int for INT attributes, default_float for FLOAT ones, default_string for
+// STRING ones).
 struct Attribute {
   const char* name;
   int type;  // kAttrType*
   bool required;
   int default_int;
+  double default_float;
   const char* default_string;
 };
 
 // Every attribute of the node, in the order the exporter writes them. The first
 // kNumPluginFields are the TensorRT plugin's fields, in the order the plugin declares and
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
-// itself (its defaults are these: "" and "1") and are not fields.
-inline constexpr int kNumAttributes = 7;
-inline constexpr int kNumPluginFields = 5;
+// itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
+// on every node, so a node always names this version).
+inline constexpr int kNumAttributes = 8;
+inline constexpr int kNumPluginFields = 6;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
-    {kAttrNumHeads, kAttrTypeInt, true, 0, ""},
-    {kAttrScale, kAttrTypeFloat, true, 0, ""},
-    {kAttrIsCausal, kAttrTypeInt, false, 0, ""},
-    {kAttrHasKeyPaddingMask, kAttrTypeInt, false, 0, ""},
-    {kAttrHasAttnMask, kAttrTypeInt, false, 0, ""},
-    {kAttrPluginNamespace, kAttrTypeString, false, 0, kPluginNamespace},
-    {kAttrPluginVersion, kAttrTypeString, false, 0, kPluginVersion},
+    {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
+    {kAttrScale, kAttrTypeFloat, true, 0, 0.0, ""},
+    {kAttrIsCausal, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrHasKeyPaddingMask, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrHasAttnMask, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrSoftcap, kAttrTypeFloat, false, 0, 0.0, ""},
+    {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
+    {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
 
 // Element types: the values of ONNX's TensorProto.DataType, with the names the exporter and

@@ -6,6 +6,8 @@ csrc/ops/multi_head_attention.cpp) with the same words; tests/test_fake.py holds
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attn_export import spec as _spec
@@ -221,15 +223,28 @@ def check_multi_head_attention_inputs(
     )
 
 
+def check_softcap(softcap) -> None:
+    """The C++ check_softcap's check and message: finite and >= 0 (0 = off)."""
+    torch._check(
+        math.isfinite(softcap) and softcap >= 0.0,
+        # :g prints a double as the C++ message's ostream does (-2, nan, 1e-30).
+        lambda: f"attention: softcap must be finite and >= 0 (0 = off); got {softcap:g}",
+    )
+
+
 @torch.library.register_fake(_OPS.torch_op_attention)
-def _attention_fake(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
+def _attention_fake(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
+                    softcap=0.0):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    check_softcap(softcap)
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
 @torch.library.register_fake(_OPS.torch_op_attention_forward)
-def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights):
+def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights,
+                            softcap=0.0):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    check_softcap(softcap)
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
     out = empty_token_major(query, batch, heads, seqlen_q, value.size(3))
     lse = query.new_empty((batch, heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
@@ -240,9 +255,10 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
 @torch.library.register_fake(_OPS.torch_op_attention_backward)
 def _attention_backward_fake(
     grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
-    probs=None, output=None,
+    probs=None, output=None, softcap=0.0,
 ):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
+    check_softcap(softcap)
     batch, heads = query.size(0), query.size(1)
     torch._check(
         list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],

@@ -34,6 +34,7 @@ _ATTRIBUTE_DOCS = {
     "is_causal": "1: query i sees keys j <= i",
     "has_key_padding_mask": "0: the key_padding_mask input is a zero placeholder",
     "has_attn_mask": "0: the attn_mask input is a zero placeholder",
+    "softcap": "> 0: the scaled score x becomes softcap * tanh(x / softcap) before the masks; 0: off",
     "plugin_namespace": "TensorRT plugin namespace",
     "plugin_version": "TensorRT plugin version",
 }
@@ -71,19 +72,22 @@ def register_schema() -> None:
 
 
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
-                    has_attn_mask: bool) -> dict:
+                    has_attn_mask: bool, softcap: float = 0.0) -> dict:
     """The attributes every exported node carries, by their spec names."""
     s = _spec.load()
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1; got {num_heads}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
     return {
         s.attr_num_heads: int(num_heads),
         s.attr_scale: float(scale),
         s.attr_is_causal: int(bool(is_causal)),
         s.attr_has_key_padding_mask: int(bool(has_key_padding_mask)),
         s.attr_has_attn_mask: int(bool(has_attn_mask)),
+        s.attr_softcap: float(softcap),
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
@@ -97,7 +101,9 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         q = Transpose(Reshape(query, [0, 0, H, -1]), [0, 2, 1, 3])        [B, H, Lq, D]
         k = Transpose(Reshape(key,   [0, 0, H, -1]), [0, 2, 3, 1])        [B, H, D, Lk]
         v = Transpose(Reshape(value, [0, 0, H, -1]), [0, 2, 1, 3])        [B, H, Lk, Dv]
-        s = scale * q @ k + Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal
+        x = scale * q @ k
+        c = Where(softcap > 0, cap * Tanh(x / cap), x)   with cap = Where(softcap > 0, softcap, 1)
+        s = c + Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal
         p = Where(IsInf(ReduceMax(s, -1), detect_positive=0), 0, Softmax(s, -1))
         output = CastLike(Reshape(Transpose(p @ v, [0, 2, 1, 3]), [0, 0, -1]), query)
     """
@@ -143,9 +149,20 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         attr_const("scale", s.attr_scale, "value_float"),
         n("MatMul", ["q", "kt"], ["qk"]),
         n("Mul", ["qk", "scale"], ["scaled"]),
+        # Logit soft-capping, before the masks. One body serves every node, capped or not, so
+        # the cap is selected at run time; the divisor is 1 when softcap is 0 (never x / 0).
+        attr_const("softcap", s.attr_softcap, "value_float"),
+        const("cap_zero", [0.0], f32, []),
+        const("cap_one", [1.0], f32, []),
+        n("Greater", ["softcap", "cap_zero"], ["cap_on"]),
+        n("Where", ["cap_on", "softcap", "cap_one"], ["cap"]),
+        n("Div", ["scaled", "cap"], ["scaled_over_cap"]),
+        n("Tanh", ["scaled_over_cap"], ["tanh_scaled"]),
+        n("Mul", ["tanh_scaled", "cap"], ["capped"]),
+        n("Where", ["cap_on", "capped", "scaled"], ["scores_capped"]),
         const("axes12", [1, 2]),
         n("Unsqueeze", [kpm_in, "axes12"], ["kpm4"]),
-        n("Add", ["scaled", "kpm4"], ["s1"]),
+        n("Add", ["scores_capped", "kpm4"], ["s1"]),
         n("Add", ["s1", mask_in], ["s2"]),
         # Causal: a [Lq, Lk] additive mask, -inf above the diagonal when is_causal is 1
         # (built unconditionally; multiplied away when is_causal is 0).
@@ -184,8 +201,9 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         outputs=list(s.output_names),
         nodes=nodes,
         opset_imports=[helper.make_opsetid("", opset)],
-        # The required attributes are the function's; the others have the spec's defaults. The
-        # has_* and plugin_* attributes are for the TensorRT plugin and unused by the body.
+        # The required attributes are the function's; the others (is_causal, softcap, ...) have
+        # the spec's defaults. The has_* and plugin_* attributes are for the TensorRT plugin and
+        # unused by the body.
         attributes=[a.name for a in s.attributes if a.required],
         attribute_protos=[_default_attribute(a) for a in s.attributes if not a.required],
         doc_string="attn_export fused attention core; see docs/onnx_node.md",

@@ -1,6 +1,8 @@
 """Typed Python entry points to the ``torch.ops.attn_export`` operators."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -15,8 +17,9 @@ def attention(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
-    """Scaled dot-product attention, ``softmax(scale * q k^T + masks) v``, as one operator.
+    """Scaled dot-product attention, ``softmax(cap(scale * q k^T) + masks) v``, as one operator.
 
     Args:
         query: ``Tensor[B, H, Lq, D]``.
@@ -29,15 +32,34 @@ def attention(
         key_padding_mask: ``Tensor[B, Lk]``; boolean ``True`` marks padding, floating is added.
         is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``Lq != Lk``).
         scale: defaults to ``1 / sqrt(D)``.
+        softcap: logit soft-capping (Gemma 2, Grok): the scaled score ``x`` becomes
+            ``softcap * tanh(x / softcap)`` before the masks are added. ``None`` or 0: off.
+            Must be finite and >= 0 (``ValueError`` otherwise).
 
     Returns:
         ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
         whose keys are all masked yields zeros, never NaN. Differentiable in query, key and
         value; masks are treated as constants.
     """
+    if softcap is None or softcap == 0:
+        # The operator's default: graphs traced without a cap look as they did before it existed.
+        return torch.ops.attn_export.attention.default(
+            query, key, value, attn_mask, key_padding_mask, is_causal, scale
+        )
     return torch.ops.attn_export.attention.default(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, _checked_softcap(softcap)
     )
+
+
+def _checked_softcap(softcap) -> float:
+    """A finite softcap > 0 as a float; TypeError for a non-number, ValueError for a negative,
+    infinite or NaN one."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (None or 0 = off); got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (None or 0 = off); got {softcap!r}")
+    return value
 
 
 def multi_head_attention(

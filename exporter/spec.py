@@ -16,8 +16,9 @@ from typing import Dict, Tuple, Union
 
 _HEADER = "attention_spec.h"
 
-_TYPE = r"(?P<type>const\s+char\s*\*|int|bool|[A-Z]\w*)"
-_VALUE = r"\"[^\"]*\"|-?\d+|true|false|k\w+"
+_TYPE = r"(?P<type>const\s+char\s*\*|int|bool|double|[A-Z]\w*)"
+_NUMBER = r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
+_VALUE = rf"\"[^\"]*\"|{_NUMBER}|true|false|k\w+"
 _SCALAR = re.compile(
     rf"inline\s+constexpr\s+{_TYPE}\s+(?P<name>k\w+)\s*=\s*(?P<value>{_VALUE})\s*;"
 )
@@ -60,7 +61,9 @@ def _literal(text: str, values: Dict[str, object]):
         if text not in values:
             raise SpecError(f"{_HEADER}: {text} is used before it is defined")
         return values[text]
-    return int(text)
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    return float(text)
 
 
 def _members(struct_body: str) -> Tuple[str, ...]:
@@ -100,7 +103,7 @@ class Attribute:
     name: str
     type: int  # ONNX AttributeProto.AttributeType: 1 FLOAT, 2 INT, 3 STRING
     required: bool
-    default: Union[int, str, None]  # None when required
+    default: Union[int, float, str, None]  # None when required
 
     @property
     def type_name(self) -> str:
@@ -127,6 +130,7 @@ class AttentionSpec:
     attr_is_causal: str
     attr_has_key_padding_mask: str
     attr_has_attn_mask: str
+    attr_softcap: str
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
@@ -184,6 +188,7 @@ _FIELDS = {
     "attr_is_causal": "kAttrIsCausal",
     "attr_has_key_padding_mask": "kAttrHasKeyPaddingMask",
     "attr_has_attn_mask": "kAttrHasAttnMask",
+    "attr_softcap": "kAttrSoftcap",
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",
@@ -209,8 +214,8 @@ _FIELDS = {
 def _attribute(entry: Dict[str, object]) -> Attribute:
     if entry["type"] not in _ATTR_TYPE_NAMES:
         raise SpecError(f"{_HEADER}: attribute {entry['name']!r} has an unknown type {entry['type']}")
-    default = None if entry["required"] else (
-        entry["default_string"] if entry["type"] == 3 else entry["default_int"])
+    defaults = {1: float(entry["default_float"]), 2: entry["default_int"], 3: entry["default_string"]}
+    default = None if entry["required"] else defaults[entry["type"]]
     return Attribute(entry["name"], entry["type"], entry["required"], default)
 
 

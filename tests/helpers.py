@@ -48,11 +48,13 @@ def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.fl
 
 
 def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                        dtype=torch.float64):
-    """softmax(scale q k^T + masks) v written from the definition, computed the plain way in
+                        dtype=torch.float64, softcap=None):
+    """softmax(cap(scale q k^T) + masks) v written from the definition, computed the plain way in
     `dtype` (float64: the exact reference; the inputs' dtype: the plain same-precision
     computation), on the inputs' device, with nn.MultiheadAttention's mask conventions (bool
-    True = masked out) and zeros for rows with no visible key, as the fused operator gives."""
+    True = masked out) and zeros for rows with no visible key, as the fused operator gives.
+    cap(x) = softcap * tanh(x / softcap) (transformers' Gemma 2 soft-capping, before the masks)
+    when softcap is given and nonzero, else x."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -71,7 +73,10 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
         bias = bias + additive(key_padding_mask[:, None, None, :])
     if is_causal:
         bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    s = (q @ k.transpose(-1, -2)) * scale + bias
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + bias
     visible = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~visible, 0.0), dim=-1) * visible
     return p @ v, p
@@ -168,17 +173,18 @@ def assert_within(fused, plain, exact, dtype, what, n=1, factor=2.0):
 CPU_REL = {torch.float32: (2e-6, 5e-6)}
 
 
-def check_core(device, dtype, B, H, Lq, Lk, D, masks, Dv=None, scale=None, backward=True):
+def check_core(device, dtype, B, H, Lq, Lk, D, masks, Dv=None, scale=None, backward=True, softcap=None):
     """attn_export.attention against the float64 reference, forward and backward to q, k, v.
     On the CPU within CPU_REL; on the GPU within 2x the error of the plain same-dtype
     computation (assert_within)."""
     q, k, v = qkv(B, H, Lq, Lk, D, dtype, Dv, requires_grad=True, device=device)
-    out = attn_export.attention(q, k, v, scale=scale, **masks)
-    exact, _ = reference_attention(q, k, v, scale=scale, **masks)
+    out = attn_export.attention(q, k, v, scale=scale, softcap=softcap, **masks)
+    exact, _ = reference_attention(q, k, v, scale=scale, softcap=softcap, **masks)
     assert out.dtype == dtype and out.device == q.device
     assert out.shape == (B, H, Lq, D if Dv is None else Dv)
     n = max(Lq, Lk, D)
-    plain = None if device == "cpu" else reference_attention(q, k, v, scale=scale, dtype=dtype, **masks)[0]
+    plain = None if device == "cpu" else reference_attention(q, k, v, scale=scale, dtype=dtype, softcap=softcap,
+                                                             **masks)[0]
     if plain is None:
         assert_rel_close(out, exact, CPU_REL[dtype][0], "output")
     else:

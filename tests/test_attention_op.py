@@ -292,3 +292,176 @@ def test_backward_from_saved_probabilities_equals_recomputation(mask):
     for a, b, w, name in zip(recomputed, from_probs, want, "qkv"):
         assert_rel_close(a, w, 5e-6, f"recomputed grad {name}")
         assert_rel_close(b, w, 5e-6, f"saved-probs grad {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# Logit soft-capping (Gemma 2, Grok): cap(x) = softcap * tanh(x / softcap) of the scaled score,
+# before the masks. The reference (helpers.reference_attention) writes it in float64 torch ops.
+# --------------------------------------------------------------------------------------------
+
+# 30 and 50: Gemma 2's / Grok's values (barely capped at these sizes); 2: the unit-normal scores
+# are already capped; 0.5: tanh is saturated for most scores (see also the large-score test).
+SOFTCAPS = [0.5, 2.0, 30.0]
+SOFTCAP_SIZES = [(5, 7, 8), (1, 9, 8), (66, 40, 8), (257, 530, 32)]
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("seqlen_q,seqlen_k,D", SOFTCAP_SIZES)
+def test_softcap_forward_and_backward_match_float64_reference(mask, softcap, seqlen_q, seqlen_k, D):
+    B, H = 2, 3
+    check_core("cpu", f32, B, H, seqlen_q, seqlen_k, D, MASKS[mask](B, H, seqlen_q, seqlen_k), softcap=softcap)
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", f32), *(on_cuda("cuda", dt, ) for dt in (f16, bf16, f32))])
+@pytest.mark.parametrize("mask", ["none", "causal+padding+float", "bool_3d"])
+def test_softcap_saturates_large_scores(device, dtype, mask):
+    """Scores of magnitude ~10-40 against softcap 2: tanh is flat (1 - t^2 down to ~1e-17), the
+    probabilities are those of the capped scores, and the gradients are small but exact."""
+    B, H, Lq, Lk, D = 2, 2, 37, 29, 64
+    masks = MASKS[mask](B, H, Lq, Lk, device)
+    q, k, v = qkv(B, H, Lq, Lk, D, dtype, requires_grad=True, device=device)
+    out = attn_export.attention(q, k, v, scale=1.0, softcap=2.0, **masks)
+    exact, _ = reference_attention(q, k, v, scale=1.0, softcap=2.0, **masks)
+    raw = (q.double() @ k.double().transpose(-1, -2)).abs()
+    assert raw.max() > 20  # the test's premise: most scores are far beyond the cap
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    if device == "cpu":
+        assert_rel_close(out, exact, 2e-6, "output")
+        for g, w, name in zip(got, want, "qkv"):
+            assert_rel_close(g, w, 5e-6, f"grad {name}")
+    else:
+        plain, _ = reference_attention(q, k, v, scale=1.0, softcap=2.0, dtype=dtype, **masks)
+        assert_within(out, plain, exact, dtype, "output", D)
+        plain_grads = torch.autograd.grad(plain, (q, k, v), grad)
+        for g, p, w, name in zip(got, plain_grads, want, "qkv"):
+            assert_within(g, p, w, dtype, f"grad {name}", D)
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16])
+@pytest.mark.parametrize("mask", ["none", "causal+padding+float"])
+def test_softcap_half_precision_accumulates_in_float32(dtype, mask):
+    q, k, v = qkv(2, 4, 33, 47, 32, dtype=dtype, requires_grad=True)
+    kwargs = MASKS[mask](2, 4, 33, 47)
+    out = attn_export.attention(q, k, v, softcap=1.5, **kwargs)
+    assert out.dtype == dtype
+    expected, _ = reference_attention(q, k, v, softcap=1.5, **kwargs)
+    assert_rel_close(out, expected, 4 * EPS[dtype], "output")
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad.double())
+    for g, w, name in zip(got, want, "qkv"):
+        assert g.dtype == dtype
+        assert_rel_close(g, w, 8 * EPS[dtype], f"grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_fully_masked_rows_give_zeros_and_finite_gradients(device):
+    B, H, Lq, Lk, D, row = 2, 2, 4, 3, 8, 2
+    q, k, v = qkv(B, H, Lq, Lk, D, requires_grad=True, device=device)
+    mask = torch.zeros(Lq, Lk, dtype=torch.bool, device=device)
+    mask[row] = True
+    padding = torch.zeros(B, Lk, device=device)
+    padding[1] = -math.inf                                # batch 1 sees nothing at all (additive -inf)
+    out = attn_export.attention(q, k, v, attn_mask=mask, key_padding_mask=padding, softcap=1.0)
+    assert torch.equal(out[:, :, row], torch.zeros_like(out[:, :, row]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1]))
+    expected, _ = reference_attention(q, k, v, attn_mask=mask, key_padding_mask=padding, softcap=1.0)
+    assert_rel_close(out, expected, 2e-6 if device == "cpu" else 1e-5, "output")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap", [0.7, 5.0])
+@pytest.mark.parametrize("mask", ["none", "bool_3d", "float_2d", "causal+padding+float"])
+def test_gradcheck_softcap_float64(mask, softcap, device):
+    q, k, v = qkv(2, 2, 4, 5, 3, dtype=f64, requires_grad=True, device=device)
+    kwargs = masks_in(MASKS[mask](2, 2, 4, 5, device), f64)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attn_export.attention(q, k, v, scale=2.0, softcap=softcap, **kwargs), (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_zero_or_none_is_exactly_no_softcap(device):
+    q, k, v = qkv(2, 3, 9, 11, 8, requires_grad=True, device=device)
+    masks = MASKS["causal+padding+float"](2, 3, 9, 11, device)
+    plain = attn_export.attention(q, k, v, **masks)
+    grad = torch.randn_like(plain)
+    plain_grads = torch.autograd.grad(plain, (q, k, v), grad)
+    for softcap in (None, 0, 0.0):
+        out = attn_export.attention(q, k, v, softcap=softcap, **masks)
+        assert torch.equal(out, plain)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), plain_grads))
+    explicit = ops.attention(q, k, v, masks["attn_mask"], masks["key_padding_mask"], True, None, 0.0)
+    assert torch.equal(explicit, plain)
+
+
+@pytest.mark.parametrize("bad", [-1.0, -1e-30, -3, math.nan, math.inf, -math.inf])
+def test_bad_softcap_is_refused_clearly(bad):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+        attn_export.attention(q, k, v, softcap=bad)
+
+
+@pytest.mark.parametrize("bad", ["2", True, torch.tensor(2.0)])
+def test_softcap_of_another_type_is_refused(bad):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="softcap must be a real number"):
+        attn_export.attention(q, k, v, softcap=bad)
+
+
+@pytest.mark.parametrize("bad", [-2.0, math.nan, math.inf])
+def test_operators_refuse_a_bad_softcap(bad):
+    """The operators check too (callers of torch.ops bypass the Python wrapper), and so do the
+    fake kernels (tests/test_fake.py), with the same words."""
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        ops.attention(q, k, v, None, None, False, None, bad)
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        ops._attention_forward(q, k, v, None, None, False, None, False, bad)
+    out, lse, _ = ops._attention_forward(q, k, v, None, None, False, None, False)
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        ops._attention_backward(out, None, q, k, v, lse, None, None, False, None, None, None, bad)
+
+
+def test_softcap_weights_and_saved_probability_backward():
+    """need_weights returns the capped probabilities; the CPU backward that reads the saved
+    probabilities recomputes the raw scores for the cap's derivative, and agrees with the one
+    that recomputes everything."""
+    B, H, Lq, Lk = 2, 3, 70, 33
+    kwargs = MASKS["causal+padding+float"](B, H, Lq, Lk)
+    attn_mask, padding = kwargs["attn_mask"], kwargs["key_padding_mask"]
+    q, k, v = qkv(B, H, Lq, Lk, 16)
+    out, lse, probs = ops._attention_forward(q, k, v, attn_mask, padding, True, 0.5, True, 1.25)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected, expected_p = reference_attention(q64, k64, v64, scale=0.5, softcap=1.25, **kwargs)
+    assert_rel_close(out, expected, 2e-6, "output")
+    assert_rel_close(probs, expected_p, 2e-6, "weights")
+    grad = torch.randn_like(out)
+    want = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
+    recomputed = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, None, None, 1.25)
+    from_probs = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, probs, None, 1.25)
+    for a, b, w, name in zip(recomputed, from_probs, want, "qkv"):
+        assert_rel_close(a, w, 5e-6, f"recomputed grad {name}")
+        assert_rel_close(b, w, 5e-6, f"saved-probs grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", ["none", "causal+padding+float"])
+def test_opcheck_core_ops_with_softcap(mask, device):
+    B, H, Lq, Lk, D = OPCHECK_SIZES[device]
+    kwargs = MASKS[mask](B, H, Lq, Lk, device)
+    attn_mask, padding, is_causal = kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), kwargs.get("is_causal", False)
+    q, k, v = qkv(B, H, Lq, Lk, D, requires_grad=True, device=device)
+    torch.library.opcheck(ops.attention.default, (q, k, v, attn_mask, padding, is_causal, None, 3.0))
+    detached = [t.detach() for t in (q, k, v)]
+    out, lse, _ = ops._attention_forward(*detached, attn_mask, padding, is_causal, None, False, 3.0)
+    torch.library.opcheck(ops._attention_forward.default, (*detached, attn_mask, padding, is_causal, 0.5, True, 3.0))
+    torch.library.opcheck(
+        ops._attention_backward.default,
+        (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None, None, None, 3.0),
+    )

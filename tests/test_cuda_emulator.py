@@ -48,21 +48,22 @@ MASKS = {n: f for n, f in SHARED_MASKS.items() if n != "float_4d_broadcast_heads
 MASKS["float16_4d_broadcast_heads"] = lambda B, H, Lq, Lk: {"attn_mask": torch.randn(B, 1, Lq, Lk).half()}
 
 
-def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None):
+def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None,
+         softcap=0.0, scale=None):
     """Forward and backward through the emulated kernels, and the float64 reference's."""
     Dv = D if Dv is None else Dv
     make = make or (lambda *shape: torch.randn(*shape, dtype=dtype))
     q, k, v = make(B, H, Lq, D), make(B, H, Lk, D), make(B, H, Lk, Dv)
     masks = masks or {}
     am, kpm, causal = masks.get("attn_mask"), masks.get("key_padding_mask"), masks.get("is_causal", False)
-    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, None, need_weights)
+    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, scale, need_weights, softcap)
     grad_out = torch.randn(B, H, Lq, Dv, dtype=dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gw = torch.randn(B, H, Lq, Lk, dtype=acc) if grad_weights else None
-    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, None)
+    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, scale, softcap)
 
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_p = reference_attention(*ref_in, **masks)
+    ref_out, ref_p = reference_attention(*ref_in, scale=scale, softcap=softcap, **masks)
     loss = (ref_out * grad_out.double()).sum() + ((ref_p * gw.double()).sum() if grad_weights else 0)
     ref_grads = torch.autograd.grad(loss, ref_in, allow_unused=True)
     ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, ref_in)]
@@ -210,3 +211,67 @@ def test_matches_the_cpu_operator(emu):
         assert a.shape == b.shape and a.stride() == b.stride(), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"grad {name}")
     assert attn_export  # the CPU operators are registered by the import
+
+
+# Logit soft-capping: the flash kernels cap in float32 before the log2-domain masks, the
+# generic ones in the accumulation type; both multiply dS by 1 - tanh^2 in the backward.
+# softcap 0.5 saturates tanh for most unit-normal scores at head dim 64; 3 barely caps them.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.5, 3.0])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool_4d_full", "causal+padding+float",
+                                  "float16_4d_broadcast_heads"])
+def test_flash_kernels_softcap(emu, dtype, softcap, mask):
+    B, H, Lq, Lk = 2, 2, 33, 47
+    q = torch.randn(1, 1, 8, 64, dtype=dtype)
+    assert emu.uses_tensor_cores(q, q, q)
+    r = _run(emu, dtype, B, H, Lq, Lk, 64, masks=MASKS[mask](B, H, Lq, Lk), softcap=softcap, scale=0.5)
+    _check(r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("mask", ["none", "bool_3d", "causal+padding+float"])
+def test_generic_kernels_softcap(emu, dtype, mask):
+    B, H, Lq, Lk = 2, 1, 19, 37
+    r = _run(emu, dtype, B, H, Lq, Lk, 40, Dv=24, masks=MASKS[mask](B, H, Lq, Lk), softcap=1.5, scale=0.6)
+    _check(r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_softcap_weights_and_their_gradient(emu, dtype):
+    B, H, Lq, Lk = 2, 2, 21, 35
+    r = _run(emu, dtype, B, H, Lq, Lk, 64, masks=MASKS["causal+padding+float"](B, H, Lq, Lk),
+             need_weights=True, grad_weights=True, softcap=2.0)
+    _check(r, dtype)
+    _assert_close(r["weights"], r["ref_p"], TOL_OUT[dtype], "weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_softcap_fully_masked_rows_give_zeros(emu, dtype):
+    B, H, Lq, Lk = 2, 1, 20, 70
+    mask = torch.zeros(Lq, Lk, dtype=torch.bool)
+    mask[3] = True
+    padding = torch.zeros(B, Lk)
+    padding[1] = -math.inf
+    r = _run(emu, dtype, B, H, Lq, Lk, 64, masks={"attn_mask": mask, "key_padding_mask": padding}, softcap=1.0)
+    assert torch.equal(r["out"][:, :, 3], torch.zeros_like(r["out"][:, :, 3]))
+    assert torch.equal(r["out"][1], torch.zeros_like(r["out"][1]))
+    assert all(torch.isfinite(g).all() for g in r["grads"])
+    _check(r, dtype)
+
+
+def test_softcap_matches_the_cpu_operator(emu):
+    import attn_export
+
+    q, k, v = (torch.randn(2, 2, 23, 64, dtype=torch.float32) for _ in range(3))
+    padding = padding_mask(2, 23)
+    cpu_out, cpu_lse, cpu_w = torch.ops.attn_export._attention_forward(q, k, v, None, padding, True, 0.3, True, 0.8)
+    out, lse, w = emu.forward(q, k, v, None, padding, True, 0.3, True, 0.8)
+    for a, b, name in ((out, cpu_out, "output"), (lse, cpu_lse, "lse"), (w, cpu_w, "weights")):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
+    grad = torch.randn_like(out)
+    cpu_grads = torch.ops.attn_export._attention_backward(grad, None, q, k, v, cpu_lse, None, padding, True, 0.3,
+                                                           None, None, 0.8)
+    grads = emu.backward(grad, None, q, k, v, lse, None, padding, True, 0.3, 0.8)
+    for a, b, name in zip(grads, cpu_grads, "qkv"):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"grad {name}")
+    assert attn_export

@@ -53,6 +53,14 @@ def test_core_checks_agree(case):
     assert "got" in message  # messages quote what was received
 
 
+@pytest.mark.parametrize("softcap", [-2.0, -1e-30, float("nan"), float("inf")])
+def test_softcap_checks_agree(softcap):
+    for op, args in ((ops.attention, (q, k, v, None, None, False, None, softcap)),
+                     (ops._attention_forward, (q, k, v, None, None, False, None, False, softcap))):
+        message = _same_error_real_and_fake(op, *args)
+        assert "softcap must be finite and >= 0" in message and "got" in message
+
+
 E, H = 8, 2
 x = torch.randn(2, 5, E)
 w_in, b_in, w_out, b_out = torch.randn(3 * E, E), torch.randn(3 * E), torch.randn(E, E), torch.randn(E)
@@ -99,6 +107,7 @@ def test_fake_outputs_describe_real_outputs():
     cases = [
         (ops._attention_forward, (q, k, v, None, None, False, None, True)),
         (ops._attention_forward, (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, True, None, False)),
+        (ops._attention_forward, (q, k, v, None, None, True, None, True, 2.5)),
         (ops.multi_head_attention, (x, x, x, H, w_in, b_in, w_out, b_out, None, None, True, False, False, True)),
         (ops.multi_head_attention, (x, x, x, H, w_in, None, w_out, None, None, None, True, True, False, False)),
         (ops.multi_head_attention, (x[0], x[0], x[0], H, w_in, b_in, w_out, b_out, None, None, True, True, False, False)),

@@ -234,6 +234,37 @@ def test_a_causal_call_without_a_mask_keeps_its_sliding_window():
     assert max_rel_err(got.double(), want) < 1e-6
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Gemma2Config"), reason="transformers without Gemma 2")
+def test_gemma2_logit_softcapping_is_honoured(monkeypatch):
+    """Gemma 2 passes attn_logit_softcapping as `softcap`: the operator caps like transformers'
+    eager attention (which also applies the sliding-window layers' masks)."""
+    hf.register()
+    config = transformers.Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_logit_softcapping=0.5,
+        final_logit_softcapping=None, sliding_window=4, query_pre_attn_scalar=8)
+    torch.manual_seed(0)
+    eager = transformers.Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.mul_(3)  # scores well beyond the cap
+    fused = copy.deepcopy(eager)
+    fused.set_attn_implementation("attn_export")
+    batch = padded_batch([9, 6], 9)
+    counter = CountCalls(monkeypatch)
+    with torch.no_grad():
+        want, got = eager(**batch).logits, fused(**batch).logits
+        for layer in eager.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = eager(**batch).logits
+    assert counter.calls == 2
+    valid = batch["attention_mask"].bool()
+    assert max_rel_err(got[valid], want[valid]) < 1e-5
+    assert max_rel_err(uncapped[valid], want[valid]) > 1e-3  # the cap matters in this model
+
+
+
+
 def test_missing_transformers_is_a_clear_error(monkeypatch):
     import sys
 

@@ -110,6 +110,52 @@ def test_file_loads_and_checks_in_a_fresh_process(exported_seq2seq):
     assert proc.stdout.strip() == "(3, 4, 8)"
 
 
+class SoftcapModel(nn.Module):
+    """Gemma 2-style attention core: soft-capped scores, a padding mask and a float mask."""
+
+    def __init__(self, softcap):
+        super().__init__()
+        self.softcap = softcap
+
+    def forward(self, q, k, v, key_padding_mask, attn_mask):
+        return attn_export.attention(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                     is_causal=True, scale=0.7, softcap=self.softcap)
+
+
+@pytest.mark.parametrize("softcap", [1.5, 50.0])
+def test_softcap_exports_as_the_node_attribute_and_onnx_runtime_matches_float64(tmp_path, softcap):
+    from helpers import reference_attention
+
+    # Scores of magnitude ~20 (q, k of std 3; resize keeps it): far beyond softcap 1.5.
+    q, k, v = torch.randn(2, 3, 5, 8) * 3, torch.randn(2, 3, 7, 8) * 3, torch.randn(2, 3, 7, 6)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 3:] = True
+    mask = torch.randn(5, 7)
+    inputs = {"q": q, "k": k, "v": v, "key_padding_mask": pad, "attn_mask": mask}
+    axes = {"q": {0: "batch", 2: "lq"}, "k": {0: "batch", 2: "lk"}, "v": {0: "batch", 2: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}, "attn_mask": {0: "lq", 1: "lk"}}
+    result = export_onnx(SoftcapModel(softcap), inputs, tmp_path / "softcap.onnx", dynamic_axes=axes, replace=False)
+    nodes, model = fused_nodes(result.path)
+    onnx.checker.check_model(model, full_check=True)
+    assert len(nodes) == 1
+    assert math.isclose(attrs(nodes[0])[S.attr_softcap], softcap, rel_tol=1e-6)
+    assert {o.domain: o.version for o in model.opset_import}[S.domain] == S.domain_version == 2
+    assert attrs(nodes[0])[S.attr_plugin_version] == b"2"
+    for shapes in ({"batch": 2, "lq": 5, "lk": 7}, {"batch": 3, "lq": 9, "lk": 4}):
+        other = resize(inputs, axes, shapes, seed=3)
+        (out,) = ort_run(result.path, other)
+        expected, _ = reference_attention(other["q"], other["k"], other["v"], attn_mask=other["attn_mask"],
+                                          key_padding_mask=other["key_padding_mask"], is_causal=True, scale=0.7,
+                                          softcap=softcap)
+        assert np.isfinite(out).all()
+        # float32 scores of magnitude ~20 carry ~2e-6 absolute rounding into the softmax.
+        np.testing.assert_allclose(out, expected.numpy(), atol=5e-5, rtol=0)
+        uncapped, _ = reference_attention(other["q"], other["k"], other["v"], attn_mask=other["attn_mask"],
+                                          key_padding_mask=other["key_padding_mask"], is_causal=True, scale=0.7)
+        if softcap < 10:  # the cap changes the result: the body does apply it
+            assert np.abs(out - uncapped.numpy()).max() > 1e-2
+
+
 class CoreModel(nn.Module):
     def forward(self, q, k, v, key_padding_mask):
         return attn_export.attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=True, scale=0.3)
@@ -125,6 +171,7 @@ def test_the_core_op_alone_exports_as_one_node(tmp_path):
     result = export_onnx(CoreModel(), inputs, tmp_path / "core.onnx", dynamic_axes=axes, replace=False)
     nodes, model = fused_nodes(result.path)
     assert len(nodes) == 1 and attrs(nodes[0])["num_heads"] == 3 and attrs(nodes[0])["is_causal"] == 1
+    assert attrs(nodes[0])[S.attr_softcap] == 0.0  # no soft-cap: the attribute says off
     assert math.isclose(attrs(nodes[0])["scale"], 0.3, rel_tol=1e-6)
     assert dims(model, "q") == ["batch", 3, "lq", 4]
     other = resize(inputs, axes, {"batch": 3, "lq": 9, "lk": 4}, seed=2)

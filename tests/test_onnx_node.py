@@ -135,3 +135,46 @@ def test_checker_passes_in_a_process_without_the_registered_schema(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("softcap", [0.0, 0.8, 4.0, 30.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_function_body_soft_caps_before_the_masks(softcap, causal):
+    """One body for every node: softcap > 0 caps (Div, Tanh, Mul), 0 leaves the scores as
+    they are without dividing by zero (a NaN would reach every output)."""
+    B, H, Lq, Lk, D = 2, 3, 5, 7, 4
+    q, k, v = torch.randn(B, H, Lq, D) * 3, torch.randn(B, H, Lk, D) * 3, torch.randn(B, H, Lk, D)
+    padding = torch.zeros(B, Lk, dtype=torch.bool)
+    padding[1, 2:] = True
+    attn = torch.randn(1, H, Lq, Lk)
+    attn[0, 1, 3] = -math.inf  # head 1, query 3: nothing visible
+    attrs = onnx_node.node_attributes(H, 0.6, causal, True, True, softcap=softcap)
+    assert attrs[S.attr_softcap] == softcap
+    model = one_node_model(attrs)
+    onnx.checker.check_model(model, full_check=True)
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v), "key_padding_mask": additive(padding).numpy(),
+             "attn_mask": attn.numpy()}
+    out = run(model, feeds)
+    ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.6,
+                                 softcap=softcap)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=2e-6, rtol=0)
+
+
+def test_a_node_without_the_softcap_attribute_is_uncapped():
+    """softcap has a default (0) in the function, so a node may leave it out."""
+    attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
+    del attrs[S.attr_softcap]
+    B, L, D = 1, 4, 4
+    q, k, v = torch.randn(B, 2, L, D), torch.randn(B, 2, L, D), torch.randn(B, 2, L, D)
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v), "key_padding_mask": np.zeros((1, 1), np.float32),
+             "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
+    out = run(one_node_model(attrs), feeds)
+    ref, _ = reference_attention(q, k, v, scale=0.5)
+    np.testing.assert_allclose(out, ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_node_attributes_refuse_a_bad_softcap(bad):
+    with pytest.raises(ValueError, match="softcap"):
+        onnx_node.node_attributes(2, 0.5, False, False, False, softcap=bad)

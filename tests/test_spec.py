@@ -26,6 +26,7 @@ int main() {
   s("plugin_name", kPluginName); s("plugin_version", kPluginVersion); s("plugin_namespace", kPluginNamespace);
   s("attr_num_heads", kAttrNumHeads); s("attr_scale", kAttrScale); s("attr_is_causal", kAttrIsCausal);
   s("attr_has_key_padding_mask", kAttrHasKeyPaddingMask); s("attr_has_attn_mask", kAttrHasAttnMask);
+  s("attr_softcap", kAttrSoftcap);
   s("attr_plugin_namespace", kAttrPluginNamespace); s("attr_plugin_version", kAttrPluginVersion);
   i("output_rank", kOutputRank); i("min_onnx_opset", kMinOnnxOpset);
   std::printf("\"input_names\": [");
@@ -44,6 +45,7 @@ int main() {
     std::printf("[\"%s\", %d, %s, ", a.name, a.type, a.required ? "true" : "false");
     if (a.required) std::printf("null]");
     else if (a.type == kAttrTypeString) std::printf("\"%s\"]", a.default_string);
+    else if (a.type == kAttrTypeFloat) std::printf("%.17g]", a.default_float);
     else std::printf("%d]", a.default_int);
     std::printf("%s", n + 1 < kNumAttributes ? ", " : "");
   }
@@ -91,6 +93,9 @@ def test_parser_rejects_an_incomplete_or_inconsistent_header():
         spec_mod.spec_from_header(swapped)
     # A name quoted in a comment is not a definition.
     assert spec_mod.parse_header('// inline constexpr int kX = 1;\n') == {}
+    # Float literals (FLOAT attributes' defaults) stay floats; integers stay integers.
+    assert spec_mod.parse_header('inline constexpr double kX = 1.5;\ninline constexpr int kY = -2;\n') == {
+        "kX": 1.5, "kY": -2}
 
 
 def test_spec_values_the_plugin_relies_on():
@@ -98,7 +103,7 @@ def test_spec_values_the_plugin_relies_on():
     assert s.op_type == s.plugin_name
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
-    assert s.plugin_version == "1" and s.domain_version == 1
+    assert s.plugin_version == "2" and s.domain_version == 2
 
 
 def test_spec_types_defaults_and_operators():
@@ -115,13 +120,15 @@ def test_spec_types_defaults_and_operators():
     a = s.attribute
     assert [(f.name, f.plugin_field_type) for f in s.plugin_fields] == [
         ("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"), ("has_key_padding_mask", "INT32"),
-        ("has_attn_mask", "INT32")]
+        ("has_attn_mask", "INT32"), ("softcap", "FLOAT32")]
     assert a[s.attr_scale].type == onnx.AttributeProto.FLOAT and a[s.attr_num_heads].type == onnx.AttributeProto.INT
     assert a[s.attr_plugin_version].type == onnx.AttributeProto.STRING
     assert [f.name for f in s.attributes if f.required] == [s.attr_num_heads, s.attr_scale]
     assert a[s.attr_plugin_version].default == s.plugin_version
     assert a[s.attr_plugin_namespace].default == s.plugin_namespace
     assert a[s.attr_is_causal].default == 0
+    assert a[s.attr_softcap].type == onnx.AttributeProto.FLOAT and a[s.attr_softcap].default == 0.0
+    assert isinstance(a[s.attr_softcap].default, float)
     for op in (s.torch_op_attention, s.torch_op_attention_forward, s.torch_op_attention_backward,
                s.torch_op_multi_head_attention, s.torch_op_multi_head_attention_forward,
                s.torch_op_multi_head_attention_backward):

@@ -120,7 +120,7 @@ def test_example_inputs_must_fit_the_graph(seq2seq_onnx, small_seq2seq):
 # What the nodes ask for
 # --------------------------------------------------------------------------------------------
 
-def _one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version="1", namespace=""):
+def _one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version=None, namespace=""):
     s = spec_mod.load()
     from attn_export import onnx_node
 
@@ -129,7 +129,7 @@ def _one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT,
     inputs = [helper.make_tensor_value_info(n, mask_type if n in ("key_padding_mask", "attn_mask") else query_type,
                                             shapes[n]) for n in s.input_names]
     attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
-    attrs[s.attr_plugin_version], attrs[s.attr_plugin_namespace] = version, namespace
+    attrs[s.attr_plugin_version], attrs[s.attr_plugin_namespace] = version or s.plugin_version, namespace
     node = helper.make_node(s.op_type, list(s.input_names), ["output"], name="attn0", domain=s.domain, **attrs)
     graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("output", query_type, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
@@ -142,12 +142,13 @@ def test_nodes_ask_for_the_spec_plugin(seq2seq_onnx):
     assert (request.name, request.version, request.namespace) == (s.plugin_name, s.plugin_version, s.plugin_namespace)
     assert len(request.nodes) == 3 and set(request.types.values()) == {"float32"}
     assert attn_trt.expected_fields() == [("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"),
-                                          ("has_key_padding_mask", "INT32"), ("has_attn_mask", "INT32")]
+                                          ("has_key_padding_mask", "INT32"), ("has_attn_mask", "INT32"),
+                                          ("softcap", "FLOAT32")]
 
 
 def test_node_attributes_decide_version_and_namespace():
-    (request,) = attn_trt.plugin_requests(_one_node_model(version="2", namespace="acme"))
-    assert request.identity() == "FusedAttention version '2' namespace 'acme'"
+    (request,) = attn_trt.plugin_requests(_one_node_model(version="7", namespace="acme"))
+    assert request.identity() == "FusedAttention version '7' namespace 'acme'"
     assert request.types == {"attn0": "float16"}
 
 
@@ -161,8 +162,10 @@ class Field:
 
 
 class Creator:
-    def __init__(self, name="FusedAttention", version="1", namespace="", fields=None):
-        self.name, self.plugin_version, self.plugin_namespace = name, version, namespace
+    def __init__(self, name="FusedAttention", version=None, namespace="", fields=None):
+        self.name = name
+        self.plugin_version = spec_mod.load().plugin_version if version is None else version
+        self.plugin_namespace = namespace
         self.field_names = [Field(n, k) for n, k in (fields if fields is not None else attn_trt.expected_fields())]
 
 
@@ -214,7 +217,7 @@ def test_preflight_passes_when_the_creator_matches(libraries, seq2seq_onnx):
     report = attn_trt.preflight(seq2seq_onnx, libraries["entry"], registry=registry)
     assert registry.loaded == [str(libraries["entry"].resolve())]
     assert report.library.sha256 == attn_trt.file_sha256(libraries["entry"])
-    assert "'FusedAttention' '1' ''" in report.creators
+    assert f"'FusedAttention' '{spec_mod.load().plugin_version}' ''" in report.creators
     attn_trt.preflight(seq2seq_onnx, libraries["entry"], registry=registry)
     assert len(registry.loaded) == 1, "a library is loaded into the registry once"
 
@@ -232,9 +235,10 @@ def test_preflight_library_problems(libraries, seq2seq_onnx, which, words):
 
 
 @pytest.mark.parametrize("creators, words", [
-    ([Creator(version="2")], "3 node(s) ask for plugin FusedAttention version '1' namespace '', but TensorRT has "
-                             "FusedAttention only as version '2' namespace ''"),
-    ([Creator(namespace="acme")], "only as version '1' namespace 'acme'"),
+    # A plugin built before softcap (version 1) and a model exported with it (version 2).
+    ([Creator(version="1")], "3 node(s) ask for plugin FusedAttention version '2' namespace '', but TensorRT has "
+                             "FusedAttention only as version '1' namespace ''"),
+    ([Creator(namespace="acme")], "only as version '2' namespace 'acme'"),
     ([Creator("ROIAlign_TRT", "2")], "registered no creator of that name (TensorRT knows 1 creator(s): ROIAlign_TRT)"),
     ([], "registered no creator of that name (TensorRT knows 0 creator(s))"),
     ([Creator(fields=[("num_heads", "INT32"), ("scale", "FLOAT32")])],
@@ -523,7 +527,9 @@ def test_plugin_field_collection_uses_the_spec_names_and_types():
     fields = attn_trt.plugin_field_collection(trt, num_heads=4, scale=0.25, is_causal=True, has_attn_mask=True)
     assert fields == [("num_heads", "int32", [4], "INT32"), ("scale", "float32", [0.25], "FLOAT32"),
                       ("is_causal", "int32", [1], "INT32"), ("has_key_padding_mask", "int32", [0], "INT32"),
-                      ("has_attn_mask", "int32", [1], "INT32")]
+                      ("has_attn_mask", "int32", [1], "INT32"), ("softcap", "float32", [0.0], "FLOAT32")]
+    capped = attn_trt.plugin_field_collection(trt, num_heads=4, scale=0.25, softcap=50.0)
+    assert capped[-1] == ("softcap", "float32", [50.0], "FLOAT32")
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,11 +39,15 @@ PyObject* PyInit__C(void) {
 // constant; m.def rejects a qualified name from another namespace).
 TORCH_LIBRARY(attn_export, m) {
   using namespace attn_export::spec;
-  // The attention core: softmax(scale * q k^T + masks) v for q [B, H, Lq, D], k [B, H, Lk, D],
-  // v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true = masked out).
+  // The attention core: softmax(cap(scale * q k^T) + masks) v for q [B, H, Lq, D],
+  // k [B, H, Lk, D], v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true =
+  // masked out). cap(x) = softcap * tanh(x / softcap) when softcap > 0 (logit soft-capping,
+  // Gemma 2 / Grok), the identity when softcap = 0; softcap is last so that callers written
+  // before it existed keep working.
   m.def(qualified_schema(
       kOpAttention, "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None) -> Tensor").c_str());
+      "Tensor? key_padding_mask=None, bool is_causal=False, float? scale=None, "
+      "float softcap=0.0) -> Tensor").c_str());
 
   // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and
   // the attention probabilities when need_weights is set (an empty tensor otherwise). The
@@ -52,13 +56,13 @@ TORCH_LIBRARY(attn_export, m) {
   // kernels ignore what they do not need and recompute what is not given.
   m.def(qualified_schema(
       kOpAttentionForward, "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
-      "Tensor? key_padding_mask, bool is_causal, float? scale, bool need_weights) "
-      "-> (Tensor output, Tensor logsumexp, Tensor weights)").c_str());
+      "Tensor? key_padding_mask, bool is_causal, float? scale, bool need_weights, "
+      "float softcap=0.0) -> (Tensor output, Tensor logsumexp, Tensor weights)").c_str());
   m.def(qualified_schema(
       kOpAttentionBackward, "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, "
-      "bool is_causal, float? scale, Tensor? probs=None, Tensor? output=None) "
-      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)").c_str());
+      "bool is_causal, float? scale, Tensor? probs=None, Tensor? output=None, "
+      "float softcap=0.0) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)").c_str());
 
   // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention,
   // output projection. Arguments and results mirror F.multi_head_attention_forward; `weights`

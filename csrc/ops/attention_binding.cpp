@@ -135,6 +135,11 @@ double resolve_scale(std::optional<double> scale, int64_t head_dim) {
   return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
 
+void check_softcap(double softcap) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0,
+              "attention: softcap must be finite and >= 0 (0 = off); got ", softcap);
+}
+
 at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads) {
   const int64_t seqlen_q = mask.size(-2), seqlen_k = mask.size(-1);
   at::Tensor m4;
@@ -213,8 +218,10 @@ AttentionForward prepare_attention_forward(
     std::optional<double> scale,
     bool need_weights,
     at::ScalarType compute_dtype,
-    bool masks_in_compute_dtype) {
+    bool masks_in_compute_dtype,
+    double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_softcap(softcap);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
   const auto acc_options = query.options().dtype(accumulation_dtype(query.scalar_type()));
@@ -233,7 +240,7 @@ AttentionForward prepare_attention_forward(
   f.attn_mask = kernel_attn_mask(attn_mask, batch, heads, mask_dtype);
   f.key_padding_mask = kernel_padding_mask(key_padding_mask, mask_dtype);
   f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask,
-                                   resolve_scale(scale, query.size(3)), is_causal);
+                                   resolve_scale(scale, query.size(3)), is_causal, softcap);
   return f;
 }
 
@@ -254,7 +261,8 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
     double scale,
-    bool is_causal) {
+    bool is_causal,
+    double softcap) {
   for (const at::Tensor* t : {&q, &k, &v, &out}) {
     TORCH_INTERNAL_ASSERT(t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
   }
@@ -285,6 +293,7 @@ AttentionParams make_attention_params(
     p.key_padding_mask = mask_params(*key_padding_mask, /*is_key_padding=*/true);
   }
   p.scale = scale;
+  p.softcap = softcap;
   p.is_causal = is_causal;
   return p;
 }

@@ -45,6 +45,9 @@ void check_attention_backward_inputs(
 // 1/sqrt(head_dim) unless given.
 double resolve_scale(std::optional<double> scale, int64_t head_dim);
 
+// Validates a logit soft-cap: finite and >= 0 (0 = off). The fake kernels raise the same message.
+void check_softcap(double softcap);
+
 // An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts 2-D
 // [Lq, Lk], 3-D [B*H or 1, Lq, Lk] and 4-D masks broadcastable to [B, H, Lq, Lk].
 at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads);
@@ -82,7 +85,7 @@ std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask
 std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
                                               std::optional<at::ScalarType> dtype = std::nullopt);
 
-// Fills shapes, q/k/v/out strides, masks, scale and causality. `attn_mask4d` must come from
+// Fills shapes, q/k/v/out strides, masks, scale, causality and the soft-cap. `attn_mask4d` must come from
 // broadcast_attn_mask; every tensor's last dim must be contiguous.
 AttentionParams make_attention_params(
     const at::Tensor& q,
@@ -94,7 +97,8 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
     double scale,
-    bool is_causal);
+    bool is_causal,
+    double softcap = 0.0);
 
 // A forward pass of the attention core set up for a device's kernels: the inputs checked,
 // q/k/v converted to `compute_dtype` (the dtype the kernels read and write: the accumulation
@@ -120,7 +124,8 @@ AttentionForward prepare_attention_forward(
     std::optional<double> scale,
     bool need_weights,
     at::ScalarType compute_dtype,
-    bool masks_in_compute_dtype);
+    bool masks_in_compute_dtype,
+    double softcap = 0.0);
 
 // The _attention_forward op's results (output, logsumexp, weights) after the kernels ran:
 // output and weights in the query's dtype, weights an empty tensor when not computed.

@@ -27,9 +27,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    bool need_weights) {
+    bool need_weights,
+    double softcap = 0.0) {
   static auto op = typed_op<decltype(call_attention_forward)>(spec::kOpAttentionForward);
-  return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights);
+  return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, softcap);
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
@@ -44,10 +45,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
     bool is_causal,
     std::optional<double> scale,
     const std::optional<at::Tensor>& probs = std::nullopt,
-    const std::optional<at::Tensor>& output = std::nullopt) {
+    const std::optional<at::Tensor>& output = std::nullopt,
+    double softcap = 0.0) {
   static auto op = typed_op<decltype(call_attention_backward)>(spec::kOpAttentionBackward);
   return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
-                 key_padding_mask, is_causal, scale, probs, output);
+                 key_padding_mask, is_causal, scale, probs, output, softcap);
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

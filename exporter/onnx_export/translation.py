@@ -82,8 +82,8 @@ def _mask_inputs(op, key_padding_mask, attn_mask, num_heads: int):
     return kpm, mask, key_padding_mask is not None, attn_mask is not None
 
 
-def _fused_node(custom, q, k, v, kpm, mask, *, num_heads, scale, is_causal, has_kpm, has_mask):
-    attrs = onnx_node.node_attributes(num_heads, scale, is_causal, has_kpm, has_mask)
+def _fused_node(custom, q, k, v, kpm, mask, *, num_heads, scale, is_causal, has_kpm, has_mask, softcap=0.0):
+    attrs = onnx_node.node_attributes(num_heads, scale, is_causal, has_kpm, has_mask, softcap)
     return getattr(custom, _spec.load().op_type)(q, k, v, kpm, mask, **attrs)
 
 
@@ -176,9 +176,9 @@ def translate_multi_head_attention(
 
 
 def translate_attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal: bool = False,
-                        scale: float = None):
+                        scale: float = None, softcap: float = 0.0):
     """``attn_export::attention`` (q, k, v ``[B, H, L, D]``) -> one FusedAttention node
-    between a head merge and a head split."""
+    between a head merge and a head split; a soft-cap becomes the node's ``softcap``."""
     op, custom = _ops()
     heads = _static_dim(query, 1, "the number of heads (query.shape[1])")
     head_dim = _static_dim(query, 3, "the head dimension (query.shape[3])")
@@ -194,7 +194,7 @@ def translate_attention(query, key, value, attn_mask=None, key_padding_mask=None
     else:
         kpm, mask, has_kpm, has_mask = _mask_inputs(op, key_padding_mask, attn_mask, heads)
     out = _fused_node(custom, pack(query), pack(key), pack(value), kpm, mask, num_heads=heads, scale=scale,
-                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask)
+                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask, softcap=float(softcap))
     split = _const(op, [0, 0, heads, -1])
     return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
 

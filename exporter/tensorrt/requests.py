@@ -13,6 +13,9 @@ from attn_export.tensorrt.runtime import PluginError
 # The element types the plugin takes, from the spec (csrc/attention_spec.h): T and the masks' M.
 SUPPORTED_ONNX_TYPES = _spec.load().tensor_type_map
 MASK_ONNX_TYPE = _spec.load().mask_type
+# What TensorRT's ONNX parser assumes for a node without a plugin_version attribute (the node's
+# own default is the spec's current version; the exporter writes the attribute on every node).
+PARSER_DEFAULT_PLUGIN_VERSION = "1"
 
 
 @dataclass
@@ -37,14 +40,16 @@ def expected_fields() -> List[Tuple[str, str]]:
 
 
 def plugin_field_collection(trt, *, num_heads: int, scale: float, is_causal: bool = False,
-                            has_key_padding_mask: bool = False, has_attn_mask: bool = False):
+                            has_key_padding_mask: bool = False, has_attn_mask: bool = False,
+                            softcap: float = 0.0):
     """The fields for ``creator.create_plugin`` when a network is built by hand (e.g. by the
     torch2trt converter): the spec's names and the types of :func:`expected_fields`."""
     import numpy as np
 
     s = _spec.load()
     values = {s.attr_num_heads: num_heads, s.attr_scale: scale, s.attr_is_causal: int(is_causal),
-              s.attr_has_key_padding_mask: int(has_key_padding_mask), s.attr_has_attn_mask: int(has_attn_mask)}
+              s.attr_has_key_padding_mask: int(has_key_padding_mask), s.attr_has_attn_mask: int(has_attn_mask),
+              s.attr_softcap: float(softcap)}
     fields = []
     for name, kind in expected_fields():
         array = np.array([values[name]], dtype=np.int32 if kind == "INT32" else np.float32)
@@ -91,7 +96,7 @@ def plugin_requests(model: onnx.ModelProto) -> List[PluginRequest]:
             pass
     requests: Dict[Tuple[str, str, str], PluginRequest] = {}
     for i, node in enumerate(nodes):
-        key = (node.op_type, _string_attr(node, s.attr_plugin_version, s.attribute[s.attr_plugin_version].default),
+        key = (node.op_type, _string_attr(node, s.attr_plugin_version, PARSER_DEFAULT_PLUGIN_VERSION),
                _string_attr(node, s.attr_plugin_namespace, s.attribute[s.attr_plugin_namespace].default))
         request = requests.setdefault(key, PluginRequest(*key))
         label = node.name or f"{node.op_type}#{i}"

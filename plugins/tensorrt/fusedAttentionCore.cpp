@@ -38,7 +38,8 @@ void* slot(Config& c, int32_t i) {
     case 1: return &c.scale;
     case 2: return &c.is_causal;
     case 3: return &c.has_key_padding_mask;
-    default: return &c.has_attn_mask;
+    case 4: return &c.has_attn_mask;
+    default: return &c.softcap;
   }
 }
 
@@ -57,6 +58,9 @@ std::string validate_config(const Config& c) {
     why << spec::kAttrNumHeads << " must be >= 1; got " << c.num_heads;
   } else if (!std::isfinite(c.scale)) {
     why << spec::kAttrScale << " must be finite; got " << c.scale;
+  } else if (!std::isfinite(c.softcap) || c.softcap < 0.0F) {
+    // tanh(x / softcap) is defined for softcap > 0; 0 is "off", a negative cap is meaningless.
+    why << spec::kAttrSoftcap << " must be finite and >= 0; got " << c.softcap;
   } else {
     const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask};
     for (int32_t i = 0; i < 3; ++i) {
@@ -122,7 +126,8 @@ std::string describe(const Config& c) {
   std::ostringstream out;
   out << spec::kAttrNumHeads << "=" << c.num_heads << " " << spec::kAttrScale << "=" << c.scale << " "
       << spec::kAttrIsCausal << "=" << c.is_causal << " " << spec::kAttrHasKeyPaddingMask << "="
-      << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask;
+      << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask << " "
+      << spec::kAttrSoftcap << "=" << c.softcap;
   return out.str();
 }
 
@@ -246,6 +251,7 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
     p.attn_mask.col_stride = stride_or_zero(m.d[3], 1);
   }
   p.scale = c.scale;
+  p.softcap = c.softcap;
   p.is_causal = c.is_causal != 0;
   return p;
 }

@@ -35,11 +35,12 @@ struct FieldSpec {
   const char* name;
   FieldType type;
   bool required;        // no default: the exporter always writes it
-  int32_t default_int;  // the value of an absent optional field
+  int32_t default_int;  // the value of an absent optional INT32 field
+  float default_float;  // ... and of an absent optional FLOAT32 one
 };
 
 constexpr FieldSpec field_spec(const spec::Attribute& a) {
-  return {a.name, field_type(a.type), a.required, a.default_int};
+  return {a.name, field_type(a.type), a.required, a.default_int, static_cast<float>(a.default_float)};
 }
 
 // The plugin's fields: the node's attributes up to spec::kNumPluginFields, with the spec's
@@ -49,17 +50,18 @@ constexpr FieldSpec field_spec(const spec::Attribute& a) {
 inline constexpr int32_t kNumFields = spec::kNumPluginFields;
 inline constexpr FieldSpec kFields[kNumFields] = {
     field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
-    field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]),
+    field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]), field_spec(spec::kAttributes[5]),
 };
 
-// Config holds the fields in this order, and the optional ones are INT32 (defaults: default_int).
-static_assert(kNumFields == 5 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+// Config holds the fields in this order; the optional flags are INT32 (defaults: default_int)
+// and softcap FLOAT32 (default: default_float).
+static_assert(kNumFields == 6 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
                   kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
-                  kFields[4].name == spec::kAttrHasAttnMask,
+                  kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap,
               "Config and slot() follow the spec's attribute order");
 static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
                   kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
-                  kFields[4].type == FieldType::kInt32,
+                  kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32,
               "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
@@ -77,6 +79,7 @@ struct Config {
   int32_t is_causal = kFields[2].default_int;
   int32_t has_key_padding_mask = kFields[3].default_int;
   int32_t has_attn_mask = kFields[4].default_int;
+  float softcap = kFields[5].default_float;  // 0 = off; else softcap * tanh(x / softcap)
 };
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the
@@ -90,7 +93,7 @@ std::string validate_config(const Config& config);
 // The fields of `config` in kFields order, pointing into `config` (which must outlive them).
 void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
 
-// "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0"
+// "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0"
 std::string describe(const Config& config);
 
 // A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.

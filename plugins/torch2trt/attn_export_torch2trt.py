@@ -85,6 +85,7 @@ def convert_attention(ctx):
     key_padding_mask = get_arg(ctx, "key_padding_mask", pos=4, default=None)
     is_causal = bool(get_arg(ctx, "is_causal", pos=5, default=False))
     scale = get_arg(ctx, "scale", pos=6, default=None)
+    softcap = get_arg(ctx, "softcap", pos=7, default=None)
     heads, head_dim = int(query.shape[1]), int(query.shape[3])
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -100,7 +101,8 @@ def convert_attention(ctx):
             "attn_export.tensorrt.register_plugin_library(path, tensorrt.get_plugin_registry())"
         )
     fields = plugin_field_collection(trt, num_heads=heads, scale=scale, is_causal=is_causal,
-                                     has_key_padding_mask=has_kpm, has_attn_mask=has_mask)
+                                     has_key_padding_mask=has_kpm, has_attn_mask=has_mask,
+                                     softcap=float(softcap or 0.0))
     plugin = creator.create_plugin(s.op_type, fields, trt.TensorRTPhase.BUILD)
     layer = network.add_plugin_v3([q, k, v, kpm, mask], [], plugin)
     ctx.method_return._trt = _unpack(network, layer.get_output(0), heads)

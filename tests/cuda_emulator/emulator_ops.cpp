@@ -23,10 +23,10 @@ void check(cudaError_t err, const AttentionParams& params) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, std::optional<double> scale, bool need_weights) {
+    bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
   const AttentionForward f = prepare_attention_forward(
       query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
-      /*masks_in_compute_dtype=*/false);
+      /*masks_in_compute_dtype=*/false, softcap);
   check(cuda::run_attention_forward(f.params, nullptr), f.params);
   return attention_forward_results(f, query);
 }
@@ -35,8 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& logsumexp,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, std::optional<double> scale) {
+    bool is_causal, std::optional<double> scale, double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
@@ -51,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   {
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward = make_attention_params(
-        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal);
+        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal, softcap);
     check(cuda::run_attention_forward(forward, nullptr), forward);
   }
   std::optional<at::Tensor> gw;
@@ -62,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, dim, query.options());
   at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
+                            softcap),
       grad_out, gw, grad_q, grad_k, grad_v);
   // Filled with garbage: the kernels must not rely on a zeroed workspace.
   at::Tensor workspace = at::full(
@@ -84,10 +86,10 @@ bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at:
 
 TORCH_LIBRARY(attn_export_emu, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-        "bool is_causal, float? scale, bool need_weights) -> (Tensor, Tensor, Tensor)");
+        "bool is_causal, float? scale, bool need_weights, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
-        "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
+        "float softcap=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
 }
 

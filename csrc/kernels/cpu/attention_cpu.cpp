@@ -16,6 +16,7 @@
 #include "attention_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -81,19 +82,39 @@ void apply_mask(const AttentionMask& m, int64_t offset, int64_t cols, T* scores)
   }
 }
 
-// s[r, j] = scale * q[row0 + r] . k[j] + masks, for r < rows and j < cols. Rows are ld
-// (>= padded_cols(cols)) apart and [cols, padded_cols(cols)) is set to -inf, so that it
-// vanishes in the softmax.
+// x[r, j] = scale * q[row0 + r] . k[j], for r < rows and j < cols, rows ld apart.
 //
 // keys_t, when given, is scale * K^T of this (batch, head) as HeadTransposed::keys gives it.
 template <typename T>
-void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
-                   int64_t cols, T* s, int64_t ld, const float* keys_t = nullptr) {
+void scaled_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
+                   int64_t cols, T* s, int64_t ld, const float* keys_t) {
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
       row0 * p.q_row_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
   scores_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k, p.k_row_stride, s, ld,
                keys_t, p.seqlen_k);
+}
+
+// Logit soft-capping of a block of scaled scores: s = softcap * tanh(x / softcap) (s may be x).
+// Called only when p.softcap > 0, so the uncapped path costs one branch per block.
+template <typename T>
+void soft_cap(const AttentionParams& p, int64_t rows, int64_t cols, const T* x, T* s, int64_t ld) {
+  const T cap = static_cast<T>(p.softcap), inv_cap = T(1) / cap;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x + r * ld;
+    T* out = s + r * ld;
+    for (int64_t j = 0; j < cols; ++j) {
+      out[j] = cap * std::tanh(in[j] * inv_cap);
+    }
+  }
+}
+
+// The masks of query rows [row0, row0 + rows) added to a block of scores (rows ld >=
+// padded_cols(cols) apart); [cols, padded_cols(cols)) is set to -inf, so that it vanishes in
+// the softmax.
+template <typename T>
+void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols, T* s,
+               int64_t ld) {
   const AttentionMask& am = p.attn_mask;
   const AttentionMask& kpm = p.key_padding_mask;
   for (int64_t r = 0; r < rows; ++r) {
@@ -110,6 +131,18 @@ void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
       std::fill(row + std::min(cols, i + 1), row + cols, -std::numeric_limits<T>::infinity());
     }
   }
+}
+
+// s[r, j] = cap(scale * q[row0 + r] . k[j]) + masks, for r < rows and j < cols (cap: the
+// soft-cap when p.softcap > 0, else the identity), padded as add_masks does.
+template <typename T>
+void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
+                   int64_t cols, T* s, int64_t ld, const float* keys_t = nullptr) {
+  scaled_scores(p, b, h, row0, rows, cols, s, ld, keys_t);
+  if (p.softcap > 0) {  // before the masks: a -inf mask still removes the key
+    soft_cap(p, rows, cols, s, s, ld);
+  }
+  add_masks(p, b, h, row0, rows, cols, s, ld);
 }
 
 // alpha * X^T of one (batch, head) of K or V, row-major [dim, seqlen_k]: the B of a
@@ -210,6 +243,22 @@ void attention_forward_kernel(const AttentionParams& p) {
       }
     }
   });
+}
+
+// dS (the gradient of the capped scores, rows ld apart) becomes the gradient of the scaled
+// scores x (`raw`, as scaled_scores gives them): dS * (1 - t^2), t = tanh(x / softcap). Masked
+// keys have P = 0, hence dS = 0, and x is finite there (no mask is added to it): no -inf * 0.
+template <typename T>
+void soft_cap_backward(const AttentionParams& p, int64_t rows, int64_t cols, const T* raw, T* dS, int64_t ld) {
+  const T inv_cap = T(1) / static_cast<T>(p.softcap);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = raw + r * ld;
+    T* ds = dS + r * ld;
+    for (int64_t j = 0; j < cols; ++j) {
+      const T t = std::tanh(x[j] * inv_cap);
+      ds[j] *= T(1) - t * t;
+    }
+  }
 }
 
 // The backward's products into dQ, dK and dV for one (batch, head) at a time. dK and dV
@@ -315,6 +364,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
 
   parallel_for(0, p.batch * heads, grain_for(head_work), [&](int64_t begin, int64_t end) {
     std::vector<T> probs(block * score_stride(seqlen_k)), grad_scores(block * score_stride(seqlen_k));
+    // The block's uncapped scaled scores, for the soft-cap's derivative (only with softcap).
+    std::vector<T> raw_scores(p.softcap > 0 ? block * score_stride(seqlen_k) : 0);
     HeadTransposed keys_t, values_t;
     KeyValueGrads<T> grads(p, block);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -337,6 +388,13 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         T* dS = grad_scores.data();
         const T* lse = static_cast<const T*>(p.lse) + bh * seqlen_q + row0;
         const T* dO = grad_out + row0 * p.grad_out_row_stride;
+        // With a soft-cap, the cap's derivative needs the uncapped scaled scores x, which
+        // neither the saved probabilities nor the masked scores give back: x is computed once,
+        // and P from it when P is recomputed.
+        T* raw = p.softcap > 0 ? raw_scores.data() : nullptr;
+        if (raw != nullptr) {
+          scaled_scores(p, b, h, row0, rows, cols, raw, ld, keys_t.keys<T>(p, b, h, rows, cols));
+        }
 
         if (p.probs != nullptr) {  // saved by the forward: no need to recompute q k^T
           const T* saved = static_cast<const T*>(p.probs) + (bh * seqlen_q + row0) * seqlen_k;
@@ -345,7 +403,12 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                       P + (r + 1) * ld, T(0));
           }
         } else {
-          masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
+          if (raw != nullptr) {
+            soft_cap(p, rows, cols, raw, P, ld);
+            add_masks(p, b, h, row0, rows, cols, P, ld);
+          } else {
+            masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
+          }
           for (int64_t r = 0; r < rows; ++r) {
             vec::probabilities_row(P + r * ld, cols, lse[r]);
           }
@@ -367,6 +430,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           }
           // dS = P * (dP - rowsum(P * dP))
           vec::softmax_backward_row(P + r * ld, row, cols);
+        }
+        if (raw != nullptr) {
+          soft_cap_backward(p, rows, cols, raw, dS, ld);
         }
         grads.add_grad_q_k(dS, ld, k, q + row0 * p.q_row_stride, grad_q + row0 * p.grad_q_row_stride, rows, cols);
       }

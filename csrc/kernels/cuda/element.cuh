@@ -68,6 +68,34 @@ __device__ __forceinline__ Acc load_additive(const void* base, int64_t offset, D
   }
 }
 
+__device__ __forceinline__ float acc_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double acc_tanh(double x) { return tanh(x); }
+
+// Logit soft-capping (AttentionParams::softcap) of a scaled score x: softcap * tanh(x / softcap)
+// when softcap > 0, x otherwise; applied before the masks, so a -inf mask still removes a key.
+// `on` is uniform across the grid: kernels test it once and keep the uncapped path as it was.
+template <typename Acc>
+struct SoftCap {
+  Acc cap = 0, inv_cap = 0;
+  bool on = false;
+
+  __device__ explicit SoftCap(const AttentionParams& p)
+      : cap(static_cast<Acc>(p.softcap)),
+        inv_cap(p.softcap > 0 ? static_cast<Acc>(1.0 / p.softcap) : Acc(0)),
+        on(p.softcap > 0) {}
+
+  // tanh(x / softcap): the capped score is cap * t, its derivative with respect to x 1 - t^2.
+  __device__ __forceinline__ Acc tanh_of(Acc x) const { return acc_tanh(x * inv_cap); }
+  __device__ __forceinline__ Acc apply(Acc x) const { return on ? cap * tanh_of(x) : x; }
+  __device__ __forceinline__ Acc grad(Acc x) const {
+    if (!on) {
+      return Acc(1);
+    }
+    const Acc t = tanh_of(x);
+    return Acc(1) - t * t;
+  }
+};
+
 // AttentionMask::present(), callable from device code (attention_params.h is plain C++).
 __device__ __forceinline__ bool mask_present(const AttentionMask& m) {
   return m.kind != MaskKind::kNone && m.ptr != nullptr;

@@ -7,7 +7,8 @@
 //      block's K and V in shared memory, and its dK and dV in registers, and streams the query
 //      blocks that can see those keys. Per query block it recomputes P from Q, K and the saved
 //      log-sum-exp (never storing P), then
-//          dV += P^T dO,   dP = dO V^T (+ gW),   dS = P * (dP - delta),
+//          dV += P^T dO,   dP = dO V^T (+ gW),   dS = P * (dP - delta) (* (1 - t^2) with
+//                                                 a soft-cap, t = tanh(scale q.k / softcap)),
 //          dK += dS^T Q,   dQ += dS K  (float atomics into a workspace; many key blocks add
 //                                       to the same query rows).
 //      Each warp owns 16 key rows, so it computes S^T = K Q^T and dP^T = V dO^T directly: their
@@ -88,6 +89,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const ScoreMask<float> mask(params, b, h, kLog2e);
+  const SoftCap<float> softcap(params);
 
   float acc_dk[kDTiles][4] = {};
   float acc_dv[kDTiles][4] = {};
@@ -135,7 +137,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
         }
       }
 
-      // P^T = exp2(S^T * scale * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta).
+      // P^T = exp2(cap(S^T * scale) * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta),
+      // times the soft-cap's derivative 1 - t^2 (t = tanh(S^T * scale / softcap)) when capped.
       const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || m0 + kBM > seqlen_q ||
           (kIsCausal && n0 + kBN - 1 > m0);
 #pragma unroll
@@ -145,6 +148,12 @@ __global__ void __launch_bounds__(Traits::kNThreads)
           const int key = key_a + (i / 2) * 8;
           const int qi = nt * 8 + col_in_tile + (i % 2);  // query within the block
           float s = acc_s[nt][i] * scale_log2;
+          float cap_grad = 1.f;
+          if (softcap.on) {
+            const float t = softcap.tanh_of(acc_s[nt][i] * static_cast<float>(params.scale));
+            s = softcap.cap * t * kLog2e;
+            cap_grad = 1.f - t * t;
+          }
           if (masked_tile) {
             s = mask.apply(s, m0 + qi, key);
           }
@@ -154,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
             dp += grad_weights[(m0 + qi) * params.grad_weights_row_stride + key];
           }
           acc_s[nt][i] = p;
-          acc_dp[nt][i] = p * (dp - cDelta[qi]);
+          acc_dp[nt][i] = p * (dp - cDelta[qi]) * cap_grad;
         }
       }
 

@@ -1,4 +1,4 @@
-// Flash forward: softmax(scale * Q K^T + masks) V for one (batch, head, block of kBlockM query
+// Flash forward: softmax(cap(scale * Q K^T) + masks) V (cap: the optional logit soft-cap) for one (batch, head, block of kBlockM query
 // rows) per thread block, on tensor cores (mma.sync m16n8k16, float16/bfloat16 inputs, float32
 // accumulation).
 //
@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   const int row_a = m0 + warp * 16 + lane / 4;
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
+  const float scale = static_cast<float>(params.scale);
   const ScoreMask<float> mask(params, b, h, kLog2e);
+  const SoftCap<float> softcap(params);
 
   float acc_o[kOTiles][4] = {};
   float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
@@ -124,13 +126,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     }
     cp_async_commit();
 
-    // Scale into the log2 domain; mask only the tiles that can need it.
+    // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
     const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        float s = acc_s[nt][i] * scale_log2;
+        float s = softcap.on ? softcap.apply(acc_s[nt][i] * scale) * kLog2e : acc_s[nt][i] * scale_log2;
         if (masked_tile) {
           s = mask.apply(s, row_a + (i / 2) * 8, n0 + nt * 8 + col_in_tile + (i % 2));
         }

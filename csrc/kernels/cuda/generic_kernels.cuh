@@ -103,13 +103,14 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_fwd_kernel(const A
   const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
   const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, w.h, p.v_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
 
   Acc o[kRegs] = {};
   Acc row_max = neg_inf<Acc>(), row_sum = 0;
   const int64_t key_end = p.is_causal ? (w.row + 1 < p.seqlen_k ? w.row + 1 : p.seqlen_k) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
-    const Acc s = mask.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, dim, w.lane), w.row, j);
+    const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, dim, w.lane)), w.row, j);
     if (s == neg_inf<Acc>()) {
       continue;  // masked (uniform across the warp): contributes nothing
     }
@@ -151,6 +152,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
   load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), p.head_dim, w.lane);
   const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t bh_row = (w.b * p.num_heads + w.h) * p.seqlen_q + w.row;
   const Acc lse = static_cast<const Acc*>(p.lse)[bh_row];
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
       : p.is_causal ? (w.row + 1 < p.seqlen_k ? w.row + 1 : p.seqlen_k)
                     : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
-    const Acc s = mask.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane), w.row, j);
+    const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j);
     if (w.lane == j % 32) {
       weights[j] = acc_exp(s - lse);  // exp(-inf - finite) = 0 for masked keys
     }
@@ -189,10 +191,11 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_delta_kernel(const
     const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
     const Acc* gw = row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
     const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+    const SoftCap<Acc> softcap(p);
     const Acc scale = static_cast<Acc>(p.scale);
     Acc pgw = 0;
     for (int64_t j = 0; j < p.seqlen_k; ++j) {
-      const Acc s = mask.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane), w.row, j);
+      const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j);
       if (s != neg_inf<Acc>()) {
         pgw += acc_exp(s - lse) * gw[j];
       }
@@ -224,6 +227,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
   const Acc* gw = p.grad_weights == nullptr ? nullptr
       : row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
 
   Acc dk[kRegs] = {}, dv[kRegs] = {};
@@ -232,7 +236,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
       continue;  // a fully masked query row: zero probabilities, zero gradient
     }
     const T* q_row = q + i * p.q_row_stride;
-    const Acc s = mask.apply(scale * dot_row<kRegs>(kv, q_row, dim, w.lane), i, key);
+    const Acc x = scale * dot_row<kRegs>(kv, q_row, dim, w.lane);
+    const Acc s = mask.apply(softcap.apply(x), i, key);
     if (s == neg_inf<Acc>()) {
       continue;
     }
@@ -242,7 +247,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
     if (gw != nullptr) {
       dp += gw[i * p.grad_weights_row_stride + key];
     }
-    const Acc ds = prob * (dp - delta_bh[i]);
+    const Acc ds = prob * (dp - delta_bh[i]) * softcap.grad(x);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = w.lane + 32 * r;
@@ -278,6 +283,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
   const Acc* gw = p.grad_weights == nullptr ? nullptr
       : row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
   const Acc row_delta = delta[bh_row];
 
@@ -287,7 +293,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
                     : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
     const T* k_row = k + j * p.k_row_stride;
-    const Acc s = mask.apply(scale * dot_row<kRegs>(qv, k_row, dim, w.lane), w.row, j);
+    const Acc x = scale * dot_row<kRegs>(qv, k_row, dim, w.lane);
+    const Acc s = mask.apply(softcap.apply(x), w.row, j);
     if (s == neg_inf<Acc>()) {
       continue;
     }
@@ -296,7 +303,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
     if (gw != nullptr) {
       dp += gw[j];
     }
-    const Acc ds = prob * (dp - row_delta);
+    const Acc ds = prob * (dp - row_delta) * softcap.grad(x);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = w.lane + 32 * r;

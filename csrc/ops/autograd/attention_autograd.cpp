@@ -54,11 +54,12 @@ class AttentionFunction : public Function<AttentionFunction> {
       const std::optional<at::Tensor>& attn_mask,
       const std::optional<at::Tensor>& key_padding_mask,
       bool is_causal,
-      std::optional<double> scale) {
+      std::optional<double> scale,
+      double softcap) {
     check_masks_are_constant(attn_mask, key_padding_mask);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, weights] = call_attention_forward(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false);
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap);
     // The output is saved through save_for_backward (not saved_data, which would hold it in a
     // reference cycle with its own grad_fn): the CUDA backward needs it.
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()),
@@ -66,6 +67,7 @@ class AttentionFunction : public Function<AttentionFunction> {
     ctx->saved_data["lse"] = lse;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["softcap"] = softcap;
     return {out};
   }
 
@@ -75,8 +77,9 @@ class AttentionFunction : public Function<AttentionFunction> {
     auto [grad_q, grad_k, grad_v] = call_attention_backward(
         grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2],
         ctx->saved_data["lse"].toTensor(), optional_of(saved[3]), optional_of(saved[4]),
-        ctx->saved_data["is_causal"].toBool(), scale, std::nullopt, saved[5]);
-    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        ctx->saved_data["is_causal"].toBool(), scale, std::nullopt, saved[5],
+        ctx->saved_data["softcap"].toDouble());
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -87,14 +90,15 @@ at::Tensor attention_autograd(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
-    std::optional<double> scale) {
+    std::optional<double> scale,
+    double softcap) {
   if (!needs_autograd({&query, &key, &value})) {
     check_masks_are_constant(attn_mask, key_padding_mask);
     static auto op = typed_op<decltype(attention_autograd)>(spec::kOpAttention);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+    return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, softcap);
   }
-  return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale)[0];
+  return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale, softcap)[0];
 }
 
 // Keeping the forward's probabilities spares the CPU backward one of its five products, at
@@ -262,10 +266,10 @@ class AttentionForwardNoGrad : public Function<AttentionForwardNoGrad> {
   static variable_list forward(
       AutogradContext*, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-      bool is_causal, std::optional<double> scale, bool need_weights) {
+      bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, weights] = call_attention_forward(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights);
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, softcap);
     return {out, lse, weights};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -281,11 +285,11 @@ class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
       const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
         const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-      const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output) {
+      const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs, output);
+                                                scale, probs, output, softcap);
     return {dq, dk, dv};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -374,9 +378,9 @@ MultiHeadAttentionGrads multi_head_attention_backward_autograd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, std::optional<double> scale, bool need_weights) {
+    bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
   const auto r = AttentionForwardNoGrad::apply(query, key, value, attn_mask, key_padding_mask,
-                                               is_causal, scale, need_weights);
+                                               is_causal, scale, need_weights, softcap);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 
@@ -385,10 +389,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output) {
+    const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output, double softcap) {
   const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs, output);
+                                                scale, probs, output, softcap);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 

@@ -31,10 +31,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    bool need_weights) {
+    bool need_weights,
+    double softcap) {
   const AttentionForward forward = prepare_attention_forward(
       query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights,
-      accumulation_dtype(query.scalar_type()), /*masks_in_compute_dtype=*/true);
+      accumulation_dtype(query.scalar_type()), /*masks_in_compute_dtype=*/true, softcap);
   run_kernel(forward.params);
   return attention_forward_results(forward, query);
 }
@@ -46,9 +47,10 @@ at::Tensor attention_cpu(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
-    std::optional<double> scale) {
+    std::optional<double> scale,
+    double softcap) {
   return std::get<0>(attention_forward_cpu(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false));
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
@@ -63,8 +65,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     bool is_causal,
     std::optional<double> scale,
     const std::optional<at::Tensor>& probs,
-    const std::optional<at::Tensor>& /*output: not needed on the CPU*/) {
+    const std::optional<at::Tensor>& /*output: not needed on the CPU*/,
+    double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
@@ -94,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   // needs no forward output.
   AttentionParams forward = make_attention_params(
       q, k, v, grad_out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
-      is_causal);
+      is_causal, softcap);
   forward.out = nullptr;
   AttentionBackwardParams params =
       make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);

@@ -42,12 +42,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    bool need_weights) {
+    bool need_weights,
+    double softcap) {
   const c10::cuda::CUDAGuard device_guard(query.device());
   // float16/bfloat16 stay as they are: the kernels read them natively.
   const AttentionForward forward = prepare_attention_forward(
       query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
-      /*masks_in_compute_dtype=*/false);
+      /*masks_in_compute_dtype=*/false, softcap);
   check_supported(forward.params);
   check_launch(cuda::run_attention_forward(forward.params, current_stream(query)), "attention forward");
   return attention_forward_results(forward, query);
@@ -60,9 +61,10 @@ at::Tensor attention_cuda(
     const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
-    std::optional<double> scale) {
+    std::optional<double> scale,
+    double softcap) {
   return std::get<0>(attention_forward_cuda(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false));
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
@@ -77,8 +79,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     bool is_causal,
     std::optional<double> scale,
     const std::optional<at::Tensor>& /*probs: the flash backward recomputes them*/,
-    const std::optional<at::Tensor>& output) {
+    const std::optional<at::Tensor>& output,
+    double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = current_stream(query);
@@ -107,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward = make_attention_params(
-        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal);
+        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal, softcap);
     check_supported(forward);
     check_launch(cuda::run_attention_forward(forward, stream), "attention backward (recomputing the output)");
   }
@@ -121,7 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, dim, query.options());
   at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
+                            softcap),
       grad_out, gw, grad_q, grad_k, grad_v);
   at::Tensor workspace = at::empty(
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},

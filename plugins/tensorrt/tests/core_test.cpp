@@ -55,6 +55,7 @@ void test_fields_round_trip() {
   c.is_causal = 1;
   c.has_key_padding_mask = 1;
   c.has_attn_mask = 0;
+  c.softcap = 30.0F;
   Field fields[kNumFields];
   fields_to_serialize(c, fields);
   for (int32_t i = 0; i < kNumFields; ++i) {
@@ -66,9 +67,9 @@ void test_fields_round_trip() {
   const std::string why = parse_fields(fields, kNumFields, back);
   check(why.empty(), "round trip parses: " + why);
   check(back.num_heads == 4 && back.scale == 0.125F && back.is_causal == 1 && back.has_key_padding_mask == 1 &&
-            back.has_attn_mask == 0,
+            back.has_attn_mask == 0 && back.softcap == 30.0F,
         "round trip keeps every value");
-  check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0",
+  check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30",
         "describe: " + describe(back));
 }
 
@@ -80,7 +81,7 @@ void test_fields_defaults_and_errors() {
 
   Field required[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale)};
   check(parse_fields(required, 2, c).empty() && c.num_heads == 2 && c.scale == 0.5F && c.is_causal == 0 &&
-            c.has_key_padding_mask == 0 && c.has_attn_mask == 0,
+            c.has_key_padding_mask == 0 && c.has_attn_mask == 0 && c.softcap == 0.0F,
         "optional fields default to 0 (the ONNX function's defaults)");
 
   Field unknown[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
@@ -116,6 +117,19 @@ void test_fields_defaults_and_errors() {
                         int_field(flag, &two)};
     check_error(parse_fields(bad_flag, 3, c), std::string(flag) + " must be 0 or 1; got 2", flag);
   }
+  const float negative = -1.0F;
+  for (const float* bad : {&nan, &inf, &negative}) {
+    Field bad_cap[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                       float_field(spec::kAttrSoftcap, bad)};
+    check_error(parse_fields(bad_cap, 3, c), "softcap must be finite and >= 0", "bad softcap");
+  }
+  Field int_cap[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                     int_field(spec::kAttrSoftcap, &two)};
+  check_error(parse_fields(int_cap, 3, c), "softcap must be kFLOAT32", "softcap as int");
+  const float cap = 2.5F;
+  Field with_cap[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                      float_field(spec::kAttrSoftcap, &cap)};
+  check(parse_fields(with_cap, 3, c).empty() && c.softcap == 2.5F, "softcap is read as float32");
   Config untouched;
   untouched.num_heads = 7;
   parse_fields(zero_heads, 2, untouched);
@@ -216,6 +230,7 @@ std::vector<double> through_params(const AttentionParams& p) {
             dot += double(q[b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride + d]) *
                 k[b * p.k_batch_stride + h * p.k_head_stride + j * p.k_row_stride + d];
           s[j] = p.scale * dot;
+          if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
           if (p.key_padding_mask.present()) {
             const AttentionMask& m = p.key_padding_mask;
             s[j] += static_cast<const float*>(m.ptr)[b * m.batch_stride + j * m.col_stride];
@@ -252,11 +267,13 @@ void test_params_address_the_node_layout() {
   const std::vector<Shape> mask_shapes = {shape({B, H, Lq, Lk}), shape({1, 1, Lq, Lk}), shape({B, 1, 1, Lk}),
                                           shape({1, H, Lq, 1})};
   for (int causal = 0; causal < 2; ++causal)
+   for (const float softcap : {0.0F, 0.3F})
     for (const Shape& ks : kpm_shapes)
       for (const Shape& ms : mask_shapes) {
         Config c = config(static_cast<int32_t>(H), true, true);
         c.scale = 0.5F;
         c.is_causal = causal;
+        c.softcap = softcap;
         std::vector<float> kpm_small(ks.d[0] * ks.d[1]), mask_small(ms.d[0] * ms.d[1] * ms.d[2] * ms.d[3]);
         for (float& x : kpm_small) x = rnd();
         for (float& x : mask_small) x = rnd();
@@ -280,12 +297,14 @@ void test_params_address_the_node_layout() {
         const void* ptrs[] = {q.data(), k.data(), v.data(), kpm_small.data(), mask_small.data()};
         float out_dummy = 0;
         const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr);
-        const std::vector<double> want = reference_attention(B, H, Lq, Lk, D, Dv, c.scale, causal, q, k, v, kpm, mask);
+        const std::vector<double> want = reference_attention(B, H, Lq, Lk, D, Dv, c.scale, causal, q, k, v, kpm, mask,
+                                                             c.softcap);
         const std::vector<double> got = through_params(p);
         double err = 0;
         for (size_t n = 0; n < want.size(); ++n) err = std::max(err, std::abs(want[n] - got[n]));
+        check(p.softcap == softcap, "make_params passes softcap to the kernels");
         check(err < 1e-12, "params address [B, L, H*D] memory and broadcast masks like the node (causal=" +
-                               std::to_string(causal) + ", kpm [" + std::to_string(ks.d[0]) + "," +
+                               std::to_string(causal) + ", softcap=" + std::to_string(softcap) + ", kpm [" + std::to_string(ks.d[0]) + "," +
                                std::to_string(ks.d[1]) + "], err " + std::to_string(err) + ")");
       }
 }

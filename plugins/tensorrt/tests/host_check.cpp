@@ -107,7 +107,7 @@ class ExprBuilder : public IExprBuilder {
 };
 
 std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale, const int32_t* causal,
-                                       const int32_t* kpm, const int32_t* mask) {
+                                       const int32_t* kpm, const int32_t* mask, const float* softcap = nullptr) {
   // What onnx-tensorrt's FallbackPluginImporter passes: INT -> kINT32[1], FLOAT -> kFLOAT32[1].
   std::vector<PluginField> f;
   if (heads) f.emplace_back(spec::kAttrNumHeads, heads, PluginFieldType::kINT32, 1);
@@ -115,6 +115,7 @@ std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale,
   if (causal) f.emplace_back(spec::kAttrIsCausal, causal, PluginFieldType::kINT32, 1);
   if (kpm) f.emplace_back(spec::kAttrHasKeyPaddingMask, kpm, PluginFieldType::kINT32, 1);
   if (mask) f.emplace_back(spec::kAttrHasAttnMask, mask, PluginFieldType::kINT32, 1);
+  if (softcap) f.emplace_back(spec::kAttrSoftcap, softcap, PluginFieldType::kFLOAT32, 1);
   return f;
 }
 
@@ -156,7 +157,8 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
   const float scale = 0.125F;
   for (int causal = 0; causal < 2; ++causal) {
     const int32_t causal_flag = causal;
-    auto fields = parser_fields(&heads, &scale, &causal_flag, &on, &on);
+    const float softcap = causal ? 0.0F : 0.75F;  // capped (scores reach beyond it) and uncapped
+    auto fields = parser_fields(&heads, &scale, &causal_flag, &on, &on, &softcap);
     std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kRUNTIME));
     auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
     std::vector<float> q(B * Lq * H * D), k(B * Lk * H * D), v(B * Lk * H * D), kpm(B * Lk, 0.0F), mask(H * Lq * Lk);
@@ -204,7 +206,7 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
     std::vector<float> mask_full(B * H * Lq * Lk);  // the [1, H, Lq, Lk] mask for every batch
     for (int64_t b = 0; b < B; ++b) std::copy(mask.begin(), mask.end(), mask_full.begin() + b * H * Lq * Lk);
     const std::vector<double> want = attn_export::trt_plugin::testing::reference_attention(
-        B, H, Lq, Lk, D, D, scale, causal, q, k, v, kpm, mask_full);
+        B, H, Lq, Lk, D, D, scale, causal, q, k, v, kpm, mask_full, softcap);
     double err = 0, top = 0;
     bool finite = true;
     for (size_t n = 0; n < want.size(); ++n) {
@@ -216,8 +218,8 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
     check(finite, "GPU output is finite (fully masked rows are zeros, not NaN)");
     check(err <= tol, std::string(half ? "fp16" : "fp32") + " GPU output vs float64 reference: max abs err " +
                           std::to_string(err) + " (tolerance " + std::to_string(tol) + ")");
-    std::printf("host_check: GPU %s causal=%d max abs err %.3e (tolerance %.3e)\n", half ? "fp16" : "fp32", causal,
-                err, tol);
+    std::printf("host_check: GPU %s causal=%d softcap=%g max abs err %.3e (tolerance %.3e)\n", half ? "fp16" : "fp32",
+                causal, softcap, err, tol);
     for (void* p : in) cudaFree(p);
     cudaFree(out);
     cudaFree(workspace);
@@ -254,23 +256,26 @@ int main() {
 
   const PluginFieldCollection* declared = creator->getFieldNames();
   const char* names[] = {spec::kAttrNumHeads, spec::kAttrScale, spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask,
-                         spec::kAttrHasAttnMask};
+                         spec::kAttrHasAttnMask, spec::kAttrSoftcap};
   const PluginFieldType types[] = {PluginFieldType::kINT32, PluginFieldType::kFLOAT32, PluginFieldType::kINT32,
-                                   PluginFieldType::kINT32, PluginFieldType::kINT32};
-  check(declared != nullptr && declared->nbFields == 5, "five declared fields");
-  for (int32_t i = 0; declared && i < declared->nbFields && i < 5; ++i) {
+                                   PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kFLOAT32};
+  check(declared != nullptr && declared->nbFields == 6, "six declared fields");
+  for (int32_t i = 0; declared && i < declared->nbFields && i < 6; ++i) {
     check(std::strcmp(declared->fields[i].name, names[i]) == 0 && declared->fields[i].type == types[i],
           std::string("declared field ") + names[i]);
   }
 
   // ---- createPlugin, as the ONNX parser calls it.
   const int32_t heads = 2, on = 1, off = 0, three = 3;
-  const float scale = 0.125F;
+  const float scale = 0.125F, softcap = 30.0F, negative = -1.0F;
   check(create(creator, parser_fields(nullptr, &scale, nullptr, nullptr, nullptr), TensorRTPhase::kBUILD) == nullptr,
         "createPlugin without num_heads returns nullptr");
   check(logger.saw("FusedAttention[attn_node_0]: cannot create the plugin: field num_heads is missing"),
         "... and logs why: " + logger.last());
-  const auto fields = parser_fields(&heads, &scale, &off, &on, &off);
+  check(create(creator, parser_fields(&heads, &scale, &off, &on, &off, &negative), TensorRTPhase::kBUILD) == nullptr &&
+            logger.saw("softcap must be finite and >= 0; got -1"),
+        "createPlugin refuses a negative softcap with a reason: " + logger.last());
+  const auto fields = parser_fields(&heads, &scale, &off, &on, &off, &softcap);
   std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kBUILD));
   check(plugin != nullptr, "createPlugin with the node's fields");
   if (!plugin) return 1;
@@ -357,14 +362,14 @@ int main() {
         "a profile beyond the kernels' grid limit fails the build with a reason: " + logger.last());
   check(build->getMetadataString() != nullptr &&
             std::string(build->getMetadataString()) ==
-                "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0",
+                "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=30",
         "metadata string names the fields");
 
   // ---- serialization round trip (engine build -> engine load).
   const PluginFieldCollection* serialized = runtime->getFieldsToSerialize();
-  check(serialized != nullptr && serialized->nbFields == 5, "five serialized fields");
+  check(serialized != nullptr && serialized->nbFields == 6, "six serialized fields");
   std::vector<PluginField> copy(serialized->fields, serialized->fields + serialized->nbFields);
-  for (int32_t i = 0; i < 5; ++i) {
+  for (int32_t i = 0; i < 6; ++i) {
     check(std::strcmp(copy[i].name, names[i]) == 0 && copy[i].type == types[i] && copy[i].length == 1,
           std::string("serialized field ") + names[i]);
   }

@@ -13,7 +13,8 @@ namespace attn_export::trt_plugin::testing {
 inline std::vector<double> reference_attention(int64_t B, int64_t H, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv,
                                                double scale, bool causal, const std::vector<float>& q,
                                                const std::vector<float>& k, const std::vector<float>& v,
-                                               const std::vector<float>& kpm, const std::vector<float>& mask) {
+                                               const std::vector<float>& kpm, const std::vector<float>& mask,
+                                               double softcap = 0.0) {
   std::vector<double> out(B * Lq * H * Dv, 0.0);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
@@ -24,7 +25,9 @@ inline std::vector<double> reference_attention(int64_t B, int64_t H, int64_t Lq,
           double dot = 0;
           for (int64_t d = 0; d < D; ++d)
             dot += double(q[(b * Lq + i) * H * D + h * D + d]) * k[(b * Lk + j) * H * D + h * D + d];
-          s[j] = scale * dot + kpm[b * Lk + j] + mask[((b * H + h) * Lq + i) * Lk + j];
+          const double x = scale * dot;
+          s[j] = (softcap > 0 ? softcap * std::tanh(x / softcap) : x) + kpm[b * Lk + j] +
+              mask[((b * H + h) * Lq + i) * Lk + j];
           if (causal && j > i) s[j] = -INFINITY;
           top = std::max(top, s[j]);
         }
