@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
