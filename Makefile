@@ -31,8 +31,11 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 
 install: $(VENV)/.built
 
+# Two pytest workers, whole files per worker (--dist loadfile: the zoo test's docs check needs
+# its whole file in one process); PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py
