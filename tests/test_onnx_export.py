@@ -324,6 +324,18 @@ def test_an_axis_the_model_specializes_is_reported(tmp_path):
     assert result.dynamic_axes == {"x": {0: "batch"}}
 
 
+def _padded_cross_inputs(query: str, kdim: int, vdim: int):
+    """Query [2, 5, 16], key [2, 7, kdim], value [2, 7, vdim] and a key-padding mask (row 1 padded
+    from key 5), with dynamic batch, query length and key length."""
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    inputs = {query: torch.randn(2, 5, 16), "k": torch.randn(2, 7, kdim), "v": torch.randn(2, 7, vdim),
+              "key_padding_mask": pad}
+    axes = {query: {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
+            "key_padding_mask": {0: "batch", 1: "lk"}}
+    return inputs, axes
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
     class Separate(nn.Module):
@@ -336,11 +348,7 @@ def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
 
     torch.manual_seed(0)
     model = Separate().eval()
-    pad = torch.zeros(2, 7, dtype=torch.bool)
-    pad[1, 5:] = True
-    inputs = {"q": torch.randn(2, 5, 16), "k": torch.randn(2, 7, 16), "v": torch.randn(2, 7, 16), "key_padding_mask": pad}
-    axes = {"q": {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
-            "key_padding_mask": {0: "batch", 1: "lk"}}
+    inputs, axes = _padded_cross_inputs("q", kdim=16, vdim=16)
     result = export_onnx(model, inputs, tmp_path / "sep.onnx", dynamic_axes=axes)
     nodes, onnx_model = fused_nodes(result.path)
     assert len(nodes) == 1 and sum(n.op_type == "MatMul" for n in onnx_model.graph.node) == 4
@@ -371,11 +379,7 @@ def test_core_operator_configurations_export_and_validate(tmp_path):
     with torch.no_grad():
         for layer in (model.cross, model.extra):
             layer.in_proj_bias.normal_(0, 0.1)
-    pad = torch.zeros(2, 7, dtype=torch.bool)
-    pad[1, 5:] = True
-    inputs = {"x": torch.randn(2, 5, 16), "k": torch.randn(2, 7, 8), "v": torch.randn(2, 7, 12), "key_padding_mask": pad}
-    axes = {"x": {0: "batch", 1: "lq"}, "k": {0: "batch", 1: "lk"}, "v": {0: "batch", 1: "lk"},
-            "key_padding_mask": {0: "batch", 1: "lk"}}
+    inputs, axes = _padded_cross_inputs("x", kdim=8, vdim=12)
     result = export_onnx(model, inputs, tmp_path / "core.onnx", dynamic_axes=axes)
     assert result.replacement.num_replaced == 2
     nodes, onnx_model = fused_nodes(result.path)
