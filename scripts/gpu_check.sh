@@ -81,9 +81,11 @@ if "$PY" -c 'import pytest' 2>/dev/null; then
 else
   # the stand-in ignores marks: the device-parametrized modules are filtered to their cuda ids
   ( timeout 150 "$PY" tests/run_without_pytest.py test_cuda --junit "$OUT_DIR/test_cuda.xml" &&
-    for m in test_attention_op test_module_parity test_ort_providers; do
+    for m in test_attention_op test_module_parity; do
       timeout 60 "$PY" tests/run_without_pytest.py "$m" -k cuda --junit "$OUT_DIR/$m.xml" || exit 1
-    done ) > "$OUT_DIR/test_cuda.log" 2>&1
+    done &&
+    timeout 120 "$PY" tests/run_without_pytest.py test_ort_providers -k ::test_cuda_ \
+      --junit "$OUT_DIR/test_ort_providers.xml" ) > "$OUT_DIR/test_cuda.log" 2>&1
 fi
 TEST_RC=$?
 tail -15 "$OUT_DIR/test_cuda.log"

@@ -53,7 +53,7 @@ def test_providers_are_kept_in_order_and_checked():
      ["--ort-provider tensorrt", "has no TensorrtExecutionProvider"]),
     (["tensorrt"], providers.MachineFacts("1.32.0", GPU_BUILD.available, (), "the NVIDIA driver sees no GPU"),
      ["no usable NVIDIA GPU (the NVIDIA driver sees no GPU)"]),
-])
+], ids=["cpu-build", "no-tensorrt-provider", "no-gpu"])
 def test_missing_provider_or_gpu_says_what_to_install(names, facts, words):
     with pytest.raises(providers.ProviderUnavailable) as err:
         providers.require_providers(names, facts)
@@ -103,7 +103,7 @@ def test_cli_provider_usage_errors(monkeypatch, args, words):
 # The session each provider gets (names and values as ONNX Runtime documents them)
 # --------------------------------------------------------------------------------------------
 
-def test_cuda_session_options():
+def test_session_options_of_the_gpu_provider():
     (setup,) = providers.provider_setups(["cuda"], None, facts=GPU_BUILD)
     assert setup.backend == "onnxruntime-cuda"
     assert setup.session_providers == (("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "1"}),
@@ -260,8 +260,8 @@ def test_gate_reports_the_fall_back_of_a_real_onnxruntime(small_seq2seq, exporte
 
 
 # --------------------------------------------------------------------------------------------
-# On a GPU with onnxruntime-gpu (scripts/gpu_check.sh). Plain functions without fixtures, so
-# that tests/run_without_pytest.py runs them too.
+# On a GPU with onnxruntime-gpu (scripts/gpu_check.sh). Plain functions without fixtures, named
+# test_cuda_*, so that tests/run_without_pytest.py runs them too (-k ::test_cuda_).
 # --------------------------------------------------------------------------------------------
 
 def _gpu_provider_missing(name):
@@ -318,7 +318,7 @@ def test_cuda_provider_matches_pytorch_on_the_gpu():
 
 
 @pytest.mark.cuda
-def test_tensorrt_provider_runs_the_nodes_with_the_plugin():
+def test_cuda_tensorrt_provider_runs_the_nodes_with_the_plugin():
     missing = _gpu_provider_missing("tensorrt")
     if not missing:
         try:
