@@ -83,6 +83,16 @@ def test_json_report_has_the_documented_fields(honest_report):
     assert data["tolerance"]["factor"] > 0 and "sqrt(K)" in data["tolerance"]["rule"]
 
 
+def test_default_provider_is_the_cpu_and_the_report_says_so(honest_report):
+    (entry,) = honest_report.environment["onnxruntime_execution_providers"]
+    assert entry["backend"] == "onnxruntime" and entry["device"] == "cpu"
+    assert entry["session_has"] == ["CPUExecutionProvider"] and entry["precision"] == "model dtype"
+    assert honest_report.tolerance["compute_precision"] == {}
+    # The CPU provider is judged by float32's eps, like the PyTorch rows.
+    ort_rtol = {c.rtol for c in honest_report.cases if c.backend == "onnxruntime" and c.case == "example"}
+    assert ort_rtol == {c.rtol for c in honest_report.cases if c.backend == "pytorch-replaced" and c.case == "example"}
+
+
 def test_junit_xml_counts_cases_and_failures(small_seq2seq, exported_seq2seq, honest_report, tmp_path):
     root = ET.fromstring(honest_report.to_junit_xml().split("\n", 1)[1])
     suite = root.find("testsuite")

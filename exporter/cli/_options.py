@@ -120,6 +120,44 @@ class ProfileArgs:
                 for which, texts in (("min", self.min_shapes), ("opt", self.opt_shapes), ("max", self.max_shapes))}
 
 
+@dataclass(frozen=True)
+class OrtArgs:
+    """ONNX Runtime's execution providers in the gate (--ort-provider, --ort-trt-cache, --ort-trt-fp16)."""
+
+    providers: Tuple[str, ...]
+    trt_cache_dir: Optional[str]
+    trt_fp16: bool
+
+    @property
+    def wants_tensorrt(self) -> bool:
+        return "tensorrt" in self.providers
+
+    @property
+    def given(self) -> bool:
+        return tuple(self.providers) != ("cpu",) or self.trt_cache_dir is not None or self.trt_fp16
+
+    def require(self, timeout_s: float, plugin: Optional[str]) -> None:
+        """Before anything is loaded or exported: the providers are in this ONNX Runtime and a
+        GPU is there, and for the TensorRT provider TensorRT and the plugin library (exit 2
+        saying what to install or build); the node-level preflight follows in the gate."""
+        from attn_export.validation import providers
+
+        names = providers.parse_providers(self.providers, trt_cache_dir=self.trt_cache_dir, trt_fp16=self.trt_fp16)
+        if names == providers.DEFAULT_PROVIDERS:
+            return
+        providers.require_providers(names, providers.probe(timeout_s))
+        if self.wants_tensorrt:
+            from attn_export import tensorrt as attn_trt
+
+            attn_trt.import_tensorrt()
+            if plugin is not None:
+                attn_trt.check_plugin_library(plugin)
+
+    def validate_kwargs(self) -> dict:
+        return {"ort_providers": self.providers, "ort_trt_cache_dir": self.trt_cache_dir,
+                "ort_trt_fp16": self.trt_fp16}
+
+
 def model_options(f):
     """How the model is loaded: ``model_args: ModelArgs``."""
     return _grouped(ModelArgs, "model_args", [
@@ -198,6 +236,24 @@ def logging_options(f):
     return _apply([
         click.option("-q", "--quiet", is_flag=True, help="Print errors only (the exit code tells the verdict)."),
         click.option("-v", "--verbose", is_flag=True, help="Show library warnings and tracebacks."),
+    ])(f)
+
+
+def ort_options(f):
+    """ONNX Runtime's execution providers: ``ort_args: OrtArgs``."""
+    return _grouped(OrtArgs, "ort_args", [
+        click.option("--ort-provider", "providers", multiple=True, default=("cpu",), show_default=True,
+                     type=click.Choice(["cpu", "cuda", "tensorrt"]),
+                     help="Run the ONNX file in ONNX Runtime on this execution provider (repeatable: each is its "
+                          "own row of the report, in the order given). cuda and tensorrt need onnxruntime-gpu "
+                          "(pip install 'attn-export[gpu]') and an NVIDIA GPU; tensorrt also TensorRT and, for "
+                          "FusedAttention nodes, the plugin library (--plugin)."),
+        click.option("--ort-trt-cache", "trt_cache_dir", metavar="DIR", type=click.Path(file_okay=False),
+                     help="With --ort-provider tensorrt: keep TensorRT's engines in DIR (created if missing) so "
+                          "that the next run does not rebuild them."),
+        click.option("--ort-trt-fp16", "trt_fp16", is_flag=True,
+                     help="With --ort-provider tensorrt: let TensorRT use float16 kernels (the tolerance is "
+                          "float16's then)."),
     ])(f)
 
 

@@ -13,6 +13,7 @@ from attn_export.cli._options import (
     input_options,
     logging_options,
     model_options,
+    ort_options,
     plugin_option,
     profile_options,
     report_options,
@@ -48,6 +49,7 @@ def default_output(model_path, factory, to: str) -> Path:
               help="Export in this precision (default: the model's own).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
 @click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
+@ort_options
 @plugin_option
 @profile_options
 @coverage_options
@@ -56,7 +58,7 @@ def default_output(model_path, factory, to: str) -> Path:
 @logging_options
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, dtype, no_replace,
-            no_validate, plugin, profile_args, coverage, runtime_timeout, reports):
+            no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
     TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
@@ -72,9 +74,10 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     symbolic unless --dynamic/--static say otherwise (transformers models: batch and sequence
     of the token inputs, the batch of pixel_values).
 
-    Validation (unless --no-validate) is the same as `attn-export validate`. Exit codes: 0
-    passed, 1 mismatch (or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU
-    or the plugin library missing (the message says what to install or build). Output files are
+    Validation (unless --no-validate) is the same as `attn-export validate`; --ort-provider
+    picks ONNX Runtime's execution providers (default cpu). Exit codes: 0 passed, 1 mismatch
+    (or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU, an ONNX Runtime
+    provider or the plugin library missing (the message says what to install or build). Output files are
     written whole or not at all; after a mismatch they are kept for inspection.
 
     --to tensorrt: the engine is strongly typed (it computes in the ONNX types: --dtype fp16 for
@@ -92,6 +95,7 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
       attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
       attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
           --max-shapes src:8x512x64
+      attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
     """
     import torch
 
@@ -114,8 +118,14 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
         if out_path.resolve() == engine_path.resolve():
             raise InputError(f"the ONNX file and the engine would both be {out_path}; give -o or --onnx-output")
-    elif onnx_output or plugin or profile_args.given:
-        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt")
+    elif onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given:
+        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt "
+                         "(--plugin also with --ort-provider tensorrt)")
+    if not no_validate:
+        ort_args.require(runtime_timeout, plugin)  # the providers, before anything is exported
+    elif ort_args.given:
+        raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
+                         "drop them or --no-validate")
     with session.step("loading the model"):
         model, source = model_args.load(model_path, seed=input_args.seed)
         torch.manual_seed(input_args.seed)
@@ -179,6 +189,6 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
 
     with session.step("validating against the original model") as update:
         report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine_path, plugin=plugin if engine_path is not None else None,
-                          runtime_timeout_s=runtime_timeout)
+                          engine=engine_path, plugin=plugin, runtime_timeout_s=runtime_timeout,
+                          **ort_args.validate_kwargs())
     return finish_validation(session, report, reports, extra=extra)

@@ -11,12 +11,14 @@ symbolic axis of the ONNX graph; axes the graph ties together keep one size; see
 attn_export.shapes). Graph checks: every axis declared dynamic is symbolic in the ONNX graph,
 the attention nodes and their function are there.
 
-Modules: ``runners`` (one class per backend), ``gate`` (validate: the runners against the
+Modules: ``runners`` (one class per backend), ``providers`` (ONNX Runtime's execution
+providers: which, available or not, their session options), ``gate`` (validate: the runners against the
 reference), ``tolerances`` (the comparison rule), ``checks`` (graph and engine checks),
 ``report`` (results and their renderings).
 """
 from attn_export.shapes import graph_axes, label_kinds, shape_cases
 from attn_export.validation.gate import run_cases, validate
+from attn_export.validation.providers import ProviderSetup, ProviderUnavailable
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.runners import (
     BACKEND_ORT,
@@ -33,7 +35,8 @@ from attn_export.validation.tolerances import TOLERANCE_FACTOR, compare, reducti
 
 __all__ = [
     "validate", "run_cases", "ValidationReport", "CaseResult", "CheckResult", "environment",
-    "Runner", "RunnerError", "TorchRunner", "OnnxRuntimeRunner", "TensorRTRunner",
+    "Runner", "RunnerError", "TorchRunner", "OnnxRuntimeRunner", "TensorRTRunner", "ProviderSetup",
+    "ProviderUnavailable",
     "BACKEND_REFERENCE", "BACKEND_REPLACED", "BACKEND_ORT", "BACKEND_TRT",
     "TOLERANCE_FACTOR", "compare", "reduction_length", "tolerance",
     "graph_axes", "label_kinds", "shape_cases",

@@ -20,6 +20,13 @@ from attn_export.replace import replace_attention
 from attn_export.validation import checks as _checks
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
+from attn_export.validation.providers import (
+    CPU_SETUP,
+    DEFAULT_PROVIDERS,
+    ProviderSetup,
+    environment_entry,
+    provider_setups,
+)
 from attn_export.validation.runners import (
     BACKEND_REFERENCE,
     BACKEND_REPLACED,
@@ -29,6 +36,7 @@ from attn_export.validation.runners import (
     RunnerError,
     TensorRTRunner,
     TorchRunner,
+    prestart_onnxruntime,
 )
 from attn_export.validation.tolerances import TOLERANCE_FACTOR, compare, reduction_length, tolerance
 
@@ -44,7 +52,7 @@ def run_cases(
     cases: Sequence[Tuple[str, Inputs]],
     output_names: List[str],
     *,
-    rtol_for: Callable[[Inputs], float],
+    rtol_for: Callable[[Inputs, Optional[str]], float],
     baseline: Optional[Runner] = None,
     valid_tokens_for: Callable[[Inputs], Optional[torch.Tensor]] = lambda _inputs: None,
     say: Callable[[str], None] = lambda _msg: None,
@@ -52,7 +60,8 @@ def run_cases(
 ) -> List[CaseResult]:
     """Every runner against the reference on every case, one CaseResult per output (or one
     per runner and case when it was skipped or failed to run). Cases whose shapes repeat an
-    earlier case's are skipped with a note."""
+    earlier case's are skipped with a note. ``rtol_for(case_inputs, precision)`` is the
+    tolerance for a runner of that compute precision (Runner.precision; None: the dtype's)."""
     results: List[CaseResult] = []
     seen_shapes = []
     for case_name, case_inputs in cases:
@@ -63,7 +72,6 @@ def run_cases(
             continue
         seen_shapes.append(shapes)
         say(f"case {case_name}: {shapes}")
-        rtol = rtol_for(case_inputs)
         try:
             ref = reference.run(case_inputs)
         except Exception as exc:  # noqa: BLE001
@@ -81,6 +89,7 @@ def run_cases(
                 base = None
         valid_tokens = valid_tokens_for(case_inputs)
         for runner in runners:
+            rtol = rtol_for(case_inputs, runner.precision)
             skip = runner.skip_reason(case_inputs)
             if skip:
                 results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False, message=skip))
@@ -124,6 +133,9 @@ def validate(
     plugin: Optional[str | Path] = None,
     isolate: bool = True,
     runtime_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ort_providers: Sequence[str] = DEFAULT_PROVIDERS,
+    ort_trt_cache_dir: Optional[str | Path] = None,
+    ort_trt_fp16: bool = False,
 ) -> ValidationReport:
     """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
     ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
@@ -140,12 +152,18 @@ def validate(
         engine: a TensorRT engine of ``onnx_path`` (attn_export.tensorrt.build_engine); needs
             TensorRT and a GPU (TensorRTUnavailable otherwise). Shapes outside its optimization
             profile are reported as skipped; at least one case must run.
-        plugin: the FusedAttention plugin library for the engine (default: as
-            attn_export.tensorrt.find_plugin_library looks for it).
+        plugin: the FusedAttention plugin library for the engine and for ONNX Runtime's TensorRT
+            provider (default: as attn_export.tensorrt.find_plugin_library looks for it).
         isolate: run TensorRT in a child process too (ONNX Runtime always runs in one); False
             keeps the engine in this process (for a stand-in engine).
         runtime_timeout_s: how long ONNX Runtime or TensorRT may take to load the model or run
             one case before it counts as hung (a failed case).
+        ort_providers: ONNX Runtime's execution providers, "cpu", "cuda", "tensorrt", each its
+            own backend row, in this order (providers.py). A provider this ONNX Runtime lacks,
+            or a GPU provider with no GPU, raises ProviderUnavailable (exit 2) saying what to
+            install; a session that silently fell back to the CPU is a failed row.
+        ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
+        ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
 
     A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
     failed case that says which runtime, which step, the signal or timeout and the
@@ -155,17 +173,20 @@ def validate(
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
-    ort_runner = OnnxRuntimeRunner(onnx_path, timeout_s=runtime_timeout_s)
-    ort_runner.start()  # its process imports ONNX Runtime while PyTorch runs below
+    prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
+    setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
+                             trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)
+    ort_runners = [OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s) for setup in setups]
     try:
-        return _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, dynamic_axes=dynamic_axes,
+        return _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, dynamic_axes=dynamic_axes,
                          seed=seed, say=say, engine=engine, plugin=plugin, isolate=isolate,
                          runtime_timeout_s=runtime_timeout_s)
     finally:
-        ort_runner.close()
+        for runner in ort_runners:
+            runner.close()
 
 
-def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynamic_axes, seed, say, engine, plugin,
+def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dynamic_axes, seed, say, engine, plugin,
               isolate, runtime_timeout_s) -> ValidationReport:
     meta = read_metadata(onnx_model)
     init_names = {i.name for i in onnx_model.graph.initializer}
@@ -198,12 +219,13 @@ def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynam
     baseline = TorchRunner(f"pytorch-{dtype_name}", _prepared(model).to(dtype), dtype, fast_paths=False) \
         if dtype in (torch.float16, torch.bfloat16) else None
     load_errors: List[CaseResult] = []
-    say("loading the ONNX model in ONNX Runtime")
-    try:
-        ort_runner.load()
-        runners.append(ort_runner)
-    except RunnerError as exc:
-        load_errors.append(_load_error(ort_runner.name, exc))
+    for ort_runner in ort_runners:
+        say(f"loading the ONNX model in ONNX Runtime ({ort_runner.setup.provider})")
+        try:
+            ort_runner.load()
+            runners.append(ort_runner)
+        except RunnerError as exc:
+            load_errors.append(_load_error(ort_runner.name, exc))
     trt_runner = None
     if engine is not None:
         say(f"loading the TensorRT engine {engine}")
@@ -231,7 +253,8 @@ def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynam
     try:
         results = run_cases(
             reference, runners, cases, output_names,
-            rtol_for=lambda case_inputs: tolerance(dtype, reduction_length(reference.model, case_inputs, axes)),
+            rtol_for=lambda case_inputs, precision: tolerance(
+                dtype, reduction_length(reference.model, case_inputs, axes), precision),
             baseline=baseline, valid_tokens_for=_hf.valid_token_mask if is_hf else (lambda _inputs: None),
             say=say, notes=notes,
         ) + load_errors
@@ -239,13 +262,17 @@ def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynam
         for runner in runners:
             runner.close()
     diagnosis = {}
-    if any(c.crash and c.backend == ort_runner.name for c in results):
+    crashed = [r for r in ort_runners if any(c.crash and c.backend == r.name for c in results)]
+    if crashed:
         say("ONNX Runtime crashed: trying lower optimization levels")
-        diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s)
+        diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s, setup=crashed[0].setup)
         notes.append(diagnosis["summary"])
+    notes += [f"{r.name}: {note}" for r in ort_runners for note in r.setup.notes]
 
-    env = environment(seed, onnxruntime_version=ort_runner.version)
-    env["onnxruntime_optimization_level"] = ort_runner.optimization_level
+    env = environment(seed, providers=[r.setup.provider for r in ort_runners],
+                      onnxruntime_version=next((r.version for r in ort_runners if r.version), None))
+    env["onnxruntime_optimization_level"] = ort_runners[0].optimization_level
+    env["onnxruntime_execution_providers"] = [environment_entry(r.setup, r.session_providers) for r in ort_runners]
     if engine is not None:
         from attn_export.tensorrt import environment as trt_environment
 
@@ -262,6 +289,7 @@ def _validate(model, onnx_path, onnx_model, ort_runner, example_inputs, *, dynam
                     "reference is finite; rtol = factor * eps(dtype) * sqrt(K)",
             "factor": TOLERANCE_FACTOR, "eps": torch.finfo(dtype).eps, "reduction_length_example": k_base,
             "rtol_example": tolerance(dtype, k_base), "reference": "original PyTorch model, float32, eval, fast paths off",
+            "compute_precision": {r.name: r.precision for r in ort_runners if r.precision},
         },
         environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
         output_names=output_names, notes=notes, diagnosis=diagnosis,
@@ -273,13 +301,14 @@ def _load_error(backend: str, exc: RunnerError) -> CaseResult:
                       crash=exc.crash.to_dict() if exc.crash is not None else None)
 
 
-def diagnose_onnxruntime(onnx_path: Path, inputs: Inputs, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dict[str, object]:
+def diagnose_onnxruntime(onnx_path: Path, inputs: Inputs, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         setup: Optional[ProviderSetup] = None) -> Dict[str, object]:
     """Loads and runs the model (example inputs) at each ONNX Runtime optimization level, each
     in a fresh process: which levels work says whether a graph optimization pass is at fault
     and what users can set until the runtime or the model is fixed."""
     levels: Dict[str, str] = {}
     for level in ORT_LEVELS:
-        runner = OnnxRuntimeRunner(onnx_path, optimization_level=level, timeout_s=timeout_s)
+        runner = OnnxRuntimeRunner(onnx_path, setup, optimization_level=level, timeout_s=timeout_s)
         try:
             runner.load()
             runner.run(inputs)
@@ -302,7 +331,7 @@ def diagnose_onnxruntime(onnx_path: Path, inputs: Inputs, timeout_s: float = DEF
                    f"but loads and runs the model at {', '.join(working)}: a graph optimization pass of the higher "
                    f"level is at fault. Workaround for users: SessionOptions.graph_optimization_level = "
                    f"{working[0]}; please report the model")
-    return {"runtime": "onnxruntime", "levels": levels, "working_levels": working, "summary": summary}
+    return {"runtime": "onnxruntime", "provider": (setup or CPU_SETUP).provider, "levels": levels, "working_levels": working, "summary": summary}
 
 
 def _load_onnx(onnx_path: Path):

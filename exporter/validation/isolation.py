@@ -98,6 +98,11 @@ class WorkerProcess:
     def run(self, feeds: dict):
         return self._request({"op": "run", "feeds": feeds}, "run")["outputs"]
 
+    def probe(self) -> dict:
+        """What the runtime and the machine have (worker.probe): ONNX Runtime's version and
+        available providers, the GPUs."""
+        return self._request({"op": "probe"}, "probe")["probe"]
+
     def unload(self) -> None:
         """Drops the backend (the session, its memory); the process stays, ready for a load."""
         self._request({"op": "unload"}, "unload")
@@ -152,9 +157,10 @@ class WorkerProcess:
 
     def _info(self, step: str, kind: str, detail: str) -> CrashInfo:
         return CrashInfo(runtime=self.runtime, step=step, kind=kind, detail=detail,
-                         optimization_level=self.optimization_level, stderr_tail=self._stderr_tail())
+                         optimization_level=self.optimization_level, stderr_tail=self.stderr_tail())
 
-    def _stderr_tail(self, limit: int = 2000) -> str:
+    def stderr_tail(self, limit: int = 2000) -> str:
+        """The end of what the runtime printed (its warnings: e.g. why a provider did not start)."""
         try:
             self._stderr.seek(0, os.SEEK_END)
             size = self._stderr.tell()

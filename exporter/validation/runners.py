@@ -3,8 +3,8 @@
 A runner is loaded once, then run on each shape case; it returns the model's outputs as
 tensors, flattened in the ONNX graph's output order. The gate (attn_export.validation.gate)
 takes a reference runner and a list of runners and knows nothing else about them, so a new
-backend — another ONNX Runtime execution provider, the standard-Attention flavor — is one
-class here.
+backend — the standard-Attention flavor — is one class here, and each ONNX Runtime execution
+provider is one OnnxRuntimeRunner (providers.py).
 
     >>> ort_runner = OnnxRuntimeRunner("model.onnx")
     >>> ort_runner.load()
@@ -23,13 +23,13 @@ from torch import nn
 from attn_export import inputs as _inputs
 from attn_export.validation import isolation
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S, RuntimeCrash, WorkerError, WorkerProcess
+from attn_export.validation.providers import _ORT_WORKER, CPU_SETUP, ProviderSetup, fallback_problem
 
 BACKEND_REFERENCE = "pytorch"
 BACKEND_REPLACED = "pytorch-replaced"
-BACKEND_ORT = "onnxruntime"
+BACKEND_ORT = CPU_SETUP.backend  # "onnxruntime"; the GPU providers' rows are onnxruntime-cuda, -tensorrt
 BACKEND_TRT = "tensorrt"
 DEFAULT_ORT_LEVEL = "ORT_ENABLE_ALL"  # ONNX Runtime's own default: what users' sessions get
-_ORT_WORKER = "onnxruntime"  # the kind of warm worker the ONNX Runtime runner takes
 ORT_LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL")
 
 ONNX_ELEM_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64, 7: torch.int64,
@@ -52,6 +52,7 @@ class Runner(abc.ABC):
     outside a TensorRT profile); ``run`` returns the outputs or raises."""
 
     name: str
+    precision: Optional[str] = None  # float32 math done at lower precision ("tf32", "fp16"): a wider tolerance
 
     def load(self) -> None:
         """Prepare the backend (create a session, deserialize an engine)."""
@@ -121,22 +122,26 @@ def prestart_onnxruntime(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 class OnnxRuntimeRunner(Runner):
-    """The ONNX file in an ONNX Runtime session (CPU execution provider, default optimization
-    level ORT_ENABLE_ALL), in a child process (isolation.WorkerProcess): a crash or a hang of
-    ONNX Runtime becomes a RunnerError carrying its CrashInfo, and the next case starts a fresh
-    process."""
+    """The ONNX file in an ONNX Runtime session (default optimization level ORT_ENABLE_ALL) on
+    one execution provider (``setup``, providers.ProviderSetup; default the CPU's), in a child
+    process (isolation.WorkerProcess): a crash or a hang of ONNX Runtime becomes a RunnerError
+    carrying its CrashInfo, and the next case starts a fresh process. A session that lacks the
+    provider it was asked for (ONNX Runtime's silent fall back to the CPU) is a RunnerError at
+    load. One runner per provider: ``name`` is the setup's backend row."""
 
-    name = BACKEND_ORT
-
-    def __init__(self, onnx_path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), *,
+    def __init__(self, onnx_path: str | Path, setup: Optional[ProviderSetup] = None, *,
                  optimization_level: str = DEFAULT_ORT_LEVEL, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.onnx_path = Path(onnx_path)
-        self.providers = list(providers)
+        self.setup = setup or CPU_SETUP
+        self.name = self.setup.backend
+        self.precision = self.setup.precision
+        self.providers = [(p, dict(o)) for p, o in self.setup.session_providers]  # as InferenceSession takes them
         self.optimization_level = optimization_level
         self.timeout_s = timeout_s
         self._worker: Optional[WorkerProcess] = None
         self._input_types: dict = {}
         self.version: Optional[str] = None
+        self.session_providers: Optional[List[str]] = None  # what the session had, once loaded
 
     def start(self) -> None:
         """Starts the child process now (it imports ONNX Runtime while the caller does other
@@ -155,6 +160,11 @@ class OnnxRuntimeRunner(Runner):
         except WorkerError as exc:
             isolation.release(worker, _ORT_WORKER)
             raise RunnerError(f"ONNX Runtime cannot load the model: {exc}", step="load") from exc
+        self.session_providers = list(info["providers"])
+        fallback = fallback_problem(self.setup, self.session_providers, worker.stderr_tail())
+        if fallback:
+            isolation.release(worker, _ORT_WORKER)
+            raise RunnerError(fallback, step="load")
         self._worker = worker
         self._input_types = {name: _elem_type(kind) for name, kind in info["inputs"].items()}
         self.version = info["version"]  # the report's, without importing ONNX Runtime here

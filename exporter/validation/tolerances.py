@@ -14,6 +14,9 @@ from attn_export import inputs as _inputs
 
 # rtol = TOLERANCE_FACTOR * eps(dtype) * sqrt(K); see docs/validation.md.
 TOLERANCE_FACTOR = 8.0
+# A backend that computes float32 matmuls at lower precision (providers.ProviderSetup.precision):
+# TF32 keeps 10 mantissa bits (cuBLAS and TensorRT on Ampere and later, by default), as float16.
+COMPUTE_EPS = {"tf32": 2.0 ** -10, "fp16": torch.finfo(torch.float16).eps}
 
 def reduction_length(model: nn.Module, inputs: Mapping[str, torch.Tensor], axes: Mapping[str, Mapping[int, str]]) -> int:
     """K: the longest reduction the model does: the largest feature width it contracts over
@@ -36,9 +39,11 @@ def reduction_length(model: nn.Module, inputs: Mapping[str, torch.Tensor], axes:
     return max(widths)
 
 
-def tolerance(dtype: torch.dtype, k: int) -> float:
-    """rtol = TOLERANCE_FACTOR * eps(dtype) * sqrt(K), relative to the output's largest magnitude."""
-    return TOLERANCE_FACTOR * torch.finfo(dtype).eps * math.sqrt(max(k, 1))
+def tolerance(dtype: torch.dtype, k: int, precision: Optional[str] = None) -> float:
+    """rtol = TOLERANCE_FACTOR * eps * sqrt(K), relative to the output's largest magnitude; eps is
+    the dtype's, or the backend's compute ``precision`` ("tf32", "fp16") where that is coarser."""
+    eps = max(torch.finfo(dtype).eps, COMPUTE_EPS[precision] if precision else 0.0)
+    return TOLERANCE_FACTOR * eps * math.sqrt(max(k, 1))
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float,

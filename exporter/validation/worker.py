@@ -11,7 +11,9 @@ Protocol (stdin -> stdout): length-prefixed pickles (8-byte little-endian size, 
 pickle). Requests: ``{"op": "load", "backend": NAME, "args": {...}}`` then any number of
 ``{"op": "run", "feeds": {name: ndarray}}``, and ``{"op": "unload"}`` before the next load (one
 process serves one model after another). Replies: ``{"ok": True, ...}`` or
-``{"ok": False, "error": "first line of the error"}``. The runtimes' own prints go to stderr (file
+``{"ok": False, "error": "first line of the error"}``. ``{"op": "probe"}`` answers what ONNX
+Runtime and the machine have (:func:`probe`) without loading a model. The runtimes' own prints
+go to stderr (file
 descriptor 1 is redirected there before anything loads), so they cannot corrupt the replies.
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ class OnnxRuntimeBackend:
     """An ONNX Runtime InferenceSession at the requested graph optimization level."""
 
     def __init__(self, path: str, optimization_level: str, providers, intra_op_threads: int = 0):
+        """``providers``: names, or [name, options] pairs, in priority order."""
         import onnxruntime as ort
 
         self.version = ort.__version__
@@ -63,7 +66,8 @@ class OnnxRuntimeBackend:
         # Between requests the parent runs PyTorch on the same cores: ONNX Runtime's threads must
         # sleep, not spin-wait for work (its default), or they slow the parent down.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(path, options, providers=list(providers))
+        self.session = ort.InferenceSession(path, options, providers=[p if isinstance(p, str) else tuple(p)
+                                                                      for p in providers])
 
     def info(self) -> dict:
         return {"inputs": {v.name: v.type for v in self.session.get_inputs()},
@@ -103,6 +107,45 @@ class TensorRTBackend:
 
 BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend}
 
+_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 75, 76
+
+
+def cuda_devices():
+    """([{"name", "capability"}], None) for the GPUs the CUDA driver sees, or ([], why none).
+    Asked of the driver (libcuda) itself: torch is not imported here, and a GPU build of ONNX
+    Runtime lists its GPU providers whether or not there is a GPU."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return [], f"no NVIDIA driver: {_first_line(exc)}"
+    if cuda.cuInit(0) != 0:
+        return [], "the NVIDIA driver found no usable GPU (cuInit failed)"
+    count = ctypes.c_int(0)
+    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return [], "the NVIDIA driver sees no GPU"
+    gpus = []
+    for index in range(count.value):
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        name = ctypes.create_string_buffer(256)
+        cuda.cuDeviceGet(ctypes.byref(device), index)
+        cuda.cuDeviceGetName(name, 256, device)
+        cuda.cuDeviceGetAttribute(ctypes.byref(major), _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+        cuda.cuDeviceGetAttribute(ctypes.byref(minor), _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
+        gpus.append({"name": name.value.decode(errors="replace"), "capability": [major.value, minor.value]})
+    return gpus, None
+
+
+def probe() -> dict:
+    """ONNX Runtime's version and available providers, and the GPUs: what the gate checks
+    before it asks for a GPU provider (attn_export.validation.providers)."""
+    import onnxruntime as ort
+
+    gpus, problem = cuda_devices()
+    return {"version": ort.__version__, "available": list(ort.get_available_providers()), "gpus": gpus,
+            "gpu_problem": problem}
+
 
 def serve(requests, replies) -> None:
     backend = None
@@ -119,6 +162,8 @@ def serve(requests, replies) -> None:
                 write_message(replies, {"ok": True, "info": backend.info(), "pid": os.getpid()})
             elif message["op"] == "run":
                 write_message(replies, {"ok": True, "outputs": backend.run(message["feeds"])})
+            elif message["op"] == "probe":
+                write_message(replies, {"ok": True, "probe": probe()})
             elif message["op"] == "unload":
                 backend = None
                 write_message(replies, {"ok": True})
