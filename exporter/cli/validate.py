@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from attn_export.cli._common import common_verb, finish_validation
+from attn_export.cli._html import check_html, html_option, write_html
 from attn_export.cli._options import (
     input_options,
     logging_options,
@@ -24,9 +25,10 @@ from attn_export.cli._options import (
 @plugin_option
 @runtime_timeout_option
 @report_options
+@html_option
 @logging_options
 @common_verb
-def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime_timeout, reports):
+def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime_timeout, reports, html_path):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -35,13 +37,14 @@ def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime
     declared dynamic is static in the ONNX graph. Shapes outside the engine's optimization
     profile are reported as skipped for TensorRT; at least one must run.
 
-    Prints one row per case; --json / --junit write the report. Exit codes: 0 passed,
+    Prints one row per case; --json / --junit / --html write the report. Exit codes: 0 passed,
     1 mismatch, 2 usage or input error, or TensorRT, a GPU or the plugin missing.
 
     \b
     Examples:
       attn-export validate model.pt model.onnx
       attn-export validate model.pt model.onnx --input src:2x16x64 --json report.json --junit report.xml
+      attn-export validate model.pt model.onnx --html report.html
       attn-export validate --model mypkg.models:build --weights w.pt model.onnx
       attn-export validate ./bert-tiny bert-tiny.onnx
       attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
@@ -49,6 +52,7 @@ def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime
     from attn_export._errors import InputError
     from attn_export.validation import validate
 
+    check_html(html_path)
     if engine is not None:
         from attn_export import tensorrt as attn_trt
 
@@ -74,4 +78,5 @@ def validate_cmd(session, paths, model_args, input_args, engine, plugin, runtime
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout)
+    write_html(session, report, html_path)
     return finish_validation(session, report, reports)
