@@ -114,7 +114,7 @@ class Heatmaps:
         for row, site in enumerate(self.sites):
             masked = ~np.isfinite(site.original) | (site.original == 0)
             y = height - _TOP - (row + 1) * PANEL_INCHES
-            fig.text(0.1 / width, (y + PANEL_INCHES / 2) / height, _short(site.path), rotation=90, fontsize=6,
+            fig.text(0.1 / width, (y + PANEL_INCHES / 2) / height, _short(site.path), rotation=90, fontsize=5,
                      va="center", ha="left")
             for head in range(min(self.heads_drawn, site.original.shape[0])):
                 for part, (what, values) in enumerate(zip(
@@ -156,8 +156,16 @@ def _masked_colormap(plt, name: str):
     return cmap
 
 
-def _short(path: str, width: int = 28) -> str:
-    return path if len(path) <= width else "..." + path[-(width - 3):]
+def _short(path: str, line: int = 26) -> str:
+    """The site's path on at most two lines of ``line`` characters (broken at a dot; the
+    start elided when even that is too long): the row label beside the panels."""
+    if len(path) <= line:
+        return path
+    if len(path) > 2 * line:
+        path = "..." + path[-(2 * line - 3):]
+    dots = [i for i, c in enumerate(path) if c == "."] or [len(path) // 2]
+    cut = min(dots, key=lambda i: abs(i - len(path) / 2)) + 1
+    return path[:cut] + "\n" + path[cut:]
 
 
 def _token_axes(ax, lq: int, lk: int, *, first_column: bool, bottom_row: bool) -> None:
