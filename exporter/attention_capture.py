@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from attn_export.modules import FusedMultiheadAttention
+from attn_export.modules import FusedMultiheadAttention, masked_softmax
 
 # nn.MultiheadAttention.forward's parameters after (query, key, value), in order.
 _MHA_PARAMETERS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
@@ -47,19 +47,7 @@ def _op_weights(query, key, value=None, attn_mask=None, key_padding_mask=None, i
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    batch, heads, lq, lk = scores.shape
-    masks = []
-    if attn_mask is not None:
-        per_head = attn_mask.dim() == 3 and attn_mask.size(0) == batch * heads and batch * heads != 1
-        masks.append(attn_mask.reshape(batch, heads, lq, lk) if per_head else attn_mask)
-    if key_padding_mask is not None:
-        masks.append(key_padding_mask.reshape(batch, 1, 1, lk))
-    if is_causal:
-        masks.append(torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu(1))
-    for mask in masks:
-        scores = scores.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
-    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    return torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return masked_softmax(scores, attn_mask, key_padding_mask, is_causal)
 
 
 def _sdpa_weights(query, key, value=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
