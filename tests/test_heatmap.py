@@ -124,3 +124,26 @@ def test_cli_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     one_line_error(invoke("heatmap", *model, "-o", tmp_path / "x.png"), "pip install 'attn-export[plot]'")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_routed_transformers_layers_against_eager_attentions():
+    """A BERT from a config: the weights captured from transformers' sdpa calls (original) and
+    from the routed operator calls (fused) are the ones its eager attention returns
+    (output_attentions)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'attn-export[hf]')")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    inputs = {"input_ids": torch.randint(0, 50, (2, 9)), "attention_mask": mask}
+    maps = heatmaps(model, inputs, batch_index=1)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True).attentions
+    assert [s.path for s in maps.sites] == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
+    for site, expected in zip(maps.sites, eager):
+        assert abs(site.original - expected[1].numpy()).max() < 1e-6
+        assert abs(site.fused - expected[1].numpy()).max() < 1e-5
+        assert (site.fused[..., 6:] == 0).all()
