@@ -32,6 +32,7 @@ _LAZY = {
     "validate": ("attn_export.validation", "validate"),
     "ValidationReport": ("attn_export.validation", "ValidationReport"),
     "load_model": ("attn_export.loading", "load_model"),
+    "heatmaps": ("attn_export.attention_maps", "heatmaps"),
 }
 
 
@@ -47,5 +48,6 @@ def __getattr__(name):
 __all__ = [
     "FusedMultiheadAttention", "UnsupportedAttentionError", "attention", "multi_head_attention",
     "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
-    "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "__version__",
+    "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
+    "__version__",
 ]

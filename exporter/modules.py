@@ -136,23 +136,28 @@ def _attention_weights(q, k, attn_mask, key_padding_mask, is_causal, average):
     """softmax(q k^T / sqrt(D) + masks) per head, ``q`` ``[B, H, Lq, D]``, ``k`` ``[B, H, Lk, D]``:
     the weights the core operator does not return. A query that sees no key gets zeros (as the
     operator's output does) with finite gradients, where softmax alone gives NaN."""
-    batch, heads, seqlen_q, _ = q.shape
-    seqlen_k = k.size(2)
     scores = torch.matmul(q * (1.0 / math.sqrt(q.size(-1))), k.transpose(-2, -1))
+    weights = masked_softmax(scores, attn_mask, key_padding_mask, is_causal)
+    return weights.mean(dim=1) if average else weights
+
+
+def masked_softmax(scores, attn_mask, key_padding_mask, is_causal):
+    """softmax over the keys of ``scores`` ``[B, H, Lq, Lk]`` with the operator's masks
+    (boolean ``True`` = masked, floating added); a query that sees no key gets zeros."""
+    batch, heads, seqlen_q, seqlen_k = scores.shape
     masks = []
     if attn_mask is not None:
         # [Lq, Lk] and [1, Lq, Lk] broadcast; [B*H, Lq, Lk] is per batch element and head.
         per_head = attn_mask.dim() == 3 and attn_mask.size(0) != 1
-        masks.append(attn_mask.view(batch, heads, seqlen_q, seqlen_k) if per_head else attn_mask)
+        masks.append(attn_mask.reshape(batch, heads, seqlen_q, seqlen_k) if per_head else attn_mask)
     if key_padding_mask is not None:
-        masks.append(key_padding_mask.view(batch, 1, 1, seqlen_k))
+        masks.append(key_padding_mask.reshape(batch, 1, 1, seqlen_k))  # reshape: masks may be expanded views
     if is_causal:
-        masks.append(torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).triu(1))
+        masks.append(torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=scores.device).triu(1))
     for mask in masks:
         scores = scores.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else scores + mask
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-    return weights.mean(dim=1) if average else weights
+    return torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
 class FusedMultiheadAttention(nn.Module):

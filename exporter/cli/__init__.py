@@ -9,6 +9,7 @@ import click
 
 from attn_export.cli.bench import bench
 from attn_export.cli.convert import convert
+from attn_export.cli.heatmap import heatmap
 from attn_export.cli.inspect import inspect_cmd
 from attn_export.cli.validate import validate_cmd
 
@@ -43,6 +44,7 @@ def main() -> None:
     attn-export inspect MODEL          list the attention layers and what happens to them
     attn-export validate MODEL ONNX    the parity gate alone (exit 0 pass, 1 mismatch, 2 usage);
                                        --engine FILE adds TensorRT
+    attn-export heatmap MODEL          draw the attention weights, original beside fused
     attn-export bench                  time the fused layer against nn.MultiheadAttention
 
     MODEL is a torch.save(model) file or a Hugging Face transformers save_pretrained folder
@@ -55,4 +57,5 @@ def main() -> None:
 main.add_command(convert)
 main.add_command(inspect_cmd)
 main.add_command(validate_cmd)
+main.add_command(heatmap)
 main.add_command(bench)

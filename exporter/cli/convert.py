@@ -8,6 +8,7 @@ import click
 
 from attn_export._errors import EXIT_MISMATCH
 from attn_export.cli._common import common_verb, finish_validation
+from attn_export.cli._html import check_html, html_option, write_html
 from attn_export.cli._options import (
     coverage_options,
     input_options,
@@ -55,10 +56,11 @@ def default_output(model_path, factory, to: str) -> Path:
 @coverage_options
 @runtime_timeout_option
 @report_options
+@html_option
 @logging_options
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, dtype, no_replace,
-            no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports):
+            no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
     TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
@@ -104,6 +106,9 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     from attn_export.replace import inspect_attention
     from attn_export.validation import validate
 
+    if html_path and no_validate:
+        raise InputError("--html writes the validation report: it does not go with --no-validate")
+    check_html(html_path)
     out_path = Path(output) if output else default_output(model_path, model_args.factory, to)
     engine_path = None
     if to == "tensorrt":
@@ -191,4 +196,5 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine_path, plugin=plugin, runtime_timeout_s=runtime_timeout,
                           **ort_args.validate_kwargs())
+    write_html(session, report, html_path)
     return finish_validation(session, report, reports, extra=extra)

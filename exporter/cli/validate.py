@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from attn_export.cli._common import common_verb, finish_validation
+from attn_export.cli._html import check_html, html_option, write_html
 from attn_export.cli._options import (
     input_options,
     logging_options,
@@ -26,9 +27,11 @@ from attn_export.cli._options import (
 @plugin_option
 @runtime_timeout_option
 @report_options
+@html_option
 @logging_options
 @common_verb
-def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugin, runtime_timeout, reports):
+def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugin, runtime_timeout, reports,
+                 html_path):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -38,14 +41,15 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
     profile are reported as skipped for TensorRT; at least one must run.
 
     ONNX Runtime runs on the CPU unless --ort-provider says otherwise (cuda, tensorrt: one row
-    each; docs/validation.md). Prints one row per case; --json / --junit write the report. Exit
-    codes: 0 passed, 1 mismatch (also: ONNX Runtime fell back to the CPU), 2 usage or input
+    each; docs/validation.md). Prints one row per case; --json / --junit / --html write the
+    report. Exit codes: 0 passed, 1 mismatch (also: ONNX Runtime fell back to the CPU), 2 usage or input
     error, or TensorRT, a GPU, an ONNX Runtime provider or the plugin missing.
 
     \b
     Examples:
       attn-export validate model.pt model.onnx
       attn-export validate model.pt model.onnx --input src:2x16x64 --json report.json --junit report.xml
+      attn-export validate model.pt model.onnx --html report.html
       attn-export validate --model mypkg.models:build --weights w.pt model.onnx
       attn-export validate ./bert-tiny bert-tiny.onnx
       attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
@@ -54,6 +58,7 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
     from attn_export._errors import InputError
     from attn_export.validation import validate
 
+    check_html(html_path)
     if engine is not None:
         from attn_export import tensorrt as attn_trt
 
@@ -81,4 +86,5 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout,
                           **ort_args.validate_kwargs())
+    write_html(session, report, html_path)
     return finish_validation(session, report, reports)

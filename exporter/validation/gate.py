@@ -18,6 +18,7 @@ from attn_export._errors import InputError, first_line as _first_line
 from attn_export.onnx_export import count_attention_nodes, output_names_for, read_metadata
 from attn_export.replace import replace_attention
 from attn_export.validation import checks as _checks
+from attn_export.validation.error_profile import error_profile
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.providers import (
@@ -117,6 +118,7 @@ def run_cases(
                     max_abs_err=r["max_abs_err"], max_rel_err=r["max_rel_err"], atol=r["atol"],
                     rtol=rtol if e.dtype.is_floating_point else 0.0, nan_mismatch=r["nan_mismatch"],
                     baseline_err=base_err, message=r["message"], seconds=elapsed,
+                    errors=error_profile(a, e, r["atol"], valid),
                 ))
     return results
 
@@ -292,7 +294,7 @@ def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dyna
             "compute_precision": {r.name: r.precision for r in ort_runners if r.precision},
         },
         environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
-        output_names=output_names, notes=notes, diagnosis=diagnosis,
+        output_names=output_names, notes=notes, diagnosis=diagnosis, coverage=replacement.to_dict(),
     )
 
 

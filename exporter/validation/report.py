@@ -30,6 +30,8 @@ class CaseResult:
     message: str = ""
     seconds: float = 0.0
     crash: Optional[Dict[str, object]] = None  # isolation.CrashInfo when the runtime's process died or hung
+    # error_profile.error_profile: the histogram of |actual - expected| / atol and the worst elements
+    errors: Optional[Dict[str, object]] = None
 
 
 @dataclass
@@ -52,6 +54,8 @@ class ValidationReport:
     notes: List[str] = field(default_factory=list)
     # When a runtime crashed: which optimization levels load and run the model (see validate).
     diagnosis: Dict[str, object] = field(default_factory=dict)
+    # ReplacementReport.to_dict() of the replaced PyTorch copy: which layers were fused, and why not
+    coverage: Dict[str, object] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -126,6 +130,14 @@ class ValidationReport:
         root.append(suite)
         ET.indent(root)
         return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+    def to_html(self) -> str:
+        """One self-contained HTML page (plots embedded, nothing fetched): the verdict, the
+        environment, the cases, the error distribution of every output, the coverage; needs
+        matplotlib (attn_export.validation.html)."""
+        from attn_export.validation.html import render
+
+        return render(self)
 
     def table(self):
         from rich.table import Table
