@@ -37,21 +37,6 @@ def _keep_native_fast_paths_off(module, args):
     return None
 
 
-def _relayout_column_major(weight: nn.Parameter) -> None:
-    """Stores a projection weight column-major, in place: the same Parameter object, shape and
-    values, with ``weight.t()`` contiguous.
-
-    The fused operator computes ``x @ weight.t()``; BLAS reads a contiguous ``weight.t()``
-    directly, while a row-major weight is repacked on every call. On the small inputs where the
-    fused layer spends most of its time in these GEMMs, that is 5-25% of a forward pass
-    (docs/benchmarks.md). Gradients come back in the same layout (no copy when autograd
-    accumulates them), optimizers create their state with ``zeros_like`` (the same layout), and
-    state_dicts, which hold values, load either way."""
-    if weight.dim() == 2 and weight.size(0) > 1 and weight.stride(0) != 1:
-        with torch.no_grad():
-            weight.data = weight.data.t().contiguous().t()
-
-
 def fusion_notes(module: nn.MultiheadAttention) -> List[str]:
     """How a layer of ``module``'s configuration runs once fused: one note naming the options
     that move it off the single layer operator ([] for the common packed configuration)."""
@@ -239,24 +224,24 @@ class FusedMultiheadAttention(nn.Module):
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         # Parameters registered in nn.MultiheadAttention's order, so state_dicts list the same
-        # keys in the same order. Projection weights are stored column-major
-        # (see _relayout_column_major).
+        # keys in the same order, and in its layout: contiguous [out, in] weights, as FSDP2
+        # (which refuses non-contiguous parameters), DDP buckets and optimizers expect. The
+        # CPU operator packs them for its GEMMs itself (csrc/ops/cpu/projection.cpp).
         if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty((embed_dim, 3 * embed_dim), **factory).t())
+            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory).t())
-            self.k_proj_weight = nn.Parameter(torch.empty((self.kdim, embed_dim), **factory).t())
-            self.v_proj_weight = nn.Parameter(torch.empty((self.vdim, embed_dim), **factory).t())
+            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory))
             self.register_parameter("in_proj_weight", None)
         if bias:
             self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
-        _relayout_column_major(self.out_proj.weight)
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
             self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory))
@@ -298,20 +283,14 @@ class FusedMultiheadAttention(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.MultiheadAttention) -> "FusedMultiheadAttention":
-        """A fused layer that shares ``module``'s parameters (the same Parameter objects, so
-        optimizers and tied weights keep working) and its train/eval mode. The projection
-        weights are re-laid out column-major in place (same objects, same values; see
-        ``_relayout_column_major``)."""
+        """A fused layer that shares ``module``'s parameters (the same Parameter objects, left
+        untouched, so optimizers, tied weights, DDP and FSDP keep working) and its train/eval mode."""
         config = dict(
             dropout=module.dropout, bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
             add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim, batch_first=module.batch_first,
         )
         fused = cls(module.embed_dim, module.num_heads, **config, device="meta")
         _share_parameters(module, fused)
-        for name in _PROJECTION_WEIGHTS:
-            if getattr(fused, name) is not None:
-                _relayout_column_major(getattr(fused, name))
-        _relayout_column_major(fused.out_proj.weight)
         fused.train(module.training)
         return fused
 

@@ -110,20 +110,28 @@ def test_need_weights_false_returns_none():
     assert w is None and out.shape == x.shape and out.is_contiguous()
 
 
-def test_projection_weights_are_column_major_and_gradients_follow():
-    """x @ W.t() reads a contiguous W.t() without repacking; the gradients come back in the
-    same layout, so autograd accumulates them without a copy."""
+def test_parameters_are_contiguous_in_the_stock_layout_and_gradients_follow():
+    """FSDP2 refuses non-contiguous parameters, and DDP buckets and optimizers assume the
+    stock layout: every parameter is laid out as nn.MultiheadAttention's is, from_module leaves
+    the shared ones untouched, and gradients come back in the same layout (autograd then
+    accumulates them without a copy)."""
     fused = FusedMultiheadAttention(32, 4, batch_first=True)
+    separate = FusedMultiheadAttention(32, 4, kdim=16, vdim=24, add_bias_kv=True, batch_first=True)
     ref = nn.MultiheadAttention(32, 4, batch_first=True)
+    strides = {name: p.stride() for name, p in ref.named_parameters()}
     shared = FusedMultiheadAttention.from_module(ref)
+    stock_layouts = {
+        name: (p.shape, p.stride())
+        for name, p in nn.MultiheadAttention(32, 4, kdim=16, vdim=24, add_bias_kv=True).named_parameters()
+    }
+    assert {name: (p.shape, p.stride()) for name, p in separate.named_parameters()} == stock_layouts
+    assert {name: p.stride() for name, p in shared.named_parameters()} == strides
     for layer in (fused, shared):
-        for w in (layer.in_proj_weight, layer.out_proj.weight):
-            assert w.t().is_contiguous()
         x = torch.randn(2, 5, 32)
         layer(x, x, x)[0].sum().backward()
-        for w in (layer.in_proj_weight, layer.out_proj.weight):
-            assert w.grad.stride() == w.stride()
-    assert shared.in_proj_weight is ref.in_proj_weight  # re-laid out in place, still shared
+        for name, p in layer.named_parameters():
+            assert p.is_contiguous() and p.grad.stride() == p.stride(), name
+    assert shared.in_proj_weight is ref.in_proj_weight
 
 
 def test_opcheck_backward_with_column_major_weights():

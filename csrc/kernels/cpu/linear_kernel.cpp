@@ -87,6 +87,23 @@ bool rows_spread_over_l1_sets(int64_t ld) {
   return bytes % 64 != 0 || std::gcd(bytes / 64, int64_t{64}) <= 2;
 }
 
+// panel[p, j] = w[j, p] for the `width` rows of a row-major weight w (rows ldw apart), zero
+// beyond them: the k x 32 block of B = W^T that the tiles read. A row-major weight (the
+// layout of nn.Linear, which FSDP and every optimizer expect of a parameter) costs this one
+// transposing copy per panel, in place of the plain copy a column-major one takes.
+ATTN_EXPORT_AVX512 void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width,
+                                              float* panel) {
+  if (width < kPanelCols) {
+    std::fill(panel, panel + k * kPanelCols, 0.0f);
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    const float* row = w + j * ldw;
+    for (int64_t p = 0; p < k; ++p) {
+      panel[p * kPanelCols + j] = row[p];
+    }
+  }
+}
+
 }  // namespace
 
 bool linear_kernel_available() {
@@ -110,7 +127,11 @@ ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int6
     const float* b = x.b + j0;
     int64_t ldb = x.ldb;
     const float* bias = panel_bias;
-    if (width < kPanelCols || pack_full_panels) {
+    if (x.b_transposed) {
+      pack_transposed_panel(x.b + j0 * x.ldb, x.ldb, x.k, width, panel);
+      b = panel;
+      ldb = kPanelCols;
+    } else if (width < kPanelCols || pack_full_panels) {
       // The last, narrower panel is zero-padded to a full one so that every load is a full
       // vector; its extra columns are computed and dropped.
       for (int64_t p = 0; p < x.k; ++p) {

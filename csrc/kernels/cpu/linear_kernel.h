@@ -24,12 +24,13 @@ struct LinearArgs {
   int64_t m, n, k;
   const float* a;     // [m, k], rows lda apart, unit column stride
   int64_t lda;
-  const float* b;     // [k, n], rows ldb apart, unit column stride (a weight W[n, k] stored column-major)
-  int64_t ldb;
+  const float* b;     // [k, n], rows ldb apart, unit column stride (a weight W[n, k] stored column-major);
+  int64_t ldb;        // with b_transposed: W[n, k] itself, rows ldb apart (nn.Linear's row-major layout)
   const float* bias;  // [n] or nullptr
   float* c;           // [m, n], rows ldc apart
   int64_t ldc;
   bool accumulate = false;  // C += A B (+ bias) instead of C = A B (+ bias)
+  bool b_transposed = false;  // b holds B^T = W row-major: every panel is packed (transposed) first
 };
 
 // Rows [row_begin, row_end) and columns [col_begin, col_end) of C, on the calling thread.

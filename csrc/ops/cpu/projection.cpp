@@ -33,7 +33,7 @@ bool is_float(const at::Tensor& t) {
 
 bool linear_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   return is_float(x) && is_float(weight) && x.dim() == 2 && weight.dim() == 2 &&
-         unit_stride(x, 1) && unit_stride(weight, 0) &&
+         unit_stride(x, 1) && (unit_stride(weight, 0) || unit_stride(weight, 1)) &&
          (!bias.has_value() || (is_float(*bias) && unit_stride(*bias, 0))) &&
          x.size(0) * weight.size(0) * weight.size(1) <= kLinearKernelMaxWork && linear_kernel_available();
 }
@@ -41,12 +41,15 @@ bool linear_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const 
 void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
-  // weight is [n, k] column-major: its transpose, the B of C = A B, is row-major [k, n].
-  const LinearArgs args{m, n, k,
-                        x.data_ptr<float>(), x.stride(0),
-                        weight.data_ptr<float>(), weight.stride(1),
-                        bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                        out.data_ptr<float>(), out.stride(0)};
+  // weight is [n, k]. Column-major, its transpose (the B of C = A B) is row-major [k, n] and
+  // read in place; row-major (nn.Linear's layout), the kernel packs it transposed.
+  const bool column_major = unit_stride(weight, 0) && !(n > 1 && weight.stride(1) == 1);
+  LinearArgs args{m, n, k,
+                  x.data_ptr<float>(), x.stride(0),
+                  weight.data_ptr<float>(), column_major ? weight.stride(1) : weight.stride(0),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                  out.data_ptr<float>(), out.stride(0)};
+  args.b_transposed = !column_major;
   const int64_t work = m * n * k;
   const int64_t threads = std::clamp<int64_t>(work / kMinWorkPerThread, 1, at::get_num_threads());
   // Token rows are split when each thread gets a few; a handful of tokens (decoding) splits

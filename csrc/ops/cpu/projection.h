@@ -1,6 +1,6 @@
 // The CPU layer's projections, x W^T + b on token-major rows: the kernel of
 // csrc/kernels/cpu/linear_kernel.h,
-// split across threads, where it applies (float32, AVX-512, a column-major weight, up to
+// split across threads, where it applies (float32, AVX-512, a row- or column-major weight, up to
 // kLinearKernelMaxWork multiply-adds); BLAS otherwise.
 #pragma once
 
