@@ -111,6 +111,26 @@ def _attr_const(name, attr_name, kind):
     return node
 
 
+def _head_split_nodes(query: str, key: str, value: str) -> list:
+    """The head split [B, L, H*D] -> q [B, H, Lq, D], kt [B, H, D, Lk], v [B, H, Lk, Dv]
+    (Reshape to [0, 0, H, -1]: Reshape's 0 copies B and L)."""
+    n = helper.make_node
+    return [
+        _attr_const("heads", _spec.load().attr_num_heads, "value_int"),
+        _const("axis0", [0]),
+        _const("zero2", [0, 0]),
+        _const("minus1", [-1]),
+        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
+        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
+        n("Reshape", [query, "split_shape"], ["q4"]),
+        n("Reshape", [key, "split_shape"], ["k4"]),
+        n("Reshape", [value, "split_shape"], ["v4"]),
+        n("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
+        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+    ]
+
+
 def _check_opset(opset: int) -> None:
     s = _spec.load()
     if opset < s.min_onnx_opset:
@@ -160,22 +180,10 @@ def function_proto(opset: int) -> onnx.FunctionProto:
     const, attr_const = _const, _attr_const
     n = helper.make_node
     nodes = [
-        # Head split: [B, L, H*D] -> [B, L, H, D] (Reshape's 0 copies B and L).
-        attr_const("heads", s.attr_num_heads, "value_int"),
-        const("axis0", [0]),
-        const("zero2", [0, 0]),
-        const("minus1", [-1]),
-        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
-        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
         n("Cast", [q_in], ["q32"], to=f32),
         n("Cast", [k_in], ["k32"], to=f32),
         n("Cast", [v_in], ["v32"], to=f32),
-        n("Reshape", ["q32", "split_shape"], ["q4"]),
-        n("Reshape", ["k32", "split_shape"], ["k4"]),
-        n("Reshape", ["v32", "split_shape"], ["v4"]),
-        n("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
-        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
-        n("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+        *_head_split_nodes("q32", "k32", "v32"),
         # Scores and masks.
         attr_const("scale", s.attr_scale, "value_float"),
         n("MatMul", ["q", "kt"], ["qk"]),
@@ -290,28 +298,15 @@ def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
     (out_name,) = s.output_names
     f32 = TensorProto.FLOAT
     n = helper.make_node
-    nodes = [
-        _attr_const("heads", s.attr_num_heads, "value_int"),
-        _const("axis0", [0]),
-        _const("zero2", [0, 0]),
-        _const("minus1", [-1]),
-        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
-        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
-    ]
+    nodes = []
     q, k, v = q_in, k_in, v_in
     if not variant.float32:
         nodes += [n("Cast", [q_in], ["q32"], to=f32), n("Cast", [k_in], ["k32"], to=f32),
                   n("Cast", [v_in], ["v32"], to=f32)]
         q, k, v = "q32", "k32", "v32"
-    nodes += [
-        n("Reshape", [q, "split_shape"], ["q4"]),
-        n("Reshape", [k, "split_shape"], ["k4"]),
-        n("Reshape", [v, "split_shape"], ["v4"]),
-        n("Transpose", ["q4"], ["q_heads"], perm=[0, 2, 1, 3]),
-        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
-        n("Transpose", ["v4"], ["v_heads"], perm=[0, 2, 1, 3]),
+    nodes += _head_split_nodes(q, k, v) + [
         _attr_const("scale", s.attr_scale, "value_float"),
-        n("Mul", ["q_heads", "scale"], ["q_scaled"]),
+        n("Mul", ["q", "scale"], ["q_scaled"]),
         n("MatMul", ["q_scaled", "kt"], ["scaled"]),
     ]
     scores = "scaled"
@@ -350,7 +345,7 @@ def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
         scores = "scores"
     nodes += [
         n("Softmax", [scores], ["probs"], axis=-1),
-        n("MatMul", ["probs", "v_heads"], ["ctx_raw"]),
+        n("MatMul", ["probs", "v"], ["ctx_raw"]),
     ]
     ctx = "ctx_raw"
     if variant.has_key_padding_mask or variant.has_attn_mask:

@@ -60,18 +60,27 @@ def additive(mask):
 BODIES = ["generic", "lean"]
 
 
+def definition_case(masks, lengths, padded_row=0):
+    """q, k, v [B=2, H=3, L, D=4 / Dv=6] and a padding mask (``masks`` "padding" or "both") that
+    hides the second half of ``padded_row``'s keys."""
+    B, H, D, Dv = 2, 3, 4, 6
+    Lq, Lk = lengths
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, Dv)
+    padding = None
+    if masks in ("padding", "both"):
+        padding = torch.zeros(B, Lk, dtype=torch.bool)
+        padding[padded_row, Lk // 2 + 1:] = True
+    return q, k, v, padding
+
+
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masks", ["none", "padding", "attn_bool", "attn_float", "both"])
 @pytest.mark.parametrize("lengths", [(5, 7), (6, 6), (1, 9)])
 def test_function_body_matches_the_definition(causal, masks, lengths, body):
-    B, H, D, Dv = 2, 3, 4, 6
-    Lq, Lk = lengths
-    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, Dv)
-    padding = attn = None
-    if masks in ("padding", "both"):
-        padding = torch.zeros(B, Lk, dtype=torch.bool)
-        padding[0, Lk // 2 + 1:] = True
+    q, k, v, padding = definition_case(masks, lengths)
+    (B, H, Lq, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    attn = None
     if masks in ("attn_bool", "both"):
         attn = torch.rand(B, H, Lq, Lk) < 0.3
     if masks == "attn_float":

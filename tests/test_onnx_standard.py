@@ -15,7 +15,7 @@ from attn_export import onnx_node, spec
 from attn_export.onnx_export import attention_flavor, export_onnx, to_standard_attention
 from attn_export.validation import validate
 from helpers import invoke, one_line_error, reference_attention
-from test_onnx_node import additive, one_node_model, pack
+from test_onnx_node import additive, definition_case, one_node_model, pack
 
 S = spec.load()
 
@@ -36,13 +36,9 @@ def run(model, feeds):
 @pytest.mark.parametrize("masks", ["none", "padding", "attn_float", "both"])
 @pytest.mark.parametrize("lengths", [(5, 7), (7, 3)])
 def test_one_standard_node_matches_the_definition(causal, masks, lengths):
-    B, H, D, Dv = 2, 3, 4, 6
-    Lq, Lk = lengths
-    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, Dv)
-    padding = attn = None
-    if masks in ("padding", "both"):
-        padding = torch.zeros(B, Lk, dtype=torch.bool)
-        padding[1, 1:] = True
+    q, k, v, padding = definition_case(masks, lengths, padded_row=1)
+    (B, H, Lq, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    attn = None
     if masks == "both":
         attn = torch.rand(B, H, Lq, Lk) < 0.3  # per head: the guard works per head
     if masks == "attn_float":
