@@ -15,7 +15,7 @@ first) called with a key-padding mask (the last eighth of every row's keys padde
 Each ONNX file is exported once with dynamic batch and sequence and serves every shape. Every
 round times every implementation once (interleaved, so a burst of load on a shared machine hits
 all of them alike); an implementation's time is the median over rounds of its per-round median.
-Peak memory: one call per implementation in a fresh process (``ru_maxrss`` never goes down).
+Peak memory: one call per implementation in a fresh process (the peak never goes down).
 Also recorded: whether ONNX Runtime runs torch.onnx's opset-23 export of the same model (it emits
 the standard Attention operator with a ``[B, 1, 1, Lk]`` mask).
 """
@@ -262,7 +262,6 @@ def plot(results: List[OnnxResult], path: str) -> None:
 def _probe() -> None:
     """python -m attn_export.bench_onnx IMPL BATCHxSEQ THREADS [ONNX]: prints JSON
     {"baseline_mb", "peak_mb"} of one call (see measure_memory)."""
-    import resource
     import sys
 
     impl, shape, threads, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else ""
@@ -278,10 +277,18 @@ def _probe() -> None:
         run = _runner(impl, model, model, {}, inputs)
     else:
         run = _runner(impl, None, None, {impl: onnx_session(Path(path), threads)}, inputs)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = _high_water_mb()
     run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"baseline_mb": baseline / 1024, "peak_mb": peak / 1024}))
+    print(json.dumps({"baseline_mb": baseline, "peak_mb": _high_water_mb()}))
+
+
+def _high_water_mb() -> float:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
+    fork and exec, so a probe started by a big process would report the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 if __name__ == "__main__":
