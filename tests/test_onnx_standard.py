@@ -155,6 +155,9 @@ def test_the_parity_gate_passes_in_the_standard_flavor(small_seq2seq, tmp_path, 
     assert report.passed, report.failures
     assert report.attention_flavor["flavor"] == "standard"
     assert report.to_dict()["attention_flavor"]["standard_nodes"] == result.num_standard_attention_nodes
+    if name == "seq2seq":  # inspect FILE.onnx names the flavor, counted from the graph
+        proc = invoke("inspect", result.path)
+        assert proc.returncode == 0 and "attention flavor standard: 3 standard Attention" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.usefixtures("torchlib_ops_once")
