@@ -40,10 +40,12 @@ test: install
 demo: install
 	$(PY) scripts/demo.py
 
-# The CPU benchmark of docs/benchmarks.md (minutes; not part of the tests).
+# The CPU benchmarks of docs/benchmarks.md (not part of the tests).
 bench: install
 	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
 	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
+	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager (tens of minutes).
+	$(VENV)/bin/attn-export bench --onnx --memory 1x2048 --markdown docs/bench_onnx.md --json docs/bench_onnx.json --plot docs/bench_onnx.png
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
 plugin:

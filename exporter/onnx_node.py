@@ -12,6 +12,8 @@ docs/onnx_node.md:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import onnx
 from onnx import TensorProto, helper
@@ -93,6 +95,68 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
     }
 
 
+def _const(name, values, dtype=TensorProto.INT64, dims=None):
+    dims = [len(values)] if dims is None else dims
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, dims, values))
+
+
+def _attr_const(name, attr_name, kind):
+    """A Constant whose value is the calling node's attribute ``attr_name`` (value_int / value_float)."""
+    node = helper.make_node("Constant", [], [name])
+    ref = onnx.AttributeProto()
+    ref.name = kind
+    ref.ref_attr_name = attr_name
+    ref.type = onnx.AttributeProto.INT if kind == "value_int" else onnx.AttributeProto.FLOAT
+    node.attribute.append(ref)
+    return node
+
+
+def _head_split_nodes(query: str, key: str, value: str) -> list:
+    """The head split [B, L, H*D] -> q [B, H, Lq, D], kt [B, H, D, Lk], v [B, H, Lk, Dv]
+    (Reshape to [0, 0, H, -1]: Reshape's 0 copies B and L)."""
+    n = helper.make_node
+    return [
+        _attr_const("heads", _spec.load().attr_num_heads, "value_int"),
+        _const("axis0", [0]),
+        _const("zero2", [0, 0]),
+        _const("minus1", [-1]),
+        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
+        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
+        n("Reshape", [query, "split_shape"], ["q4"]),
+        n("Reshape", [key, "split_shape"], ["k4"]),
+        n("Reshape", [value, "split_shape"], ["v4"]),
+        n("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
+        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+    ]
+
+
+def _check_opset(opset: int) -> None:
+    s = _spec.load()
+    if opset < s.min_onnx_opset:
+        raise ValueError(f"the {s.op_type} function body needs ONNX opset >= {s.min_onnx_opset}; got {opset}")
+
+
+def _make_function(nodes, opset: int, overload: str = "") -> onnx.FunctionProto:
+    s = _spec.load()
+    function = helper.make_function(
+        s.domain,
+        s.op_type,
+        inputs=list(s.input_names),
+        outputs=list(s.output_names),
+        nodes=nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        # The required attributes are the function's; the others (is_causal, softcap, ...) have
+        # the spec's defaults. The has_* and plugin_* attributes are for the TensorRT plugin and
+        # unused by the body.
+        attributes=[a.name for a in s.attributes if a.required],
+        attribute_protos=[_default_attribute(a) for a in s.attributes if not a.required],
+        doc_string="attn_export fused attention core; see docs/onnx_node.md",
+    )
+    function.overload = overload
+    return function
+
+
 def function_proto(opset: int) -> onnx.FunctionProto:
     """The node's model-local function for a model of default-domain opset ``opset``.
 
@@ -108,43 +172,18 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         output = CastLike(Reshape(Transpose(p @ v, [0, 2, 1, 3]), [0, 0, -1]), query)
     """
     s = _spec.load()
-    if opset < s.min_onnx_opset:
-        raise ValueError(f"the {s.op_type} function body needs ONNX opset >= {s.min_onnx_opset}; got {opset}")
+    _check_opset(opset)
     q_in, k_in, v_in, kpm_in, mask_in = s.input_names
     (out_name,) = s.output_names
     f32 = TensorProto.FLOAT
 
-    def const(name, values, dtype=TensorProto.INT64, dims=None):
-        dims = [len(values)] if dims is None else dims
-        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, dims, values))
-
-    def attr_const(name, attr_name, kind):
-        node = helper.make_node("Constant", [], [name])
-        ref = onnx.AttributeProto()
-        ref.name = kind  # value_int / value_float
-        ref.ref_attr_name = attr_name
-        ref.type = onnx.AttributeProto.INT if kind == "value_int" else onnx.AttributeProto.FLOAT
-        node.attribute.append(ref)
-        return node
-
+    const, attr_const = _const, _attr_const
     n = helper.make_node
     nodes = [
-        # Head split: [B, L, H*D] -> [B, L, H, D] (Reshape's 0 copies B and L).
-        attr_const("heads", s.attr_num_heads, "value_int"),
-        const("axis0", [0]),
-        const("zero2", [0, 0]),
-        const("minus1", [-1]),
-        n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
-        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
         n("Cast", [q_in], ["q32"], to=f32),
         n("Cast", [k_in], ["k32"], to=f32),
         n("Cast", [v_in], ["v32"], to=f32),
-        n("Reshape", ["q32", "split_shape"], ["q4"]),
-        n("Reshape", ["k32", "split_shape"], ["k4"]),
-        n("Reshape", ["v32", "split_shape"], ["v4"]),
-        n("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
-        n("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
-        n("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+        *_head_split_nodes("q32", "k32", "v32"),
         # Scores and masks.
         attr_const("scale", s.attr_scale, "value_float"),
         n("MatMul", ["q", "kt"], ["qk"]),
@@ -194,17 +233,136 @@ def function_proto(opset: int) -> onnx.FunctionProto:
         n("Reshape", ["ctx_t", "merge_shape"], ["ctx32"]),
         n("CastLike", ["ctx32", q_in], [out_name]),
     ]
-    return helper.make_function(
-        s.domain,
-        s.op_type,
-        inputs=list(s.input_names),
-        outputs=list(s.output_names),
-        nodes=nodes,
-        opset_imports=[helper.make_opsetid("", opset)],
-        # The required attributes are the function's; the others (is_causal, softcap, ...) have
-        # the spec's defaults. The has_* and plugin_* attributes are for the TensorRT plugin and
-        # unused by the body.
-        attributes=[a.name for a in s.attributes if a.required],
-        attribute_protos=[_default_attribute(a) for a in s.attributes if not a.required],
-        doc_string="attn_export fused attention core; see docs/onnx_node.md",
-    )
+    return _make_function(nodes, opset)
+
+
+@dataclass(frozen=True)
+class BodyVariant:
+    """What one node's body has to compute, from its static attributes and its query type: the
+    lean function of docs/onnx_node.md ("The lean bodies"). Nodes that share a variant share one
+    function, told apart from the others by the ONNX function ``overload`` (IR version 10)."""
+
+    is_causal: bool
+    has_key_padding_mask: bool
+    has_attn_mask: bool
+    softcap: bool  # softcap > 0
+    float32: bool  # T is float32: no casts
+
+    @property
+    def overload(self) -> str:
+        """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``."""
+        parts = ["f32" if self.float32 else "cast"]
+        parts += [name for name, on in (("causal", self.is_causal), ("kpm", self.has_key_padding_mask),
+                                        ("mask", self.has_attn_mask), ("softcap", self.softcap)) if on]
+        return "_".join(parts)
+
+    @classmethod
+    def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
+        """The variant of an exported node; ``query_type`` None (unknown) takes the casting body,
+        which is right for every T."""
+        s = _spec.load()
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        default = {a.name: a.default for a in s.attributes}
+
+        def get(name):
+            return attrs.get(name, default[name])
+
+        return cls(bool(get(s.attr_is_causal)), bool(get(s.attr_has_key_padding_mask)),
+                   bool(get(s.attr_has_attn_mask)), float(get(s.attr_softcap)) > 0,
+                   query_type == TensorProto.FLOAT)
+
+
+def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
+    """The node's function for the nodes of one :class:`BodyVariant` (overload
+    ``variant.overload``): the same result as :func:`function_proto`, with only the work the
+    variant needs (docs/onnx_node.md, "The lean bodies"):
+
+        q = Transpose(Reshape(query, [0, 0, H, -1]), [0, 2, 1, 3]) * scale   (the scale on q, not on the scores)
+        x = MatMul(q, Transpose(Reshape(key, [0, 0, H, -1]), [0, 2, 3, 1]))
+        x = cap * Tanh(x / cap)                          softcap only
+        bias = Unsqueeze(key_padding_mask, [1, 2])       key-padding mask only
+             + attn_mask                                 attention mask only
+             + Trilu(-inf[Lq, Lk], k=1, upper=1)         causal only
+        p = Softmax(x + bias)
+        ctx = MatMul(p, v)
+        ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)  masks only: rows the masks empty are 0
+        output = Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1])
+
+    Causal masking alone never empties a row (query i always sees key 0), so the guard reads the
+    bias, which is at most [B, H, Lq, Lk] and usually far smaller (a padding mask: [B, 1, 1, Lk]),
+    and zeroes [.., Lq, Dv] outputs instead of [.., Lq, Lk] probabilities. T other than float32
+    is cast to float32 and the output back (accumulation in float32, as the plugin)."""
+    s = _spec.load()
+    _check_opset(opset)
+    q_in, k_in, v_in, kpm_in, mask_in = s.input_names
+    (out_name,) = s.output_names
+    f32 = TensorProto.FLOAT
+    n = helper.make_node
+    nodes = []
+    q, k, v = q_in, k_in, v_in
+    if not variant.float32:
+        nodes += [n("Cast", [q_in], ["q32"], to=f32), n("Cast", [k_in], ["k32"], to=f32),
+                  n("Cast", [v_in], ["v32"], to=f32)]
+        q, k, v = "q32", "k32", "v32"
+    nodes += _head_split_nodes(q, k, v) + [
+        _attr_const("scale", s.attr_scale, "value_float"),
+        n("Mul", ["q", "scale"], ["q_scaled"]),
+        n("MatMul", ["q_scaled", "kt"], ["scaled"]),
+    ]
+    scores = "scaled"
+    if variant.softcap:
+        nodes += [
+            _attr_const("softcap", s.attr_softcap, "value_float"),
+            n("Div", ["scaled", "softcap"], ["scaled_over_cap"]),
+            n("Tanh", ["scaled_over_cap"], ["tanh_scaled"]),
+            n("Mul", ["tanh_scaled", "softcap"], ["capped"]),
+        ]
+        scores = "capped"
+    terms = []
+    if variant.has_key_padding_mask:
+        nodes += [_const("axes12", [1, 2]), n("Unsqueeze", [kpm_in, "axes12"], ["kpm4"])]
+        terms.append("kpm4")
+    if variant.has_attn_mask:
+        terms.append(mask_in)
+    if variant.is_causal:
+        # -inf strictly above the diagonal (j > i, top-left aligned), 0 elsewhere.
+        nodes += [
+            n("Shape", [q_in], ["lq"], start=1, end=2),
+            n("Shape", [k_in], ["lk"], start=1, end=2),
+            n("Concat", ["lq", "lk"], ["qk_shape"], axis=0),
+            n("ConstantOfShape", ["qk_shape"], ["all_inf"],
+              value=helper.make_tensor("neg_inf", f32, [1], [-math.inf])),
+            _const("one", [1], dims=[]),
+            n("Trilu", ["all_inf", "one"], ["causal_bias"], upper=1),
+        ]
+        terms.append("causal_bias")
+    bias = terms[0] if terms else None
+    for i, term in enumerate(terms[1:]):
+        nodes.append(n("Add", [bias, term], [f"bias{i}"]))
+        bias = f"bias{i}"
+    if bias is not None:
+        nodes.append(n("Add", [scores, bias], ["scores"]))
+        scores = "scores"
+    nodes += [
+        n("Softmax", [scores], ["probs"], axis=-1),
+        n("MatMul", ["probs", "v"], ["ctx_raw"]),
+    ]
+    ctx = "ctx_raw"
+    if variant.has_key_padding_mask or variant.has_attn_mask:
+        nodes += [
+            _const("last_axis", [-1]),
+            n("ReduceMax", [bias, "last_axis"], ["bias_max"], keepdims=1),
+            n("IsInf", ["bias_max"], ["dead_row"], detect_positive=0, detect_negative=1),
+            _const("zero_f", [0.0], f32, []),
+            n("Where", ["dead_row", "zero_f", "ctx_raw"], ["ctx"]),
+        ]
+        ctx = "ctx"
+    nodes += [
+        n("Transpose", [ctx], ["ctx_t"], perm=[0, 2, 1, 3]),
+        _const("merge_shape", [0, 0, -1]),
+    ]
+    if variant.float32:
+        nodes.append(n("Reshape", ["ctx_t", "merge_shape"], [out_name]))
+    else:
+        nodes += [n("Reshape", ["ctx_t", "merge_shape"], ["ctx32"]), n("CastLike", ["ctx32", q_in], [out_name])]
+    return _make_function(nodes, opset, overload=variant.overload)

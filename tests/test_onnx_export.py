@@ -51,7 +51,13 @@ def test_one_node_per_replaced_layer_with_its_attributes(exported_seq2seq):
     nodes, model = fused_nodes(exported_seq2seq.path)
     assert exported_seq2seq.replacement.num_replaced == 3 == len(nodes) == exported_seq2seq.num_attention_nodes
     onnx.checker.check_model(model, full_check=True)
-    assert [f.name for f in model.functions] == [S.op_type]
+    # One lean function per variant in use (docs/onnx_node.md, "The lean bodies"), named by the nodes' overload.
+    functions = {f.overload: f for f in model.functions}
+    assert all(f.name == S.op_type and f.domain == S.domain for f in model.functions)
+    assert set(functions) == {n.overload for n in nodes} == {"f32_kpm", "f32_causal_mask"}
+    ops = {overload: [n.op_type for n in f.node] for overload, f in functions.items()}
+    assert "Trilu" not in ops["f32_kpm"] and "Trilu" in ops["f32_causal_mask"]  # no causal work unless causal
+    assert not [op for body in ops.values() for op in body if op in ("Cast", "CastLike", "Tanh")]  # float32, no cap
     by_flags = sorted((a["is_causal"], a["has_key_padding_mask"], a["has_attn_mask"]) for a in map(attrs, nodes))
     # encoder self-attn: padding; decoder self-attn: causal + its float causal mask; cross: padding
     assert by_flags == [(0, 1, 0), (0, 1, 0), (1, 0, 1)]

@@ -18,8 +18,15 @@ S = spec.load()
 OPSET = 20
 
 
-def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET):
+def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET, body="generic"):
+    """One FusedAttention node with the generic function (``body="generic"``, what a node without
+    an overload runs) or the lean function of its variant (``"lean"``, what the exporter attaches)."""
     node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
+    function = onnx_node.function_proto(opset)
+    if body == "lean":
+        variant = onnx_node.BodyVariant.of_node(node, elem)
+        node.overload = variant.overload
+        function = onnx_node.lean_function_proto(opset, variant)
     inputs = [
         helper.make_tensor_value_info("query", elem, ["B", "Lq", "E"]),
         helper.make_tensor_value_info("key", elem, ["B", "Lk", "E"]),
@@ -30,7 +37,7 @@ def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET):
     graph = helper.make_graph([node], "one_node", inputs, [helper.make_tensor_value_info("out", elem, ["B", "Lq", "Ev"])])
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(S.domain, S.domain_version)],
-        functions=[onnx_node.function_proto(opset)],
+        functions=[function],
     )
     return model
 
@@ -50,17 +57,30 @@ def additive(mask):
     return torch.where(mask, -math.inf, 0.0).float() if mask.dtype == torch.bool else mask.float()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masks", ["none", "padding", "attn_bool", "attn_float", "both"])
-@pytest.mark.parametrize("lengths", [(5, 7), (6, 6), (1, 9)])
-def test_function_body_matches_the_definition(causal, masks, lengths):
+BODIES = ["generic", "lean"]
+
+
+def definition_case(masks, lengths, padded_row=0):
+    """q, k, v [B=2, H=3, L, D=4 / Dv=6] and a padding mask (``masks`` "padding" or "both") that
+    hides the second half of ``padded_row``'s keys."""
     B, H, D, Dv = 2, 3, 4, 6
     Lq, Lk = lengths
     q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, Dv)
-    padding = attn = None
+    padding = None
     if masks in ("padding", "both"):
         padding = torch.zeros(B, Lk, dtype=torch.bool)
-        padding[0, Lk // 2 + 1:] = True
+        padding[padded_row, Lk // 2 + 1:] = True
+    return q, k, v, padding
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", ["none", "padding", "attn_bool", "attn_float", "both"])
+@pytest.mark.parametrize("lengths", [(5, 7), (6, 6), (1, 9)])
+def test_function_body_matches_the_definition(causal, masks, lengths, body):
+    q, k, v, padding = definition_case(masks, lengths)
+    (B, H, Lq, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    attn = None
     if masks in ("attn_bool", "both"):
         attn = torch.rand(B, H, Lq, Lk) < 0.3
     if masks == "attn_float":
@@ -72,14 +92,18 @@ def test_function_body_matches_the_definition(causal, masks, lengths):
         "key_padding_mask": additive(padding).numpy() if padding is not None else np.zeros((1, 1), np.float32),
         "attn_mask": additive(attn).numpy() if attn is not None else np.zeros((1, 1, 1, 1), np.float32),
     }
-    out = run(one_node_model(attrs), feeds)
+    model = one_node_model(attrs, body=body)
+    onnx.checker.check_model(model, full_check=True)
+    out = run(model, feeds)
     ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=scale)
     expected = ref.transpose(1, 2).reshape(B, Lq, H * Dv).numpy()
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)
 
 
-def test_fully_masked_rows_are_zero_not_nan():
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_masked_rows_are_zero_not_nan(body, causal):
     B, H, L, D = 2, 2, 4, 8
     q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
     padding = torch.zeros(B, L, dtype=torch.bool)
@@ -88,27 +112,29 @@ def test_fully_masked_rows_are_zero_not_nan():
     attn[2] = True  # query 2 sees nothing in any batch
     feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
              "key_padding_mask": additive(padding).numpy(), "attn_mask": additive(attn)[None, None].numpy()}
-    out = run(one_node_model(onnx_node.node_attributes(H, 1 / math.sqrt(D), False, True, True)), feeds)
+    out = run(one_node_model(onnx_node.node_attributes(H, 1 / math.sqrt(D), causal, True, True), body=body), feeds)
     assert np.isfinite(out).all()
     assert (out[1] == 0).all() and (out[0, 2] == 0).all()
     assert np.abs(out[0, [0, 1, 3]]).min() > 0
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("elem,dtype,tol", [(TensorProto.FLOAT16, np.float16, 2e-3)])
-def test_half_precision_inputs_accumulate_in_float32(elem, dtype, tol):
+def test_half_precision_inputs_accumulate_in_float32(elem, dtype, tol, body):
     B, H, Lq, Lk, D = 2, 2, 5, 9, 16
     q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
     feeds = {"query": pack(q).astype(dtype), "key": pack(k).astype(dtype), "value": pack(v).astype(dtype),
              "key_padding_mask": np.zeros((1, 1), np.float32), "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
-    out = run(one_node_model(onnx_node.node_attributes(H, 0.25, True, False, False), elem), feeds)
+    out = run(one_node_model(onnx_node.node_attributes(H, 0.25, True, False, False), elem, body=body), feeds)
     assert out.dtype == dtype
     ref, _ = reference_attention(q, k, v, is_causal=True, scale=0.25)
     np.testing.assert_allclose(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=tol)
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("opset", [18, 20, 23])
-def test_function_is_valid_at_every_supported_opset(opset):
-    model = one_node_model(onnx_node.node_attributes(2, 0.5, True, True, False), opset=opset)
+def test_function_is_valid_at_every_supported_opset(opset, body):
+    model = one_node_model(onnx_node.node_attributes(2, 0.5, True, True, True, softcap=1.0), opset=opset, body=body)
     onnx.checker.check_model(model, full_check=True)
 
 
@@ -137,9 +163,10 @@ def test_checker_passes_in_a_process_without_the_registered_schema(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("softcap", [0.0, 0.8, 4.0, 30.0])
 @pytest.mark.parametrize("causal", [False, True])
-def test_function_body_soft_caps_before_the_masks(softcap, causal):
+def test_function_body_soft_caps_before_the_masks(softcap, causal, body):
     """One body for every node: softcap > 0 caps (Div, Tanh, Mul), 0 leaves the scores as
     they are without dividing by zero (a NaN would reach every output)."""
     B, H, Lq, Lk, D = 2, 3, 5, 7, 4
@@ -150,7 +177,7 @@ def test_function_body_soft_caps_before_the_masks(softcap, causal):
     attn[0, 1, 3] = -math.inf  # head 1, query 3: nothing visible
     attrs = onnx_node.node_attributes(H, 0.6, causal, True, True, softcap=softcap)
     assert attrs[S.attr_softcap] == softcap
-    model = one_node_model(attrs)
+    model = one_node_model(attrs, body=body)
     onnx.checker.check_model(model, full_check=True)
     feeds = {"query": pack(q), "key": pack(k), "value": pack(v), "key_padding_mask": additive(padding).numpy(),
              "attn_mask": attn.numpy()}

@@ -232,6 +232,18 @@ def runtime_timeout_option(f):
     )(f)
 
 
+def onnx_attention_option(f):
+    """How the fused layers are written in ONNX (``onnx_attention: str``)."""
+    return click.option(
+        "--onnx-attention", "onnx_attention", type=click.Choice(["custom", "standard"]), default="custom",
+        show_default=True,
+        help="custom: one attn_export.FusedAttention node per layer (with its model-local function; TensorRT runs "
+             "it as the plugin). standard: one standard ONNX Attention node (opset 23; --opset defaults to 23) "
+             "that ONNX Runtime and TensorRT implement themselves, no plugin; a layer it cannot express keeps the "
+             "custom node and the output says why.",
+    )(f)
+
+
 def logging_options(f):
     return _apply([
         click.option("-q", "--quiet", is_flag=True, help="Print errors only (the exit code tells the verdict)."),

@@ -1,6 +1,7 @@
 """``attn-export bench``: the fused layer against nn.MultiheadAttention (and SDPA) on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -28,9 +29,16 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
                    "meant for --shapes sweep.")
 @click.option("--memory", "memory_shape", metavar="BxLxExH",
               help="Also measure the peak resident memory of one inference call at this shape, "
-                   "each implementation in a fresh process (e.g. 1x8192x256x8).")
+                   "each implementation in a fresh process (e.g. 1x8192x256x8; with --onnx: BxL, e.g. 1x2048).")
+@click.option("--onnx", "onnx_mode", is_flag=True,
+              help="Instead: a 4-layer nn.TransformerEncoder with a key-padding mask in ONNX Runtime (torch.onnx's "
+                   "export, --onnx-attention custom and standard) against PyTorch eager (docs/benchmarks.md).")
+@click.option("--seqs", default="64,512,2048,4096", show_default=True, help="With --onnx: sequence lengths.")
+@click.option("--batches", default="1,8", show_default=True, help="With --onnx: batch sizes.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --onnx: leave out the shapes with batch x seq > N (a reduced run).")
 def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
-          memory_shape):
+          memory_shape, onnx_mode, seqs, batches, max_tokens):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
     Reports, per implementation, the minimum over interleaved rounds of torch.utils.benchmark
@@ -44,6 +52,10 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
     from attn_export import bench as lib
     from attn_export._io import write_text
+
+    if onnx_mode:
+        return _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path,
+                           markdown_path, plot_path)
 
     shapes = []
     for part in shape_set.split(","):
@@ -103,3 +115,66 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
         with atomic_output(plot_path) as tmp:
             lib.plot_latency(results, str(tmp), fmt="png")
+
+
+def _sizes(text: str, option: str):
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        fail(f"{option} {text}: comma-separated positive integers, e.g. 64,512")
+    return sizes
+
+
+def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path, markdown_path,
+                plot_path):
+    """attn-export bench --onnx (attn_export.bench_onnx)."""
+    import tempfile
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from attn_export import bench_onnx as lib
+    from attn_export._io import atomic_output, write_text
+
+    seqs, batches = _sizes(seqs, "--seqs"), _sizes(batches, "--batches")
+    memory = None
+    if memory_shape:
+        try:
+            memory = tuple(int(x) for x in memory_shape.lower().split("x"))
+            assert len(memory) == 2 and min(memory) > 0
+        except (ValueError, AssertionError):
+            fail(f"--memory {memory_shape}: with --onnx it is BATCHxSEQ, e.g. 1x2048")
+    if rounds < 1 or min_run_time <= 0 or threads < 1:
+        fail("--rounds and --threads must be >= 1 and --min-run-time > 0")
+    console = Console(stderr=True)
+    facts = lib.machine()
+    click.echo("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    with tempfile.TemporaryDirectory() as tmp, console.status("benchmarking") as status:
+        results, run_facts = lib.run_benchmark(seqs, batches, threads=threads, rounds=rounds,
+                                               min_run_time=min_run_time, max_tokens=max_tokens, directory=Path(tmp),
+                                               progress=lambda what: status.update(f"benchmarking: {what}"))
+        memory_results = {}
+        if memory:
+            status.update(f"peak memory at batch {memory[0]}, sequence {memory[1]}")
+            memory_results = lib.measure_memory(*memory, {k: Path(v) for k, v in run_facts["onnx_files"].items()},
+                                                threads)
+    run_facts.pop("onnx_files")
+    table = lib.markdown_table(results)
+    click.echo(table)
+    for key, value in run_facts.items():
+        click.echo(f"{key}: {value}")
+    mem_table = ""
+    if memory_results:
+        mem_table = lib.memory_markdown_table(memory, memory_results)
+        click.echo(mem_table)
+    if markdown_path:
+        write_text(markdown_path, "\n\n".join(t for t in (table, mem_table) if t) + "\n")
+    if json_path:
+        payload = {"machine": facts, "threads": threads, "rounds": rounds, **run_facts,
+                   "results": [dataclasses.asdict(r) for r in results], "memory": memory_results}
+        write_text(json_path, json.dumps(payload, indent=2) + "\n")
+    if plot_path:
+        with atomic_output(plot_path) as tmp_png:
+            lib.plot(results, str(tmp_png))

@@ -14,6 +14,7 @@ from attn_export.cli._options import (
     input_options,
     logging_options,
     model_options,
+    onnx_attention_option,
     ort_options,
     plugin_option,
     profile_options,
@@ -45,7 +46,9 @@ def default_output(model_path, factory, to: str) -> Path:
               help="With --to tensorrt: where the intermediate ONNX goes (default: the engine path with .onnx).")
 @model_options
 @input_options
-@click.option("--opset", type=int, default=None, metavar="N", help="ONNX opset (18 and up; default 20).")
+@click.option("--opset", type=int, default=None, metavar="N",
+              help="ONNX opset (18 and up; default 20, with --onnx-attention standard 23 and up, default 23).")
+@onnx_attention_option
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Export in this precision (default: the model's own).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
@@ -59,8 +62,8 @@ def default_output(model_path, factory, to: str) -> Path:
 @html_option
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, dtype, no_replace,
-            no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
+def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, dtype,
+            no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
     """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
     export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
     TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
@@ -86,12 +89,14 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     a float16 engine) and has one optimization profile: every dynamic dimension from 1 (min)
     over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
     --max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
-    needs (docs/tensorrt.md).
+    needs (docs/tensorrt.md). With --onnx-attention standard the engine needs no plugin: TensorRT's
+    parser (10.14+) maps the standard Attention nodes itself.
 
     \b
     Examples:
       attn-export model.pt --to onnx
       attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
+      attn-export model.pt --to onnx --onnx-attention standard
       attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
       attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
       attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
@@ -110,14 +115,22 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         raise InputError("--html writes the validation report: it does not go with --no-validate")
     check_html(html_path)
     out_path = Path(output) if output else default_output(model_path, model_args.factory, to)
+    if onnx_attention == "standard":
+        from attn_export.onnx_export.standard import check_opset
+
+        check_opset(opset)  # before the model loads
     engine_path = None
     if to == "tensorrt":
         from attn_export import tensorrt as attn_trt
 
         # What TensorRT needs is checked first: nothing is exported when it could not be built.
         attn_trt.require_runtime()
-        plugin = attn_trt.find_plugin_library(plugin)
-        attn_trt.check_plugin_library(plugin)
+        if onnx_attention == "custom" or plugin:
+            plugin = attn_trt.find_plugin_library(plugin)
+            attn_trt.check_plugin_library(plugin)
+        else:
+            session.note("note: --onnx-attention standard: TensorRT's ONNX parser maps each Attention node to its "
+                         "own attention layer; the engine is built without the FusedAttention plugin")
         shape_specs = profile_args.shape_specs()
         engine_path = out_path
         out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
@@ -154,7 +167,8 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model exports
     with session.step(f"exporting to {out_path}"):
         result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
-                             replace=not no_replace, quiet=not session.verbose, seed=input_args.seed)
+                             replace=not no_replace, quiet=not session.verbose, seed=input_args.seed,
+                             attention=onnx_attention)
     for note in result.notes + (result.replacement.notes if result.replacement else []):
         session.note(f"note: {note}")
     if result.replacement is not None:
@@ -168,13 +182,18 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
             click.echo(f"FAILED: {problem} (when the model ran)", err=True)
             return EXIT_MISMATCH
     axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
-    session.out.print(
-        f"wrote {out_path}: opset {result.opset}, {result.dtype}, {result.num_attention_nodes} fused attention "
-        f"node(s), dynamic axes: {axes_text}"
-    )
+    nodes_text = f"{result.num_attention_nodes} fused attention node(s)"
+    if onnx_attention == "standard":
+        nodes_text = f"{result.num_standard_attention_nodes} standard Attention node(s)" + (
+            f", {result.num_attention_nodes} kept as fused attention node(s)" if result.num_attention_nodes else "")
+    session.out.print(f"wrote {out_path}: opset {result.opset}, {result.dtype}, {nodes_text}, dynamic axes: {axes_text}")
     extra = {"export": result.to_dict()}
     if engine_path is not None:
         import onnx
+
+        if result.num_attention_nodes and not plugin:
+            raise InputError(f"{result.num_attention_nodes} layer(s) kept the custom node (see the notes), so the "
+                             "engine needs the FusedAttention plugin: give --plugin, or build it (docs/tensorrt.md)")
 
         profile = attn_trt.derive_profile(onnx.load(str(out_path)), inputs, min_shapes=shape_specs["min"],
                                           opt_shapes=shape_specs["opt"], max_shapes=shape_specs["max"])

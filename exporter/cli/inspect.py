@@ -20,17 +20,22 @@ def inspect_cmd(session, model_path, model_args, coverage, json_path):
     will be replaced by the fused operator, or why not.
 
     MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
-    or a transformers save_pretrained folder. Nothing is modified. Exit 1 if a coverage gate (--min-replaced, --require-all) fails.
+    or a transformers save_pretrained folder. Nothing is modified. An exported .onnx file instead
+    says which attention flavor it uses (--onnx-attention custom or standard) and its nodes. Exit 1 if a coverage gate (--min-replaced, --require-all) fails.
 
     \b
     Example:
       attn-export inspect model.pt
       attn-export inspect --model mypkg.models:build --require-all
       attn-export inspect ./bert-tiny
+      attn-export inspect model.onnx
     """
     import json
 
     from attn_export._io import write_text
+
+    if model_path and model_path.endswith(".onnx"):
+        return _inspect_onnx(session, model_path, json_path)
     from attn_export.replace import inspect_attention
 
     with session.step("loading the model"):
@@ -46,4 +51,22 @@ def inspect_cmd(session, model_path, model_args, coverage, json_path):
     if problem:
         click.echo(f"FAILED: {problem}", err=True)
         return EXIT_MISMATCH
+    return 0
+
+
+def _inspect_onnx(session, path, json_path) -> int:
+    import json
+
+    from pathlib import Path
+
+    from attn_export._io import write_text
+    from attn_export.onnx_export import attention_flavor
+    from attn_export.validation.gate import _load_onnx
+
+    model = _load_onnx(Path(path))
+    flavor = attention_flavor(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    session.out.print(f"{path}: opset {opset}, attention flavor {flavor['text']}")
+    if json_path:
+        write_text(json_path, json.dumps({"model": path, "opset": opset, **flavor}, indent=2) + "\n")
     return 0

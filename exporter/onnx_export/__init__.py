@@ -12,7 +12,7 @@ the requested labels and ``onnx.checker.check_model(full_check=True)`` runs; the
 written whole or not at all.
 
 Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx), ``graph``
-(helpers on the exported graph).
+(helpers on the exported graph), ``standard`` (the standard-Attention flavor).
 """
 from attn_export.onnx_export.graph import (
     META_PREFIX,
@@ -23,11 +23,12 @@ from attn_export.onnx_export.graph import (
     output_names_for,
     read_metadata,
 )
-from attn_export.onnx_export.pipeline import DEFAULT_OPSET, EXPORT_DTYPES, ExportResult, export_onnx
+from attn_export.onnx_export.pipeline import ATTENTION_FLAVORS, DEFAULT_OPSET, EXPORT_DTYPES, ExportResult, export_onnx
+from attn_export.onnx_export.standard import attention_flavor, to_standard_attention
 from attn_export.onnx_export.translation import translate_attention, translate_multi_head_attention, translation_table
 
 __all__ = [
-    "export_onnx", "ExportResult", "DEFAULT_OPSET", "EXPORT_DTYPES", "META_PREFIX", "read_metadata",
+    "export_onnx", "ExportResult", "ATTENTION_FLAVORS", "attention_flavor", "to_standard_attention", "DEFAULT_OPSET", "EXPORT_DTYPES", "META_PREFIX", "read_metadata",
     "count_attention_nodes", "attach_function", "apply_axis_labels", "output_names_for", "flatten_outputs",
     "translation_table", "translate_multi_head_attention", "translate_attention",
 ]

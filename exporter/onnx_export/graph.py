@@ -109,18 +109,45 @@ def apply_axis_labels(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, st
 
 
 def count_attention_nodes(model: onnx.ModelProto) -> int:
+    return len(attention_nodes(model))
+
+
+def attention_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
     s = _spec.load()
-    return sum(1 for n in model.graph.node if n.op_type == s.op_type and n.domain == s.domain)
+    return [n for n in model.graph.node if n.op_type == s.op_type and n.domain == s.domain]
+
+
+def value_types(model: onnx.ModelProto) -> Dict[str, int]:
+    """Element type of every graph value whose type the graph records (inputs, initializers,
+    value_info, outputs)."""
+    types = {i.name: i.data_type for i in model.graph.initializer}
+    for value in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        if value.type.HasField("tensor_type"):
+            types[value.name] = value.type.tensor_type.elem_type
+    return types
 
 
 def attach_function(model: onnx.ModelProto, opset: int) -> None:
+    """Gives each FusedAttention node the lean body of its variant (static attributes and query
+    type; onnx_node.BodyVariant): the node's ``overload`` names it, and the model carries one
+    function per variant used. Nodes that already name an overload, and models that already
+    carry the functions, are left as they are."""
     s = _spec.load()
-    for f in model.functions:
-        if f.domain == s.domain and f.name == s.op_type:
-            return
-    model.functions.append(onnx_node.function_proto(opset))
+    types = value_types(model)
+    have = {f.overload for f in model.functions if f.domain == s.domain and f.name == s.op_type}
+    for node in attention_nodes(model):
+        if node.overload:
+            continue
+        variant = onnx_node.BodyVariant.of_node(node, types.get(node.input[0]))
+        node.overload = variant.overload
+        if variant.overload not in have:
+            model.functions.append(onnx_node.lean_function_proto(opset, variant))
+            have.add(variant.overload)
+    # Function overloads (node.overload) are ONNX IR version 10.
+    model.ir_version = max(model.ir_version, 10)
     if not any(o.domain == s.domain for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(s.domain, s.domain_version))
+
 
 def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:
     return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}

@@ -31,9 +31,14 @@ from attn_export.onnx_export.graph import (
     project_before_transposing_inputs,
 )
 from attn_export.onnx_export.patterns import rewrite as rewrite_patterns
+from attn_export.onnx_export.standard import MIN_OPSET as STANDARD_MIN_OPSET, to_standard_attention
+from attn_export.onnx_export.standard import check_opset as check_standard_opset
 from attn_export.onnx_export.translation import translation_table
 
 DEFAULT_OPSET = 20
+# How each fused layer is written: the custom FusedAttention node (with its model-local function
+# and the TensorRT plugin), or the standard Attention operator (opset 23; docs/onnx_node.md).
+ATTENTION_FLAVORS = ("custom", "standard")
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -48,6 +53,9 @@ class ExportResult:
     num_attention_nodes: int
     replacement: Optional[object] = None  # ReplacementReport when export_onnx replaced layers
     notes: List[str] = field(default_factory=list)
+    attention: str = "custom"  # the flavor asked for
+    num_standard_attention_nodes: int = 0
+    kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +68,9 @@ class ExportResult:
             "num_attention_nodes": self.num_attention_nodes,
             "replacement": self.replacement.to_dict() if self.replacement is not None else None,
             "notes": self.notes,
+            "attention": self.attention,
+            "num_standard_attention_nodes": self.num_standard_attention_nodes,
+            "kept_custom": self.kept_custom,
         }
 
 
@@ -145,6 +156,7 @@ def export_onnx(
     replace: bool = True,
     quiet: bool = True,
     seed: int = 0,
+    attention: str = "custom",
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -155,7 +167,7 @@ def export_onnx(
         example_inputs: name -> tensor, the names of ``model.forward``'s parameters; they become
             the ONNX graph's input names.
         path: the .onnx file to write (atomically).
-        opset: default-domain ONNX opset (>= 18; default 20).
+        opset: default-domain ONNX opset (>= 18; default 20, 23 with ``attention="standard"``).
         dtype: "fp32" (default: the model's own), "fp16" or "bf16": exports in that precision.
         dynamic_axes: input -> {axis: label}; default: dim 0 "batch" and dim 1 a sequence label
             for every input (see attn_export.inputs.default_axes; for transformers models
@@ -163,11 +175,21 @@ def export_onnx(
             the others); ``{}`` exports static shapes.
         replace: run :func:`attn_export.replace_attention` on the copy first.
         quiet: silence torch's exporter output.
+        attention: "custom" (default): one FusedAttention node per layer, with its model-local
+            function; "standard": one standard ``Attention`` node (opset >= 23) per layer where
+            it can express the layer, the custom node where not (``kept_custom`` says why).
     """
     from attn_export.replace import replace_attention
 
     s = _spec.load()
-    opset = DEFAULT_OPSET if opset is None else int(opset)
+    if attention not in ATTENTION_FLAVORS:
+        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
+    standard = attention == "standard"
+    if opset is None:
+        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
+    opset = int(opset)
+    if standard:
+        check_standard_opset(opset)
     if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
         raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -239,6 +261,9 @@ def export_onnx(
     if project_before_transposing_inputs(proto):
         notes.append("an fp16 projection of a transposed graph input now runs before the transpose (the other "
                      "order crashes ONNX Runtime 1.32 at its default optimization level; docs/onnx_node.md)")
+    rewrite = to_standard_attention(proto) if standard else None
+    if rewrite is not None:
+        notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
     if count_attention_nodes(proto):
         attach_function(proto, opset)
     meta = {
@@ -248,6 +273,7 @@ def export_onnx(
         "input_names": json.dumps(list(inputs)),
         "output_names": json.dumps(output_names),
         "attention_nodes": str(count_attention_nodes(proto)),
+        "attention": attention,
     }
     for key, value in meta.items():
         entry = proto.metadata_props.add()
@@ -268,6 +294,8 @@ def export_onnx(
     return ExportResult(
         path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
         dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
+        attention=attention, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
+        kept_custom=rewrite.kept if rewrite else [],
     )
 
 

@@ -14,7 +14,7 @@ import torch
 from attn_export import spec as _spec
 from attn_export._errors import InputError
 from attn_export._io import atomic_output, write_text
-from attn_export.tensorrt.preflight import preflight
+from attn_export.tensorrt.preflight import PreflightReport, preflight
 from attn_export.tensorrt.profiles import ShapeProfile
 from attn_export.tensorrt.runtime import EngineError, collecting_logger, gpu_name, require_runtime
 
@@ -79,7 +79,7 @@ def build_engine(
     onnx_path: str | os.PathLike,
     engine_path: str | os.PathLike,
     *,
-    plugin: str | os.PathLike,
+    plugin: Optional[str | os.PathLike],
     profile: ShapeProfile,
     workspace_mib: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
@@ -87,7 +87,11 @@ def build_engine(
     """Parses ``onnx_path`` (FusedAttention nodes -> the plugin), builds a strongly typed engine
     with one optimization profile and writes it to ``engine_path`` (whole or not at all), with
     ``engine_path + ".json"`` beside it: the plugin library (path, sha256) and identity the
-    engine needs to be deserialized, the profile, the TensorRT version and the GPU."""
+    engine needs to be deserialized, the profile, the TensorRT version and the GPU.
+
+    ``plugin`` may be None for a model without FusedAttention nodes (``--onnx-attention
+    standard``): TensorRT's parser (10.14+) maps the standard Attention nodes to its own
+    attention layer, and the engine needs no plugin."""
     import time
 
     say = progress or (lambda _msg: None)
@@ -96,9 +100,14 @@ def build_engine(
     if not onnx_path.is_file():
         raise InputError(f"{onnx_path}: no such file")
     model = onnx.load(str(onnx_path))
-    say("preflight: plugin library and creators")
-    major, minor = torch.cuda.get_device_capability()
-    report = preflight(model, plugin, compute_capability=(major, minor))
+    if plugin is None and not any(n.op_type == _spec.load().op_type for n in model.graph.node):
+        standard = sum(1 for n in model.graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx"))
+        report = PreflightReport(library=None, requests=[], creators=[], notes=[
+            f"{standard} standard Attention node(s), mapped by TensorRT's ONNX parser itself: no plugin"])
+    else:
+        say("preflight: plugin library and creators")
+        major, minor = torch.cuda.get_device_capability()
+        report = preflight(model, plugin, compute_capability=(major, minor))
     nodes = sum(len(r.nodes) for r in report.requests)
 
     start = time.perf_counter()

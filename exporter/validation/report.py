@@ -56,6 +56,20 @@ class ValidationReport:
     diagnosis: Dict[str, object] = field(default_factory=dict)
     # ReplacementReport.to_dict() of the replaced PyTorch copy: which layers were fused, and why not
     coverage: Dict[str, object] = field(default_factory=dict)
+    # Which attention flavor the file uses (--onnx-attention; attn_export.onnx_export.attention_flavor),
+    # read from the file when not given.
+    attention_flavor: Optional[Dict[str, object]] = None
+
+    def __post_init__(self):
+        if self.attention_flavor is None:
+            import onnx
+
+            from attn_export.onnx_export import attention_flavor
+
+            try:
+                self.attention_flavor = attention_flavor(onnx.load(self.onnx_path, load_external_data=False))
+            except Exception:  # noqa: BLE001 - an unreadable file is reported by the checks
+                self.attention_flavor = {"flavor": "unknown", "text": "unknown: the file could not be read"}
 
     @property
     def passed(self) -> bool:
@@ -76,6 +90,7 @@ class ValidationReport:
         return _finite_json({
             "passed": self.passed,
             "onnx": self.onnx_path,
+            "attention_flavor": self.attention_flavor,
             "dtype": self.dtype,
             "inputs": self.input_names,
             "outputs": self.output_names,
@@ -143,7 +158,8 @@ class ValidationReport:
         from rich.table import Table
 
         verdict = "[green]PASSED[/]" if self.passed else "[red]FAILED[/]"
-        table = Table(title=f"Parity vs the original PyTorch model ({self.dtype}): {verdict}")
+        table = Table(title=f"Parity vs the original PyTorch model ({self.dtype}; attention "
+                            f"{self.attention_flavor['text']}): {verdict}")
         for col in ("case", "input shapes", "backend", "output", "max abs err", "max rel err", "rtol", "result"):
             table.add_column(col, justify="right" if col.startswith(("max", "rtol")) else "left")
         style = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
@@ -158,7 +174,7 @@ class ValidationReport:
 
     def lines(self) -> List[str]:
         """Polygraphy-style one line per check and per case."""
-        out = []
+        out = [f"INFO | attention flavor | {self.attention_flavor['text']}"]
         for c in self.checks:
             out.append(f"{'PASSED' if c.passed else 'FAILED'} | check {c.name} | {c.message}")
         for c in self.cases:

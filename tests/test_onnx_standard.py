@@ -1,0 +1,190 @@
+"""The standard-Attention flavor (--onnx-attention standard): the rewrite of one node against a
+float64 reference written from the definition, the layers it keeps custom, the opset rule, and
+the parity gate on the models the suite exports (encoder, decoder with cross-attention,
+transformers BERT/GPT-2/ViT)."""
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto
+
+from attn_export import onnx_node, spec
+from attn_export.onnx_export import attention_flavor, export_onnx, to_standard_attention
+from attn_export.validation import validate
+from helpers import invoke, one_line_error, reference_attention
+from test_onnx_node import additive, definition_case, one_node_model, pack
+
+S = spec.load()
+
+
+def standard_model(attrs, elem=TensorProto.FLOAT):
+    model = one_node_model(attrs, elem, opset=23)
+    rewrite = to_standard_attention(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model, rewrite
+
+
+def run(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", ["none", "padding", "attn_float", "both"])
+@pytest.mark.parametrize("lengths", [(5, 7), (7, 3)])
+def test_one_standard_node_matches_the_definition(causal, masks, lengths):
+    q, k, v, padding = definition_case(masks, lengths, padded_row=1)
+    (B, H, Lq, _), Lk, Dv = q.shape, k.shape[2], v.shape[-1]
+    attn = None
+    if masks == "both":
+        attn = torch.rand(B, H, Lq, Lk) < 0.3  # per head: the guard works per head
+    if masks == "attn_float":
+        attn = torch.randn(1, 1, Lq, Lk)
+    model, rewrite = standard_model(onnx_node.node_attributes(H, 0.37, causal, padding is not None, attn is not None))
+    assert rewrite.converted == 1 and attention_flavor(model)["flavor"] == "standard"
+    assert not any(o.domain == S.domain for o in model.opset_import)
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
+             "key_padding_mask": additive(padding).numpy() if padding is not None else np.zeros((1, 1), np.float32),
+             "attn_mask": additive(attn).numpy() if attn is not None else np.zeros((1, 1, 1, 1), np.float32)}
+    out = run(model, feeds)
+    ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.37)
+    expected = ref.transpose(1, 2).reshape(B, Lq, H * Dv).numpy()
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)  # the reference is 0 on rows the masks empty
+
+
+@pytest.mark.parametrize("elem,dtype,tol", [(TensorProto.FLOAT16, np.float16, 3e-3), (TensorProto.BFLOAT16, None, 2e-2)])
+def test_half_precision(elem, dtype, tol):
+    """fp16 runs natively (mask cast to fp16); bf16 runs in float32 between Casts (ONNX Runtime's
+    CPU kernel has no bf16)."""
+    import ml_dtypes  # numpy's bfloat16 (onnx depends on it)
+
+    dtype = dtype or ml_dtypes.bfloat16
+    B, H, Lq, Lk, D = 2, 2, 5, 9, 16
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
+    padding = torch.zeros(B, Lk, dtype=torch.bool)
+    padding[0, 4:] = True
+    model, _ = standard_model(onnx_node.node_attributes(H, 0.25, True, True, False), elem)
+    feeds = {"query": pack(q).astype(dtype), "key": pack(k).astype(dtype), "value": pack(v).astype(dtype),
+             "key_padding_mask": additive(padding).numpy(), "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
+    if elem == TensorProto.BFLOAT16:  # onnxruntime's Python API takes bf16 as OrtValues of the raw bits
+        model.graph.node.append(onnx.helper.make_node("Cast", ["out"], ["out_f32"], to=TensorProto.FLOAT))
+        model.graph.output.append(onnx.helper.make_tensor_value_info("out_f32", TensorProto.FLOAT, None))
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        values = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), elem) if x.dtype == dtype
+                  else ort.OrtValue.ortvalue_from_numpy(x) for n, x in feeds.items()}
+        (out,) = session.run_with_ort_values(["out_f32"], values)
+        out = out.numpy()
+    else:
+        out = run(model, feeds)
+    ref, _ = reference_attention(q, k, v, key_padding_mask=padding, is_causal=True, scale=0.25)
+    np.testing.assert_allclose(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=tol)
+
+
+def test_fully_masked_rows_are_zero():
+    B, H, L, D = 2, 2, 4, 8
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    padding = torch.zeros(B, L, dtype=torch.bool)
+    padding[1] = True
+    model, _ = standard_model(onnx_node.node_attributes(H, 0.3, False, True, False))
+    out = run(model, {"query": pack(q), "key": pack(k), "value": pack(v), "key_padding_mask": additive(padding).numpy(),
+                      "attn_mask": np.zeros((1, 1, 1, 1), np.float32)})
+    assert (out[1] == 0).all() and np.abs(out[0]).min() > 0
+    # ONNX Runtime 1.32 (and onnx's reference) already give 0 there; the opset-23 text allows NaN or
+    # uniform weights, so the guard must be in the file for other runtimes: a Where reads the output.
+    (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
+    readers = [n.op_type for n in model.graph.node if attention.output[0] in n.input]
+    assert readers == ["Reshape"] and any(n.op_type == "Where" for n in model.graph.node)
+
+
+@pytest.mark.parametrize("causal,kpm,mask,converted", [(False, False, False, 1), (True, False, False, 0),
+                                                        (False, True, False, 0), (False, False, True, 0)])
+def test_softcap_with_masks_keeps_the_custom_node_and_says_why(causal, kpm, mask, converted):
+    model, rewrite = standard_model(onnx_node.node_attributes(2, 0.5, causal, kpm, mask, softcap=5.0))
+    assert rewrite.converted == converted
+    if not converted:
+        (reason,) = rewrite.kept
+        assert "soft-capping" in reason
+        assert attention_flavor(model)["flavor"] == "custom"
+        assert [f.name for f in model.functions] == [S.op_type]  # still runnable: its function is there
+        B, H, L, D = 1, 2, 4, 4
+        q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+        feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
+                 "key_padding_mask": np.zeros((1, 1), np.float32), "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
+        ref, _ = reference_attention(q, k, v, is_causal=causal, scale=0.5, softcap=5.0)
+        np.testing.assert_allclose(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6)
+
+
+def test_opset_below_23_is_refused():
+    with pytest.raises(ValueError, match="opset >= 23"):
+        to_standard_attention(one_node_model(onnx_node.node_attributes(2, 0.5, False, False, False), opset=22))
+    proc = invoke("--model", "attn_export.examples:tiny_seq2seq", "--onnx-attention", "standard", "--opset", "22")
+    one_line_error(proc, "--onnx-attention standard", "opset 23")
+    assert proc.returncode == 2
+
+
+# The parity gate on the models the suite exports, in the standard flavor.
+
+
+def _hf_cases():
+    transformers = pytest.importorskip("transformers")
+    from test_hf import HF5, padded_batch, tiny_bert, tiny_gpt2, tiny_vit
+
+    cases = {"gpt2": (tiny_gpt2(), padded_batch([12, 7], 12)), "vit": (tiny_vit(), {"pixel_values": torch.randn(2, 3, 16, 16)})}
+    if HF5:
+        cases["bert"] = (tiny_bert(), padded_batch([12, 5], 12))
+    del transformers
+    return cases
+
+
+@pytest.mark.usefixtures("torchlib_ops_once")
+@pytest.mark.parametrize("name", ["seq2seq", "bert", "gpt2", "vit"])
+def test_the_parity_gate_passes_in_the_standard_flavor(small_seq2seq, tmp_path, name):
+    if name == "seq2seq":  # encoder self-attention, decoder causal self- and cross-attention
+        model, inputs = small_seq2seq, small_seq2seq.example_inputs
+    else:
+        cases = _hf_cases()
+        if name not in cases:
+            pytest.skip("BERT dispatches through AttentionInterface from transformers 5")
+        model, inputs = cases[name]
+    result = export_onnx(model, inputs, tmp_path / f"{name}.onnx", attention="standard")
+    assert result.opset == 23 and result.num_attention_nodes == 0 and result.num_standard_attention_nodes > 0
+    report = validate(model, result.path, inputs)
+    assert report.passed, report.failures
+    assert report.attention_flavor["flavor"] == "standard"
+    assert report.to_dict()["attention_flavor"]["standard_nodes"] == result.num_standard_attention_nodes
+    if name == "seq2seq":  # inspect FILE.onnx names the flavor, counted from the graph
+        proc = invoke("inspect", result.path)
+        assert proc.returncode == 0 and "attention flavor standard: 3 standard Attention" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.usefixtures("torchlib_ops_once")
+def test_fully_padded_rows_stay_zero_in_an_exported_encoder(tmp_path):
+    """Guard around the node in a real export: a batch row whose keys are all padding gives
+    finite output (the original nn.MultiheadAttention gives NaN there)."""
+    layer = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, src, src_key_padding_mask):
+            return self.attn(src, src, src, key_padding_mask=src_key_padding_mask, need_weights=False)[0]
+
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    result = export_onnx(Attn(), {"src": torch.randn(2, 5, 16), "src_key_padding_mask": mask}, tmp_path / "a.onnx",
+                         attention="standard")
+    x = torch.randn(3, 6, 16)
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[1] = True
+    mask[2, 4:] = True
+    session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    out = session.run(None, {"src": x.numpy(), "src_key_padding_mask": mask.numpy()})[0]
+    assert (out[1] == np.broadcast_to(layer.out_proj.bias.detach().numpy(), out[1].shape)).all()
+    with torch.no_grad():
+        want = layer(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+    np.testing.assert_allclose(out[[0, 2]], want[[0, 2]].numpy(), atol=1e-5)
+    assert math.isnan(want[1].sum())  # the stock module's NaN, for contrast
