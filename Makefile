@@ -13,7 +13,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test bench install clean plugin
+.PHONY: demo test bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,17 @@ demo: install
 bench: install
 	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
 	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
+
+# Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
+# each running only the tests that call the mutated function; >= 90% must be killed.
+# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py".
+MUTANTS_PATHS ?=
+$(VENV)/.mutation: $(VENV)/.built
+	$(PIP) install $$($(PY) -c "import tomllib; print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['mutation']))")
+	touch $@
+
+mutants: $(VENV)/.mutation
+	$(PY) scripts/mutants.py $(MUTANTS_PATHS)
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
 plugin:
