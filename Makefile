@@ -50,7 +50,7 @@ bench: install
 # MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py".
 MUTANTS_PATHS ?=
 $(VENV)/.mutation: $(VENV)/.built
-	$(PIP) install $$($(PY) -c "import tomllib; print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['mutation']))")
+	$(PIP) install $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['mutation']))")
 	touch $@
 
 mutants: $(VENV)/.mutation

@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / "build" / "mutation"
 PACKAGE_DIR, IMPORT_NAME = "exporter", "attn_export"
 
-# The modules under mutation and the test files that exercise each directly. mutmut then
-# narrows these down per function to the tests that call it.
+# The modules under mutation and the unit tests that exercise each directly; mutmut then
+# narrows these down per function to the tests that call it. End-to-end files (an ONNX export
+# and an ONNX Runtime process per run, test_validation.py) are left out: ~1 min per mutant here.
 MUTATED = {
-    "exporter/validation/tolerances.py": ["tests/test_tolerances.py", "tests/test_validation.py"],
+    "exporter/validation/tolerances.py": ["tests/test_tolerances.py"],
     "exporter/shapes.py": ["tests/test_shapes.py"],
     "exporter/inputs.py": ["tests/test_inputs.py"],
     "exporter/replace.py": ["tests/test_replace.py"],
