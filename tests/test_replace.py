@@ -341,3 +341,22 @@ def test_nested_tensor_fast_path_is_switched_off_only_where_layers_were_fused():
     assert top.use_nested_tensor
     assert "(model): use_nested_tensor set to False" in " ".join(replace_attention(top).notes)
     assert top.use_nested_tensor is False
+
+
+def test_sdpa_modules_with_dropout_carry_the_note():
+    class Attn(nn.Module):
+        def __init__(self, **attrs):
+            super().__init__()
+            self.__dict__.update(attrs)
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    model = nn.ModuleDict({"drop": Attn(attn_drop=nn.Dropout(0.1)), "p": Attn(dropout_p=0.2, dropout=True),
+                           "off": Attn(attn_drop=nn.Dropout(0.0), attention_dropout=0)})
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).layers}
+    assert notes["drop"] == ["attn_drop=0.1: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout "
+                             "is not fused); fused otherwise"]
+    assert notes["p"] == ["dropout_p=0.2: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout "
+                          "is not fused); fused otherwise"]  # dropout=True is a flag, not a rate
+    assert notes["off"] == []

@@ -32,11 +32,12 @@ def test_graph_axes_skips_dimensions_without_a_name():
 def test_label_kinds_by_name_then_by_position():
     axes = {
         "a": {0: "N", 1: "T", 2: "Batch_size"},
-        "b": {0: "SeqLen", 1: "tgt_len", 3: "N"},  # N again: the first axis that carried it decides
+        "b": {3: "N", 0: "SeqLen", 1: "tgt_len"},  # N again: the first axis that carried it decides
     }
     assert label_kinds(axes) == {"N": "batch", "T": "seq", "Batch_size": "batch", "SeqLen": "seq",
                                  "tgt_len": "seq"}
     assert label_kinds({"x": {0: "sequence"}}) == {"sequence": "seq"}
+    assert label_kinds({"x": {0: "max_len"}}) == {"max_len": "seq"}
     assert label_kinds({"x": {1: "width"}}) == {"width": "seq"}
 
 
