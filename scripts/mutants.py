@@ -68,10 +68,11 @@ def toml_table(name: str, table: dict) -> str:
     return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
 
 
-def write_stage(modules: dict[str, list[str]]) -> None:
+def write_stage(modules: dict[str, list[str]]) -> bool:
     """build/mutation/: a fresh copy of the package under its import name, tests/, csrc/ and
-    the config. mutmut's own state (mutants/) is kept while the sources are unchanged, so an
-    interrupted run resumes; it is cleared when they changed."""
+    the config. mutmut's own state (mutants/) is kept while the package's sources are unchanged,
+    so a run resumes where the last one stopped; it is cleared when they changed. Returns
+    whether the tests changed since the last run (then the survivors are tried again)."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
     mutmut = dict(config["mutmut"])
     mutmut["source_paths"] = [IMPORT_NAME]
@@ -81,20 +82,26 @@ def write_stage(modules: dict[str, list[str]]) -> None:
     text = toml_table("tool.mutmut", mutmut) + "\n" + toml_table("tool.pytest.ini_options", config["pytest"]["ini_options"])
 
     STAGE.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(tests) + text
-    stamp = STAGE / "sources.stamp"
-    if not stamp.exists() or stamp.read_text() != fingerprint:
+    sources = _fingerprint(sorted((ROOT / PACKAGE_DIR).rglob("*.py")))
+    test_files = _fingerprint(sorted((ROOT / "tests").glob("*.py")))
+    if _read(STAGE / "sources.stamp") != sources:
         shutil.rmtree(STAGE / "mutants", ignore_errors=True)
+    tests_changed = _read(STAGE / "tests.stamp") != test_files
     for name, source in ((IMPORT_NAME, ROOT / PACKAGE_DIR), ("tests", ROOT / "tests"), ("csrc", ROOT / "csrc")):
         shutil.rmtree(STAGE / name, ignore_errors=True)
         shutil.copytree(source, STAGE / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "build"))
     (STAGE / "pyproject.toml").write_text(text)
-    stamp.write_text(fingerprint)
+    (STAGE / "sources.stamp").write_text(sources)
+    (STAGE / "tests.stamp").write_text(test_files)
+    return tests_changed
 
 
-def _fingerprint(tests: list[str]) -> str:
-    files = sorted((ROOT / PACKAGE_DIR).rglob("*.py")) + [ROOT / t for t in tests]
+def _fingerprint(files: list[Path]) -> str:
     return "".join(f"{f.relative_to(ROOT)} {f.stat().st_mtime_ns}\n" for f in files)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def tally(modules: dict[str, list[str]]) -> tuple[int, int, list[str]]:
@@ -141,12 +148,16 @@ def main() -> int:
     if not args.report_only:
         if not list((ROOT / PACKAGE_DIR).glob("_C*.so")):
             sys.exit("mutants: exporter/_C*.so is missing: run `make install` first")
-        write_stage(modules)
-        mutmut = Path(sys.executable).with_name("mutmut")
+        tests_changed = write_stage(modules)
+        retry = [name for line in tally(modules)[2] if line.startswith("    survived: ")
+                 for name in [line.split(": ", 1)[1]]] if tests_changed else []
+        mutmut = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(args.max_children)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.max_children)], cwd=STAGE, env=env)
-        if run.returncode != 0:
-            print(f"mutants: mutmut exited {run.returncode}", file=sys.stderr)
+        # New mutants first; then, when the tests changed, the survivors of earlier runs again.
+        for names in ([], retry) if retry else ([],):
+            run = subprocess.run(mutmut + names, cwd=STAGE, env=env)
+            if run.returncode != 0:
+                print(f"mutants: mutmut exited {run.returncode}", file=sys.stderr)
     killed, counted, lines = tally(modules)
     print("\n".join(lines))
     rate = 100.0 * killed / max(counted, 1)

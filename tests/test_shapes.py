@@ -17,9 +17,9 @@ def _model(*inputs):
 
 
 def test_graph_axes_lists_the_symbolic_axes_of_the_named_inputs():
-    model = _model(("src", ["batch", 16, "seq_1"]), ("mask", ["b", "2x", ""]), ("skip", ["batch"]),
+    model = _model(("skip", ["batch"]), ("src", ["Batch", 16, "seq_1"]), ("mask", ["b", "2x", ""]),
                    ("static", [2, 3]))
-    assert graph_axes(model, ["src", "mask", "static"]) == {"src": {0: "batch", 2: "seq_1"}, "mask": {0: "b"}}
+    assert graph_axes(model, ["src", "mask", "static"]) == {"src": {0: "Batch", 2: "seq_1"}, "mask": {0: "b"}}
     assert graph_axes(model, []) == {}
 
 
