@@ -71,6 +71,11 @@ def test_the_scale_is_the_largest_finite_reference_magnitude():
     assert not compare(got, ref, rtol=0.24)["passed"]
 
 
+def test_a_reference_smaller_than_one_sets_the_scale_too():
+    r = compare(t(0.75, 0.0), t(0.5, 0.0), rtol=0.25)  # scale 0.5: atol 0.125, relative error 0.5
+    assert not r["passed"] and r["max_rel_err"] == 0.5 and r["atol"] == 0.125
+
+
 def test_an_all_zero_reference_accepts_only_zeros():
     zeros = torch.zeros(3, dtype=torch.float64)
     exact = compare(zeros.clone(), zeros, rtol=1.0)
@@ -133,8 +138,9 @@ def test_the_messages_count_each_kind_of_mismatch():
 
 def test_a_reference_with_no_finite_value_compares_the_infinities_only():
     assert compare(t(INF, 5.0), t(INF, NAN), rtol=0.0)["passed"]
-    r = compare(t(NAN, NAN), t(NAN, NAN), rtol=0.0)
+    r = compare(t(NAN, NAN), t(NAN, NAN), rtol=0.5)
     assert r["passed"] and r["max_abs_err"] == 0.0 and r["max_rel_err"] == 0.0
+    assert r["atol"] == pytest.approx(0.5 * torch.finfo(torch.float32).tiny)  # scale 0, not 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,12 +150,13 @@ def test_a_reference_with_no_finite_value_compares_the_infinities_only():
 def test_a_shape_mismatch_fails_with_both_shapes():
     r = compare(torch.zeros(2, 3), torch.zeros(3, 2), rtol=1.0)
     assert r["passed"] is False and r["message"] == "shape [2, 3] != reference [3, 2]"
-    assert r["max_abs_err"] is None and r["atol"] is None and r["nan_mismatch"] == 0
+    assert r["max_abs_err"] is None and r["max_rel_err"] is None and r["atol"] is None and r["nan_mismatch"] == 0
 
 
 def test_integer_and_boolean_outputs_must_match_exactly():
     same = compare(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3]), rtol=1.0)
     assert same["passed"] and same["message"] == "" and same["max_abs_err"] == 0.0 and same["atol"] == 0.0
+    assert same["nan_mismatch"] == 0 and same["max_rel_err"] == 0.0
     differ = compare(torch.tensor([1, 5, 3, 0]), torch.tensor([1, 2, 3, 4]), rtol=1.0)
     assert not differ["passed"] and differ["message"] == "2 element(s) differ" and differ["max_abs_err"] == 2.0
     # float actual against an integer reference: cast to the reference's dtype first
