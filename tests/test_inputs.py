@@ -258,3 +258,29 @@ def test_from_attribute():
         model.example_inputs = bad
         with pytest.raises(InputError, match="must be a tensor, a tuple of tensors or a dict"):
             I.from_attribute(model)
+
+
+def test_what_the_first_mutation_run_left():
+    """Rules the first `make mutants` run found unpinned (docs/testing.md)."""
+    assert I._is_int_mask("attention_mask", torch.tensor([1, 1, 0]))  # an unbatched [L] mask
+    assert I.parse_dynamic_spec("Tgt:1=Len") == ("Tgt", 1, "Len")
+
+    class NoParams(nn.Module):
+        def forward(self):
+            return None
+
+    with pytest.raises(InputError, match="NoParams.forward takes no named parameters"):
+        I.order_for_model(NoParams(), {"x": torch.zeros(1)})
+    with pytest.raises(InputError, match="Plain.forward requires a, b; give it"):
+        I.order_for_model(Plain(), {})
+    # resize: seeded, unchanged inputs kept as they are, inputs without axes left alone
+    example = {"x": torch.zeros(2, 4), "kpm": torch.tensor([[False, False, True, True]] * 2), "w": torch.ones(3)}
+    axes = {"x": {0: "batch", 1: "seq"}, "kpm": {0: "batch", 1: "seq"}}
+    torch.manual_seed(1)
+    one = I.resize(example, axes, {"batch": 6, "seq": 30}, seed=5)
+    torch.manual_seed(2)
+    two = I.resize(example, axes, {"batch": 6, "seq": 30}, seed=5)
+    assert all(torch.equal(one[n], two[n]) for n in example)
+    assert one["w"] is example["w"]
+    kept = I.resize(example, axes, {"batch": 2, "seq": 4})
+    assert kept["x"] is example["x"] and kept["kpm"] is example["kpm"]
