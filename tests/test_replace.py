@@ -360,3 +360,8 @@ def test_sdpa_modules_with_dropout_carry_the_note():
     assert notes["p"] == ["dropout_p=0.2: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout "
                           "is not fused); fused otherwise"]  # dropout=True is a flag, not a rate
     assert notes["off"] == []
+    # every attribute name the models in the wild use for the rate
+    names = ("attn_drop", "attn_dropout", "attention_dropout", "dropout", "dropout_p", "attn_pdrop")
+    model = nn.ModuleDict({name: Attn(**{name: 0.3}) for name in names})
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).layers}
+    assert {name: notes[name][0].split(":")[0] for name in names} == {name: f"{name}=0.3" for name in names}
