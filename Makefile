@@ -13,7 +13,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test bench install clean plugin
+.PHONY: demo test bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,17 @@ bench: install
 	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
 	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager (tens of minutes).
 	$(VENV)/bin/attn-export bench --onnx --memory 1x2048 --markdown docs/bench_onnx.md --json docs/bench_onnx.json --plot docs/bench_onnx.png
+
+# Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
+# each running only the tests that call the mutated function; >= 90% must be killed.
+# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py".
+MUTANTS_PATHS ?=
+$(VENV)/.mutation: $(VENV)/.built
+	$(PIP) install $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['mutation']))")
+	touch $@
+
+mutants: $(VENV)/.mutation
+	$(PY) scripts/mutants.py $(MUTANTS_PATHS)
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
 plugin:

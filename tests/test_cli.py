@@ -61,6 +61,7 @@ def test_bench_rejects_bad_shapes_with_exit_2(bad):
 
 
 def test_bench_plot_and_memory(tmp_path: Path):
+    pytest.importorskip("matplotlib", reason="--plot needs the bench extra: pip install 'attn-export[bench]'")
     png, json_path = tmp_path / "latency.png", tmp_path / "b.json"
     run("bench", "--shapes", "1x8x16x2,1x32x16x2", "--mode", "inference", "--rounds", "1",
         "--min-run-time", "0.01", "--no-sdpa", "--plot", str(png), "--memory", "1x64x16x2",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'attn-export[hf]'")
 
 import attn_export  # noqa: E402
 from attn_export import hf  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'attn-export[hf]'")
 
 import attn_export  # noqa: E402
 from attn_export import hf  # noqa: E402

@@ -273,3 +273,95 @@ def test_fused_layer_alone_inside_a_stock_encoder_layer_is_not_bypassed():
 
 def test_public_api():
     assert attn_export.replace_attention is replace_attention
+
+
+def test_a_model_that_is_an_attention_layer_is_left_in_place_with_the_reason():
+    model = nn.MultiheadAttention(16, 2, batch_first=True)
+    plan = inspect_attention(model)
+    report = replace_attention(model)  # nothing to swap it in: the model has no parent
+    for r in (plan, report):
+        assert r.num_replaced == 0 and [layer.path for layer in r.skipped] == [""]
+        assert "the model itself is the attention layer: use FusedMultiheadAttention.from_module" in r.skipped[0].reason
+        assert r.skipped[0].notes == []
+    assert type(model) is nn.MultiheadAttention
+    with pytest.raises(CoverageError, match="the model itself"):
+        replace_attention(model, require_all=True)
+
+
+def test_a_layer_both_overriding_forward_and_being_the_model_gives_both_reasons():
+    report = replace_attention(Custom(16, 2))
+    assert report.skipped[0].reason == ("Custom overrides nn.MultiheadAttention.forward; the model itself is the "
+                                        "attention layer: use FusedMultiheadAttention.from_module")
+
+
+def test_attention_like_modules_are_listed_unless_they_hold_a_multihead_attention():
+    class SelfAttention(nn.Module):  # named like attention, computes it by hand
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.embed_dim = 2, 16
+            self.qkv = nn.Linear(16, 48)
+
+    class AttentionBlock(nn.Module):  # named like attention, wraps a stock layer
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.MultiheadAttention(16, 2)
+
+    model = nn.ModuleDict({"hand": SelfAttention(), "block": AttentionBlock(), "lin": nn.Linear(2, 2)})
+    report = replace_attention(model)
+    assert [layer.path for layer in report.replaced] == ["block.inner"]
+    (hand,) = report.skipped
+    assert hand.path == "hand" and hand.num_heads == 2 and hand.embed_dim == 16 and hand.found == ""
+    assert hand.reason.startswith("not a torch.nn.MultiheadAttention and its forward calls no "
+                                  "F.scaled_dot_product_attention")
+    assert type(model["block"].inner) is FusedMultiheadAttention
+    # The model itself named like attention is not listed (nothing to swap it into).
+    assert inspect_attention(SelfAttention()).layers == []
+
+
+def test_dropout_is_noted_on_the_replaced_layer():
+    report = replace_attention(nn.ModuleDict({"d": nn.MultiheadAttention(16, 2, dropout=0.25),
+                                              "n": nn.MultiheadAttention(16, 2, dropout=0.0)}))
+    notes = {layer.path: layer.notes for layer in report.replaced}
+    assert notes["d"] == ["dropout=0.25: unfused in training mode (dropout is not fused); fused in eval"]
+    assert notes["n"] == []
+
+
+def test_nested_tensor_fast_path_is_switched_off_only_where_layers_were_fused():
+    fused_enc = encoder(2)
+    other = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    other.layers[0].self_attn = Custom(16, 2, batch_first=True)
+    other.layers[1].self_attn = Custom(16, 2, batch_first=True)
+    model = nn.ModuleDict({"enc": fused_enc, "other": other})
+    assert fused_enc.use_nested_tensor and other.use_nested_tensor
+    report = replace_attention(model)
+    assert fused_enc.use_nested_tensor is False and other.use_nested_tensor is True
+    assert [n for n in report.notes if "use_nested_tensor" in n] == [
+        "enc: use_nested_tensor set to False (its nested-tensor fast path would bypass the fused layers)"]
+    top = encoder(1)
+    assert top.use_nested_tensor
+    assert "(model): use_nested_tensor set to False" in " ".join(replace_attention(top).notes)
+    assert top.use_nested_tensor is False
+
+
+def test_sdpa_modules_with_dropout_carry_the_note():
+    class Attn(nn.Module):
+        def __init__(self, **attrs):
+            super().__init__()
+            self.__dict__.update(attrs)
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    model = nn.ModuleDict({"drop": Attn(attn_drop=nn.Dropout(0.1)), "p": Attn(dropout_p=0.2, dropout=True),
+                           "off": Attn(attn_drop=nn.Dropout(0.0), attention_dropout=0)})
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).layers}
+    assert notes["drop"] == ["attn_drop=0.1: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout "
+                             "is not fused); fused otherwise"]
+    assert notes["p"] == ["dropout_p=0.2: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout "
+                          "is not fused); fused otherwise"]  # dropout=True is a flag, not a rate
+    assert notes["off"] == []
+    # every attribute name the models in the wild use for the rate
+    names = ("attn_drop", "attn_dropout", "attention_dropout", "dropout", "dropout_p", "attn_pdrop")
+    model = nn.ModuleDict({name: Attn(**{name: 0.3}) for name in names})
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).layers}
+    assert {name: notes[name][0].split(":")[0] for name in names} == {name: f"{name}=0.3" for name in names}

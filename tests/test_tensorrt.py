@@ -277,8 +277,12 @@ def test_preflight_refuses_unsupported_types_before_loading_anything(libraries, 
 
 
 def test_preflight_accepts_bfloat16_on_ampere(libraries):
-    attn_trt.preflight(_one_node_model(TensorProto.BFLOAT16), libraries["entry"], registry=Registry([Creator()]),
-                       compute_capability=(8, 0))
+    registry = Registry([Creator()])
+    report = attn_trt.preflight(_one_node_model(TensorProto.BFLOAT16), libraries["entry"], registry=registry,
+                                compute_capability=(8, 0))
+    (request,) = report.requests
+    assert request.types == {"attn0": "bfloat16"} and request.nodes == ["attn0"]
+    assert registry.loaded == [str(libraries["entry"])] and report.notes == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,18 @@ from attn_export._errors import InputError
 from attn_export.inputs import padding_mask, resize
 from attn_export.onnx_export import export_onnx
 from attn_export.validation import compare, shape_cases, tolerance, validate
+from attn_export.validation.runners import OnnxRuntimeRunner
+
+FP32_EPS = 2.0 ** -23
+
+
+def documented_rtol(model, shapes):
+    """docs/validation.md, written independently of the gate: rtol = 8 * eps(fp32) * sqrt(K), K
+    the widest contraction (Linear in_features, LayerNorm size) or the longest sequence."""
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    widths += [m.normalized_shape[0] for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    widths += [shape[1] for shape in shapes.values() if len(shape) >= 2]
+    return 8.0 * FP32_EPS * math.sqrt(max(widths))
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +64,33 @@ def test_honest_export_passes_every_case(honest_report):
     long = next(c for c in report.cases if c.case == "seq=long")
     assert long.shapes["src"][1] > 16
     assert {c.name for c in report.checks} >= {"dynamic axes", "attention function"}
+
+
+def test_the_tolerance_has_the_documented_size_and_honest_errors_pass_with_margin(small_seq2seq, honest_report):
+    for case in honest_report.cases:
+        assert case.rtol == pytest.approx(documented_rtol(small_seq2seq, case.shapes), rel=1e-9), case
+        assert case.max_rel_err <= case.rtol / 4, case  # measured here: ~50x below
+
+
+def test_an_output_off_by_twice_the_tolerance_fails(small_seq2seq, exported_seq2seq, monkeypatch):
+    """ONNX Runtime's outputs moved by 2x the documented tolerance at one element: every case
+    fails (a factor 8 -> 64 would pass it); the PyTorch side, untouched, passes."""
+    ort_run = OnnxRuntimeRunner.run
+
+    def off_by_twice(self, inputs):
+        outputs = [o.clone() for o in ort_run(self, inputs)]
+        rtol = documented_rtol(small_seq2seq, {n: list(t.shape) for n, t in inputs.items()})
+        for out in outputs:
+            out.view(-1)[0] += 2.0 * rtol * float(out.abs().max())
+        return outputs
+
+    monkeypatch.setattr(OnnxRuntimeRunner, "run", off_by_twice)
+    report = validate(small_seq2seq, exported_seq2seq.path, small_seq2seq.example_inputs)
+    ort_cases = [c for c in report.cases if c.backend == "onnxruntime"]
+    assert len(ort_cases) == 5 and all(c.status == "failed" for c in ort_cases)
+    assert all(1.8 * c.rtol < c.max_rel_err < 2.2 * c.rtol for c in ort_cases)
+    assert all(c.passed for c in report.cases if c.backend == "pytorch-replaced")
+    assert not report.passed
 
 
 @pytest.mark.parametrize("how", ["perturb", "nan"])

@@ -1,0 +1,169 @@
+"""Mutation testing of the gate and the export (``make mutants``; docs/testing.md).
+
+mutmut 3 finds the tests of each function by recording which tests call it, then runs only
+those on each mutant, forked from a process that has imported torch once. It derives a
+module's name from its path, but this checkout's package directory ``exporter/`` imports as
+``attn_export``. So mutmut runs in a stage, build/mutation/, where the package is laid out
+under its import name (a copy of exporter/, with the built _C.so), beside copies of tests/
+and csrc/ (the spec header) and a pyproject.toml written here from the checkout's
+[tool.mutmut] and [tool.pytest.ini_options] with the paths translated.
+
+    python scripts/mutants.py                         # every module of MUTATED (slow)
+    python scripts/mutants.py exporter/validation     # a folder: the listed modules under it
+    python scripts/mutants.py exporter/inputs.py --report-only
+
+Prints one line per module (killed / survived / no tests / other) and every survivor; the
+mutants themselves: ``cd build/mutation && ../../.venv/bin/mutmut show NAME``. Exits 1 when
+the kill rate is under --min-kill-rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE = ROOT / "build" / "mutation"
+PACKAGE_DIR, IMPORT_NAME = "exporter", "attn_export"
+
+# The modules under mutation and the unit tests that exercise each directly; mutmut then
+# narrows these down per function to the tests that call it. End-to-end files (an ONNX export
+# and an ONNX Runtime process per run, test_validation.py) are left out: ~1 min per mutant here.
+MUTATED = {
+    "exporter/validation/tolerances.py": ["tests/test_tolerances.py"],
+    "exporter/shapes.py": ["tests/test_shapes.py"],
+    "exporter/inputs.py": ["tests/test_inputs.py"],
+    "exporter/replace.py": ["tests/test_replace.py"],
+    "exporter/loading.py": ["tests/test_loading.py"],
+    "exporter/onnx_node.py": ["tests/test_onnx_node.py"],
+}
+
+
+def selected(paths: list[str]) -> dict[str, list[str]]:
+    if not paths:
+        return dict(MUTATED)
+    chosen = {}
+    for path in paths:
+        path = path.rstrip("/")
+        hits = {m: t for m, t in MUTATED.items() if m == path or m.startswith(path + "/")}
+        if not hits:
+            sys.exit(f"mutants: {path!r} is not a mutated module nor a folder holding one; "
+                     f"one of: {', '.join(MUTATED)}")
+        chosen.update(hits)
+    return chosen
+
+
+def staged(path: str) -> str:
+    """exporter/x.py -> attn_export/x.py"""
+    return IMPORT_NAME + path[len(PACKAGE_DIR):]
+
+
+def toml_table(name: str, table: dict) -> str:
+    # Strings, numbers, booleans and lists of strings only: their JSON spelling is valid TOML.
+    return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
+
+
+def write_stage(modules: dict[str, list[str]]) -> bool:
+    """build/mutation/: a fresh copy of the package under its import name, tests/, csrc/ and
+    the config. mutmut's own state (mutants/) is kept while the package's sources are unchanged,
+    so a run resumes where the last one stopped; it is cleared when they changed. Returns
+    whether the tests changed since the last run (then the survivors are tried again)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    mutmut = dict(config["mutmut"])
+    mutmut["source_paths"] = [IMPORT_NAME]
+    mutmut["only_mutate"] = [staged(m) for m in modules]
+    tests = sorted({t for ts in modules.values() for t in ts})
+    mutmut["pytest_add_cli_args_test_selection"] = tests
+    text = toml_table("tool.mutmut", mutmut) + "\n" + toml_table("tool.pytest.ini_options", config["pytest"]["ini_options"])
+
+    STAGE.mkdir(parents=True, exist_ok=True)
+    sources = _fingerprint(sorted((ROOT / PACKAGE_DIR).rglob("*.py")))
+    test_files = _fingerprint(sorted((ROOT / "tests").glob("*.py")))
+    if _read(STAGE / "sources.stamp") != sources:
+        shutil.rmtree(STAGE / "mutants", ignore_errors=True)
+    tests_changed = _read(STAGE / "tests.stamp") != test_files
+    for name, source in ((IMPORT_NAME, ROOT / PACKAGE_DIR), ("tests", ROOT / "tests"), ("csrc", ROOT / "csrc")):
+        shutil.rmtree(STAGE / name, ignore_errors=True)
+        shutil.copytree(source, STAGE / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "build"))
+    (STAGE / "pyproject.toml").write_text(text)
+    (STAGE / "sources.stamp").write_text(sources)
+    (STAGE / "tests.stamp").write_text(test_files)
+    return tests_changed
+
+
+def _fingerprint(files: list[Path]) -> str:
+    return "".join(f"{f.relative_to(ROOT)} {f.stat().st_mtime_ns}\n" for f in files)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def tally(modules: dict[str, list[str]]) -> tuple[int, int, list[str]]:
+    """(killed, counted, lines): counted = killed + survived (mutants no test reaches count as
+    survivors; timeouts as killed, as mutmut does)."""
+    killed = counted = 0
+    lines = []
+    for module in modules:
+        meta = STAGE / "mutants" / (staged(module) + ".meta")
+        if not meta.exists():
+            lines.append(f"{module}: not run")
+            continue
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        status = {k: _status(c) for k, c in codes.items()}
+        k = sum(s == "killed" for s in status.values())
+        survivors = sorted(name for name, s in status.items() if s in ("survived", "no tests"))
+        other = len(status) - k - len(survivors)
+        killed, counted = killed + k, counted + k + len(survivors)
+        rate = 100.0 * k / max(k + len(survivors), 1)
+        lines.append(f"{module}: {k} killed, {len(survivors)} survived ({rate:.1f}% killed)"
+                     + (f", {other} not run" if other else ""))
+        lines += [f"    survived: {name}" for name in survivors]
+    return killed, counted, lines
+
+
+def _status(code) -> str:
+    if code in (1, 3, 36, 24, -24, 152, 255, -11, -9):  # test failure, pytest error, timeout, crash
+        return "killed"
+    if code == 0:
+        return "survived"
+    if code in (5, 33):
+        return "no tests"
+    return "not run"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", help="modules or folders of the checkout (default: all of MUTATED)")
+    parser.add_argument("--max-children", type=int, default=1, help="parallel mutants (default 1)")
+    parser.add_argument("--min-kill-rate", type=float, default=90.0)
+    parser.add_argument("--report-only", action="store_true", help="tally the last run, run nothing")
+    args = parser.parse_args()
+    modules = selected([p for arg in args.paths for p in arg.replace(",", " ").split()])
+    if not args.report_only:
+        if not list((ROOT / PACKAGE_DIR).glob("_C*.so")):
+            sys.exit("mutants: exporter/_C*.so is missing: run `make install` first")
+        tests_changed = write_stage(modules)
+        retry = [name for line in tally(modules)[2] if line.startswith("    survived: ")
+                 for name in [line.split(": ", 1)[1]]] if tests_changed else []
+        mutmut = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(args.max_children)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # New mutants first; then, when the tests changed, the survivors of earlier runs again.
+        for names in ([], retry) if retry else ([],):
+            run = subprocess.run(mutmut + names, cwd=STAGE, env=env)
+            if run.returncode != 0:
+                print(f"mutants: mutmut exited {run.returncode}", file=sys.stderr)
+    killed, counted, lines = tally(modules)
+    print("\n".join(lines))
+    rate = 100.0 * killed / max(counted, 1)
+    print(f"total: {killed} of {counted} mutants killed ({rate:.1f}%); threshold {args.min_kill_rate:.0f}%")
+    return 0 if rate >= args.min_kill_rate else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
