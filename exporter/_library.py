@@ -1,4 +1,4 @@
-"""Loads the compiled extension, then registers the fake (meta) kernels.
+"""Loads the compiled extension, then registers the fake (meta) kernels and the autocast rules.
 
 The order matters: registering fakes for operators whose schemas were never loaded fails with
 an opaque error, so a missing build must be reported first, in words that say how to fix it.
@@ -27,4 +27,5 @@ def load_library() -> None:
             "`pip install --no-build-isolation -e .` (or run `make test`, which does it)."
         ) from exc
     importlib.import_module("attn_export._fake")
+    importlib.import_module("attn_export._autocast").register()
     _loaded = True
