@@ -18,7 +18,7 @@ def run(*args, check=True):
 
 def test_help_lists_verbs():
     out = run("--help").stdout
-    for verb in ("convert", "inspect", "validate", "bench"):
+    for verb in ("convert", "inspect", "validate", "bench", "heatmap"):
         assert verb in out
     assert "attn-export MODEL --to onnx" in out
 
@@ -27,9 +27,10 @@ def test_help_lists_verbs():
     ("convert", ["--to", "--input", "--example-inputs", "--dynamic", "--static", "--opset", "--dtype",
                  "--no-validate", "--trust-model-file", "EXECUTES CODE", "--allow-class", "--model", "--weights",
                  "--quiet", "--verbose", "--json", "--junit", "--min-replaced", "transformers:CLASS",
-                 "--config", "save_pretrained folder"]),
+                 "--config", "save_pretrained folder", "--onnx-attention", "--ort-provider", "--html"]),
     ("inspect", ["--allow-class", "--trust-model-file", "--require-all"]),
-    ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes"]),
+    ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes", "--ort-provider", "--html"]),
+    ("heatmap", ["--layer", "--batch-index", "--format", "--max-layers", "--max-heads", "--input"]),
     ("export", ["--to"]),  # alias of convert
 ])
 def test_every_verb_explains_itself(verb, words):
@@ -39,7 +40,8 @@ def test_every_verb_explains_itself(verb, words):
 
 
 def test_bench_help():
-    assert "--shapes" in run("bench", "--help").stdout
+    out = run("bench", "--help").stdout
+    assert "--shapes" in out and "--onnx" in out
 
 
 def test_bench_smoke_writes_json_and_markdown(tmp_path: Path):
