@@ -303,7 +303,7 @@ def test_softcap_matches_the_cpu_operator(emu):
 # sm_80, 227 KB on sm_90), guard zones, alignment, shuffle masks and warp divergence.
 SELFTESTS = {
     "threads_1024": "",
-    "threads_1025": "1025 threads per block",
+    "threads_1025": "blockDim.x = 1025 (limit 1024)",
     "block_z_65": "blockDim.z = 65",
     "grid_y_65536": "gridDim.y = 65536",
     "smem_48k": "",
