@@ -58,6 +58,16 @@ $(VENV)/.mutation: $(VENV)/.built
 mutants: $(VENV)/.mutation
 	$(PY) scripts/mutants.py $(MUTANTS_PATHS)
 
+# ThreadSanitizer over a representative subset of the emulated CUDA kernels (forward and backward,
+# flash and generic, sm_80 and sm_90 dispatch), under both cp.async orderings: a race between
+# emulated threads is a missing __syncthreads. Builds its own sanitized extension (cached).
+.PHONY: tsan
+tsan: install
+	ATTN_EXPORT_EMU_TSAN=1 $(PY) tests/cuda_emulator/tsan_check.py --build
+	for order in late early; do \
+	  ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) $(PY) tests/cuda_emulator/tsan_check.py --order $$order || exit 1; \
+	done
+
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>
 plugin:
 	cmake -S plugins/tensorrt -B build/tensorrt $(if $(TENSORRT_ROOT),-DTENSORRT_ROOT=$(TENSORRT_ROOT)) -DATTN_EXPORT_REQUIRE_TENSORRT=ON

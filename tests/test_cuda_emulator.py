@@ -36,10 +36,29 @@ TOL_GRAD = {torch.float64: 1e-12, torch.float32: 16 * EPS[torch.float32], torch.
 
 
 @pytest.fixture(scope="module")
-def emu():
+def emu_ops():
     from cuda_emulator.build import load
 
     return load()
+
+
+# The emulated device and cp.async ordering the current tests run under (see the emu fixture).
+ACTIVE = {"arch": 90, "order": "late"}
+
+
+# Every kernel test runs twice: cp.async copies landing at the wait (late) on an emulated sm_90,
+# and landing as soon as issued (early) on an emulated sm_80 — both orderings of the copies (a
+# read before the wait, and a refill before the readers are done, each change the results) and
+# both devices' dispatch (the device reports the compute capability asked for).
+@pytest.fixture(scope="module", params=[("late", 90), ("early", 80)], ids=["late-sm90", "early-sm80"])
+def emu(request, emu_ops):
+    ACTIVE["order"], ACTIVE["arch"] = request.param
+    emu_ops.set_cp_async_order(ACTIVE["order"])
+    emu_ops.set_arch(ACTIVE["arch"])
+    yield emu_ops
+    ACTIVE["order"], ACTIVE["arch"] = "late", 90
+    emu_ops.set_cp_async_order("late")
+    emu_ops.set_arch(90)
 
 
 # The shared mask kinds, with a float16 mask for the flash kernels' half-mask path in place of
@@ -275,3 +294,80 @@ def test_softcap_matches_the_cpu_operator(emu):
     for a, b, name in zip(grads, cpu_grads, "qkv"):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"grad {name}")
     assert attn_export
+
+
+# ---- The emulator itself: as strict as a GPU, and its MMA/ldmatrix tables right.
+
+# Each case does one thing a GPU refuses or faults on, or its legal twin (expected error ""):
+# the launch limits, the 48 KB shared-memory default and the device's opt-in maximum (163 KB on
+# sm_80, 227 KB on sm_90), guard zones, alignment, shuffle masks and warp divergence.
+SELFTESTS = {
+    "threads_1024": "",
+    "threads_1025": "blockDim.x = 1025 (limit 1024)",
+    "block_z_65": "blockDim.z = 65",
+    "grid_y_65536": "gridDim.y = 65536",
+    "smem_48k": "",
+    "smem_48k_plus_1": "needs cudaFuncSetAttribute",
+    "smem_100k_opted_in": "",
+    "smem_200k_opted_in": {80: "opt-in maximum of sm_80", 90: ""},
+    "smem_write_last": "",
+    "smem_write_past_end": "shared memory written out of bounds",
+    "smem_write_before_start": "shared memory written out of bounds",
+    "global_write_last": "",
+    "global_write_past_end": "global memory written out of bounds",
+    "cp_async_in_bounds": "",
+    "cp_async_past_end": "outside every global buffer",
+    "cp_async_misaligned": "not 16-byte aligned",
+    "cp_async_smem_overflow": "outside the block's",
+    "ldmatrix_aligned": "",
+    "ldmatrix_misaligned": "not 16-byte aligned",
+    "ldmatrix_past_end": "outside the block's",
+    "ldmatrix_partial_warp": "need all 32 lanes",
+    "shfl_full_mask": "",
+    "shfl_half_mask": "not in its mask",
+    "shfl_mask_of_partial_warp": "",
+    "shfl_mask_beyond_partial_warp": "do not execute it",
+    "divergent_collectives": "warp divergence",
+    "store_pair_aligned": "",
+    "store_pair_misaligned": "misaligned 4-byte access",
+}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_emulator_fails_where_a_gpu_would(emu_ops, arch):
+    emu_ops.set_arch(arch)
+    try:
+        results = {name: emu_ops.selftest(name) for name in SELFTESTS}
+    finally:
+        emu_ops.set_arch(ACTIVE["arch"])
+    for name, expected in SELFTESTS.items():
+        expected = expected[arch] if isinstance(expected, dict) else expected
+        if expected:
+            assert expected in results[name], f"{name} on sm_{arch}: {results[name]!r}"
+        else:
+            assert results[name] == "", f"{name} on sm_{arch}: {results[name]!r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b_k_major", [False, True], ids=["b_n_major", "b_k_major"])
+def test_fragment_tables_give_a_known_product(emu_ops, dtype, b_k_major):
+    """One 16x16 by 16x8 product through ldmatrix (.trans for a k-major B) and mma.sync, loaded
+    as the flash kernels load their operands: small integers, so the float64 answer is exact."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-4, 5, (16, 16), generator=g).to(dtype)
+    b = torch.randint(-4, 5, (16, 8), generator=g).to(dtype)
+    d = emu_ops.mma_product(a, b.contiguous() if b_k_major else b.t().contiguous(), b_k_major)
+    assert torch.equal(d.double(), a.double() @ b.double())
+
+
+def test_sm75_runs_the_generic_kernels(emu_ops):
+    # No mma.sync m16n8k16 before sm_80: the dispatch must not pick the flash kernels there.
+    q = torch.randn(1, 2, 19, 64, dtype=torch.float16)
+    emu_ops.set_arch(75)
+    try:
+        assert not emu_ops.uses_tensor_cores(q, q, q)
+        out = emu_ops.forward(q, q, q, None, None, True, None, False)[0]
+    finally:
+        emu_ops.set_arch(ACTIVE["arch"])
+    assert emu_ops.uses_tensor_cores(q, q, q)
+    _assert_close(out, reference_attention(q, q, q, is_causal=True)[0], TOL_OUT[torch.float16], "output")

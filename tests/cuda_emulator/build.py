@@ -8,8 +8,12 @@ a share of csrc/kernels/cuda/*.cu after simt_emulator.h. The extension's name ca
 of every source it is built from, so an edit anywhere rebuilds it.
 
     ATTN_EXPORT_EMU_TSAN=1     build with ThreadSanitizer (data races between emulated threads
-                               = missing __syncthreads); run pytest under
-                               LD_PRELOAD=$(gcc -print-file-name=libtsan.so)
+                               = missing __syncthreads); run under
+                               LD_PRELOAD=$(gcc -print-file-name=libtsan.so) (tsan_check.py, make tsan)
+
+Every unit is compiled with -fsanitize=alignment: a misaligned typed load or store in a kernel
+calls the handler in emulator_runtime.cpp, which fails the launch as a GPU would (no sanitizer
+runtime is linked for it).
 """
 from __future__ import annotations
 
@@ -103,11 +107,14 @@ def load(verbose: bool = False):
         if not unit.exists() or unit.read_text() != text:
             unit.write_text(text)
         sources.append(str(unit))
-    sources += [str(HERE / "emulator_runtime.cpp"), str(HERE / "emulator_ops.cpp"), str(CSRC / "ops" / "attention_binding.cpp")]
+    sources += [str(HERE / f) for f in ("emulator_runtime.cpp", "emulator_ops.cpp", "emulator_selftest.cpp",
+                                        "guarded_memory.cpp")]
+    sources.append(str(CSRC / "ops" / "attention_binding.cpp"))
 
     cflags = [
         "-std=c++20", "-O2", "-g0", "-pthread", "-fno-strict-aliasing",
         "-DATTN_EXPORT_SIMT_EMULATOR", "-Wno-attributes", "-Wno-unknown-pragmas",
+        "-fsanitize=alignment",
     ]
     # -Bsymbolic: the CUDA runtime functions emulator_runtime.cpp defines must bind to those
     # definitions even when a CUDA build of torch has already loaded the real libcudart.

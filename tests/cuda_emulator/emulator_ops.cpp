@@ -1,15 +1,20 @@
 // Test-only operators that run the CUDA kernels under the SIMT emulator on CPU tensors:
 // torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores}. They mirror the CUDA
 // binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
-// stream; the forward's setup is the bindings' own (prepare_attention_forward).
+// stream; the forward's setup is the bindings' own (prepare_attention_forward). Every tensor
+// the kernels see lives in guarded memory (guarded_memory.h): the inputs are copied there first.
+// set_arch and set_cp_async_order choose the emulated device and the cp.async ordering.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
+#include "guarded_memory_scope.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "ops/attention_binding.h"
+#include "simt_emulator.h"
 
 namespace attn_export::ops {
 namespace {
@@ -17,25 +22,52 @@ namespace {
 void check(cudaError_t err, const AttentionParams& params) {
   const char* why = cuda::attention_params_error(params);
   TORCH_CHECK(why == nullptr, why);
-  TORCH_CHECK(err == cudaSuccess, "emulated kernels failed: ", static_cast<int>(err));
+  TORCH_CHECK(err == cudaSuccess, "emulated kernels failed: ", cudaGetErrorString(err), ": ",
+              simt_emulator::first_error());
+}
+
+// One emulated op: guarded allocations, a clean error state, and no failure left unreported
+// (one the host code did not turn into an error code still fails the op).
+struct EmulatedCall {
+  EmulatedCall() { simt_emulator::reset_errors(); }
+  void finish() const {
+    const std::string error = simt_emulator::first_error();
+    TORCH_CHECK(error.empty(), "emulated kernels failed: ", error);
+  }
+  guarded_memory::Scope guarded;
+};
+
+std::optional<at::Tensor> guarded(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(guarded_memory::guarded_copy(*t)) : std::nullopt;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+    const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
     bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
+  EmulatedCall call;
+  const at::Tensor query = guarded_memory::guarded_copy(query_in), key = guarded_memory::guarded_copy(key_in),
+                   value = guarded_memory::guarded_copy(value_in);
+  const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
   const AttentionForward f = prepare_attention_forward(
       query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
       /*masks_in_compute_dtype=*/false, softcap);
   check(cuda::run_attention_forward(f.params, nullptr), f.params);
+  call.finish();
   return attention_forward_results(f, query);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    const at::Tensor& grad_output_in, const std::optional<at::Tensor>& grad_weights_in,
+    const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& logsumexp_in,
+    const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
     bool is_causal, std::optional<double> scale, double softcap) {
+  EmulatedCall call;
+  using guarded_memory::guarded_copy;
+  const at::Tensor grad_output = guarded_copy(grad_output_in), query = guarded_copy(query_in),
+                   key = guarded_copy(key_in), value = guarded_copy(value_in), logsumexp = guarded_copy(logsumexp_in);
+  const auto grad_weights = guarded(grad_weights_in), attn_mask = guarded(attn_mask_in),
+             key_padding_mask = guarded(key_padding_mask_in);
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
@@ -66,11 +98,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
                             softcap),
       grad_out, gw, grad_q, grad_k, grad_v);
-  // Filled with garbage: the kernels must not rely on a zeroed workspace.
+  // Exactly the size asked for, between guards, 256-byte aligned by the guarded allocator, and
+  // filled with garbage: the kernels must not rely on a zeroed workspace.
   at::Tensor workspace = at::full(
-      {static_cast<int64_t>(cuda::attention_backward_workspace_size(params)) + 256}, 0x7f, query.options().dtype(at::kByte));
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data_ptr()) + 255) / 256 * 256);
+      {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))}, 0x7f, query.options().dtype(at::kByte));
+  void* aligned = workspace.data_ptr();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(aligned) % 256 == 0, "workspace not 256-byte aligned");
   check(cuda::run_attention_backward(params, aligned, nullptr), params);
+  call.finish();
   return std::make_tuple(grad_q, grad_k, grad_v);
 }
 
@@ -82,7 +117,21 @@ bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at:
       make_attention_params(q, k, v, out, lse, std::nullopt, std::nullopt, std::nullopt, 1.0, false));
 }
 
+void set_arch(int64_t arch) {
+  TORCH_CHECK(simt_emulator::select_arch(static_cast<int>(arch)), "set_arch: no emulated device sm_", arch,
+              "; use 75, 80 or 90");
+}
+
+void set_cp_async_order(const std::string& order) {
+  TORCH_CHECK(order == "late" || order == "early", "set_cp_async_order: '", order, "'; use 'late' or 'early'");
+  simt_emulator::copies_land_early = order == "early";
+}
+
 }  // namespace
+
+// emulator_selftest.cpp
+std::string emulator_selftest(const std::string& name);
+at::Tensor emulator_mma_product(const at::Tensor& a, const at::Tensor& b, bool b_k_major);
 
 TORCH_LIBRARY(attn_export_emu, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
@@ -91,6 +140,10 @@ TORCH_LIBRARY(attn_export_emu, m) {
         "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
         "float softcap=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
+  m.def("set_arch(int arch) -> ()", &set_arch);
+  m.def("set_cp_async_order(str order) -> ()", &set_cp_async_order);
+  m.def("selftest(str name) -> str", &emulator_selftest);
+  m.def("mma_product(Tensor a, Tensor b, bool b_k_major) -> Tensor", &emulator_mma_product);
 }
 
 TORCH_LIBRARY_IMPL(attn_export_emu, CPU, m) {

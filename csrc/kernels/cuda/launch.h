@@ -18,11 +18,7 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) {
     return cudaSuccess;  // nothing to do (an empty grid is a launch error, not a no-op)
   }
-#if defined(ATTN_EXPORT_SIMT_EMULATOR)
-  (void)stream;
-  simt_emulator::launch(kernel, grid, block, smem_bytes, std::forward<Args>(args)...);
-  return cudaSuccess;
-#else
+  // The opt-in runs under the SIMT emulator too, which enforces the 48 KB default like a GPU.
   if (smem_bytes > kDefaultSmemLimit) {
     const cudaError_t err = cudaFuncSetAttribute(
         reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
@@ -30,9 +26,13 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
       return err;
     }
   }
+#if defined(ATTN_EXPORT_SIMT_EMULATOR)
+  (void)stream;
+  simt_emulator::launch(kernel, grid, block, smem_bytes, std::forward<Args>(args)...);
+#else
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
-  return cudaGetLastError();
 #endif
+  return cudaGetLastError();
 }
 
 }  // namespace attn_export::cuda
