@@ -15,7 +15,7 @@ from attn_export import hf as _hf
 from attn_export import inputs as _inputs
 from attn_export import shapes as _shapes
 from attn_export._errors import InputError, first_line as _first_line
-from attn_export.onnx_export import count_attention_nodes, output_names_for, read_metadata
+from attn_export.onnx_export import attention_flavor, count_attention_nodes, output_names_for, read_metadata
 from attn_export.replace import replace_attention
 from attn_export.validation import checks as _checks
 from attn_export.validation.error_profile import error_profile
@@ -295,6 +295,7 @@ def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dyna
         },
         environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
         output_names=output_names, notes=notes, diagnosis=diagnosis, coverage=replacement.to_dict(),
+        attention_flavor=attention_flavor(onnx_model),  # the file is loaded already: not again in the report
     )
 
 
