@@ -51,9 +51,11 @@ def test_generated_instantiations_are_current():
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
 def test_cmake_builds_the_kernels_without_torch(tmp_path):
-    """`cmake -S csrc -B build -DCMAKE_CUDA_ARCHITECTURES="80;90" && cmake --build build`, the
-    compile check CI runs on its GPU-less machine (about 1.5-3 min on 2 cores, both archs)."""
-    archs = os.environ.get("ATTN_EXPORT_CUDA_ARCHS", "80;90")
+    """`cmake -S csrc -B build -DCMAKE_CUDA_ARCHITECTURES=80 && cmake --build build`, the compile
+    check CI runs on its GPU-less machine (about 1 min on 2 cores). sm_80 only by default: sm_90
+    compiles the same source through the same `__CUDA_ARCH__ >= 800` branches, at twice the time;
+    ATTN_EXPORT_CUDA_ARCHS="80;90" checks both, as the default cmake build does."""
+    archs = os.environ.get("ATTN_EXPORT_CUDA_ARCHS", "80")
     env = dict(os.environ, CUDACXX=_nvcc())
     build = tmp_path / "build"
     start = time.monotonic()
