@@ -2,7 +2,6 @@
 float64 reference written from the definition, the layers it keeps custom, the opset rule, and
 the parity gate on the models the suite exports (encoder, decoder with cross-attention,
 transformers BERT/GPT-2/ViT)."""
-import math
 
 import numpy as np
 import onnx
@@ -139,17 +138,30 @@ def _hf_cases():
     return cases
 
 
+@pytest.fixture(scope="module")
+def standard_seq2seq(torchlib_ops_once, tmp_path_factory):
+    """The example architecture with 2 encoder + 2 decoder layers (d_model 16, 2 heads), exported
+    once in the standard flavor: the parity gate and the shared-mask checks read the same file."""
+    from attn_export.examples import TinySeq2Seq
+
+    torch.manual_seed(0)
+    model = TinySeq2Seq(features=8, d_model=16, heads=2, layers=2).eval()
+    path = tmp_path_factory.mktemp("standard") / "seq2seq.onnx"
+    return model, export_onnx(model, model.example_inputs, path, attention="standard")
+
+
 @pytest.mark.usefixtures("torchlib_ops_once")
 @pytest.mark.parametrize("name", ["seq2seq", "bert", "gpt2", "vit"])
-def test_the_parity_gate_passes_in_the_standard_flavor(small_seq2seq, tmp_path, name):
+def test_the_parity_gate_passes_in_the_standard_flavor(request, tmp_path, name):
     if name == "seq2seq":  # encoder self-attention, decoder causal self- and cross-attention
-        model, inputs = small_seq2seq, small_seq2seq.example_inputs
+        model, result = request.getfixturevalue("standard_seq2seq")
+        inputs = model.example_inputs
     else:
         cases = _hf_cases()
         if name not in cases:
             pytest.skip("BERT dispatches through AttentionInterface from transformers 5")
         model, inputs = cases[name]
-    result = export_onnx(model, inputs, tmp_path / f"{name}.onnx", attention="standard")
+        result = export_onnx(model, inputs, tmp_path / f"{name}.onnx", attention="standard")
     assert result.opset == 23 and result.num_attention_nodes == 0 and result.num_standard_attention_nodes > 0
     report = validate(model, result.path, inputs)
     assert report.passed, report.failures
@@ -157,34 +169,34 @@ def test_the_parity_gate_passes_in_the_standard_flavor(small_seq2seq, tmp_path, 
     assert report.to_dict()["attention_flavor"]["standard_nodes"] == result.num_standard_attention_nodes
     if name == "seq2seq":  # inspect FILE.onnx names the flavor, counted from the graph
         proc = invoke("inspect", result.path)
-        assert proc.returncode == 0 and "attention flavor standard: 3 standard Attention" in " ".join(proc.stdout.split())
+        assert proc.returncode == 0 and "attention flavor standard: 6 standard Attention" in " ".join(proc.stdout.split())
 
 
-@pytest.mark.usefixtures("torchlib_ops_once")
-def test_fully_padded_rows_stay_zero_in_an_exported_encoder(tmp_path):
-    """Guard around the node in a real export: a batch row whose keys are all padding gives
-    finite output (the original nn.MultiheadAttention gives NaN there)."""
-    layer = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+def test_layers_share_one_mask_and_fully_padded_rows_stay_finite(standard_seq2seq):
+    """Each kind of layer (encoder self-attention: padding; decoder self-attention: causal mask;
+    cross-attention: padding at the target's length) has 2 layers that share ONE spelled-out
+    mask and guard: built once per model, not per layer. A batch row whose source is all
+    padding gives the fused PyTorch model's finite output (stock: NaN)."""
+    import copy
 
-    class Attn(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = layer
+    from attn_export.replace import replace_attention
 
-        def forward(self, src, src_key_padding_mask):
-            return self.attn(src, src, src, key_padding_mask=src_key_padding_mask, need_weights=False)[0]
-
-    mask = torch.zeros(2, 5, dtype=torch.bool)
-    result = export_onnx(Attn(), {"src": torch.randn(2, 5, 16), "src_key_padding_mask": mask}, tmp_path / "a.onnx",
-                         attention="standard")
-    x = torch.randn(3, 6, 16)
-    mask = torch.zeros(3, 6, dtype=torch.bool)
-    mask[1] = True
-    mask[2, 4:] = True
+    model, result = standard_seq2seq
+    graph = onnx.load(str(result.path)).graph
+    masked = [n for n in graph.node if n.op_type == "Attention" and len(n.input) == 4]
+    assert len(masked) == 6 and len({n.input[3] for n in masked}) == 3
+    assert [n.op_type for n in graph.node].count("ReduceMax") == 3
+    gen = torch.Generator().manual_seed(1)
+    src, tgt = torch.randn(3, 9, 8, generator=gen), torch.randn(3, 5, 8, generator=gen)
+    padding = torch.zeros(3, 9, dtype=torch.bool)
+    padding[1] = True
+    padding[2, 6:] = True
     session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
-    out = session.run(None, {"src": x.numpy(), "src_key_padding_mask": mask.numpy()})[0]
-    assert (out[1] == np.broadcast_to(layer.out_proj.bias.detach().numpy(), out[1].shape)).all()
+    out = session.run(None, {"src": src.numpy(), "tgt": tgt.numpy(), "src_key_padding_mask": padding.numpy()})[0]
+    fused = copy.deepcopy(model)
+    replace_attention(fused)  # in place
     with torch.no_grad():
-        want = layer(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+        want, want_fused = model(src, tgt, padding), fused(src, tgt, padding)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want_fused.numpy(), atol=1e-5)
     np.testing.assert_allclose(out[[0, 2]], want[[0, 2]].numpy(), atol=1e-5)
-    assert math.isnan(want[1].sum())  # the stock module's NaN, for contrast
