@@ -10,7 +10,8 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
 * a causal layer without masks keeps ``is_causal=1`` (top-left aligned, as the op defines it
   also for ``Lq != Lk``); with masks the causal part joins the mask, so that
 * the guard sees every -inf: rows the mask empties give 0 (``Where`` on the output), where the
-  op gives NaN or uniform weights;
+  op gives NaN or uniform weights; it reads the mask before the query axis is spelled out;
+* mask and guard are built once per model for the layers that share them (``_SharedMasks``);
 * bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16).
 
 A node the operator cannot express keeps the custom node (and its function), and the rewrite
