@@ -15,7 +15,9 @@ first) called with a key-padding mask (the last eighth of every row's keys padde
 Each ONNX file is exported once with dynamic batch and sequence and serves every shape. Every
 round times every implementation once (interleaved, so a burst of load on a shared machine hits
 all of them alike); an implementation's time is the median over rounds of its per-round median.
-Peak memory: one call per implementation in a fresh process (the peak never goes down).
+Peak memory: one call per implementation in a fresh process (the peak never goes down), at each
+``--memory`` shape. ``--profile``: what ONNX Runtime runs (:func:`graph_profile`), the view that a
+loaded machine does not distort.
 Also recorded: whether ONNX Runtime runs torch.onnx's opset-23 export of the same model (it emits
 the standard Attention operator with a ``[B, 1, 1, Lk]`` mask).
 """
