@@ -8,7 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from attn_export import onnx_node, spec
 from attn_export.onnx_export import attention_flavor, export_onnx, to_standard_attention
@@ -139,15 +139,11 @@ def _hf_cases():
 
 
 @pytest.fixture(scope="module")
-def standard_seq2seq(torchlib_ops_once, tmp_path_factory):
-    """The example architecture with 2 encoder + 2 decoder layers (d_model 16, 2 heads), exported
-    once in the standard flavor: the parity gate and the shared-mask checks read the same file."""
-    from attn_export.examples import TinySeq2Seq
-
-    torch.manual_seed(0)
-    model = TinySeq2Seq(features=8, d_model=16, heads=2, layers=2).eval()
+def standard_seq2seq(small_seq2seq, torchlib_ops_once, tmp_path_factory):
+    """small_seq2seq exported once in the standard flavor: the parity gate and the fully-padded-row
+    check read the same file."""
     path = tmp_path_factory.mktemp("standard") / "seq2seq.onnx"
-    return model, export_onnx(model, model.example_inputs, path, attention="standard")
+    return small_seq2seq, export_onnx(small_seq2seq, small_seq2seq.example_inputs, path, attention="standard")
 
 
 @pytest.mark.usefixtures("torchlib_ops_once")
@@ -169,23 +165,57 @@ def test_the_parity_gate_passes_in_the_standard_flavor(request, tmp_path, name):
     assert report.to_dict()["attention_flavor"]["standard_nodes"] == result.num_standard_attention_nodes
     if name == "seq2seq":  # inspect FILE.onnx names the flavor, counted from the graph
         proc = invoke("inspect", result.path)
-        assert proc.returncode == 0 and "attention flavor standard: 6 standard Attention" in " ".join(proc.stdout.split())
+        assert proc.returncode == 0 and "attention flavor standard: 3 standard Attention" in " ".join(proc.stdout.split())
 
 
-def test_layers_share_one_mask_and_fully_padded_rows_stay_finite(standard_seq2seq):
-    """Each kind of layer (encoder self-attention: padding; decoder self-attention: causal mask;
-    cross-attention: padding at the target's length) has 2 layers that share ONE spelled-out
-    mask and guard: built once per model, not per layer. A batch row whose source is all
-    padding gives the fused PyTorch model's finite output (stock: NaN)."""
+def two_layer_model(attrs, recorded=True):
+    """Two FusedAttention nodes, the second's query the first's output, reading the same masks;
+    ``recorded``: the graph records the first output's shape (its length is the query's)."""
+    first = helper.make_node(S.op_type, ["query", *S.input_names[1:]], ["mid"], domain=S.domain, **attrs)
+    second = helper.make_node(S.op_type, ["mid", *S.input_names[1:]], ["out"], domain=S.domain, **attrs)
+    model = one_node_model(attrs, opset=23)
+    del model.graph.node[:]
+    model.graph.node.extend([first, second])
+    model.graph.value_info.append(helper.make_tensor_value_info("mid", TensorProto.FLOAT,
+                                                                ["B", "Lq", "Ev"] if recorded else None))
+    return model
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masks", ["padding", "both"])
+def test_layers_that_share_masks_and_lengths_share_one_mask_and_guard(causal, masks):
+    """Built once per model, not per layer: both Attention nodes read ONE mask and there is ONE
+    ReduceMax; the result is the float64 reference applied twice, 0 on rows the masks empty. A
+    graph that does not record the lengths gets a mask per node (equal inputs are not enough)."""
+    B, H, L, D = 2, 2, 5, 4
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    padding = torch.zeros(B, L, dtype=torch.bool)
+    padding[1, :] = True  # a whole batch row empty
+    padding[0, 3:] = True
+    attn = torch.rand(B, H, L, L) < 0.3 if masks == "both" else None
+    attrs = onnx_node.node_attributes(H, 0.41, causal, True, attn is not None)
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v), "key_padding_mask": additive(padding).numpy(),
+             "attn_mask": additive(attn).numpy() if attn is not None else np.zeros((1, 1, 1, 1), np.float32)}
+    mid, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.41)
+    ref, _ = reference_attention(mid, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.41)
+    for recorded, masks_built in ((True, 1), (False, 2)):
+        model = two_layer_model(attrs, recorded)
+        assert to_standard_attention(model).converted == 2
+        onnx.checker.check_model(model, full_check=True)
+        attention = [n for n in model.graph.node if n.op_type == "Attention"]
+        assert len({n.input[3] for n in attention}) == masks_built
+        assert [n.op_type for n in model.graph.node].count("ReduceMax") == masks_built
+        np.testing.assert_allclose(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6, rtol=0)
+
+
+def test_fully_padded_source_rows_stay_finite_in_the_exported_seq2seq(standard_seq2seq):
+    """A real export: a batch row whose source is all padding gives the fused PyTorch model's
+    finite output (the stock nn.Transformer: NaN there); the other rows match the stock model."""
     import copy
 
     from attn_export.replace import replace_attention
 
     model, result = standard_seq2seq
-    graph = onnx.load(str(result.path)).graph
-    masked = [n for n in graph.node if n.op_type == "Attention" and len(n.input) == 4]
-    assert len(masked) == 6 and len({n.input[3] for n in masked}) == 3
-    assert [n.op_type for n in graph.node].count("ReduceMax") == 3
     gen = torch.Generator().manual_seed(1)
     src, tgt = torch.randn(3, 9, 8, generator=gen), torch.randn(3, 5, 8, generator=gen)
     padding = torch.zeros(3, 9, dtype=torch.bool)

@@ -183,8 +183,8 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
             y = b.op("Reshape", [b.op("Where", [dead_t, zero, y4], "guarded"), b.const("merge", [0, 0, -1])], "y")
         else:
             y = b.op("Where", [mask.dead, zero, y], "guarded")
-    if compute != query_type:
-        b.op("Cast", [y], "out", outputs=[out], to=query_type)
+    if compute != query_type:  # CastLike: also right where the graph does not record T
+        b.op("CastLike", [y, node.input[0]], "out", outputs=[out])
     else:
         b.nodes[-1].output[0] = out  # y is the last node's output
     return b.nodes
