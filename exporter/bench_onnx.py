@@ -15,7 +15,9 @@ first) called with a key-padding mask (the last eighth of every row's keys padde
 Each ONNX file is exported once with dynamic batch and sequence and serves every shape. Every
 round times every implementation once (interleaved, so a burst of load on a shared machine hits
 all of them alike); an implementation's time is the median over rounds of its per-round median.
-Peak memory: one call per implementation in a fresh process (the peak never goes down).
+Peak memory: one call per implementation in a fresh process (the peak never goes down), at each
+``--memory`` shape. ``--profile``: what ONNX Runtime runs (:func:`graph_profile`), the view that a
+loaded machine does not distort.
 Also recorded: whether ONNX Runtime runs torch.onnx's opset-23 export of the same model (it emits
 the standard Attention operator with a ``[B, 1, 1, Lk]`` mask).
 """
@@ -86,14 +88,20 @@ def export_all(model: nn.Module, directory: Path, progress: Callable[[str], None
     return paths
 
 
-def onnx_session(path: Path, threads: int):
+def _session_options(threads: int):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return options
+
+
+def onnx_session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), _session_options(threads), providers=["CPUExecutionProvider"])
 
 
 def _runner(impl: str, model: nn.Module, fused: nn.Module, sessions: Dict[str, object],
@@ -172,6 +180,66 @@ def _median_call(run: Callable[[], object], min_run_time: float) -> float:
         run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def graph_profile(paths: Dict[str, Path], batch: int, seq: int, threads: int, runs: int = 10) -> Dict[str, dict]:
+    """What ONNX Runtime actually runs, per ONNX implementation: the node count of its optimized
+    graph by op type (which fusions fired: Gemm, FusedMatMul, SkipLayerNormalization, Attention,
+    ...) and, at one shape, the kernel time per op type from ONNX Runtime's profiler, each node
+    counted at its fastest of ``runs`` calls. Per-node minimums are far less disturbed by other
+    load on the machine than wall-clock times, so this says where the time goes even on a busy
+    machine. {impl: {"source_nodes", "optimized_nodes", "ops": {op: count}, "kernel_ms": {op: ms}}}."""
+    import collections
+    import os
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    out = {}
+    feeds = {k: v.numpy() for k, v in make_inputs(batch, seq).items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for impl in ONNX_IMPLS:
+            options = _session_options(threads)
+            options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+            options.enable_profiling = True
+            options.profile_file_prefix = os.path.join(tmp, "profile")
+            session = ort.InferenceSession(str(paths[impl]), options, providers=["CPUExecutionProvider"])
+            for _ in range(runs):
+                session.run(None, feeds)
+            events = json.loads(Path(session.end_profiling()).read_text())
+            optimized = onnx.load(options.optimized_model_filepath)
+            fastest: Dict[str, float] = {}
+            op_of: Dict[str, str] = {}
+            for e in events:
+                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                    fastest[e["name"]] = min(fastest.get(e["name"], float("inf")), e["dur"])
+                    op_of[e["name"]] = e["args"]["op_name"]
+            kernel_ms: Dict[str, float] = collections.defaultdict(float)
+            for name, us in fastest.items():
+                kernel_ms[op_of[name]] += us / 1e3
+            out[impl] = {"source_nodes": len(onnx.load(str(paths[impl])).graph.node),
+                         "optimized_nodes": len(optimized.graph.node),
+                         "ops": dict(collections.Counter(n.op_type for n in optimized.graph.node).most_common()),
+                         "kernel_ms": dict(sorted(kernel_ms.items(), key=lambda kv: -kv[1]))}
+    return out
+
+
+def profile_markdown(shape, profile: Dict[str, dict]) -> str:
+    """Two tables: the optimized graphs' node counts by op type, and kernel time per op type."""
+    impls = list(profile)
+    ops = list(dict.fromkeys(op for p in profile.values() for op in p["ops"]))
+    lines = ["| nodes (ONNX Runtime's optimized graph) | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls),
+             "| in the file | " + " | ".join(str(profile[i]["source_nodes"]) for i in impls) + " |",
+             "| after optimization | " + " | ".join(str(profile[i]["optimized_nodes"]) for i in impls) + " |"]
+    lines += [f"| {op} | " + " | ".join(str(profile[i]["ops"].get(op, 0)) for i in impls) + " |" for op in ops]
+    kernel_ops = list(dict.fromkeys(op for p in profile.values() for op in p["kernel_ms"]))
+    lines += ["", f"| kernel ms, batch {shape[0]} seq {shape[1]} (per node: fastest call) | "
+              + " | ".join(impls) + " |", "|---|" + "---|" * len(impls),
+              "| total | " + " | ".join(f"{sum(profile[i]['kernel_ms'].values()):.2f}" for i in impls) + " |"]
+    lines += [f"| {op} | " + " | ".join(f"{profile[i]['kernel_ms'].get(op, 0.0):.2f}" for i in impls) + " |"
+              for op in kernel_ops]
+    return "\n".join(lines)
 
 
 def measure_memory(batch: int, seq: int, paths: Dict[str, Path], threads: int) -> Dict[str, Dict[str, float]]:

@@ -29,7 +29,8 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
                    "meant for --shapes sweep.")
 @click.option("--memory", "memory_shape", metavar="BxLxExH",
               help="Also measure the peak resident memory of one inference call at this shape, "
-                   "each implementation in a fresh process (e.g. 1x8192x256x8; with --onnx: BxL, e.g. 1x2048).")
+                   "each implementation in a fresh process (e.g. 1x8192x256x8; with --onnx: comma-separated BxL, "
+                   "e.g. 1x2048,8x4096).")
 @click.option("--onnx", "onnx_mode", is_flag=True,
               help="Instead: a 4-layer nn.TransformerEncoder with a key-padding mask in ONNX Runtime (torch.onnx's "
                    "export, --onnx-attention custom and standard) against PyTorch eager (docs/benchmarks.md).")
@@ -37,8 +38,11 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
 @click.option("--batches", default="1,8", show_default=True, help="With --onnx: batch sizes.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --onnx: leave out the shapes with batch x seq > N (a reduced run).")
+@click.option("--profile", "profile_shape", metavar="BxL",
+              help="With --onnx: also what ONNX Runtime runs at this shape: node counts of its optimized graphs "
+                   "and kernel time per op type from its profiler (per node the fastest of 10 calls: robust to load).")
 def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
-          memory_shape, onnx_mode, seqs, batches, max_tokens):
+          memory_shape, onnx_mode, seqs, batches, max_tokens, profile_shape):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
     Reports, per implementation, the minimum over interleaved rounds of torch.utils.benchmark
@@ -55,7 +59,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
     if onnx_mode:
         return _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path,
-                           markdown_path, plot_path)
+                           markdown_path, plot_path, profile_shape)
 
     shapes = []
     for part in shape_set.split(","):
@@ -127,8 +131,18 @@ def _sizes(text: str, option: str):
     return sizes
 
 
+def _onnx_shapes(text: str, option: str):
+    """BATCHxSEQ[,BATCHxSEQ...] -> [(batch, seq), ...]."""
+    try:
+        shapes = [tuple(int(x) for x in part.lower().split("x")) for part in text.split(",")]
+        assert shapes and all(len(shape) == 2 and min(shape) > 0 for shape in shapes)
+    except (ValueError, AssertionError):
+        fail(f"{option} {text}: with --onnx it is BATCHxSEQ (comma-separated), e.g. 1x2048,8x4096")
+    return shapes
+
+
 def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path, markdown_path,
-                plot_path):
+                plot_path, profile_shape=None):
     """attn-export bench --onnx (attn_export.bench_onnx)."""
     import tempfile
     from pathlib import Path
@@ -139,13 +153,8 @@ def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory
     from attn_export._io import atomic_output, write_text
 
     seqs, batches = _sizes(seqs, "--seqs"), _sizes(batches, "--batches")
-    memory = None
-    if memory_shape:
-        try:
-            memory = tuple(int(x) for x in memory_shape.lower().split("x"))
-            assert len(memory) == 2 and min(memory) > 0
-        except (ValueError, AssertionError):
-            fail(f"--memory {memory_shape}: with --onnx it is BATCHxSEQ, e.g. 1x2048")
+    memory = _onnx_shapes(memory_shape, "--memory") if memory_shape else []
+    (profile,) = _onnx_shapes(profile_shape, "--profile")[:1] if profile_shape else (None,)
     if rounds < 1 or min_run_time <= 0 or threads < 1:
         fail("--rounds and --threads must be >= 1 and --min-run-time > 0")
     console = Console(stderr=True)
@@ -155,25 +164,30 @@ def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory
         results, run_facts = lib.run_benchmark(seqs, batches, threads=threads, rounds=rounds,
                                                min_run_time=min_run_time, max_tokens=max_tokens, directory=Path(tmp),
                                                progress=lambda what: status.update(f"benchmarking: {what}"))
+        files = {k: Path(v) for k, v in run_facts.pop("onnx_files").items()}
         memory_results = {}
-        if memory:
-            status.update(f"peak memory at batch {memory[0]}, sequence {memory[1]}")
-            memory_results = lib.measure_memory(*memory, {k: Path(v) for k, v in run_facts["onnx_files"].items()},
-                                                threads)
-    run_facts.pop("onnx_files")
+        for batch, seq in memory:
+            status.update(f"peak memory at batch {batch}, sequence {seq}")
+            memory_results[f"{batch}x{seq}"] = lib.measure_memory(batch, seq, files, threads)
+        profile_result = {}
+        if profile:
+            status.update(f"profiling ONNX Runtime at batch {profile[0]}, sequence {profile[1]}")
+            profile_result = lib.graph_profile(files, *profile, threads)
     table = lib.markdown_table(results)
     click.echo(table)
     for key, value in run_facts.items():
         click.echo(f"{key}: {value}")
-    mem_table = ""
-    if memory_results:
-        mem_table = lib.memory_markdown_table(memory, memory_results)
-        click.echo(mem_table)
+    extra = [lib.memory_markdown_table(shape, memory_results[f"{shape[0]}x{shape[1]}"]) for shape in memory]
+    if profile_result:
+        extra.append(lib.profile_markdown(profile, profile_result))
+    for text in extra:
+        click.echo(text)
     if markdown_path:
-        write_text(markdown_path, "\n\n".join(t for t in (table, mem_table) if t) + "\n")
+        write_text(markdown_path, "\n\n".join([table] + extra) + "\n")
     if json_path:
         payload = {"machine": facts, "threads": threads, "rounds": rounds, **run_facts,
-                   "results": [dataclasses.asdict(r) for r in results], "memory": memory_results}
+                   "results": [dataclasses.asdict(r) for r in results], "memory": memory_results,
+                   "profile": {"shape": f"{profile[0]}x{profile[1]}", **profile_result} if profile else {}}
         write_text(json_path, json.dumps(payload, indent=2) + "\n")
     if plot_path:
         with atomic_output(plot_path) as tmp_png:

@@ -127,6 +127,17 @@ def value_types(model: onnx.ModelProto) -> Dict[str, int]:
     return types
 
 
+def value_dims(model: onnx.ModelProto) -> Dict[str, List[object]]:
+    """Shape of every graph value whose shape the graph records: per axis a size (int), a
+    symbol (str; equal symbols are equal sizes) or None (unknown)."""
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    for value in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            dims[value.name] = [d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
+                                for d in value.type.tensor_type.shape.dim]
+    return dims
+
+
 def attach_function(model: onnx.ModelProto, opset: int) -> None:
     """Gives each FusedAttention node the lean body of its variant (static attributes and query
     type; onnx_node.BodyVariant): the node's ``overload`` names it, and the model carries one

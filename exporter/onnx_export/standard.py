@@ -10,7 +10,8 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
 * a causal layer without masks keeps ``is_causal=1`` (top-left aligned, as the op defines it
   also for ``Lq != Lk``); with masks the causal part joins the mask, so that
 * the guard sees every -inf: rows the mask empties give 0 (``Where`` on the output), where the
-  op gives NaN or uniform weights;
+  op gives NaN or uniform weights; it reads the mask before the query axis is spelled out;
+* mask and guard are built once per model for the layers that share them (``_SharedMasks``);
 * bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16).
 
 A node the operator cannot express keeps the custom node (and its function), and the rewrite
@@ -27,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from attn_export import spec as _spec
-from attn_export.onnx_export.graph import attention_nodes, value_types
+from attn_export.onnx_export.graph import attention_nodes, value_dims, value_types
 
 MIN_OPSET = 23  # the first opset with the standard Attention operator
 
@@ -87,12 +88,82 @@ class _Builder:
         return outs[0]
 
 
-def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None) -> List[onnx.NodeProto]:
+class _SharedMasks:
+    """The additive mask of the rewritten nodes and its dead-row flags, built once per model for
+    the nodes that read the same masks at the same query (and, causal, key) length, as the
+    graph's recorded shapes say (equal symbols are equal sizes): every layer of a padded encoder
+    shares one ``[B, 1, Lq, Lk]`` mask instead of expanding and reducing its own. A node whose
+    lengths the graph does not record gets its own."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.dims = value_dims(model)
+        self.built: Dict[tuple, "_Mask"] = {}
+
+    def axis(self, name: str, axis: int):
+        dims = self.dims.get(name)
+        return dims[axis] if dims and len(dims) > axis and dims[axis] not in (None, "") else None
+
+    def get(self, b: "_Builder", node: onnx.NodeProto, index: int, compute: int) -> "_Mask | None":
+        s = _spec.load()
+        a = _attrs(node)
+        causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
+        if not (has_kpm or has_mask):
+            return None  # causal alone never empties a row: is_causal on the node, no mask, no guard
+        lq, lk = self.axis(node.input[0], 1), self.axis(node.input[1], 1) if causal else "any"
+        key = ((node.input[3] if has_kpm else None, node.input[4] if has_mask else None, causal, lq, lk, compute)
+               if lq is not None and lk is not None else ("node", index))
+        if key not in self.built:
+            # The dead-row flags [B|1, H|1, Lq|1, 1] keep a head axis only where attn_mask has one.
+            per_head = has_mask and self.axis(node.input[4], 1) != 1
+            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head)
+        return self.built[key]
+
+
+@dataclass
+class _Mask:
+    mask: str  # the Attention node's additive mask, [B|1, H|1, Lq, Lk] of the computing type
+    dead: str  # the dead rows: [B|1, Lq|1, 1] (per_head False) or [B|1, H, Lq|1, 1]
+    per_head: bool
+
+
+def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
+                per_head: bool) -> _Mask:
+    q, k, _, kpm, mask = node.input
+    f32 = TensorProto.FLOAT
+    terms = []
+    if has_kpm:
+        terms.append(b.op("Unsqueeze", [kpm, b.const("axes12", [1, 2])], "kpm4"))
+    if has_mask:
+        terms.append(mask)
+    lq = b.op("Shape", [q], "lq", start=1, end=2)
+    if causal:  # joins the mask, so the guard below sees it (-inf strictly above the diagonal)
+        lk = b.op("Shape", [k], "lk", start=1, end=2)
+        all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
+                       value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
+        terms.append(b.op("Trilu", [all_inf, b.const("one", [1], dims=[])], "causal_bias", upper=1))
+    bias = terms[0]
+    for i, term in enumerate(terms[1:]):
+        bias = b.op("Add", [bias, term], f"bias{i}")
+    # The guard reads the bias before its query axis is spelled out: a padding mask's max over
+    # keys is one value per batch row, not one per (row, query).
+    dead = b.op("IsInf", [b.op("ReduceMax", [bias, b.const("last_axis", [-1])], "bias_max", keepdims=1)],
+                "dead_row", detect_positive=0, detect_negative=1)
+    if not per_head:  # [B|1, 1, Lq|1, 1] -> [B|1, Lq|1, 1]: broadcasts against the output [B, Lq, H*Dv]
+        dead = b.op("Squeeze", [dead, b.const("head_axis", [1])], "dead_rows")
+    if not causal:  # the query axis spelled out: [.., 1, Lk] -> [.., Lq, Lk] (the causal term has it)
+        target = b.op("Concat", [b.const("ones2", [1, 1]), lq, b.const("one1", [1])], "mask_shape", axis=0)
+        bias = b.op("Expand", [bias, target], "mask_full")
+    if compute != f32:
+        bias = b.op("Cast", [bias], "mask_t", to=compute)
+    return _Mask(bias, dead, per_head)
+
+
+def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
+                    masks: _SharedMasks) -> List[onnx.NodeProto]:
     s = _spec.load()
     a = _attrs(node)
     heads = int(a[s.attr_num_heads])
-    causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
-    q, k, v, kpm, mask = node.input
+    q, k, v = node.input[:3]
     (out,) = node.output
     b = _Builder(f"{node.name or 'FusedAttention'}_{index}/standard")
     f32 = TensorProto.FLOAT
@@ -100,43 +171,20 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None) ->
     compute = query_type if query_type in (TensorProto.FLOAT, TensorProto.FLOAT16) else f32
     if compute != query_type:
         q, k, v = (b.op("Cast", [x], f"{what}_f32", to=f32) for x, what in ((q, "q"), (k, "k"), (v, "v")))
-
-    terms = []
-    if has_kpm:
-        terms.append(b.op("Unsqueeze", [kpm, b.const("axes12", [1, 2])], "kpm4"))
-    if has_mask:
-        terms.append(mask)
-    bias = None
-    if terms:
-        lq = b.op("Shape", [node.input[0]], "lq", start=1, end=2)
-        lk = b.op("Shape", [node.input[1]], "lk", start=1, end=2)
-        if causal:  # joins the mask, so the guard below sees it (-inf strictly above the diagonal)
-            all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
-                           value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
-            terms.append(b.op("Trilu", [all_inf, b.const("one", [1], dims=[])], "causal_bias", upper=1))
-        bias = terms[0]
-        for i, term in enumerate(terms[1:]):
-            bias = b.op("Add", [bias, term], f"bias{i}")
-        if not causal:  # the query axis spelled out: [.., 1, Lk] -> [.., Lq, Lk] (the causal term has it)
-            target = b.op("Concat", [b.const("ones2", [1, 1]), lq, b.const("one1", [1])], "mask_shape", axis=0)
-            bias = b.op("Expand", [bias, target], "mask_full")
-        dead = b.op("IsInf", [b.op("ReduceMax", [bias, b.const("last_axis", [-1])], "bias_max", keepdims=1)],
-                    "dead_row", detect_positive=0, detect_negative=1)
-        if compute != f32:
-            bias = b.op("Cast", [bias], "mask_t", to=compute)
-    attention_inputs = [q, k, v] + ([bias] if bias is not None else [])
-    y = b.op("Attention", attention_inputs, "attention", q_num_heads=heads, kv_num_heads=heads,
-             scale=float(a[s.attr_scale]), is_causal=int(causal and bias is None),
+    mask = masks.get(b, node, index, compute)
+    y = b.op("Attention", [q, k, v] + ([mask.mask] if mask else []), "attention", q_num_heads=heads,
+             kv_num_heads=heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
              softcap=float(a[s.attr_softcap]))
-    if bias is not None:
-        # Rows the mask empties give 0: [B, Lq, H*Dv] -> [B, Lq, H, Dv], the dead rows
-        # [B|1, H|1, Lq, 1] -> [B|1, Lq, H|1, 1].
-        y4 = b.op("Reshape", [y, b.const("split", [0, 0, heads, -1])], "y4")
-        dead_t = b.op("Transpose", [dead], "dead_t", perm=[0, 2, 1, 3])
+    if mask:  # rows the mask empties give 0
         zero = b.const("zero", [0.0], compute, [])
-        y = b.op("Reshape", [b.op("Where", [dead_t, zero, y4], "guarded"), b.const("merge", [0, 0, -1])], "y")
-    if compute != query_type:
-        b.op("Cast", [y], "out", outputs=[out], to=query_type)
+        if mask.per_head:  # [B, Lq, H*Dv] -> [B, Lq, H, Dv]; the flags [B|1, H, Lq|1, 1] -> [B|1, Lq|1, H, 1]
+            y4 = b.op("Reshape", [y, b.const("split", [0, 0, heads, -1])], "y4")
+            dead_t = b.op("Transpose", [mask.dead], "dead_t", perm=[0, 2, 1, 3])
+            y = b.op("Reshape", [b.op("Where", [dead_t, zero, y4], "guarded"), b.const("merge", [0, 0, -1])], "y")
+        else:
+            y = b.op("Where", [mask.dead, zero, y], "guarded")
+    if compute != query_type:  # CastLike: also right where the graph does not record T
+        b.op("CastLike", [y, node.input[0]], "out", outputs=[out])
     else:
         b.nodes[-1].output[0] = out  # y is the last node's output
     return b.nodes
@@ -151,6 +199,7 @@ def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
         raise ValueError(f"the standard Attention operator needs opset >= {MIN_OPSET}; the model has {opset}")
     types = value_types(model)
     targets = {id(n): n for n in attention_nodes(model)}
+    masks = _SharedMasks(model)
     kept, converted, nodes = [], 0, []
     for index, node in enumerate(model.graph.node):
         if id(node) not in targets:
@@ -161,7 +210,7 @@ def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
             kept.append(f"node {node.name or index}: {reason}")
             nodes.append(node)
             continue
-        nodes.extend(_standard_nodes(node, index, types.get(node.input[0])))
+        nodes.extend(_standard_nodes(node, index, types.get(node.input[0]), masks))
         converted += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
