@@ -32,8 +32,9 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.built
 
 # Two pytest workers, whole files per worker (--dist loadfile: the zoo test's docs check needs
-# its whole file in one process); PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# its whole file in one process), the longest files first (tests/conftest.py: LONGEST_FIRST);
+# PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 

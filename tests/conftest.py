@@ -10,7 +10,24 @@ def _seed():
     yield
 
 
+# The files that take minutes, longest first (serial times on the 2-core CI machine). `make test`
+# hands whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder):
+# starting with these leaves only short files for the end, so neither worker idles while the
+# other finishes a long one.
+LONGEST_FIRST = (
+    "test_cuda_emulator.py", "test_hf_zoo.py", "test_module_conformance.py", "test_attention_op.py",
+    "test_distributed.py", "test_cuda_build.py", "test_onnx_standard.py", "test_hf.py", "test_cli.py",
+    "test_onnx_export.py",
+)
+
+
+def _file_rank(item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: the order within a file, and among the rest, is kept
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU and the CUDA build of attn_export")
     if not torch.cuda.is_available():
         for item in items:
@@ -39,26 +56,36 @@ def exported_seq2seq(small_seq2seq, tmp_path_factory):
     return export_onnx(small_seq2seq, small_seq2seq.example_inputs, path)
 
 
-@pytest.fixture(scope="module")
-def torchlib_ops_once():
-    """For modules that export many small models. Every ``torch.onnx.export`` rebuilds its
-    registry from onnxscript's torchlib, re-parsing the source of ~500 functions (~2 s of the
-    ~3 s a small export takes here). The list is the same every time: compute it once per
-    module. The registry itself (and everything attn-export does) is still built per export.
-    Torch runs single-threaded meanwhile: tiny models, and a second thread only waits on a
-    shared machine."""
+def _cache_torchlib_ops(mp: pytest.MonkeyPatch) -> None:
+    """Every ``torch.onnx.export`` rebuilds its registry from onnxscript's torchlib, re-parsing
+    the source of ~500 functions (~2 s of the ~3 s a small export takes here). The list is the
+    same every time: compute it once. The registry itself (and everything attn-export does) is
+    still built per export."""
     import functools
     import importlib
 
+    try:  # the onnxscript module torch's exporter uses (torch_2_11 with torch 2.13)
+        from torch.onnx._internal._lazy_import import onnxscript_apis
+
+        apis = importlib.import_module(getattr(onnxscript_apis, "_name", None) or onnxscript_apis.__name__)
+        mp.setattr(apis, "get_torchlib_ops", functools.lru_cache(maxsize=None)(apis.get_torchlib_ops))
+    except (ImportError, AttributeError):  # another torch: no shortcut, only slower
+        pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torchlib_ops_cached():
+    """The torchlib list once per test process, for every test that exports (CI time)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _cache_torchlib_ops(mp)
+        yield
+
+
+@pytest.fixture(scope="module")
+def torchlib_ops_once():
+    """For modules that export many small models: torch runs single-threaded meanwhile (tiny
+    models, and a second thread only waits on a shared machine)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        try:  # the onnxscript module torch's exporter uses (torch_2_11 with torch 2.13)
-            from torch.onnx._internal._lazy_import import onnxscript_apis
-
-            apis = importlib.import_module(getattr(onnxscript_apis, "_name", None) or onnxscript_apis.__name__)
-            mp.setattr(apis, "get_torchlib_ops", functools.lru_cache(maxsize=None)(apis.get_torchlib_ops))
-        except (ImportError, AttributeError):  # another torch: no shortcut, only slower
-            pass
-        yield
+    yield
     torch.set_num_threads(threads)
