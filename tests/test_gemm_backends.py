@@ -139,3 +139,25 @@ def test_unknown_environment_value_fails_the_import_clearly():
                           timeout=120)
     assert proc.returncode != 0
     assert "GemmBackendError" in proc.stderr and "aten, openblas, microkernel" in proc.stderr
+
+
+def test_gemm_rate_line_times_every_backend_against_onnxruntime():
+    pytest.importorskip("onnxruntime")
+    from attn_export import bench_gemm
+    from attn_export.cli.bench import _machine_header
+
+    before = attn_export.gemm_backend()
+    rates = bench_gemm.run_gemm_rates([bench_gemm.Gemm("tiny", 5, 24, 8)], rounds=1, min_run_time=0.001)
+    assert attn_export.gemm_backend() == before  # the benchmark leaves the choice as it found it
+    by_impl = {r.implementation: r for r in rates}
+    available = [name for name, why in _gemm.available_backends().items() if not why]
+    assert set(available) | {bench_gemm.ORT} <= set(by_impl)
+    ort = by_impl[bench_gemm.ORT]
+    for r in rates:
+        assert r.gflops == pytest.approx(2 * 5 * 24 * 8 / (r.median_us * 1e-6) / 1e9)
+        if r is not ort:
+            assert r.ratio_to_ort == pytest.approx(ort.median_us / r.median_us)
+    header = _machine_header()
+    model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name"))
+    assert model in header and f"GEMM backend: {before.name}" in header
