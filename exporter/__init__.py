@@ -15,6 +15,7 @@ from attn_export._library import load_library
 
 load_library()
 
+from attn_export._gemm import gemm_backend, set_gemm_backend  # noqa: E402
 from attn_export.modules import FusedMultiheadAttention, UnsupportedAttentionError  # noqa: E402
 from attn_export.ops import attention, multi_head_attention  # noqa: E402
 from attn_export.replace import (  # noqa: E402
@@ -49,5 +50,5 @@ __all__ = [
     "FusedMultiheadAttention", "UnsupportedAttentionError", "attention", "multi_head_attention",
     "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
-    "__version__",
+    "gemm_backend", "set_gemm_backend", "__version__",
 ]

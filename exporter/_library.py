@@ -26,6 +26,8 @@ def load_library() -> None:
             f"{exc}\nBuild them against the installed PyTorch with "
             "`pip install --no-build-isolation -e .` (or run `make test`, which does it)."
         ) from exc
+    # The CPU GEMM library (ATTN_EXPORT_GEMM, else chosen for this CPU), before any op runs.
+    importlib.import_module("attn_export._gemm").configure()
     importlib.import_module("attn_export._fake")
     importlib.import_module("attn_export._autocast").register()
     _loaded = True

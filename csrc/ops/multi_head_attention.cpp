@@ -38,7 +38,7 @@ bool column_major(const at::Tensor& weight) {
 
 // dL/dW of y = x W^T from dy, laid out like `weight`.
 at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight) {
-  return column_major(weight) ? x.t().mm(dy).t() : dy.t().mm(x);
+  return column_major(weight) ? backend_mm(x.t(), dy).t() : backend_mm(dy.t(), x);
 }
 
 // Row blocks of a weight gradient, concatenated in the weight's layout.
@@ -286,7 +286,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
     // Averaged weights are the mean over heads: each head receives 1/H of the gradient.
     grad_probs = a.average_attn_weights ? (gw / a.num_heads).unsqueeze(1) : gw;
   }
-  const ProjectionGrads d = core(a, packed_qkv, s, dy.mm(a.out_proj_weight), grad_probs);
+  const ProjectionGrads d = core(a, packed_qkv, s, backend_mm(dy, a.out_proj_weight), grad_probs);
 
   // Gradients of one packed projection y = x W[rows]^T + b[rows], given dy.
   struct Projection {
@@ -296,7 +296,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
                           bool need_input) {
     Projection p;
     if (need_input) {
-      p.grad_input = dproj.mm(a.in_proj_weight.narrow(0, row0, rows));
+      p.grad_input = backend_mm(dproj, a.in_proj_weight.narrow(0, row0, rows));
     }
     if (needs[kInWeight]) {
       p.grad_weight = weight_grad(dproj, tokens2d(input, l), a.in_proj_weight);

@@ -66,6 +66,10 @@ inline at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const s
   return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
 }
 
+// a @ b for 2-D tensors; on the CPU through the GEMM backend in force (cpu/projection.cpp,
+// csrc/kernels/cpu/gemm_backend.h), elsewhere at::mm.
+at::Tensor backend_mm(const at::Tensor& a, const at::Tensor& b);
+
 inline std::optional<at::Tensor> bias_rows(const std::optional<at::Tensor>& bias, int64_t start, int64_t length) {
   if (!bias.has_value()) {
     return std::nullopt;

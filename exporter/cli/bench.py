@@ -36,13 +36,16 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
                    "export, --onnx-attention custom and standard) against PyTorch eager (docs/benchmarks.md).")
 @click.option("--seqs", default="64,512,2048,4096", show_default=True, help="With --onnx: sequence lengths.")
 @click.option("--batches", default="1,8", show_default=True, help="With --onnx: batch sizes.")
+@click.option("--gemm", "gemm_rates", is_flag=True,
+              help="Also the GEMM-rate line: GFLOP/s of the shapes' projection GEMMs under each GEMM backend "
+                   "against ONNX Runtime's MatMul on the same shapes (attn_export.bench_gemm).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --onnx: leave out the shapes with batch x seq > N (a reduced run).")
 @click.option("--profile", "profile_shape", metavar="BxL",
               help="With --onnx: also what ONNX Runtime runs at this shape: node counts of its optimized graphs "
                    "and kernel time per op type from its profiler (per node the fastest of 10 calls: robust to load).")
 def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
-          memory_shape, onnx_mode, seqs, batches, max_tokens, profile_shape):
+          memory_shape, onnx_mode, seqs, batches, gemm_rates, max_tokens, profile_shape):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
     Reports, per implementation, the minimum over interleaved rounds of torch.utils.benchmark
@@ -76,6 +79,8 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     torch.set_num_threads(threads)
     impls = [i for i in lib.IMPLEMENTATIONS if not (no_sdpa and i == "sdpa")]
     console = Console(stderr=True)
+    header = _machine_header()
+    click.echo(header)
     with console.status("benchmarking") as status:
         results = lib.run_benchmark(
             shapes, modes or MODE_CHOICES, impls, rounds=rounds, min_run_time=min_run_time,
@@ -92,6 +97,17 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
         table.add_row(str(shape), mode, *cells)
     Console(width=max(Console().width, 100)).print(table)
 
+    gemm_results = []
+    if gemm_rates:
+        from attn_export import bench_gemm
+
+        with console.status("GEMM rates") as status:
+            gemm_results = bench_gemm.run_gemm_rates(
+                bench_gemm.projection_gemms(shapes), rounds=rounds, min_run_time=min_run_time,
+                progress=lambda what: status.update(f"GEMM rates: {what}"))
+        click.echo(f"GEMM rate (projections, {threads} threads; ratio = GFLOP/s / {bench_gemm.ORT}'s):")
+        click.echo(bench_gemm.markdown_table(gemm_results))
+
     memory_results = []
     if memory is not None:
         with console.status(f"measuring peak memory at {memory}"):
@@ -105,12 +121,17 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
         Console().print(mem_table)
 
     if json_path:
-        payload = {"threads": threads, "torch": torch.__version__, "rounds": rounds,
+        payload = {"machine": header, "threads": threads, "torch": torch.__version__, "rounds": rounds,
                    "results": [r.as_dict() for r in results],
+                   "gemm_rates": [r.as_dict() for r in gemm_results],
                    "memory": [m.as_dict() for m in memory_results]}
         write_text(json_path, json.dumps(payload, indent=2) + "\n")
     if markdown_path:
-        text = lib.markdown_table(results) + "\n"
+        text = header + "\n\n" + lib.markdown_table(results) + "\n"
+        if gemm_results:
+            from attn_export import bench_gemm
+
+            text += "\n" + bench_gemm.markdown_table(gemm_results) + "\n"
         if memory_results:
             text += "\n" + lib.memory_markdown_table(memory_results) + "\n"
         write_text(markdown_path, text)
@@ -119,6 +140,19 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
         with atomic_output(plot_path) as tmp:
             lib.plot_latency(results, str(tmp), fmt="png")
+
+
+def _machine_header() -> str:
+    """The CPU, its ISA and the GEMM library the layer runs on: the ratios depend on all three."""
+    from attn_export import _gemm
+    from attn_export.bench_onnx import machine
+
+    facts = machine()
+    choice = _gemm.gemm_backend()
+    kernels = f" + {choice.microkernel} micro-kernels" if choice.microkernel else ""
+    config = _gemm.openblas_config() if choice.name == "openblas" else ""
+    return (f"CPU: {facts['cpu']} ({facts['isa']}); torch {facts['torch']} BLAS {facts['torch_gemm']}\n"
+            f"GEMM backend: {choice.name}{kernels}{' [' + config + ']' if config else ''} - {choice.reason}")
 
 
 def _sizes(text: str, option: str):

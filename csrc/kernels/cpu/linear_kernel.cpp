@@ -1,9 +1,11 @@
-// The projection kernel of linear_kernel.h: a BLIS-style 12 x 32 register tile (24 AVX-512
-// accumulators; each step of k loads two vectors of B and broadcasts twelve values of A),
-// sweeping 32-column panels of B. A panel is copied into a contiguous k x 32 block before
+// The projection kernel of linear_kernel.h: a BLIS-style register tile (AVX-512: 12 x 32, 24
+// accumulators; each step of k loads two vectors of B and broadcasts twelve values of A;
+// AVX2: 6 x 16, twice per panel), sweeping 32-column panels of B. A panel is copied into a contiguous k x 32 block before
 // it is reused across row tiles: weight rows n floats apart map to few L1 sets (n = 384:
 // eight), and the copy costs less than the conflict misses it avoids.
 #include "linear_kernel.h"
+
+#include "gemm_backend.h"
 
 #include <algorithm>
 #include <cstring>
@@ -24,36 +26,46 @@ int64_t linear_scratch_floats(int64_t k) {
 
 #if defined(ATTN_EXPORT_LINEAR_KERNEL)
 
+// The same tile loop compiled twice: 12 rows x two 16-float vectors (24 of AVX-512's 32
+// registers), and, for AVX2 + FMA (16 registers), 6 rows x two 8-float vectors swept over the
+// panel's two 16-column halves (12 accumulators, BLIS's Haswell shape). The helpers below have
+// no target attribute and are always inlined: they take the ISA of the entry point.
 #define ATTN_EXPORT_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define ATTN_EXPORT_AVX2 __attribute__((target("avx2,fma")))
+#define ATTN_EXPORT_INLINE __attribute__((always_inline)) inline
 
 namespace {
 
 typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
 
-ATTN_EXPORT_AVX512 inline Vec16 load16(const float* p) {
-  Vec16 v;
+template <typename V>
+ATTN_EXPORT_INLINE V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-ATTN_EXPORT_AVX512 inline void store16(float* p, Vec16 v) {
+template <typename V>
+ATTN_EXPORT_INLINE void store(float* p, V v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
-// c[0:R, 0:32] = bias (+ c) + a[0:R, 0:k] b[0:k, 0:32]. The products accumulate in k order
-// onto the bias, one fused multiply-add each, like BLAS with beta = 1 over a bias-filled output.
-template <int R>
-ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile(
-    int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, const float* bias,
-    float* c, int64_t ldc, bool accumulate) {
-  Vec16 lo[R], hi[R];
-  const Vec16 bias_lo = load16(bias), bias_hi = load16(bias + 16);
+// c[0:R, 0:2W] = bias (+ c) + a[0:R, 0:k] b[0:k, 0:2W] for W-float vectors V. The products
+// accumulate in k order onto the bias, one fused multiply-add each, like BLAS with beta = 1
+// over a bias-filled output.
+template <typename V, int R>
+ATTN_EXPORT_INLINE void tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                             const float* bias, float* c, int64_t ldc, bool accumulate) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V lo[R], hi[R];
+  const V bias_lo = load<V>(bias), bias_hi = load<V>(bias + W);
   for (int r = 0; r < R; ++r) {
-    lo[r] = accumulate ? bias_lo + load16(c + r * ldc) : bias_lo;
-    hi[r] = accumulate ? bias_hi + load16(c + r * ldc + 16) : bias_hi;
+    lo[r] = accumulate ? bias_lo + load<V>(c + r * ldc) : bias_lo;
+    hi[r] = accumulate ? bias_hi + load<V>(c + r * ldc + W) : bias_hi;
   }
   for (int64_t p = 0; p < k; ++p) {
-    const Vec16 b_lo = load16(b + p * ldb), b_hi = load16(b + p * ldb + 16);
+    const V b_lo = load<V>(b + p * ldb), b_hi = load<V>(b + p * ldb + W);
     for (int r = 0; r < R; ++r) {
       const float s = a[r * lda + p];
       lo[r] += s * b_lo;
@@ -61,21 +73,24 @@ ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile(
     }
   }
   for (int r = 0; r < R; ++r) {
-    store16(c + r * ldc, lo[r]);
-    store16(c + r * ldc + 16, hi[r]);
+    store<V>(c + r * ldc, lo[r]);
+    store<V>(c + r * ldc + W, hi[r]);
   }
 }
 
-// tile<rows> for 1 <= rows <= kTileRows, as a jump table of fully unrolled tiles.
-template <int R = kTileRows>
-ATTN_EXPORT_AVX512 __attribute__((always_inline)) inline void tile_rows(
-    int rows, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
-    const float* bias, float* c, int64_t ldc, bool accumulate) {
+// tile<V, rows> for 1 <= rows <= R, as a jump table of fully unrolled tiles, over the panel's
+// 32 columns (one AVX-512 tile, or two AVX2 ones side by side).
+template <typename V, int R>
+ATTN_EXPORT_INLINE void tile_rows(int rows, int64_t k, const float* a, int64_t lda, const float* b,
+                                  int64_t ldb, const float* bias, float* c, int64_t ldc, bool accumulate) {
   if constexpr (R > 0) {
     if (rows == R) {
-      tile<R>(k, a, lda, b, ldb, bias, c, ldc, accumulate);
+      constexpr int64_t kTileCols = 2 * sizeof(V) / sizeof(float);
+      for (int64_t j = 0; j < kPanelCols; j += kTileCols) {
+        tile<V, R>(k, a, lda, b + j, ldb, bias + j, c + j, ldc, accumulate);
+      }
     } else {
-      tile_rows<R - 1>(rows, k, a, lda, b, ldb, bias, c, ldc, accumulate);
+      tile_rows<V, R - 1>(rows, k, a, lda, b, ldb, bias, c, ldc, accumulate);
     }
   }
 }
@@ -91,8 +106,7 @@ bool rows_spread_over_l1_sets(int64_t ld) {
 // beyond them: the k x 32 block of B = W^T that the tiles read. A row-major weight (the
 // layout of nn.Linear, which FSDP and every optimizer expect of a parameter) costs this one
 // transposing copy per panel, in place of the plain copy a column-major one takes.
-ATTN_EXPORT_AVX512 void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width,
-                                              float* panel) {
+void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width, float* panel) {
   if (width < kPanelCols) {
     std::fill(panel, panel + k * kPanelCols, 0.0f);
   }
@@ -104,24 +118,17 @@ ATTN_EXPORT_AVX512 void pack_transposed_panel(const float* w, int64_t ldw, int64
   }
 }
 
-}  // namespace
-
-bool linear_kernel_available() {
-  static const bool available = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("avx512cd");
-  return available;
-}
-
-ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int64_t row_end,
-                                    int64_t col_begin, int64_t col_end, float* scratch) {
+// linear_rows with R-row tiles of V vectors.
+template <typename V, int R>
+ATTN_EXPORT_INLINE void rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                             int64_t col_end, float* scratch) {
   float* const panel = scratch;                                // k x 32, packed columns of B
   float* const panel_bias = panel + x.k * kPanelCols;          // 32
   float* const partial = panel_bias + kPanelCols;              // kTileRows x 32 output staging
-  const int64_t rows = row_end - row_begin;
-  // A panel is reused by rows / kTileRows tiles; below two the copy does not pay, nor when
-  // its rows already spread over the L1 sets.
-  const bool pack_full_panels = rows >= 2 * kTileRows && !rows_spread_over_l1_sets(x.ldb);
+  const int64_t row_count = row_end - row_begin;
+  // A panel is reused by rows / R tiles; below two the copy does not pay, nor when its rows
+  // already spread over the L1 sets.
+  const bool pack_full_panels = row_count >= 2 * R && !rows_spread_over_l1_sets(x.ldb);
   for (int64_t j0 = col_begin; j0 < col_end; j0 += kPanelCols) {
     const int64_t width = std::min(kPanelCols, col_end - j0);
     const float* b = x.b + j0;
@@ -146,19 +153,19 @@ ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int6
     } else {
       std::fill(panel_bias, panel_bias + kPanelCols, 0.0f);
     }
-    for (int64_t i0 = row_begin; i0 < row_end; i0 += kTileRows) {
-      const int tile_rows_here = static_cast<int>(std::min<int64_t>(kTileRows, row_end - i0));
+    for (int64_t i0 = row_begin; i0 < row_end; i0 += R) {
+      const int tile_rows_here = static_cast<int>(std::min<int64_t>(R, row_end - i0));
       const float* a = x.a + i0 * x.lda;
       float* c = x.c + i0 * x.ldc + j0;
       if (width == kPanelCols) {
-        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, c, x.ldc, x.accumulate);
+        tile_rows<V, R>(tile_rows_here, x.k, a, x.lda, b, ldb, bias, c, x.ldc, x.accumulate);
       } else {
         if (x.accumulate) {
           for (int r = 0; r < tile_rows_here; ++r) {
             std::copy(c + r * x.ldc, c + r * x.ldc + width, partial + r * kPanelCols);
           }
         }
-        tile_rows(tile_rows_here, x.k, a, x.lda, b, ldb, bias, partial, kPanelCols, x.accumulate);
+        tile_rows<V, R>(tile_rows_here, x.k, a, x.lda, b, ldb, bias, partial, kPanelCols, x.accumulate);
         for (int r = 0; r < tile_rows_here; ++r) {
           std::memcpy(c + r * x.ldc, partial + r * kPanelCols, width * sizeof(float));
         }
@@ -167,7 +174,53 @@ ATTN_EXPORT_AVX512 void linear_rows(const LinearArgs& x, int64_t row_begin, int6
   }
 }
 
+ATTN_EXPORT_AVX512 void rows_avx512(const LinearArgs& x, int64_t row_begin, int64_t row_end,
+                                    int64_t col_begin, int64_t col_end, float* scratch) {
+  rows<Vec16, kTileRows>(x, row_begin, row_end, col_begin, col_end, scratch);
+}
+
+ATTN_EXPORT_AVX2 void rows_avx2(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                                int64_t col_end, float* scratch) {
+  rows<Vec8, kTileRows / 2>(x, row_begin, row_end, col_begin, col_end, scratch);
+}
+
+LinearKernelIsa detect_isa() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512cd")) {
+    return LinearKernelIsa::avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return LinearKernelIsa::avx2;
+  }
+  return LinearKernelIsa::none;
+}
+
+}  // namespace
+
+LinearKernelIsa linear_kernel_isa() {
+  static const LinearKernelIsa isa = detect_isa();
+  return isa;
+}
+
+bool linear_kernel_available() {
+  return linear_kernel_isa() != LinearKernelIsa::none && gemm_microkernels_enabled();
+}
+
+void linear_rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,
+                 float* scratch) {
+  if (linear_kernel_isa() == LinearKernelIsa::avx512) {
+    rows_avx512(x, row_begin, row_end, col_begin, col_end, scratch);
+  } else {
+    rows_avx2(x, row_begin, row_end, col_begin, col_end, scratch);
+  }
+}
+
 #else  // no GCC x86-64: BLAS serves every projection
+
+LinearKernelIsa linear_kernel_isa() {
+  return LinearKernelIsa::none;
+}
 
 bool linear_kernel_available() {
   return false;
@@ -178,3 +231,8 @@ void linear_rows(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*) 
 #endif
 
 }  // namespace attn_export::cpu
+
+// For attn_export/_gemm.py (ctypes): 0 none, 1 AVX2 + FMA, 2 AVX-512.
+extern "C" __attribute__((visibility("default"))) int attn_export_linear_kernel_isa() {
+  return static_cast<int>(attn_export::cpu::linear_kernel_isa());
+}

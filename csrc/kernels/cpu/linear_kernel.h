@@ -4,10 +4,11 @@
 // Why not BLAS: at the sizes of short sequences (a few hundred tokens, embed dims of a few
 // hundred) MKL's threaded sgemm spends a third to a half of its time on its own thread
 // hand-off and per-call setup; the projections then cost more than the rest of the layer
-// together. One register-blocked AVX-512 tile loop, with the token rows (or, for a handful
-// of tokens, the column panels) split once across threads, runs them at close to the
-// single-core rate on every core (docs/benchmarks.md). Anything it does not cover (other
-// dtypes, CPUs without AVX-512, large products where BLAS is at its best) goes to BLAS.
+// together. One register-blocked tile loop (AVX-512, or AVX2 with FMA), with the token rows
+// (or, for a handful of tokens, the column panels) split once across threads, runs them at
+// close to the single-core rate on every core (docs/benchmarks.md). Anything it does not
+// cover (other dtypes, CPUs without AVX2/FMA, large products where BLAS is at its best) goes
+// to the GEMM library of gemm_backend.h.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,12 @@ namespace attn_export::cpu {
 // Columns per panel of B: the tile width, and the unit a column split should use.
 constexpr int64_t kLinearPanelCols = 32;
 
-// Whether this CPU runs linear_rows (x86-64-v4: AVX-512 F/BW/CD/DQ/VL).
+// The tile loop this CPU runs: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), else AVX2 + FMA.
+enum class LinearKernelIsa { none, avx2, avx512 };
+LinearKernelIsa linear_kernel_isa();
+
+// Whether linear_rows may run: the CPU has one of its ISAs and the GEMM backend in force
+// allows it (gemm_backend.h: a forced library turns it off).
 bool linear_kernel_available();
 
 struct LinearArgs {

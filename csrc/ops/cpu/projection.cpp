@@ -6,11 +6,14 @@
 #include <vector>
 
 #include "../multi_head_attention.h"
+#include "../../kernels/cpu/gemm_backend.h"
 #include "../../kernels/cpu/linear_kernel.h"
+#include "../../kernels/cpu/runtime.h"
 
 namespace attn_export::ops {
 namespace {
 
+using cpu::GemmBackend;
 using cpu::kLinearPanelCols;
 using cpu::linear_kernel_available;
 using cpu::linear_rows;
@@ -32,10 +35,70 @@ bool is_float(const at::Tensor& t) {
 }
 
 bool linear_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  // A forced `microkernel` backend takes every product the kernel covers, whatever its size.
+  const bool small_enough = x.size(0) * weight.size(0) * weight.size(1) <= kLinearKernelMaxWork ||
+                            cpu::gemm_backend() == GemmBackend::microkernel;
   return is_float(x) && is_float(weight) && x.dim() == 2 && weight.dim() == 2 &&
          unit_stride(x, 1) && (unit_stride(weight, 0) || unit_stride(weight, 1)) &&
-         (!bias.has_value() || (is_float(*bias) && unit_stride(*bias, 0))) &&
-         x.size(0) * weight.size(0) * weight.size(1) <= kLinearKernelMaxWork && linear_kernel_available();
+         (!bias.has_value() || (is_float(*bias) && unit_stride(*bias, 0))) && small_enough &&
+         linear_kernel_available();
+}
+
+// A 2-D operand as BLAS reads it: row-major (ld = the row stride) or, transposed, column-major.
+struct BlasOperand {
+  at::Tensor tensor;  // keeps a contiguous copy alive where one was needed
+  bool transposed;
+  int64_t ld;
+};
+
+BlasOperand blas_operand(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(cols, 1)) {
+    return {t, false, t.stride(0)};
+  }
+  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(rows, 1)) {
+    return {t, true, t.stride(1)};
+  }
+  const at::Tensor copy = t.contiguous();
+  return {copy, false, std::max<int64_t>(cols, 1)};
+}
+
+// Whether out = x W^T + b goes to OpenBLAS: it is in force and the operands are float32 or
+// float64 of one dtype, with a unit column stride in `out`.
+bool openblas_applies(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = x.scalar_type();
+  return cpu::gemm_backend() == GemmBackend::openblas && (dtype == at::kFloat || dtype == at::kDouble) &&
+         weight.scalar_type() == dtype && out.scalar_type() == dtype && x.dim() == 2 && weight.dim() == 2 &&
+         (!bias.has_value() || bias->scalar_type() == dtype) && unit_stride(out, 1) &&
+         out.stride(0) >= std::max<int64_t>(out.size(1), 1) && x.size(0) > 0 && weight.size(0) > 0;
+}
+
+// out = x W^T (+ b) through runtime.h's blas_gemm, which runs OpenBLAS on at::get_num_threads()
+// threads at top level. The bias is written first and accumulated onto (beta = 1).
+template <typename T>
+void run_openblas(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  const BlasOperand a = blas_operand(x);
+  // B = W^T: a row-major W is read transposed, a column-major one as it is.
+  const BlasOperand w = blas_operand(weight);
+  if (bias.has_value()) {
+    out.copy_(bias->expand_as(out));
+  }
+  cpu::blas_gemm(a.transposed, !w.transposed, out.size(0), out.size(1), x.size(1), T(1),
+                 a.tensor.data_ptr<T>(), a.ld, w.tensor.data_ptr<T>(), w.ld, T(bias.has_value() ? 1 : 0),
+                 out.data_ptr<T>(), out.stride(0));
+}
+
+void openblas_project_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  if (x.size(1) == 0) {  // BLAS wants k >= 1; the product is then the bias alone
+    bias.has_value() ? out.copy_(bias->expand_as(out)) : out.zero_();
+  } else if (x.scalar_type() == at::kFloat) {
+    run_openblas<float>(out, x, weight, bias);
+  } else {
+    run_openblas<double>(out, x, weight, bias);
+  }
 }
 
 void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -74,21 +137,53 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
 }  // namespace
 
 at::Tensor project_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (!linear_kernel_applies(x, weight, bias)) {
-    return project(x, weight, bias);
+  if (linear_kernel_applies(x, weight, bias)) {
+    at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+    run_linear_kernel(out, x, weight, bias);
+    return out;
   }
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  run_linear_kernel(out, x, weight, bias);
-  return out;
+  if (cpu::gemm_backend() == GemmBackend::openblas && x.dim() == 2 && weight.dim() == 2) {
+    at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+    if (openblas_applies(out, x, weight, bias)) {
+      openblas_project_into(out, x, weight, bias);
+      return out;
+    }
+  }
+  return project(x, weight, bias);
 }
 
 void project_into_cpu(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
-  if (!(is_float(out) && unit_stride(out, 1) && linear_kernel_applies(x, weight, bias))) {
+  if (is_float(out) && unit_stride(out, 1) && linear_kernel_applies(x, weight, bias)) {
+    run_linear_kernel(out, x, weight, bias);
+  } else if (openblas_applies(out, x, weight, bias)) {
+    openblas_project_into(out, x, weight, bias);
+  } else {
     out.copy_(project(x, weight, bias));
-    return;
   }
-  run_linear_kernel(out, x, weight, bias);
+}
+
+at::Tensor backend_mm(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.is_cpu() || a.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      b.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return a.mm(b);
+  }
+  return project_cpu(a, b.t(), std::nullopt);
 }
 
 }  // namespace attn_export::ops
+
+// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]) on row-major float32 buffers, exactly as the layer
+// runs its projections (project_into_cpu): the entry point of the GEMM-rate benchmark
+// (attn_export/bench_gemm.py, through ctypes), which times the seam without a layer around it.
+extern "C" __attribute__((visibility("default"))) void attn_export_project_f32(
+    int64_t m, int64_t n, int64_t k, const float* x, const float* weight, const float* bias, float* out) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor x_t = at::from_blob(const_cast<float*>(x), {m, k}, options);
+  const at::Tensor w_t = at::from_blob(const_cast<float*>(weight), {n, k}, options);
+  std::optional<at::Tensor> b_t;
+  if (bias != nullptr) {
+    b_t = at::from_blob(const_cast<float*>(bias), {n}, options);
+  }
+  attn_export::ops::project_into_cpu(at::from_blob(out, {m, n}, options), x_t, w_t, b_t);
+}

@@ -1,7 +1,8 @@
 // The CPU layer's projections, x W^T + b on token-major rows: the kernel of
-// csrc/kernels/cpu/linear_kernel.h,
-// split across threads, where it applies (float32, AVX-512, a row- or column-major weight, up to
-// kLinearKernelMaxWork multiply-adds); BLAS otherwise.
+// csrc/kernels/cpu/linear_kernel.h, split across threads, where it applies (float32, AVX-512 or
+// AVX2/FMA, a row- or column-major weight, up to kLinearKernelMaxWork multiply-adds, unless a
+// forced `microkernel` backend lifts the limit); otherwise the GEMM library in force
+// (csrc/kernels/cpu/gemm_backend.h): OpenBLAS, or ATen's addmm.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,10 @@
 // The CPU kernels' host services (csrc/kernels/cpu/runtime.h) for the PyTorch extension:
-// ATen's thread pool and the BLAS that torch was built with. This is the only place where the
-// kernels of csrc/kernels/cpu/ meet ATen.
+// ATen's thread pool, and the GEMM library in force (csrc/kernels/cpu/gemm_backend.h): the BLAS
+// that torch was built with, or OpenBLAS. This is the only place where the kernels of
+// csrc/kernels/cpu/ meet ATen.
 #include "../../kernels/cpu/runtime.h"
+
+#include "../../kernels/cpu/gemm_backend.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +22,12 @@ at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
           const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (gemm_backend() == GemmBackend::openblas) {
+    // Inside a parallel_for task the kernels' threads are busy: one OpenBLAS thread each.
+    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    openblas_gemm(threads, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
   const at::Tensor a_op = trans_a ? wrap_block(a, k, m, lda).t() : wrap_block(a, m, k, lda);
   const at::Tensor b_op = trans_b ? wrap_block(b, n, k, ldb).t() : wrap_block(b, k, n, ldb);
   wrap_block(c, m, n, ldc).addmm_(a_op, b_op, beta, alpha);
