@@ -2,6 +2,7 @@
 before a byte is unpickled; a pickle that runs code never runs it without trust_file."""
 import os
 import pickle
+import sys
 import textwrap
 from pathlib import Path
 
@@ -129,3 +130,74 @@ def test_factory_with_weights(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="module:factory"):
         load_factory("my_factory")
     assert Path.cwd() == tmp_path
+
+
+FACTORIES = """
+    from torch import nn
+    LAYER = nn.Linear(2, 2)
+    NUMBER = 3
+    def build():
+        return nn.Sequential(nn.Linear(4, 3))
+    def failing():
+        raise RuntimeError("no GPU here\\nsecond line")
+"""
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A module ``factories_mod`` in the current directory, importable only through the
+    current-directory entry load_factory puts on sys.path."""
+    (tmp_path / "factories_mod.py").write_text(textwrap.dedent(FACTORIES))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    monkeypatch.delitem(sys.modules, "factories_mod", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("factories_mod", "--model 'factories_mod': expected module:factory, e.g. mypkg.models:build"),
+    (":build", "--model ':build': expected module:factory"),
+    ("factories_mod:", "--model 'factories_mod:': expected module:factory"),
+    ("no_such_mod_xyz:build", "--model no_such_mod_xyz:build: cannot import 'no_such_mod_xyz' (No module named"),
+    ("factories_mod:nothing", "--model factories_mod:nothing: 'factories_mod' has no 'nothing'"),
+    ("factories_mod:failing", "--model factories_mod:failing: calling it failed: no GPU here"),
+    ("factories_mod:NUMBER", "--model factories_mod:NUMBER: 'NUMBER' is neither callable nor an nn.Module"),
+])
+def test_every_bad_factory_is_named_with_the_fix(factories, spec, message):
+    with pytest.raises(InputError) as info:
+        load_factory(spec)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "second line" not in str(info.value)  # one line, not the whole exception
+
+
+def test_a_factory_module_in_the_current_directory_is_found(factories):
+    model = load_factory("factories_mod:build")
+    assert sys.path[0] == ""  # the current directory, as `python -m` would have it
+    assert isinstance(model, nn.Sequential) and model[0].in_features == 4
+    # An nn.Module instance is taken as it is, not called.
+    from factories_mod import LAYER
+
+    assert load_factory("factories_mod:LAYER") is LAYER
+
+
+def test_weights_files_are_checked_and_wrapped_state_dicts_unwrapped(factories):
+    reference = nn.Sequential(nn.Linear(4, 3))
+    wrapped = factories / "wrapped.pt"
+    torch.save({"state_dict": reference.state_dict(), "epoch": 3}, wrapped)
+    model = load_factory("factories_mod:build", wrapped)
+    assert torch.equal(model[0].weight, reference[0].weight) and torch.equal(model[0].bias, reference[0].bias)
+
+    listed = factories / "listed.pt"
+    torch.save([reference[0].weight], listed)
+    evil = factories / "evil.pt"
+    torch.save({"model": MarkerWriter(factories / "PWNED")}, evil)
+    for weights, message in [
+        (factories / "missing.pt", f"--weights {factories / 'missing.pt'}: no such file"),
+        (factories, f"--weights {factories}: no such file"),
+        (listed, f"--weights {listed}: expected a state_dict, got a list"),
+        (evil, f"--weights {evil}: cannot load it weights-only ("),
+    ]:
+        with pytest.raises(InputError) as info:
+            load_factory("factories_mod:build", weights)
+        assert str(info.value).startswith(message), str(info.value)
+    assert not (factories / "PWNED").exists()
