@@ -140,6 +140,8 @@ FACTORIES = """
         return nn.Sequential(nn.Linear(4, 3))
     def failing():
         raise RuntimeError("no GPU here\\nsecond line")
+    def number():
+        return 42
 """
 
 
@@ -162,6 +164,8 @@ def factories(tmp_path, monkeypatch):
     ("factories_mod:nothing", "--model factories_mod:nothing: 'factories_mod' has no 'nothing'"),
     ("factories_mod:failing", "--model factories_mod:failing: calling it failed: no GPU here"),
     ("factories_mod:NUMBER", "--model factories_mod:NUMBER: 'NUMBER' is neither callable nor an nn.Module"),
+    ("factories_mod:number", "--model factories_mod:number: returned a int, not a torch.nn.Module"),
+    ("factories_mod:build:x", "--model factories_mod:build:x: 'factories_mod' has no 'build:x'"),
 ])
 def test_every_bad_factory_is_named_with_the_fix(factories, spec, message):
     with pytest.raises(InputError) as info:
@@ -195,9 +199,43 @@ def test_weights_files_are_checked_and_wrapped_state_dicts_unwrapped(factories):
         (factories / "missing.pt", f"--weights {factories / 'missing.pt'}: no such file"),
         (factories, f"--weights {factories}: no such file"),
         (listed, f"--weights {listed}: expected a state_dict, got a list"),
-        (evil, f"--weights {evil}: cannot load it weights-only ("),
+        (evil, f"--weights {evil}: cannot load it weights-only ({torch_reason(evil)})"),
     ]:
         with pytest.raises(InputError) as info:
             load_factory("factories_mod:build", weights)
         assert str(info.value).startswith(message), str(info.value)
     assert not (factories / "PWNED").exists()
+    torch.save(nn.Linear(5, 5).state_dict(), factories / "wrong.pt")
+    with pytest.raises(InputError) as info:
+        load_factory("factories_mod:build", factories / "wrong.pt")
+    assert str(info.value).startswith(f"--weights {factories / 'wrong.pt'}: does not fit the model: Error(s) in "
+                                      "loading state_dict for Sequential")
+
+
+def torch_reason(path):
+    """The first line of torch's own error for a weights-only load of ``path``."""
+    with pytest.raises(Exception) as info:
+        torch.load(path, weights_only=True)
+    return str(info.value).strip().splitlines()[0].strip()
+
+
+def test_allow_class_specs_take_either_separator_and_name_the_fix(tmp_path, monkeypatch):
+    from attn_export.loading import as_cli_name, import_class
+
+    assert as_cli_name("a.b.Net") == "a.b:Net" and as_cli_name("Net") == "Net"
+    assert import_class("attn_export.examples.TinySeq2Seq") is TinySeq2Seq
+    assert import_class("attn_export.examples:TinySeq2Seq") is TinySeq2Seq
+    # the module is imported by its full dotted name, not reached attribute by attribute
+    (tmp_path / "pkg_never_imported").mkdir()
+    (tmp_path / "pkg_never_imported" / "__init__.py").write_text("")
+    (tmp_path / "pkg_never_imported" / "sub.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_class("pkg_never_imported.sub.Thing").__name__ == "Thing"
+    for spec, message in [
+        (":Net", "--allow-class ':Net': expected module:Class, e.g. mypkg.models:Net"),
+        ("Net", "--allow-class 'Net': expected module:Class, e.g. mypkg.models:Net"),
+        ("no_such_mod_xyz:A:B", "--allow-class no_such_mod_xyz:A:B: cannot import module 'no_such_mod_xyz' ("),
+    ]:
+        with pytest.raises(InputError) as info:
+            import_class(spec)
+        assert str(info.value).startswith(message), str(info.value)
