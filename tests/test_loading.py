@@ -239,3 +239,29 @@ def test_allow_class_specs_take_either_separator_and_name_the_fix(tmp_path, monk
         with pytest.raises(InputError) as info:
             import_class(spec)
         assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_refusal_lists_every_class_and_both_ways_forward(tmp_path):
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    torch.save(TinySeq2Seq(features=8, d_model=16, heads=2, layers=1), one)
+    torch.save({"m": TinySeq2Seq(features=8, d_model=16, heads=2, layers=1), "w": MarkerWriter(tmp_path / "x")}, two)
+    ways = ("Nothing was unpickled. Either allow it by name with --allow-class attn_export.examples:TinySeq2Seq "
+            "(repeatable; imported from the installed package), or, only for a file you trust, --trust-model-file "
+            "(full unpickling: runs code from the file)")
+    with pytest.raises(InputError) as info:
+        load_model(one)
+    assert str(info.value) == (f"{one} references a class outside the allowlist of safe torch.nn classes: "
+                               f"attn_export.examples:TinySeq2Seq. {ways}")
+    with pytest.raises(InputError) as info:
+        load_model(two)
+    listed = str(info.value).split("classes: ", 1)[1].split(". Nothing", 1)[0]
+    assert str(info.value).startswith(f"{two} references classes outside the allowlist of safe torch.nn classes: ")
+    assert listed.split(", ") == sorted(listed.split(", ")) and "attn_export.examples:TinySeq2Seq" in listed
+    assert f"{os.system.__module__}:system" in listed and len(listed.split(", ")) == 2
+
+
+@pytest.mark.parametrize("path_entries", [[""], ["."], ["", "."]])
+def test_the_current_directory_is_put_on_the_path_once(factories, monkeypatch, path_entries):
+    monkeypatch.setattr(sys, "path", path_entries + sys.path)
+    load_factory("factories_mod:build")
+    assert [p for p in sys.path if p in ("", ".")] == path_entries  # already there: nothing added
