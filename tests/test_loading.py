@@ -265,3 +265,12 @@ def test_the_current_directory_is_put_on_the_path_once(factories, monkeypatch, p
     monkeypatch.setattr(sys, "path", path_entries + sys.path)
     load_factory("factories_mod:build")
     assert [p for p in sys.path if p in ("", ".")] == path_entries  # already there: nothing added
+
+
+def test_a_file_holding_something_else_names_what_it_holds(tmp_path):
+    path = tmp_path / "numbers.pt"
+    torch.save([1, 2], path)
+    for trust in (False, True):
+        with pytest.raises(InputError) as info:
+            load_model(path, trust_file=trust)
+        assert str(info.value) == f"{path} holds a list, not a torch.nn.Module"
