@@ -103,8 +103,10 @@ def test_bad_files_are_input_errors(tmp_path):
 def test_torchscript_archives_are_refused(tmp_path):
     path = tmp_path / "scripted.pt"
     torch.jit.save(torch.jit.script(nn.Linear(4, 4)), str(path))
-    with pytest.raises(InputError, match="TorchScript"):
+    with pytest.raises(InputError) as info:
         load_model(path)
+    assert str(info.value) == (f"{path} is a TorchScript archive (torch.jit.save); attn-export needs the "
+                               "nn.Module: save it with torch.save(model), or use --model module:factory")
 
 
 def test_factory_with_weights(tmp_path, monkeypatch):
@@ -274,3 +276,44 @@ def test_a_file_holding_something_else_names_what_it_holds(tmp_path):
         with pytest.raises(InputError) as info:
             load_model(path, trust_file=trust)
         assert str(info.value) == f"{path} holds a list, not a torch.nn.Module"
+
+
+def test_every_load_failure_carries_torchs_reason(tmp_path):
+    from attn_export.loading import import_class
+
+    assert import_class("torch:nn.Linear") is nn.Linear  # a dotted qualified name, attribute by attribute
+    # trust_file: a class outside the allowlist loads, tensors and all; junk names torch's reason
+    model = tmp_path / "seq2seq.pt"
+    reference = TinySeq2Seq(features=8, d_model=16, heads=2, layers=1)
+    torch.save(reference, model)
+    loaded = load_model(model, trust_file=True)
+    assert isinstance(loaded, TinySeq2Seq)
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), loaded.state_dict().values()))
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a model")
+    with pytest.raises(InputError) as info:
+        load_model(junk, trust_file=True)
+    with pytest.raises(Exception) as torch_error:
+        torch.load(junk, weights_only=False)
+    assert str(info.value) == f"cannot load {junk}: {str(torch_error.value).strip().splitlines()[0].strip()}"
+    with pytest.raises(InputError) as info:
+        load_model(junk)
+    assert str(info.value) == f"cannot read {junk}: not a PyTorch file, or corrupt or truncated ({torch_reason(junk)})"
+    # a zip archive that is not a PyTorch file
+    import zipfile
+
+    archive = tmp_path / "notes.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("notes.txt", "hello")
+    with pytest.raises(Exception) as torch_error:
+        torch.serialization.get_unsafe_globals_in_checkpoint(archive)
+    reason = str(torch_error.value).strip().splitlines()[0].strip()
+    with pytest.raises(InputError) as info:
+        load_model(archive)
+    assert str(info.value) == f"cannot read {archive}: not a PyTorch file, or corrupt or truncated ({reason})"
+    # a legacy pickle's refusal names the file
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": MarkerWriter(tmp_path / "PWNED")}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(InputError) as info:
+        load_model(legacy)
+    assert str(info.value).startswith(f"{legacy} references a class outside the allowlist")
