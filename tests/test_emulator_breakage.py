@@ -68,7 +68,7 @@ def test_a_missing_syncthreads_is_a_reported_race(breakage, kernel, function, or
     broken = breakage(f"{kernel}_broken", order)
     assert broken.returncode == TSAN_RACE_EXIT, broken.stdout + broken.stderr
     assert "WARNING: ThreadSanitizer: data race" in broken.stderr
-    assert f"in (anonymous namespace)::{function}" in broken.stderr  # the race is the kernel's
+    assert f"(anonymous namespace)::{function}" in broken.stderr  # a frame of the race is the kernel
 
     fixed = breakage(f"{kernel}_fixed", order)
     assert fixed.returncode == 0, fixed.stderr
