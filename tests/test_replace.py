@@ -395,7 +395,7 @@ def test_inspect_notes_the_routes_it_would_take_without_taking_them():
 
     model = nn.ModuleDict({"a": Attn()})
     plan = inspect_attention(model)
-    assert plan.notes == [SDPA_NOTE.format("will run")] and not plan.applied
+    assert plan.notes == [SDPA_NOTE.format("will run")] and plan.applied is False
     assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("a", "will be routed", "sdpa")]
     assert replace_attention(model).notes == [SDPA_NOTE.format("run")]
 
