@@ -397,5 +397,18 @@ def test_inspect_notes_the_routes_it_would_take_without_taking_them():
     plan = inspect_attention(model)
     assert plan.notes == [SDPA_NOTE.format("will run")] and plan.applied is False
     assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("a", "will be routed", "sdpa")]
-    assert replace_attention(model).notes == [SDPA_NOTE.format("run")]
+    report = replace_attention(model)
+    assert report.notes == [SDPA_NOTE.format("run")]
+    assert [layer.status for layer in report.layers] == ["routed"]
+
+
+def test_a_skipped_layer_first_does_not_stop_the_others_and_unfused_encoders_are_left_alone():
+    model = nn.ModuleDict({"bad": Custom(16, 2), "ok": nn.MultiheadAttention(16, 2)})
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == [("bad", "skipped"), ("ok", "replaced")]
+    assert type(model["ok"]) is FusedMultiheadAttention
+    off = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
+    assert off.use_nested_tensor is False
+    assert not any("use_nested_tensor" in note for note in replace_attention(off).notes)
 
