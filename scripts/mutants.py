@@ -3,22 +3,27 @@
 mutmut 3 finds the tests of each function by recording which tests call it, then runs only
 those on each mutant, forked from a process that has imported torch once. It derives a
 module's name from its path, but this checkout's package directory ``exporter/`` imports as
-``attn_export``. So mutmut runs in a stage, build/mutation/, where the package is laid out
-under its import name (a copy of exporter/, with the built _C.so), beside copies of tests/
-and csrc/ (the spec header) and a pyproject.toml written here from the checkout's
-[tool.mutmut] and [tool.pytest.ini_options] with the paths translated.
+``attn_export``. So mutmut runs in a stage, build/mutation/STAGE/ (one per selection of
+modules), where the package is laid out under its import name (a copy of exporter/, with the
+built _C.so), beside copies of tests/ and csrc/ (the spec header) and a pyproject.toml written
+here from the checkout's [tool.mutmut] and [tool.pytest.ini_options] with the paths translated.
 
     python scripts/mutants.py                         # every module of MUTATED (slow)
     python scripts/mutants.py exporter/validation     # a folder: the listed modules under it
     python scripts/mutants.py exporter/inputs.py --report-only
+    python scripts/mutants.py exporter/onnx_node.py --only '*register_schema*' '*function_proto__mutmut_*0'
+                                                      # a subset (mutmut's fnmatch patterns): here one
+                                                      # function, and every tenth mutant of another
 
 Prints one line per module (killed / survived / no tests / other) and every survivor; the
-mutants themselves: ``cd build/mutation && ../../.venv/bin/mutmut show NAME``. Exits 1 when
+mutants themselves: ``cd build/mutation/STAGE && ../../../.venv/bin/mutmut show NAME``, where
+STAGE names the selection (``all``, ``loading``, ``inputs+shapes``, ...). Exits 1 when
 the kill rate is under --min-kill-rate.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -28,7 +33,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGE = ROOT / "build" / "mutation"
+STAGES = ROOT / "build" / "mutation"
 PACKAGE_DIR, IMPORT_NAME = "exporter", "attn_export"
 
 # The modules under mutation and the unit tests that exercise each directly; mutmut then
@@ -58,6 +63,14 @@ def selected(paths: list[str]) -> dict[str, list[str]]:
     return chosen
 
 
+def stage_for(modules) -> Path:
+    """One stage per selection of modules: build/mutation/all, build/mutation/loading,
+    build/mutation/inputs+shapes, ... mutmut forgets every result when the set of tests it
+    runs changes, so a run of one module must not share its stage with a run of another."""
+    names = sorted(Path(m).stem for m in modules)
+    return STAGES / ("all" if set(modules) == set(MUTATED) else "+".join(names))
+
+
 def staged(path: str) -> str:
     """exporter/x.py -> attn_export/x.py"""
     return IMPORT_NAME + path[len(PACKAGE_DIR):]
@@ -69,6 +82,7 @@ def toml_table(name: str, table: dict) -> str:
 
 
 def write_stage(modules: dict[str, list[str]]) -> bool:
+    stage = stage_for(modules)
     """build/mutation/: a fresh copy of the package under its import name, tests/, csrc/ and
     the config. mutmut's own state (mutants/) is kept while the package's sources are unchanged,
     so a run resumes where the last one stopped; it is cleared when they changed. Returns
@@ -81,18 +95,18 @@ def write_stage(modules: dict[str, list[str]]) -> bool:
     mutmut["pytest_add_cli_args_test_selection"] = tests
     text = toml_table("tool.mutmut", mutmut) + "\n" + toml_table("tool.pytest.ini_options", config["pytest"]["ini_options"])
 
-    STAGE.mkdir(parents=True, exist_ok=True)
+    stage.mkdir(parents=True, exist_ok=True)
     sources = _fingerprint(sorted((ROOT / PACKAGE_DIR).rglob("*.py")))
     test_files = _fingerprint(sorted((ROOT / "tests").glob("*.py")))
-    if _read(STAGE / "sources.stamp") != sources:
-        shutil.rmtree(STAGE / "mutants", ignore_errors=True)
-    tests_changed = _read(STAGE / "tests.stamp") != test_files
+    if _read(stage / "sources.stamp") != sources:
+        shutil.rmtree(stage / "mutants", ignore_errors=True)
+    tests_changed = _read(stage / "tests.stamp") != test_files
     for name, source in ((IMPORT_NAME, ROOT / PACKAGE_DIR), ("tests", ROOT / "tests"), ("csrc", ROOT / "csrc")):
-        shutil.rmtree(STAGE / name, ignore_errors=True)
-        shutil.copytree(source, STAGE / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "build"))
-    (STAGE / "pyproject.toml").write_text(text)
-    (STAGE / "sources.stamp").write_text(sources)
-    (STAGE / "tests.stamp").write_text(test_files)
+        shutil.rmtree(stage / name, ignore_errors=True)
+        shutil.copytree(source, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "build"))
+    (stage / "pyproject.toml").write_text(text)
+    (stage / "sources.stamp").write_text(sources)
+    (stage / "tests.stamp").write_text(test_files)
     return tests_changed
 
 
@@ -107,10 +121,11 @@ def _read(path: Path) -> str:
 def tally(modules: dict[str, list[str]]) -> tuple[int, int, list[str]]:
     """(killed, counted, lines): counted = killed + survived (mutants no test reaches count as
     survivors; timeouts as killed, as mutmut does)."""
+    stage = stage_for(modules)
     killed = counted = 0
     lines = []
     for module in modules:
-        meta = STAGE / "mutants" / (staged(module) + ".meta")
+        meta = stage / "mutants" / (staged(module) + ".meta")
         if not meta.exists():
             lines.append(f"{module}: not run")
             continue
@@ -143,6 +158,9 @@ def main() -> int:
     parser.add_argument("--max-children", type=int, default=1, help="parallel mutants (default 1)")
     parser.add_argument("--min-kill-rate", type=float, default=90.0)
     parser.add_argument("--report-only", action="store_true", help="tally the last run, run nothing")
+    parser.add_argument("--only", nargs="+", default=[], metavar="PATTERN",
+                        help="run only the mutants whose names match (fnmatch, e.g. '*node_attributes*'); "
+                             "the tally counts the others as not run")
     args = parser.parse_args()
     modules = selected([p for arg in args.paths for p in arg.replace(",", " ").split()])
     if not args.report_only:
@@ -150,12 +168,13 @@ def main() -> int:
             sys.exit("mutants: exporter/_C*.so is missing: run `make install` first")
         tests_changed = write_stage(modules)
         retry = [name for line in tally(modules)[2] if line.startswith("    survived: ")
-                 for name in [line.split(": ", 1)[1]]] if tests_changed else []
+                 for name in [line.split(": ", 1)[1]]
+                 if not args.only or any(fnmatch.fnmatch(name, p) for p in args.only)] if tests_changed else []
         mutmut = [str(Path(sys.executable).with_name("mutmut")), "run", "--max-children", str(args.max_children)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         # New mutants first; then, when the tests changed, the survivors of earlier runs again.
-        for names in ([], retry) if retry else ([],):
-            run = subprocess.run(mutmut + names, cwd=STAGE, env=env)
+        for names in (args.only, retry) if retry else (args.only,):
+            run = subprocess.run(mutmut + names, cwd=stage_for(modules), env=env)
             if run.returncode != 0:
                 print(f"mutants: mutmut exited {run.returncode}", file=sys.stderr)
     killed, counted, lines = tally(modules)

@@ -284,3 +284,105 @@ def test_what_the_first_mutation_run_left():
     assert one["w"] is example["w"]
     kept = I.resize(example, axes, {"batch": 2, "seq": 4})
     assert kept["x"] is example["x"] and kept["kpm"] is example["kpm"]
+
+
+class _ExploitOnLoad:
+    """Unpickling this would write a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_what_the_second_mutation_run_left(tmp_path):
+    """Rules the second `make mutants` run found unpinned (docs/testing.md, inputs.py)."""
+    gen = torch.Generator().manual_seed(0)
+    # _mask_convention: an unbatched [L] mask, and rows that rise then fall
+    assert I._mask_convention(torch.tensor([False, True, True])) is True
+    assert I._mask_convention(torch.tensor([[False, True, False]])) is None
+    assert I._mask_convention(torch.tensor([[[True, False, False], [True, True, False]]])) is False
+    # _random_like: two example values set mean and std; one finite value among infinities sets nothing
+    two = I._random_like((2000,), torch.float32, gen, like=torch.tensor([10.0, 12.0]))
+    assert 10.9 < float(two.mean()) < 11.1 and 1.3 < float(two.std()) < 1.5  # std of {10, 12} is sqrt(2)
+    lone = I._random_like((2000,), torch.float32, gen, like=torch.tensor([-float("inf"), 5.0]))
+    assert torch.isfinite(lone).all() and abs(float(lone.mean())) < 0.1
+    # integers: the example's [min, max], one value enough; no example or an empty one: int_range
+    spread = I._random_like((2000,), torch.int64, gen, like=torch.tensor([3, 9]))
+    assert (int(spread.min()), int(spread.max())) == (3, 9)
+    assert (I._random_like((50,), torch.int64, gen, like=torch.tensor([7])) == 7).all()
+    assert (I._random_like((50,), torch.int32, gen, like=torch.zeros(0, dtype=torch.int32), int_range=(5, 9)) >= 5).all()
+    assert (I._random_like((50,), torch.int64, gen, int_range=(5, 5)) == 5).all()  # an empty range: its low end
+    # the draws do not depend on torch's default dtype (a seed gives the same inputs everywhere); 64
+    # values: torch draws fewer than 16 normals alike in float32 and float64
+    first = I._random_like((64,), torch.float16, torch.Generator().manual_seed(3))
+    torch.set_default_dtype(torch.float64)
+    try:
+        again = I._random_like((64,), torch.float16, torch.Generator().manual_seed(3))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.equal(first, again)
+    # a forward without a signature: nothing known, so any name may be passed
+    class Builtin(nn.Module):
+        forward = staticmethod(torch._C._nn.gelu)
+
+    assert I.forward_parameters(Builtin()) == ([], True)
+    # from_attribute: exactly as many entries as forward takes; the refusal in full
+    model = Plain()
+    model.example_inputs = (torch.ones(1),) * 3
+    assert list(I.from_attribute(model)) == ["a", "b", "c"]
+    model.example_inputs = "text"
+    with pytest.raises(InputError) as info:
+        I.from_attribute(model)
+    assert str(info.value) == "model.example_inputs must be a tensor, a tuple of tensors or a dict name -> tensor"
+    # load_example_file: weights-only (code in the file never runs), torch's reason in the message
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": _ExploitOnLoad(marker)}, evil)
+    with pytest.raises(InputError, match="cannot load it weights-only"):
+        I.load_example_file(evil)
+    assert not marker.exists()
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a pickle")
+    try:
+        torch.load(junk, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch's own words for the file
+        reason = str(exc).strip().splitlines()[0].strip()
+    with pytest.raises(InputError) as info:
+        I.load_example_file(junk)
+    assert str(info.value) == f"--example-inputs {junk}: cannot load it weights-only ({reason})"
+
+
+def test_padding_mask_lengths_are_uniform_over_one_to_l():
+    gen = torch.Generator().manual_seed(0)
+    assert I.padding_mask((5,), gen).shape == (5,)  # an unbatched mask
+    rows = I.padding_mask((4000, 2), gen)
+    visible = (~rows).sum(-1)
+    assert set(visible.tolist()) == {1, 2}
+    assert 0.47 < float((visible == 2).float().mean()) < 0.53  # valid length uniform over {1, 2}
+    lengths = (~I.padding_mask((600, 4), gen)).sum(-1)
+    assert set(lengths.tolist()) == {1, 2, 3, 4}
+    # one row: a random length; several rows: the first one full
+    singles = [int((~I.padding_mask((1, 50), gen)).sum()) for _ in range(10)]
+    assert min(singles) < 50
+    assert all(bool((~I.padding_mask((2, 50), gen))[0].all()) for _ in range(10))
+
+
+def test_generation_is_seeded_by_default_and_follows_the_example():
+    specs = [I.InputSpec("x", (3, 4), torch.float32), I.InputSpec("attention_mask", (9,), torch.int64)]
+    torch.manual_seed(1)
+    one = I.synthesize(specs, (3, 7))
+    torch.manual_seed(2)
+    assert all(torch.equal(one[n], t) for n, t in I.synthesize(specs, (3, 7), seed=0).items())
+    keep = one["attention_mask"]  # an unbatched attention_mask is a mask too: 0/1, 1 = keep first
+    assert set(keep.unique().tolist()) <= {0, 1} and keep[0] == 1
+    example = {"x": torch.randn(2, 4) * 0.1 + 100, "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])}
+    axes = {n: {0: "batch", 1: "seq"} for n in example}
+    torch.manual_seed(1)
+    out = I.resize(example, axes, {"batch": 40, "seq": 50})
+    torch.manual_seed(2)
+    assert all(torch.equal(out[n], t) for n, t in I.resize(example, axes, {"batch": 40, "seq": 50}, seed=0).items())
+    assert 99.9 < float(out["x"].mean()) < 100.1 and float(out["x"].std()) < 0.3  # the example's statistics

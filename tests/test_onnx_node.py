@@ -205,3 +205,90 @@ def test_a_node_without_the_softcap_attribute_is_uncapped():
 def test_node_attributes_refuse_a_bad_softcap(bad):
     with pytest.raises(ValueError, match="softcap"):
         onnx_node.node_attributes(2, 0.5, False, False, False, softcap=bad)
+
+
+# ---- The schema, the attributes and the lean bodies' names, against the spec's words
+# (csrc/attention_spec.h, docs/onnx_node.md) written out here.
+
+def test_the_registered_schema_spells_out_the_spec():
+    onnx_node.register_schema()
+    onnx_node.register_schema()  # a second call is a no-op, not a "schema already registered" error
+    schema = onnx.defs.get_schema("FusedAttention", S.domain_version, S.domain)
+    assert (schema.domain, schema.since_version) == (S.domain, S.domain_version)
+    assert [(p.name, p.type_str) for p in schema.inputs] == [
+        ("query", "T"), ("key", "T"), ("value", "T"), ("key_padding_mask", "M"), ("attn_mask", "M")]
+    assert [(p.name, p.type_str) for p in schema.outputs] == [(S.output_names[0], "T")]
+    constraints = {c.type_param_str: sorted(c.allowed_type_strs) for c in schema.type_constraints}
+    assert constraints == {"T": ["tensor(bfloat16)", "tensor(float)", "tensor(float16)"], "M": ["tensor(float)"]}
+    attrs = schema.attributes
+    assert sorted(attrs) == sorted(["num_heads", "scale", "is_causal", "has_key_padding_mask", "has_attn_mask",
+                                    "softcap", "plugin_namespace", "plugin_version"])
+    assert {n for n, a in attrs.items() if a.required} == {"num_heads", "scale"}
+    A = onnx.defs.OpSchema.AttrType
+    assert (attrs["num_heads"].type, attrs["scale"].type, attrs["softcap"].type) == (A.INT, A.FLOAT, A.FLOAT)
+    defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items() if not a.required}
+    assert defaults == {"is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
+                        "plugin_namespace": b"", "plugin_version": b"2"}
+    assert all(a.description for a in attrs.values())
+
+
+def test_node_attributes_are_the_spec_names_with_normalized_values():
+    attrs = onnx_node.node_attributes(np.int64(4), 1, 1, 0, 2, softcap=3)
+    assert attrs == {"num_heads": 4, "scale": 1.0, "is_causal": 1, "has_key_padding_mask": 0, "has_attn_mask": 1,
+                     "softcap": 3.0, "plugin_namespace": "", "plugin_version": "2"}
+    assert [type(attrs[n]) for n in ("num_heads", "scale", "is_causal", "softcap")] == [int, float, int, float]
+    assert onnx_node.node_attributes(1, -0.5, False, False, False)["num_heads"] == 1  # the smallest head count
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_heads=0), "num_heads must be >= 1; got 0"),
+    (dict(scale=math.nan), "scale must be finite; got nan"),
+    (dict(scale=-math.inf), "scale must be finite; got -inf"),
+    (dict(softcap=-1e-9), "softcap must be finite and >= 0 (0 = off); got -1e-09"),
+])
+def test_node_attributes_refuse_bad_values_with_the_rule(kwargs, message):
+    args = dict(num_heads=2, scale=0.5, is_causal=False, has_key_padding_mask=False, has_attn_mask=False)
+    with pytest.raises(ValueError) as info:
+        onnx_node.node_attributes(**{**args, **kwargs})
+    assert str(info.value) == message
+
+
+def test_the_minimum_opset_is_accepted_and_the_refusal_names_it():
+    for make in (onnx_node.function_proto, lambda o: onnx_node.lean_function_proto(o, onnx_node.BodyVariant(
+            True, True, True, True, False))):
+        assert make(S.min_onnx_opset).opset_import[0].version == S.min_onnx_opset
+        with pytest.raises(ValueError) as info:
+            make(S.min_onnx_opset - 1)
+        assert str(info.value) == (f"the FusedAttention function body needs ONNX opset >= {S.min_onnx_opset}; "
+                                   f"got {S.min_onnx_opset - 1}")
+
+
+@pytest.mark.parametrize("attrs,query_type,overload", [
+    ({}, TensorProto.FLOAT, "f32"),
+    ({"is_causal": 1}, TensorProto.FLOAT16, "cast_causal"),
+    ({"has_key_padding_mask": 1, "softcap": 2.0}, None, "cast_kpm_softcap"),
+    ({"is_causal": 1, "has_key_padding_mask": 1, "has_attn_mask": 1, "softcap": 0.5}, TensorProto.FLOAT,
+     "f32_causal_kpm_mask_softcap"),
+    ({"has_attn_mask": 1, "softcap": 0.0}, TensorProto.BFLOAT16, "cast_mask"),
+])
+def test_body_variants_are_read_from_the_node_and_named_by_their_work(attrs, query_type, overload):
+    node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, num_heads=2, scale=0.5, **attrs)
+    variant = onnx_node.BodyVariant.of_node(node, query_type)
+    assert variant.overload == overload
+    function = onnx_node.lean_function_proto(OPSET, variant)
+    assert (function.domain, function.name, function.overload) == (S.domain, S.op_type, overload)
+    ops = [n.op_type for n in function.node]
+    assert ("Cast" in ops) == overload.startswith("cast") and ("Tanh" in ops) == ("softcap" in overload)
+    assert ("Trilu" in ops) == ("causal" in overload)
+    assert ("IsInf" in ops) == ("kpm" in overload or "mask" in overload)  # the dead-row guard: masks only
+
+
+def test_both_bodies_declare_the_spec_attributes():
+    for function in (onnx_node.function_proto(OPSET),
+                     onnx_node.lean_function_proto(OPSET, onnx_node.BodyVariant(False, False, False, False, True))):
+        assert list(function.input) == list(S.input_names) and list(function.output) == list(S.output_names)
+        assert list(function.attribute) == ["num_heads", "scale"]
+        assert {a.name: helper.get_attribute_value(a) for a in function.attribute_proto} == {
+            "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
+            "plugin_namespace": b"", "plugin_version": b"2"}
+        assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]

@@ -365,3 +365,50 @@ def test_sdpa_modules_with_dropout_carry_the_note():
     model = nn.ModuleDict({name: Attn(**{name: 0.3}) for name in names})
     notes = {layer.path: layer.notes for layer in inspect_attention(model).layers}
     assert {name: notes[name][0].split(":")[0] for name in names} == {name: f"{name}=0.3" for name in names}
+
+
+ROUTING_NOTE = ("transformers attention layers {} through transformers' AttentionInterface "
+                "(attn_implementation='attn_export'); the modules themselves stay in place")
+SDPA_NOTE = ("F.scaled_dot_product_attention calls of the 'sdpa' sites {} on the fused operator; calls it cannot "
+             "express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
+             "(attn_export.sdpa.calls(module) counts both)")
+
+
+@pytest.mark.parametrize("status,applied,verb", [("routed", True, "are routed"), ("will be routed", False, "will be routed")])
+def test_the_routing_note_names_the_implementation_only_when_layers_route(status, applied, verb):
+    from attn_export.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _routing_note
+
+    def layers(*statuses):
+        return [(AttentionLayer(f"l{i}", "Attn", 2, 16, s, found="routed"), None) for i, s in enumerate(statuses)]
+
+    routing = {"routed": ROUTED, "will be routed": WILL_ROUTE}[status]
+    assert _routing_note(layers(SKIPPED, routing), applied) == [ROUTING_NOTE.format(verb)]
+    assert _routing_note(layers(routing), applied) == [ROUTING_NOTE.format(verb)]
+    assert _routing_note(layers(SKIPPED, ALREADY_FUSED), applied) == []
+    assert _routing_note([], applied) == []
+
+
+def test_inspect_notes_the_routes_it_would_take_without_taking_them():
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    model = nn.ModuleDict({"a": Attn()})
+    plan = inspect_attention(model)
+    assert plan.notes == [SDPA_NOTE.format("will run")] and plan.applied is False
+    assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("a", "will be routed", "sdpa")]
+    report = replace_attention(model)
+    assert report.notes == [SDPA_NOTE.format("run")]
+    assert [layer.status for layer in report.layers] == ["routed"]
+
+
+def test_a_skipped_layer_first_does_not_stop_the_others_and_unfused_encoders_are_left_alone():
+    model = nn.ModuleDict({"bad": Custom(16, 2), "ok": nn.MultiheadAttention(16, 2)})
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == [("bad", "skipped"), ("ok", "replaced")]
+    assert type(model["ok"]) is FusedMultiheadAttention
+    off = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1, enable_nested_tensor=False)
+    assert off.use_nested_tensor is False
+    assert not any("use_nested_tensor" in note for note in replace_attention(off).notes)
+
