@@ -236,36 +236,67 @@ ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64
   }
 }
 
+// exp.h's exp_approx on a vector of the tile width: the softmax passes run in the registers the
+// products use (a 64-byte vector in an AVX2 function goes through the stack).
+template <typename C>
+ATTN_EXPORT_INLINE typename C::V exp_vector(typename C::V x) {
+  using V = typename C::V;
+  typedef int32_t VI __attribute__((vector_size(C::W * sizeof(int32_t))));
+  const VI underflow = x < -87.0f;
+  x = x > 88.0f ? V{} + 88.0f : x;  // comparisons written so that NaN passes through
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return underflow ? V{} : y * two_n;
+}
+
 // Row maximum over n (a multiple of kPad) values.
-template <typename T>
-ATTN_EXPORT_INLINE T row_max(const T* x, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    rows::VecF vmax = rows::splat(kNegInf<float>);
-    for (int64_t j = 0; j < n; j += rows::kWidthF) {
-      const rows::VecF v = rows::load(x + j);
-      vmax = v > vmax ? v : vmax;
-    }
-    return rows::reduce_max(vmax);
-  } else {
-    T m = kNegInf<T>;
-    for (int64_t j = 0; j < n; ++j) {
-      m = x[j] > m ? x[j] : m;
-    }
-    return m;
+template <typename C>
+ATTN_EXPORT_INLINE typename C::Scalar row_max(const typename C::Scalar* x, int64_t n) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
+  V vmax = V{} + kNegInf<T>;
+  for (int64_t j = 0; j < n; j += C::W) {
+    V v;
+    std::memcpy(&v, x + j, sizeof(V));
+    vmax = v > vmax ? v : vmax;
   }
+  T m = vmax[0];
+  for (int i = 1; i < C::W; ++i) {
+    m = vmax[i] > m ? vmax[i] : m;
+  }
+  return m;
 }
 
 // x = exp(x - shift) over n (a multiple of kPad) values; returns their sum. -inf becomes 0.
-template <typename T>
-ATTN_EXPORT_INLINE T exp_shifted(T* x, int64_t n, T shift) {
+template <typename C>
+ATTN_EXPORT_INLINE typename C::Scalar exp_shifted(typename C::Scalar* x, int64_t n, typename C::Scalar shift) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
   if constexpr (std::is_same_v<T, float>) {
-    rows::VecF vsum = rows::splat(0.0f);
-    for (int64_t j = 0; j < n; j += rows::kWidthF) {
-      const rows::VecF e = rows::exp_approx(rows::load(x + j) - shift);
-      rows::store(x + j, e);
-      vsum += e;
+    V vsum = V{};
+    for (int64_t j = 0; j < n; j += C::W) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      v = exp_vector<C>(v - shift);
+      std::memcpy(x + j, &v, sizeof(V));
+      vsum += v;
     }
-    return rows::reduce_sum(vsum);
+    T sum = 0;
+    for (int i = 0; i < C::W; ++i) {
+      sum += vsum[i];
+    }
+    return sum;
   } else {
     T sum = 0;
     for (int64_t j = 0; j < n; ++j) {
@@ -324,12 +355,12 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
     finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
       T* row = s + r * kKeyBlock;
-      const T m_new = std::max(m[r], row_max(row, cols_pad));
+      const T m_new = std::max(m[r], row_max<C>(row, cols_pad));
       if (m_new == kNegInf<T>) {  // nothing visible yet: P = 0, and the state stays empty
         std::fill(row, row + cols_pad, T(0));
         continue;
       }
-      const T sum = exp_shifted(row, cols_pad, m_new);
+      const T sum = exp_shifted<C>(row, cols_pad, m_new);
       if (m_new != m[r]) {
         const T alpha = m[r] == kNegInf<T> ? T(0) : std::exp(m[r] - m_new);
         T* acc = o + r * dv_pad;
@@ -425,7 +456,7 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
       if (lse[row0 + r] == kNegInf<T>) {
         std::fill(row, row + cols_pad, T(0));
       } else {
-        exp_shifted(row, cols_pad, lse[row0 + r]);
+        exp_shifted<C>(row, cols_pad, lse[row0 + r]);
       }
     }
     pack_panels<C>(rows, rows, dim_v, dv_pad, dout_blk, p.grad_out_row_stride, 1, w.dout.data());
