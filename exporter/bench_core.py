@@ -42,7 +42,6 @@ class CoreResult:
 
 def mha_model_bytes(heads: int = HEADS, causal: bool = False) -> bytes:
     """A one-node ONNX model: com.microsoft.MultiHeadAttention on [batch, seq, heads * dim] inputs."""
-    import onnx
     from onnx import TensorProto, helper
 
     dims = ["batch", "seq", heads * HEAD_DIM]

@@ -236,28 +236,12 @@ ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64
   }
 }
 
-// exp.h's exp_approx on a vector of the tile width: the softmax passes run in the registers the
+// exp_approx on a vector of the tile width: the softmax passes run in the registers the
 // products use (a 64-byte vector in an AVX2 function goes through the stack).
 template <typename C>
 ATTN_EXPORT_INLINE typename C::V exp_vector(typename C::V x) {
-  using V = typename C::V;
   typedef int32_t VI __attribute__((vector_size(C::W * sizeof(int32_t))));
-  const VI underflow = x < -87.0f;
-  x = x > 88.0f ? V{} + 88.0f : x;  // comparisons written so that NaN passes through
-  x = x < -87.0f ? V{} - 87.0f : x;
-  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const V y = p * r * r + r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  V two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return underflow ? V{} : y * two_n;
+  return rows::exp_approx_vector<typename C::V, VI>(x);
 }
 
 // Row maximum over n (a multiple of kPad) values.
