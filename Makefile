@@ -47,6 +47,7 @@ bench: install
 	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
 	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager (tens of minutes).
 	$(VENV)/bin/attn-export bench --onnx --memory 1x2048 --markdown docs/bench_onnx.md --json docs/bench_onnx.json --plot docs/bench_onnx.png
+	$(VENV)/bin/attn-export bench --core --markdown docs/bench_core.md --json docs/bench_core.json
 
 # Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
 # each running only the tests that call the mutated function; >= 90% must be killed.

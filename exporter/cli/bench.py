@@ -44,8 +44,12 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
 @click.option("--profile", "profile_shape", metavar="BxL",
               help="With --onnx: also what ONNX Runtime runs at this shape: node counts of its optimized graphs "
                    "and kernel time per op type from its profiler (per node the fastest of 10 calls: robust to load).")
+@click.option("--core", "core_mode", is_flag=True,
+              help="Instead: the attention core alone, [1, 4, L, 64], against ONNX Runtime's com.microsoft."
+                   "MultiHeadAttention and SDPA (forward), and SDPA (forward+backward) (attn_export.bench_core).")
 def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
-          memory_shape, onnx_mode, seqs, batches, gemm_rates, max_tokens, profile_shape):
+          memory_shape, onnx_mode, seqs, batches, gemm_rates, max_tokens, profile_shape,
+          core_mode):
     """Time the fused layer against PyTorch's attention, side by side in one process.
 
     Reports, per implementation, the minimum over interleaved rounds of torch.utils.benchmark
@@ -60,6 +64,8 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     from attn_export import bench as lib
     from attn_export._io import write_text
 
+    if core_mode:
+        return _bench_core(threads, rounds, min_run_time, json_path, markdown_path)
     if onnx_mode:
         return _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path,
                            markdown_path, plot_path, profile_shape)
@@ -153,6 +159,29 @@ def _machine_header() -> str:
     config = _gemm.openblas_config() if choice.name == "openblas" else ""
     return (f"CPU: {facts['cpu']} ({facts['isa']}); torch {facts['torch']} BLAS {facts['torch_gemm']}\n"
             f"GEMM backend: {choice.name}{kernels}{' [' + config + ']' if config else ''} - {choice.reason}")
+
+
+def _bench_core(threads, rounds, min_run_time, json_path, markdown_path):
+    """attn-export bench --core (attn_export.bench_core)."""
+    from rich.console import Console
+
+    from attn_export import bench_core as lib
+    from attn_export._io import write_text
+
+    if rounds < 1 or min_run_time <= 0 or threads < 1:
+        fail("--rounds and --threads must be >= 1 and --min-run-time > 0")
+    click.echo("machine: " + ", ".join(f"{k} {v}" for k, v in lib.facts(threads).items()))
+    check = lib.parity()
+    click.echo("parity (max |attn_export - impl|, L = 256): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
+    with Console(stderr=True).status("benchmarking") as status:
+        results = lib.run_benchmark(threads=threads, rounds=rounds, min_run_time=min_run_time,
+                                    progress=lambda what: status.update(f"benchmarking: {what}"))
+    table = lib.markdown_table(results)
+    click.echo(table)
+    if markdown_path:
+        write_text(markdown_path, table + "\n")
+    if json_path:
+        write_text(json_path, json.dumps(lib.as_json(results, threads, rounds, check), indent=2) + "\n")
 
 
 def _sizes(text: str, option: str):

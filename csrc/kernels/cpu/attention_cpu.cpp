@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "block_gemm.h"
+#include "flash_cpu.h"
 #include "runtime.h"
 #include "vec_kernels.h"
 
@@ -457,10 +458,16 @@ bool by_dtype(const Params& p, Run run) {
 }  // namespace
 
 bool run_attention_forward(const AttentionParams& p) {
+  if (flash::forward(p)) {
+    return true;
+  }
   return by_dtype(p, [&](auto zero) { attention_forward_kernel<decltype(zero)>(p); });
 }
 
 bool run_attention_backward(const AttentionBackwardParams& p) {
+  if (flash::backward(p)) {
+    return true;
+  }
   return by_dtype(p, [&](auto zero) { attention_backward_kernel<decltype(zero)>(p); });
 }
 

@@ -211,25 +211,30 @@ ATTN_EXPORT_INLINE float reduce_sum(VecF v) {
   return reduce(v, [](auto a, auto b) { return a + b; });
 }
 
-// exp_approx (exp.h) on a whole vector; round-to-nearest through the 1.5 * 2^23 trick since
-// vector extensions have no floor.
-ATTN_EXPORT_INLINE VecF exp_approx(VecF x) {
-  const VecI underflow = x < -87.0f;
-  x = x > 88.0f ? splat(88.0f) : x;  // comparisons written so that NaN passes through
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const VecF n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const VecF r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  VecF p = splat(1.9875691500e-4f);
+// exp_approx (exp.h) on a whole float vector V of any width (VI: int32 lanes of the same
+// count); round-to-nearest through the 1.5 * 2^23 trick since vector extensions have no floor.
+template <typename V, typename VI>
+ATTN_EXPORT_INLINE V exp_approx_vector(V x) {
+  const VI underflow = x < -87.0f;
+  x = x > 88.0f ? V{} + 88.0f : x;  // comparisons written so that NaN passes through
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const VecF y = p * r * r + r + 1.0f;
-  const VecI bits = (__builtin_convertvector(n, VecI) + 127) << 23;
-  VecF two_n;
+  const V y = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return underflow ? splat(0.0f) : y * two_n;
+  return underflow ? V{} : y * two_n;
+}
+
+ATTN_EXPORT_INLINE VecF exp_approx(VecF x) {
+  return exp_approx_vector<VecF, VecI>(x);
 }
 
 // In-place softmax of one row; returns its log-sum-exp. A row with no finite score (all keys

@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     bool is_causal,
     std::optional<double> scale,
     const std::optional<at::Tensor>& probs,
-    const std::optional<at::Tensor>& /*output: not needed on the CPU*/,
+    const std::optional<at::Tensor>& output,
     double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_softcap(softcap);
@@ -94,12 +94,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   if (grad_weights.has_value() && grad_weights->defined()) {
     gw = kernel_operand(grad_weights->expand({batch, heads, seqlen_q, seqlen_k}), acc);
   }
-  // The CPU backward recomputes each probability row in full (or reads the forward's), so it
-  // needs no forward output.
+  // The flash backward (kernels/cpu/flash_cpu.h) reads the forward's output for rowsum(dO * O);
+  // without it the row kernels recompute whole probability rows instead.
+  const bool has_output = output.has_value() && output->defined();
+  const at::Tensor out = has_output ? kernel_operand(*output, acc) : grad_out;
   AttentionParams forward = make_attention_params(
-      q, k, v, grad_out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
+      q, k, v, out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
       is_causal, softcap);
-  forward.out = nullptr;
+  if (!has_output) {
+    forward.out = nullptr;
+  }
   AttentionBackwardParams params =
       make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
   at::Tensor saved_probs;

@@ -1,0 +1,715 @@
+// The flash-style CPU attention core (flash_cpu.h).
+//
+// Forward: one task per (batch, head, block of kQueryBlock query rows). The task walks the
+// visible keys in blocks of kKeyBlock: S = scale * Q K^T for the block (K packed transposed, a
+// register-tiled product), soft-cap, masks, then the online softmax (running max m, running sum
+// l, the output accumulator rescaled by exp(m_old - m_new)) and O += P V. Blocks that causality
+// hides are never visited; blocks that the boolean masks hide entirely are skipped.
+//
+// Backward: one task per (batch, head, key block), so that a task owns its rows of dK and dV
+// and accumulates them in its scratch without synchronization. For each query block that sees
+// the key block it recomputes P = exp(S - lse) and forms dV += P^T dO, dP = dO V^T,
+// dS = P * (dP - D) with D = rowsum(dO * O), dK += scale dS^T Q and dQ += scale dS K. dQ sums
+// over key blocks, which different threads own: each chunk of tasks accumulates into its own
+// dQ buffer and one pass sums the buffers into grad_q.
+//
+// The products are the register tiles below, written with GCC vector extensions and compiled
+// per instruction set (AVX-512, AVX2+FMA, baseline) through target attributes; which runs is
+// chosen once from the CPU's features (isa()). float64 (the reference/gradcheck path) runs the
+// same code with baseline vectors and exact exponentials.
+#include "flash_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "row_kernels.h"
+#include "runtime.h"
+#include "vec_kernels.h"
+
+namespace attn_export::cpu::flash {
+namespace {
+
+// Query rows per forward task and per backward step: Q's block (64 x 64 floats, 16 KiB) and
+// the scores (64 x 128, 32 KiB) stay in L1/L2 while the key block is walked.
+constexpr int64_t kQueryBlock = 64;
+// Keys per block: K^T and V of a block at head dim 64 are 32 KiB each, within L2 next to the
+// scores; long enough rows for the softmax's vector passes to amortize their reductions.
+constexpr int64_t kKeyBlock = 128;
+// Column padding of every packed operand: a multiple of each instruction set's tile width.
+constexpr int64_t kPad = 32;
+
+int64_t padded(int64_t n) {
+  return (n + kPad - 1) / kPad * kPad;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// A tile configuration: W lanes of T per vector, MR rows x NV vectors of accumulators.
+template <typename T, int W_, int MR_, int NV_, bool Fma_ = false>
+struct Tiles {
+  using Scalar = T;
+  static constexpr bool kFma = Fma_;  // whether the products' multiply-adds are fused
+  static constexpr int W = W_, MR = MR_, NV = NV_, NR = W_ * NV_;
+  typedef T V __attribute__((vector_size(W_ * sizeof(T))));
+  static_assert(kPad % NR == 0, "the padding must hold whole tiles");
+};
+
+// c[r, 0:NR] (+)= alpha * sum_p a(r, p) b[p, 0:NR] for r < R, a(r, p) = a[r * ar + p * ac]:
+// one tile, accumulated in registers over the inner dimension k.
+template <typename C, int R>
+ATTN_EXPORT_INLINE void tile(int64_t k, typename C::Scalar alpha, const typename C::Scalar* a, int64_t ar,
+                             int64_t ac, const typename C::Scalar* b, int64_t ldb, typename C::Scalar* c,
+                             int64_t ldc, bool accumulate) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
+  V acc[R][C::NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < C::NV; ++v) {
+      acc[r][v] = V{};
+    }
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    V bv[C::NV];
+    for (int v = 0; v < C::NV; ++v) {
+      std::memcpy(&bv[v], b + p * ldb + v * C::W, sizeof(V));
+    }
+    for (int r = 0; r < R; ++r) {
+      const T x = a[r * ar + p * ac];
+      for (int v = 0; v < C::NV; ++v) {
+        acc[r][v] += x * bv[v];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < C::NV; ++v) {
+      T* out = c + r * ldc + v * C::W;
+      V value = alpha * acc[r][v];
+      if (accumulate) {
+        V old;
+        std::memcpy(&old, out, sizeof(V));
+        value += old;
+      }
+      std::memcpy(out, &value, sizeof(V));
+    }
+  }
+}
+
+// The last `rows` (< MR) rows of a column panel: the tile of exactly that height.
+template <typename C, int R>
+ATTN_EXPORT_INLINE void tail_tile(int64_t rows, int64_t k, typename C::Scalar alpha, const typename C::Scalar* a,
+                                  int64_t ar, int64_t ac, const typename C::Scalar* b, int64_t ldb,
+                                  typename C::Scalar* c, int64_t ldc, bool accumulate) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      tile<C, R>(k, alpha, a, ar, ac, b, ldb, c, ldc, accumulate);
+    } else {
+      tail_tile<C, R - 1>(rows, k, alpha, a, ar, ac, b, ldb, c, ldc, accumulate);
+    }
+  }
+}
+
+// C[m, 0:n] (+)= alpha * A B with a(i, p) = a[i * ar + p * ac] (A or, with ar = 1, A^T read
+// from a row-major buffer), n a multiple of kPad, and B packed in column panels of NR
+// (pack_panels): panel q holds columns [q NR, q NR + NR), its rows NR apart, panels
+// `panel_stride` apart.
+template <typename C>
+ATTN_EXPORT_INLINE void product(int64_t m, int64_t n, int64_t k, typename C::Scalar alpha,
+                                const typename C::Scalar* a, int64_t ar, int64_t ac, const typename C::Scalar* b,
+                                int64_t panel_stride, typename C::Scalar* c, int64_t ldc, bool accumulate) {
+  // Column panels outside: a panel of B (k x NR, contiguous) stays in L1 while the rows of A
+  // stream by. Contiguous panels matter: rows of B a power of two apart (a head's K^T, or 128
+  // keys) map to a handful of cache sets and evict one another.
+  for (int64_t j = 0; j < n; j += C::NR) {
+    const typename C::Scalar* panel = b + j / C::NR * panel_stride;
+    int64_t i = 0;
+    for (; i + C::MR <= m; i += C::MR) {
+      tile<C, C::MR>(k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+    }
+    tail_tile<C, C::MR - 1>(m - i, k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+  }
+}
+
+// B[p, j] = src[p * k_stride + j * n_stride] for p < k, j < n (zero for j in [n, n_pad)), packed
+// in column panels of NR for product(): dst[q * k_total * NR + p * NR + jj], column j = q NR + jj.
+// k_total >= k leaves room for rows packed later (a head's V, key block by key block).
+template <typename C>
+ATTN_EXPORT_INLINE void pack_panels(int64_t k, int64_t k_total, int64_t n, int64_t n_pad,
+                                    const typename C::Scalar* src, int64_t k_stride, int64_t n_stride,
+                                    typename C::Scalar* dst) {
+  using T = typename C::Scalar;
+  for (int64_t j = 0; j < n_pad; ++j) {
+    T* out = dst + j / C::NR * k_total * C::NR + j % C::NR;
+    if (j < n) {
+      const T* in = src + j * n_stride;
+      for (int64_t p = 0; p < k; ++p) {
+        out[p * C::NR] = in[p * k_stride];
+      }
+    } else {
+      for (int64_t p = 0; p < k; ++p) {
+        out[p * C::NR] = T(0);
+      }
+    }
+  }
+}
+
+template <typename T>
+constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+// Whether the boolean masks (and causality) leave no key of [j0, j0 + cols) visible to any of
+// the query rows [row0, row0 + rows). Exits at the first visible key: cheap for the blocks that
+// are computed, and a skipped block saves its products. Additive masks are not inspected.
+inline bool block_hidden(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t j0,
+                         int64_t cols) {
+  const AttentionMask& am = p.attn_mask;
+  const AttentionMask& kpm = p.key_padding_mask;
+  const bool am_bool = am.present() && am.kind == MaskKind::kBool;
+  const bool kpm_bool = kpm.present() && kpm.kind == MaskKind::kBool;
+  if (!am_bool && !kpm_bool) {
+    return false;
+  }
+  const auto* am_ptr = static_cast<const uint8_t*>(am.ptr);
+  const auto* kpm_ptr = static_cast<const uint8_t*>(kpm.ptr);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = row0 + r;
+    const int64_t end = p.is_causal ? std::min(cols, i + 1 - j0) : cols;
+    for (int64_t j = 0; j < end; ++j) {
+      const bool hidden =
+          (am_bool && am_ptr[b * am.batch_stride + h * am.head_stride + i * am.row_stride + (j0 + j) * am.col_stride]) ||
+          (kpm_bool && kpm_ptr[b * kpm.batch_stride + (j0 + j) * kpm.col_stride]);
+      if (!hidden) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Scores of query rows [row0, row0 + rows) against keys [j0, j0 + cols) (s: rows ld apart, ld
+// >= cols_pad), after the products: soft-cap, then the masks, causality and -inf padding.
+// raw, when given, receives the uncapped scaled scores (the soft-cap's derivative needs them).
+template <typename T>
+ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
+                                      int64_t j0, int64_t cols, int64_t cols_pad, T* s, int64_t ld, T* raw) {
+  const AttentionMask& am = p.attn_mask;
+  const AttentionMask& kpm = p.key_padding_mask;
+  const T cap = static_cast<T>(p.softcap), inv_cap = p.softcap > 0 ? T(1) / cap : T(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = row0 + r;
+    T* row = s + r * ld;
+    if (p.softcap > 0) {  // before the masks: a -inf mask still removes the key
+      if (raw != nullptr) {
+        std::copy(row, row + cols, raw + r * ld);
+      }
+      for (int64_t j = 0; j < cols; ++j) {
+        row[j] = cap * std::tanh(row[j] * inv_cap);
+      }
+    }
+    std::fill(row + cols, row + cols_pad, kNegInf<T>);
+    if (am.present()) {
+      const int64_t offset = b * am.batch_stride + h * am.head_stride + i * am.row_stride + j0 * am.col_stride;
+      if (am.kind == MaskKind::kBool) {
+        vec::apply_bool_mask_row(static_cast<const uint8_t*>(am.ptr) + offset, am.col_stride, row, cols);
+      } else {
+        vec::add_mask_row(static_cast<const T*>(am.ptr) + offset, am.col_stride, row, cols);
+      }
+    }
+    if (kpm.present()) {
+      const int64_t offset = b * kpm.batch_stride + j0 * kpm.col_stride;
+      if (kpm.kind == MaskKind::kBool) {
+        vec::apply_bool_mask_row(static_cast<const uint8_t*>(kpm.ptr) + offset, kpm.col_stride, row, cols);
+      } else {
+        vec::add_mask_row(static_cast<const T*>(kpm.ptr) + offset, kpm.col_stride, row, cols);
+      }
+    }
+    if (p.is_causal && j0 + cols > i + 1) {
+      std::fill(row + std::max<int64_t>(0, i + 1 - j0), row + cols, kNegInf<T>);
+    }
+  }
+}
+
+// exp_approx on a vector of the tile width: the softmax passes run in the registers the
+// products use (a 64-byte vector in an AVX2 function goes through the stack).
+template <typename C>
+ATTN_EXPORT_INLINE typename C::V exp_vector(typename C::V x) {
+  typedef int32_t VI __attribute__((vector_size(C::W * sizeof(int32_t))));
+  return rows::exp_approx_vector<typename C::V, VI>(x);
+}
+
+// Row maximum over n (a multiple of kPad) values.
+template <typename C>
+ATTN_EXPORT_INLINE typename C::Scalar row_max(const typename C::Scalar* x, int64_t n) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
+  V vmax = V{} + kNegInf<T>;
+  for (int64_t j = 0; j < n; j += C::W) {
+    V v;
+    std::memcpy(&v, x + j, sizeof(V));
+    vmax = v > vmax ? v : vmax;
+  }
+  T m = vmax[0];
+  for (int i = 1; i < C::W; ++i) {
+    m = vmax[i] > m ? vmax[i] : m;
+  }
+  return m;
+}
+
+// x = exp(x - shift) over n (a multiple of kPad) values; returns their sum. -inf becomes 0.
+template <typename C>
+ATTN_EXPORT_INLINE typename C::Scalar exp_shifted(typename C::Scalar* x, int64_t n, typename C::Scalar shift) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
+  if constexpr (std::is_same_v<T, float>) {
+    V vsum = V{};
+    for (int64_t j = 0; j < n; j += C::W) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      v = exp_vector<C>(v - shift);
+      std::memcpy(x + j, &v, sizeof(V));
+      vsum += v;
+    }
+    T sum = 0;
+    for (int i = 0; i < C::W; ++i) {
+      sum += vsum[i];
+    }
+    return sum;
+  } else {
+    T sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      x[j] = std::exp(x[j] - shift);
+      sum += x[j];
+    }
+    return sum;
+  }
+}
+
+// Per-thread buffers of the forward.
+// K^T and V are packed once per head: a chunk's consecutive tasks are the query blocks of one
+// head, and repacking per block costs as much as a third of the block's products.
+template <typename T>
+struct ForwardScratch {
+  std::vector<T> k_t, v, s, o, m, l;
+  int64_t head = -1;  // whose K^T and V k_t and v hold
+  ForwardScratch(const AttentionParams& p)
+      : k_t(p.head_dim * padded(p.seqlen_k)),
+        v(padded(p.seqlen_k) * padded(p.head_dim_v)),
+        s(kQueryBlock * kKeyBlock),
+        o(kQueryBlock * padded(p.head_dim_v)),
+        m(kQueryBlock),
+        l(kQueryBlock) {}
+};
+
+// One forward task: query rows [row0, row0 + rows) of head (b, h).
+template <typename C>
+ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
+                                      ForwardScratch<typename C::Scalar>& w) {
+  using T = typename C::Scalar;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v, dv_pad = padded(dim_v);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + row0 * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+  T *s = w.s.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data();
+  std::fill(o, o + rows * dv_pad, T(0));
+  std::fill(m, m + rows, kNegInf<T>);
+  std::fill(l, l + rows, T(0));
+  const int64_t keys_pad = padded(p.seqlen_k);
+  if (w.head != b * p.num_heads + h) {
+    pack_panels<C>(dim, dim, p.seqlen_k, keys_pad, k, 1, p.k_row_stride, w.k_t.data());
+    pack_panels<C>(p.seqlen_k, keys_pad, dim_v, dv_pad, v, p.v_row_stride, 1, w.v.data());
+    w.head = b * p.num_heads + h;
+  }
+  // Top-left causal alignment: the block's last row sees keys [0, row0 + rows).
+  const int64_t key_end = p.is_causal ? std::min(p.seqlen_k, row0 + rows) : p.seqlen_k;
+  for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, key_end - j0), cols_pad = padded(cols);
+    if (block_hidden(p, b, h, row0, rows, j0, cols)) {
+      continue;
+    }
+    // Columns [cols, cols_pad) are zero padding or keys past a causal end: -inf below either way.
+    product<C>(rows, cols_pad, dim, static_cast<T>(p.scale), q, p.q_row_stride, 1, w.k_t.data() + j0 * dim,
+               dim * C::NR, s, kKeyBlock, false);
+    finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, nullptr);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = s + r * kKeyBlock;
+      const T m_new = std::max(m[r], row_max<C>(row, cols_pad));
+      if (m_new == kNegInf<T>) {  // nothing visible yet: P = 0, and the state stays empty
+        std::fill(row, row + cols_pad, T(0));
+        continue;
+      }
+      const T sum = exp_shifted<C>(row, cols_pad, m_new);
+      if (m_new != m[r]) {
+        const T alpha = m[r] == kNegInf<T> ? T(0) : std::exp(m[r] - m_new);
+        T* acc = o + r * dv_pad;
+        for (int64_t d = 0; d < dv_pad; ++d) {
+          acc[d] *= alpha;
+        }
+        l[r] *= alpha;
+        m[r] = m_new;
+      }
+      l[r] += sum;
+    }
+    // P is 0 past cols: the product stops there.
+    product<C>(rows, dv_pad, cols, T(1), s, kKeyBlock, 1, w.v.data() + j0 * C::NR, keys_pad * C::NR, o, dv_pad, true);
+  }
+  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + row0 * p.out_row_stride;
+  T* lse = static_cast<T*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q + row0;
+  for (int64_t r = 0; r < rows; ++r) {
+    // A row with no visible key: output 0 and lse = -inf, never 0/0.
+    const bool empty = l[r] == T(0);
+    const T inv = empty ? T(0) : T(1) / l[r];
+    for (int64_t d = 0; d < dim_v; ++d) {
+      out[r * p.out_row_stride + d] = o[r * dv_pad + d] * inv;
+    }
+    lse[r] = empty ? kNegInf<T> : m[r] + std::log(l[r]);
+  }
+}
+
+template <typename C>
+ATTN_EXPORT_INLINE void forward_tasks(const AttentionParams& p, int64_t begin, int64_t end) {
+  ForwardScratch<typename C::Scalar> w(p);
+  const int64_t blocks = ceil_div(p.seqlen_q, kQueryBlock);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t bh = t / blocks, row0 = (t % blocks) * kQueryBlock;
+    forward_block<C>(p, bh / p.num_heads, bh % p.num_heads, row0, std::min(kQueryBlock, p.seqlen_q - row0), w);
+  }
+}
+
+// Per-thread buffers of the backward.
+template <typename T>
+struct BackwardScratch {
+  std::vector<T> k_t, v_t, k, q, dout, s, raw, dp, dk, dv;
+  BackwardScratch(const AttentionParams& p)
+      : k_t(p.head_dim * kKeyBlock),
+        v_t(p.head_dim_v * kKeyBlock),
+        k(kKeyBlock * padded(p.head_dim)),
+        q(kQueryBlock * padded(p.head_dim)),
+        dout(kQueryBlock * padded(p.head_dim_v)),
+        s(kQueryBlock * kKeyBlock),
+        raw(p.softcap > 0 ? kQueryBlock * kKeyBlock : 0),
+        dp(kQueryBlock * kKeyBlock),
+        dk(kKeyBlock * padded(p.head_dim)),
+        dv(kKeyBlock * padded(p.head_dim_v)) {}
+};
+
+// One backward task: keys [j0, j0 + cols) of head (b, h); dQ accumulates into dq (rows
+// padded(head_dim) apart, the head's [seqlen_q, *] slice of this chunk's buffer). d_row: the
+// head's rowsum(dO * O).
+template <typename C>
+ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t b, int64_t h, int64_t j0,
+                                       int64_t cols, const typename C::Scalar* d_row, typename C::Scalar* dq,
+                                       BackwardScratch<typename C::Scalar>& w) {
+  using T = typename C::Scalar;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v, d_pad = padded(dim), dv_pad = padded(dim_v);
+  const int64_t cols_pad = padded(cols);
+  const T scale = static_cast<T>(p.scale);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + j0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + j0 * p.v_row_stride;
+  const T* dout = static_cast<const T*>(p.grad_out) + b * p.grad_out_batch_stride + h * p.grad_out_head_stride;
+  const T* lse = static_cast<const T*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+  T *s = w.s.data(), *dp = w.dp.data(), *dk = w.dk.data(), *dv = w.dv.data();
+  T* raw = p.softcap > 0 ? w.raw.data() : nullptr;
+  pack_panels<C>(dim, dim, cols, cols_pad, k, 1, p.k_row_stride, w.k_t.data());
+  pack_panels<C>(dim_v, dim_v, cols, cols_pad, v, 1, p.v_row_stride, w.v_t.data());
+  pack_panels<C>(cols, cols_pad, dim, d_pad, k, p.k_row_stride, 1, w.k.data());
+  std::fill(dk, dk + cols_pad * d_pad, T(0));
+  std::fill(dv, dv + cols_pad * dv_pad, T(0));
+  const T inv_cap = p.softcap > 0 ? T(1) / static_cast<T>(p.softcap) : T(0);
+
+  // Causality: rows before j0 see none of these keys.
+  for (int64_t row0 = p.is_causal ? j0 / kQueryBlock * kQueryBlock : 0; row0 < p.seqlen_q; row0 += kQueryBlock) {
+    const int64_t rows = std::min(kQueryBlock, p.seqlen_q - row0);
+    if (block_hidden(p, b, h, row0, rows, j0, cols)) {
+      continue;
+    }
+    const T* q_blk = q + row0 * p.q_row_stride;
+    const T* dout_blk = dout + row0 * p.grad_out_row_stride;
+    product<C>(rows, cols_pad, dim, scale, q_blk, p.q_row_stride, 1, w.k_t.data(), dim * C::NR, s, kKeyBlock, false);
+    finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, raw);
+    for (int64_t r = 0; r < rows; ++r) {
+      // P = exp(S - lse); a row with no visible key (lse = -inf) has P = 0.
+      T* row = s + r * kKeyBlock;
+      if (lse[row0 + r] == kNegInf<T>) {
+        std::fill(row, row + cols_pad, T(0));
+      } else {
+        exp_shifted<C>(row, cols_pad, lse[row0 + r]);
+      }
+    }
+    pack_panels<C>(rows, rows, dim_v, dv_pad, dout_blk, p.grad_out_row_stride, 1, w.dout.data());
+    // dV += P^T dO
+    product<C>(cols_pad, dv_pad, rows, T(1), s, 1, kKeyBlock, w.dout.data(), rows * C::NR, dv, dv_pad, true);
+    // dP = dO V^T, then dS = P * (dP - D) (times the soft-cap's derivative 1 - tanh^2)
+    product<C>(rows, cols_pad, dim_v, T(1), dout_blk, p.grad_out_row_stride, 1, w.v_t.data(), dim_v * C::NR, dp,
+               kKeyBlock, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* prob = s + r * kKeyBlock;
+      T* ds = dp + r * kKeyBlock;
+      const T d = d_row[row0 + r];
+#pragma omp simd
+      for (int64_t j = 0; j < cols_pad; ++j) {
+        ds[j] = prob[j] * (ds[j] - d);
+      }
+      if (raw != nullptr) {
+        // Masked keys have P = 0, hence dS = 0, and x finite there (no mask is added to it).
+        const T* x = raw + r * kKeyBlock;
+        for (int64_t j = 0; j < cols; ++j) {
+          const T t = std::tanh(x[j] * inv_cap);
+          ds[j] *= T(1) - t * t;
+        }
+      }
+    }
+    pack_panels<C>(rows, rows, dim, d_pad, q_blk, p.q_row_stride, 1, w.q.data());
+    // dK += scale dS^T Q, dQ += scale dS K
+    product<C>(cols_pad, d_pad, rows, scale, dp, 1, kKeyBlock, w.q.data(), rows * C::NR, dk, d_pad, true);
+    product<C>(rows, d_pad, cols, scale, dp, kKeyBlock, 1, w.k.data(), cols_pad * C::NR, dq + row0 * d_pad, d_pad,
+               true);
+  }
+  T* grad_k = static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride + j0 * p.grad_k_row_stride;
+  T* grad_v = static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride + j0 * p.grad_v_row_stride;
+  for (int64_t j = 0; j < cols; ++j) {
+    std::copy(dk + j * d_pad, dk + j * d_pad + dim, grad_k + j * p.grad_k_row_stride);
+    std::copy(dv + j * dv_pad, dv + j * dv_pad + dim_v, grad_v + j * p.grad_v_row_stride);
+  }
+}
+
+// Backward tasks [begin, end) in (batch, head, key block) order. dq: this chunk's buffer, one
+// [seqlen_q, padded(head_dim)] slice per head from first_bh on.
+template <typename C>
+ATTN_EXPORT_INLINE void backward_tasks(const AttentionBackwardParams& p, int64_t begin, int64_t end, int64_t first_bh,
+                                       typename C::Scalar* dq) {
+  using T = typename C::Scalar;
+  BackwardScratch<T> w(p);
+  std::vector<T> d_rows(p.seqlen_q);
+  const int64_t blocks = ceil_div(p.seqlen_k, kKeyBlock);
+  const int64_t slice = p.seqlen_q * padded(p.head_dim);
+  for (int64_t t = begin, head = -1; t < end; ++t) {
+    const int64_t bh = t / blocks, j0 = (t % blocks) * kKeyBlock, b = bh / p.num_heads, h = bh % p.num_heads;
+    if (bh != head) {
+      // D = rowsum(dO * O), summed in the order and with the contraction of the product that
+      // gives dP = dO V^T: with a single visible key, O = v exactly and dS = P (dP - D) is then
+      // exactly 0, as the exact gradient is.
+      const T* o = static_cast<const T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+      const T* g = static_cast<const T*>(p.grad_out) + b * p.grad_out_batch_stride + h * p.grad_out_head_stride;
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        T acc = 0;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) {
+          const T x = g[i * p.grad_out_row_stride + d], y = o[i * p.out_row_stride + d];
+          acc = C::kFma ? std::fma(x, y, acc) : acc + x * y;
+        }
+        d_rows[i] = acc;
+      }
+      head = bh;
+    }
+    backward_block<C>(p, b, h, j0, std::min(kKeyBlock, p.seqlen_k - j0), d_rows.data(), dq + (bh - first_bh) * slice, w);
+  }
+}
+
+// The tile configurations. AVX-512: 8 x 32 floats of accumulators (16 of 32 registers); AVX2:
+// 6 x 16 (12 of 16); baseline SSE: 4 x 8 floats or 4 x 4 doubles.
+using Avx512 = Tiles<float, 16, 8, 2, true>;
+using Avx2 = Tiles<float, 8, 6, 2, true>;
+using GenericF = Tiles<float, 4, 4, 2>;
+using GenericD = Tiles<double, 2, 4, 2>;
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define ATTN_EXPORT_X86 1
+#define ATTN_EXPORT_TARGET(isa) __attribute__((target(isa)))
+#else
+#define ATTN_EXPORT_TARGET(isa)
+#endif
+
+#define ATTN_EXPORT_FLASH_ENTRIES(NAME, CONFIG, TARGET)                                                        \
+  TARGET void forward_##NAME(const AttentionParams& p, int64_t begin, int64_t end) {                           \
+    forward_tasks<CONFIG>(p, begin, end);                                                                      \
+  }                                                                                                            \
+  TARGET void backward_##NAME(const AttentionBackwardParams& p, int64_t begin, int64_t end, int64_t first_bh, \
+                              CONFIG::Scalar* dq) {                                                            \
+    backward_tasks<CONFIG>(p, begin, end, first_bh, dq);                                                       \
+  }
+
+ATTN_EXPORT_FLASH_ENTRIES(generic_f32, GenericF, )
+ATTN_EXPORT_FLASH_ENTRIES(generic_f64, GenericD, )
+#ifdef ATTN_EXPORT_X86
+ATTN_EXPORT_FLASH_ENTRIES(avx2, Avx2, ATTN_EXPORT_TARGET("avx2,fma"))
+ATTN_EXPORT_FLASH_ENTRIES(avx512, Avx512, ATTN_EXPORT_TARGET("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))
+#endif
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+Isa detect_isa() {
+  Isa best = Isa::kGeneric;
+#ifdef ATTN_EXPORT_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    best = Isa::kAvx2;
+  }
+  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    best = Isa::kAvx512;
+  }
+#endif
+  // A forced choice may only lower the level: code for an instruction set the CPU lacks would
+  // crash.
+  const char* forced = std::getenv("ATTN_EXPORT_CPU_ISA");
+  if (forced != nullptr) {
+    const std::string name(forced);
+    if (name == "generic") {
+      best = Isa::kGeneric;
+    } else if (name == "avx2" && best == Isa::kAvx512) {
+      best = Isa::kAvx2;
+    }
+  }
+  return best;
+}
+
+Isa current_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+using ForwardFn = void (*)(const AttentionParams&, int64_t, int64_t);
+template <typename T>
+using BackwardFn = void (*)(const AttentionBackwardParams&, int64_t, int64_t, int64_t, T*);
+
+ForwardFn forward_fn_f32() {
+  switch (current_isa()) {
+#ifdef ATTN_EXPORT_X86
+    case Isa::kAvx512:
+      return forward_avx512;
+    case Isa::kAvx2:
+      return forward_avx2;
+#endif
+    default:
+      return forward_generic_f32;
+  }
+}
+
+BackwardFn<float> backward_fn_f32() {
+  switch (current_isa()) {
+#ifdef ATTN_EXPORT_X86
+    case Isa::kAvx512:
+      return backward_avx512;
+    case Isa::kAvx2:
+      return backward_avx2;
+#endif
+    default:
+      return backward_generic_f32;
+  }
+}
+
+// Multiply-adds below which a parallel chunk is not worth waking another thread for.
+constexpr int64_t kMinChunkWork = 1 << 15;
+
+template <typename T>
+void run_forward(const AttentionParams& p, ForwardFn fn) {
+  const int64_t tasks = p.batch * p.num_heads * ceil_div(p.seqlen_q, kQueryBlock);
+  const int64_t task_work = kQueryBlock * p.seqlen_k * (p.head_dim + p.head_dim_v);
+  parallel_for(0, tasks, std::max<int64_t>(1, kMinChunkWork / std::max<int64_t>(1, task_work)),
+               [&](int64_t begin, int64_t end) { fn(p, begin, end); });
+}
+
+template <typename T>
+void run_backward(const AttentionBackwardParams& p, BackwardFn<T> fn) {
+  const int64_t heads = p.batch * p.num_heads, seqlen_q = p.seqlen_q, dim = p.head_dim;
+  const int64_t d_pad = padded(dim);
+  if (heads == 0 || seqlen_q == 0) {
+    return;
+  }
+  // Chunks of tasks, one per thread, each with its own dQ buffer over the heads it touches;
+  // with heads a multiple of the threads every chunk holds whole heads.
+  const int64_t tasks = heads * ceil_div(p.seqlen_k, kKeyBlock);
+  if (tasks == 0) {  // no keys: dQ = 0 (and dK, dV are empty)
+    for (int64_t bh = 0; bh < heads; ++bh) {
+      T* grad_q = static_cast<T*>(p.grad_q) + bh / p.num_heads * p.grad_q_batch_stride +
+          bh % p.num_heads * p.grad_q_head_stride;
+      for (int64_t i = 0; i < seqlen_q; ++i) {
+        std::fill(grad_q + i * p.grad_q_row_stride, grad_q + i * p.grad_q_row_stride + dim, T(0));
+      }
+    }
+    return;
+  }
+  const int64_t chunks = std::min(num_threads(), tasks);
+  const int64_t per_head = tasks / heads, slice = seqlen_q * d_pad;
+  auto chunk_begin = [&](int64_t c) { return tasks * c / chunks; };
+  auto first_head = [&](int64_t c) { return chunk_begin(c) / per_head; };
+  auto last_head = [&](int64_t c) { return (chunk_begin(c + 1) - 1) / per_head; };
+  std::vector<std::vector<T>> dq(chunks);
+  parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      dq[c].assign((last_head(c) - first_head(c) + 1) * slice, T(0));
+      fn(p, chunk_begin(c), chunk_begin(c + 1), first_head(c), dq[c].data());
+    }
+  });
+  parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
+      T* grad_q = static_cast<T*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride;
+      for (int64_t i = 0; i < seqlen_q; ++i) {
+        std::fill(grad_q + i * p.grad_q_row_stride, grad_q + i * p.grad_q_row_stride + dim, T(0));
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (bh < first_head(c) || bh > last_head(c)) {
+          continue;
+        }
+        const T* src = dq[c].data() + (bh - first_head(c)) * slice;
+        for (int64_t i = 0; i < seqlen_q; ++i) {
+          T* dst = grad_q + i * p.grad_q_row_stride;
+          for (int64_t d = 0; d < dim; ++d) {
+            dst[d] += src[i * d_pad + d];
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool forward(const AttentionParams& p) {
+  if (p.weights != nullptr) {
+    return false;
+  }
+  if (p.dtype == DataType::kFloat32) {
+    run_forward<float>(p, forward_fn_f32());
+  } else if (p.dtype == DataType::kFloat64) {
+    run_forward<double>(p, forward_generic_f64);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool backward(const AttentionBackwardParams& p) {
+  if (p.probs != nullptr || p.grad_weights != nullptr || p.out == nullptr) {
+    return false;
+  }
+  if (p.dtype == DataType::kFloat32) {
+    run_backward<float>(p, backward_fn_f32());
+  } else if (p.dtype == DataType::kFloat64) {
+    run_backward<double>(p, backward_generic_f64);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+const char* isa() {
+  switch (current_isa()) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
+  }
+}
+
+}  // namespace attn_export::cpu::flash

@@ -1,0 +1,174 @@
+"""The attention core alone against the best CPU kernels at hand, side by side in one process
+(``attn-export bench --core``; docs/benchmarks.md).
+
+Timed on q, k, v of ``[1, 4, L, 64]`` float32 (2 threads by default):
+
+* forward (L = 512, 2048, 4096, not causal): ``attn_export.attention`` (the flash-style core,
+  csrc/kernels/cpu/flash_cpu.cpp) against ONNX Runtime's ``com.microsoft.MultiHeadAttention``
+  (a one-node model built here with onnx.helper, fed ``[1, L, 256]``) and PyTorch's
+  ``F.scaled_dot_product_attention``, all three under no_grad / inference;
+* forward+backward (L = 1024, 2048, causal and not): ``attn_export.attention`` against SDPA,
+  ``out.backward(grad)`` with q, k, v requiring grad.
+
+Every round times every implementation once (interleaved, so a burst of load on a shared machine
+hits all of them alike); an implementation's time is the median over rounds of its per-round
+median, and ratios are taken of those medians. Ratios below 1.00 mean attn-export is faster.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from attn_export.bench_onnx import _median_call, machine
+
+BATCH, HEADS, HEAD_DIM = 1, 4, 64
+FORWARD_SEQS = (512, 2048, 4096)
+BACKWARD_SEQS = (1024, 2048)
+CORE, ORT, SDPA = "attn_export", "ort MultiHeadAttention", "sdpa"
+
+
+@dataclasses.dataclass
+class CoreResult:
+    mode: str  # "forward" or "forward+backward"
+    seq: int
+    causal: bool
+    median_ms: Dict[str, float]  # per implementation: median over rounds of the per-round median
+    ratios: Dict[str, float]  # "attn_export / <impl>" for every other implementation
+
+
+def mha_model_bytes(heads: int = HEADS, causal: bool = False) -> bytes:
+    """A one-node ONNX model: com.microsoft.MultiHeadAttention on [batch, seq, heads * dim] inputs."""
+    from onnx import TensorProto, helper
+
+    dims = ["batch", "seq", heads * HEAD_DIM]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, dims) for name in ("query", "key", "value")]
+    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"], domain="com.microsoft",
+                            num_heads=heads, unidirectional=int(causal))
+    graph = helper.make_graph([node], "core", inputs, [helper.make_tensor_value_info("output", TensorProto.FLOAT, dims)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+def _session(model: bytes, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads, options.log_severity_level = threads, 1, 3
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def make_qkv(seq: int, seed: int = 0, requires_grad: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=generator).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def forward_runners(seq: int, threads: int) -> Dict[str, Callable[[], object]]:
+    import attn_export
+
+    q, k, v = make_qkv(seq)
+    # ONNX Runtime's contrib op takes [batch, seq, heads * dim]: the layout change is done once, here.
+    feeds = {name: t.transpose(1, 2).reshape(BATCH, seq, HEADS * HEAD_DIM).contiguous().numpy()
+             for name, t in zip(("query", "key", "value"), (q, k, v))}
+    session = _session(mha_model_bytes(), threads)
+
+    def core():
+        with torch.inference_mode():
+            return attn_export.attention(q, k, v)
+
+    def sdpa():
+        with torch.inference_mode():
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return {CORE: core, ORT: lambda: session.run(None, feeds), SDPA: sdpa}
+
+
+def backward_runners(seq: int, causal: bool) -> Dict[str, Callable[[], object]]:
+    import attn_export
+
+    q, k, v = make_qkv(seq, requires_grad=True)
+    grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+
+    def step(fn):
+        def run():
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, is_causal=causal).backward(grad)
+        return run
+
+    return {CORE: step(attn_export.attention), SDPA: step(F.scaled_dot_product_attention)}
+
+
+def parity(seq: int = 256) -> Dict[str, float]:
+    """Largest |difference| of the core's output from ONNX Runtime's and SDPA's (a sanity check
+    that the three compute the same thing before they are timed)."""
+    runners = forward_runners(seq, threads=1)
+    core = runners[CORE]().numpy()
+    ort = torch.from_numpy(runners[ORT]()[0]).reshape(BATCH, seq, HEADS, HEAD_DIM).transpose(1, 2).numpy()
+    return {ORT: float(abs(core - ort).max()), SDPA: float(abs(core - runners[SDPA]().numpy()).max())}
+
+
+def _time(runners: Dict[str, Callable[[], object]], rounds: int, min_run_time: float) -> Dict[str, float]:
+    for run in runners.values():
+        run()  # warm-up
+    per_round: Dict[str, List[float]] = {impl: [] for impl in runners}
+    for _ in range(rounds):
+        for impl, run in runners.items():
+            per_round[impl].append(_median_call(run, min_run_time))
+    return {impl: statistics.median(times) * 1e3 for impl, times in per_round.items()}
+
+
+def _result(mode: str, seq: int, causal: bool, medians: Dict[str, float]) -> CoreResult:
+    ratios = {f"{CORE} / {impl}": medians[CORE] / medians[impl] for impl in medians if impl != CORE}
+    return CoreResult(mode, seq, causal, medians, ratios)
+
+
+def run_benchmark(forward_seqs=FORWARD_SEQS, backward_seqs=BACKWARD_SEQS, *, threads: int = 2, rounds: int = 5,
+                  min_run_time: float = 0.2, progress: Callable[[str], None] = lambda _m: None) -> List[CoreResult]:
+    torch.set_num_threads(threads)
+    results = []
+    for seq in forward_seqs:
+        progress(f"forward, L = {seq}")
+        results.append(_result("forward", seq, False, _time(forward_runners(seq, threads), rounds, min_run_time)))
+    for seq in backward_seqs:
+        for causal in (False, True):
+            progress(f"forward+backward, L = {seq}{', causal' if causal else ''}")
+            results.append(_result("forward+backward", seq, causal,
+                                   _time(backward_runners(seq, causal), rounds, min_run_time)))
+    return results
+
+
+def core_isa() -> str:
+    """The instruction set of the core's float32 kernels, as flash_cpu.cpp picks it."""
+    import os
+
+    flags = set(machine()["isa"].split())
+    best = "avx512" if {"avx512f", "avx2", "fma"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
+    forced = os.environ.get("ATTN_EXPORT_CPU_ISA")
+    order = ("generic", "avx2", "avx512")
+    return forced if forced in order and order.index(forced) < order.index(best) else best
+
+
+def markdown_table(results: List[CoreResult]) -> str:
+    impls = list(dict.fromkeys(i for r in results for i in r.median_ms))
+    ratio_cols = list(dict.fromkeys(c for r in results for c in r.ratios))
+    lines = ["| mode | L | causal | " + " | ".join(f"{i} (ms)" for i in impls) + " | " + " | ".join(ratio_cols) + " |",
+             "|---" * (3 + len(impls) + len(ratio_cols)) + "|"]
+    for r in results:
+        cells = [f"{r.median_ms[i]:.2f}" if i in r.median_ms else "" for i in impls]
+        cells += [f"{r.ratios[c]:.2f}x" if c in r.ratios else "" for c in ratio_cols]
+        lines.append(f"| {r.mode} | {r.seq} | {'yes' if r.causal else 'no'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def facts(threads: int) -> Dict[str, str]:
+    return {**machine(), "threads": str(threads), "core_isa": core_isa(),
+            "shape": f"[{BATCH}, {HEADS}, L, {HEAD_DIM}] float32"}
+
+
+def as_json(results: List[CoreResult], threads: int, rounds: int, check: Optional[Dict[str, float]]) -> dict:
+    return {"machine": facts(threads), "rounds": rounds, "parity_max_abs": check,
+            "results": [dataclasses.asdict(r) for r in results]}

@@ -1,0 +1,90 @@
+"""The flash-style CPU core (csrc/kernels/cpu/flash_cpu.cpp) where its structure could go wrong:
+key blocks that the masks hide entirely (skipped), causality across query and key blocks with
+Lq != Lk, dQ summed over key blocks that different threads own, float64 gradcheck across
+blocks, and every instruction-set path the machine can run. References: the float64 definition
+(helpers.reference_attention) and torch.autograd.gradcheck."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn_export
+from helpers import check_core, padding_mask
+
+f32, f64 = torch.float32, torch.float64
+# The kernel's blocks: 64 query rows, 128 keys.
+QUERY_BLOCK, KEY_BLOCK = 64, 128
+
+
+def hidden_blocks_masks(B, H, Lq, Lk):
+    """Bool masks that hide whole blocks: keys [128, 256) padded for every batch element, the
+    second query block's view of keys [256, 384) masked, and query row 3 sees nothing."""
+    kpm = padding_mask(B, Lk)
+    kpm[:, KEY_BLOCK:2 * KEY_BLOCK] = True
+    am = torch.rand(Lq, Lk) < 0.3
+    am[QUERY_BLOCK:2 * QUERY_BLOCK, 2 * KEY_BLOCK:3 * KEY_BLOCK] = True
+    am[3] = True
+    return {"attn_mask": am, "key_padding_mask": kpm}
+
+
+def test_key_blocks_hidden_by_bool_masks_are_skipped_exactly():
+    check_core("cpu", f32, 2, 2, 150, 420, 16, hidden_blocks_masks(2, 2, 150, 420))
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(150, 400), (400, 150), (64, 129)])
+def test_causal_across_blocks_with_lq_ne_lk(seqlen_q, seqlen_k):
+    # Head dims 40 and 24: not multiples of the packed operands' padding.
+    check_core("cpu", f32, 1, 2, seqlen_q, seqlen_k, 40, {"is_causal": True}, Dv=24)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_dq_summed_over_key_blocks_owned_by_different_threads(heads):
+    # 6 key blocks per head and 2 threads: with 1 head both threads' chunks cover it; with 3,
+    # the middle head is split between them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_core("cpu", f32, 1, heads, 200, 700, 8, {"key_padding_mask": padding_mask(1, 700)})
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_softcap_across_blocks():
+    check_core("cpu", f32, 2, 1, 130, 300, 16, hidden_blocks_masks(2, 1, 130, 300), softcap=2.0)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(70, 3 * KEY_BLOCK + 5, False), (140, 130, True)])
+def test_gradcheck_across_blocks_float64(seqlen_q, seqlen_k, causal):
+    masks = {"is_causal": True} if causal else hidden_blocks_masks(1, 1, seqlen_q, seqlen_k)
+    q = torch.randn(1, 1, seqlen_q, 2, dtype=f64, requires_grad=True)
+    k = torch.randn(1, 1, seqlen_k, 2, dtype=f64, requires_grad=True)
+    v = torch.randn(1, 1, seqlen_k, 2, dtype=f64, requires_grad=True)
+    # fast_mode: one random projection of the Jacobian instead of every column (seconds, not a minute).
+    assert torch.autograd.gradcheck(lambda q, k, v: attn_export.attention(q, k, v, **masks), (q, k, v), fast_mode=True)
+
+
+# Instruction sets below the machine's best, which the kernels run when forced to
+# (ATTN_EXPORT_CPU_ISA); the best runs in every other test.
+def _lower_isas():
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    lower = ["generic"] if {"avx2", "fma"} <= flags else []
+    return lower + (["avx2"] if "avx512f" in flags else [])
+
+
+@pytest.mark.skipif(not _lower_isas(), reason="this CPU runs only the generic kernels, which every test runs")
+@pytest.mark.parametrize("isa", _lower_isas())
+def test_every_instruction_set_path(isa):
+    tests = Path(__file__).parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", str(Path(__file__)),
+         "-k", "hidden_blocks or causal_across or different_threads"],
+        capture_output=True, text=True, timeout=300, cwd=tests.parent,
+        env={**os.environ, "ATTN_EXPORT_CPU_ISA": isa})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
