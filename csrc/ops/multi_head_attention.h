@@ -55,7 +55,8 @@ struct MultiHeadAttentionResult {
 void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& args, bool packed_qkv);
 
 // packed_qkv: query, key and value are one tensor, projected by one GEMM.
-// save_probs: keep the probabilities for the backward, which then skips recomputing them.
+// save_probs: keep the probabilities for the backward, whose CPU row kernels then skip
+// recomputing them. The autograd layer no longer asks for it (attention_autograd.cpp).
 MultiHeadAttentionResult multi_head_attention_forward(
     const MultiHeadAttentionArgs& args, bool packed_qkv, bool save_probs);
 MultiHeadAttentionResult multi_head_attention_forward_cpu(

@@ -101,27 +101,6 @@ at::Tensor attention_autograd(
   return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale, softcap)[0];
 }
 
-// Keeping the forward's probabilities spares the CPU backward one of its five products, at
-// B*H*Lq*Lk floats of memory: worth it up to kMaxSavedProbs elements (8 MiB of float32);
-// above, the backward recomputes and memory stays O(L). The bound is also where a fresh
-// allocation per step starts to cost: glibc serves larger blocks with mmap, so each step
-// would page-fault the whole buffer in (measured: 2x slower forward at 8 heads x 1024^2).
-// Only for concrete sizes on the CPU, so that traced graphs and the CUDA (flash) path stay O(L).
-constexpr int64_t kMaxSavedProbs = int64_t{1} << 21;
-
-bool should_save_probs(const at::Tensor& query, const at::Tensor& key, int64_t num_heads, bool batch_first) {
-  if (!query.device().is_cpu() || query.is_meta() ||
-      query.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-      key.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    return false;
-  }
-  const bool unbatched = query.dim() == 2;
-  const int64_t seq_dim = unbatched || !batch_first ? 0 : 1;
-  const int64_t batch = unbatched ? 1 : query.size(batch_first ? 0 : 1);
-  const int64_t elements = batch * num_heads * query.size(seq_dim) * key.size(seq_dim);
-  return elements <= kMaxSavedProbs;
-}
-
 // The layer's non-tensor arguments, packed into one integer for saved_data.
 struct LayerConfig {
   int64_t num_heads;
@@ -160,12 +139,14 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     // and its gradient computed once; likewise key and value (encoder-decoder attention).
     const bool packed_qkv = query.is_same(key) && key.is_same(value);
     const bool shared_kv = !packed_qkv && key.is_same(value);
-    const bool save_probs = should_save_probs(query, key, num_heads, batch_first);
+    // No saved probabilities: on the CPU the flash forward and its backward (recomputing from
+    // the log-sum-exp) beat the row kernels that write and reread the [B, H, Lq, Lk] matrix,
+    // at every shape measured (docs/benchmarks.md, "Saved probabilities"), and memory stays O(L).
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [output, weights, q_proj, kv_proj, attn, lse, probs] = call_multi_head_attention_forward(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
         attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-        packed_qkv, save_probs);
+        packed_qkv, /*save_probs=*/false);
 
     ctx->save_for_backward(
         {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,

@@ -178,6 +178,17 @@ ProjectionGrads core_backward_cpu(
   point(p.grad_v, p.grad_v_batch_stride, p.grad_v_head_stride, p.grad_v_row_stride,
         head_view(grad_kv, packed_qkv ? 2 * g.embed_dim : g.embed_dim, g.batch, g.seqlen_k, g.head_dim,
                   g.batch_first));
+  // The forward's attention output lets the flash backward (kernels/cpu/flash_cpu.h) take
+  // rowsum(dO * O) from it. Only where it was kept at full precision: float16/bfloat16 saved it
+  // rounded, and rowsum over rounded O misses the bfloat16 gradient bounds of
+  // tests/test_property.py, so there the row kernels recompute the probabilities in float32.
+  // The row kernels (also for saved probabilities or a gradient of the weights) ignore it.
+  at::Tensor attn_out;
+  if (s.attn.scalar_type() == acc) {
+    attn_out = s.attn.contiguous();
+    point(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride,
+          head_view(attn_out, 0, g.batch, g.seqlen_q, g.head_dim, g.batch_first));
+  }
   const at::Tensor lse = s.lse.to(acc).contiguous();
   p.lse = lse.data_ptr();
   at::Tensor probs;
