@@ -48,7 +48,7 @@ class Shape:
 SHAPE_SETS = {
     "small": [Shape(8, 10, 64, 4), Shape(8, 10, 128, 4), Shape(8, 16, 64, 4), Shape(8, 16, 128, 4)],
     "decode": [Shape(8, 1, 256, 8)],
-    "large": [Shape(1, 512, 512, 8)],
+    "large": [Shape(8, 256, 256, 4), Shape(1, 512, 512, 8)],
 }
 SHAPE_SETS["all"] = SHAPE_SETS["small"] + SHAPE_SETS["decode"] + SHAPE_SETS["large"]
 # Latency against sequence length (the --plot chart): batch 1, embed 256, 8 heads.
