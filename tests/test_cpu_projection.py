@@ -3,7 +3,9 @@
 On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds run on it,
 with the token rows (or, for a few tokens, the weight's column panels) split across threads;
 everything else goes to the GEMM library in force (tests/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
-column panels (3E not a multiple of 32), the column split, cross attention writing into
+column panels (3E not a multiple of 32), the column split, the dot-product path of up to 16
+token rows (with an embed dim, 22, that leaves a tail of k past the last whole vector and of
+columns past the last block of three), cross attention writing into
 halves of one buffer, no bias, one and two threads, and the hand-over to BLAS.
 """
 import copy
@@ -43,7 +45,7 @@ def _check(embed_dim, heads, batch, seqlen_q, seqlen_k, kind, bias=True, batch_f
 
 @pytest.mark.parametrize(
     "embed_dim,heads",
-    [(8, 2), (24, 3), (40, 5), (96, 4), (136, 8)],
+    [(8, 2), (22, 2), (24, 3), (40, 5), (96, 4), (136, 8)],
     ids=lambda v: str(v),
 )
 @pytest.mark.parametrize("batch,seqlen", [(1, 1), (1, 3), (3, 4), (1, 13), (8, 16), (2, 37)])

@@ -2,7 +2,8 @@
 // accumulators; each step of k loads two vectors of B and broadcasts twelve values of A;
 // AVX2: 6 x 16, twice per panel), sweeping 32-column panels of B. A panel is copied into a contiguous k x 32 block before
 // it is reused across row tiles: weight rows n floats apart map to few L1 sets (n = 384:
-// eight), and the copy costs less than the conflict misses it avoids.
+// eight), and the copy costs less than the conflict misses it avoids. Up to 16 token rows
+// against a row-major weight take a dot-product loop instead (dot_rows), which packs nothing.
 #include "linear_kernel.h"
 
 #include "gemm_backend.h"
@@ -118,6 +119,70 @@ void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width
   }
 }
 
+// For a handful of token rows (decoding) and a row-major weight, C[i, j] = bias[j] (+ C) +
+// dot(A[i, :], W[j, :]) with both read as they lie. Packing W^T panels costs k * n transposing
+// copies per call, which at 8 tokens is several times the product itself (decode 8x1x256x8:
+// most of the layer's time); here each weight row is read once per kDotRows rows of A and
+// reduced along k in kDotRows x kDotCols vector accumulators (12: AVX2 has 16 registers). Rows
+// or weight rows past the end are clamped to the last one, computed and dropped, so that the
+// block stays one fully unrolled loop.
+constexpr int kDotRows = 4, kDotCols = 3;
+constexpr int64_t kDotMaxRows = 16;  // measured: at 32 rows packing is as fast
+
+template <typename V>
+ATTN_EXPORT_INLINE float lane_sum(V v) {
+  float s = 0.0f;
+  for (size_t l = 0; l < sizeof(V) / sizeof(float); ++l) {
+    s += v[l];
+  }
+  return s;
+}
+
+template <typename V>
+ATTN_EXPORT_INLINE void dot_rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin,
+                                 int64_t col_end) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t k = x.k, k_vec = k - k % W;
+  for (int64_t j0 = col_begin; j0 < col_end; j0 += kDotCols) {
+    const float* w[kDotCols];
+    for (int c = 0; c < kDotCols; ++c) {
+      w[c] = x.b + std::min(j0 + c, col_end - 1) * x.ldb;
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(kDotCols, col_end - j0));
+    for (int64_t i0 = row_begin; i0 < row_end; i0 += kDotRows) {
+      const float* a[kDotRows];
+      for (int r = 0; r < kDotRows; ++r) {
+        a[r] = x.a + std::min(i0 + r, row_end - 1) * x.lda;
+      }
+      V acc[kDotRows][kDotCols] = {};
+      for (int64_t p = 0; p < k_vec; p += W) {
+        V wv[kDotCols];
+        for (int c = 0; c < kDotCols; ++c) {
+          wv[c] = load<V>(w[c] + p);
+        }
+        for (int r = 0; r < kDotRows; ++r) {
+          const V av = load<V>(a[r] + p);
+          for (int c = 0; c < kDotCols; ++c) {
+            acc[r][c] += av * wv[c];
+          }
+        }
+      }
+      const int rows = static_cast<int>(std::min<int64_t>(kDotRows, row_end - i0));
+      for (int r = 0; r < rows; ++r) {
+        float* out = x.c + (i0 + r) * x.ldc + j0;
+        for (int c = 0; c < cols; ++c) {
+          float sum = lane_sum(acc[r][c]);
+          for (int64_t p = k_vec; p < k; ++p) {
+            sum += a[r][p] * w[c][p];
+          }
+          const float base = (x.bias != nullptr ? x.bias[j0 + c] : 0.0f) + (x.accumulate ? out[c] : 0.0f);
+          out[c] = base + sum;
+        }
+      }
+    }
+  }
+}
+
 // linear_rows with R-row tiles of V vectors.
 template <typename V, int R>
 ATTN_EXPORT_INLINE void rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin,
@@ -126,6 +191,10 @@ ATTN_EXPORT_INLINE void rows(const LinearArgs& x, int64_t row_begin, int64_t row
   float* const panel_bias = panel + x.k * kPanelCols;          // 32
   float* const partial = panel_bias + kPanelCols;              // kTileRows x 32 output staging
   const int64_t row_count = row_end - row_begin;
+  if (x.b_transposed && row_count <= kDotMaxRows) {
+    dot_rows<V>(x, row_begin, row_end, col_begin, col_end);
+    return;
+  }
   // A panel is reused by rows / R tiles; below two the copy does not pay, nor when its rows
   // already spread over the L1 sets.
   const bool pack_full_panels = row_count >= 2 * R && !rows_spread_over_l1_sets(x.ldb);
