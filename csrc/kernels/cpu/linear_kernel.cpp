@@ -129,13 +129,28 @@ void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width
 constexpr int kDotRows = 4, kDotCols = 3;
 constexpr int64_t kDotMaxRows = 16;  // measured: at 32 rows packing is as fast
 
-template <typename V>
-ATTN_EXPORT_INLINE float lane_sum(V v) {
-  float s = 0.0f;
-  for (size_t l = 0; l < sizeof(V) / sizeof(float); ++l) {
-    s += v[l];
-  }
-  return s;
+// The sum of a vector's lanes as a tree of half-width adds (log2 W dependent adds, where a
+// lane-by-lane loop in order would chain W of them).
+typedef float Vec4 __attribute__((vector_size(16)));
+
+template <typename Half, typename V>
+ATTN_EXPORT_INLINE Half fold(V v) {
+  Half lo, hi;
+  std::memcpy(&lo, &v, sizeof(Half));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(Half), sizeof(Half));
+  return lo + hi;
+}
+
+ATTN_EXPORT_INLINE float lane_sum(Vec4 v) {
+  return (v[0] + v[2]) + (v[1] + v[3]);
+}
+
+ATTN_EXPORT_INLINE float lane_sum(Vec8 v) {
+  return lane_sum(fold<Vec4>(v));
+}
+
+ATTN_EXPORT_INLINE float lane_sum(Vec16 v) {
+  return lane_sum(fold<Vec8>(v));
 }
 
 template <typename V>
