@@ -14,7 +14,9 @@ first) called with a key-padding mask (the last eighth of every row's keys padde
 
 Each ONNX file is exported once with dynamic batch and sequence and serves every shape. Every
 round times every implementation once (interleaved, so a burst of load on a shared machine hits
-all of them alike); an implementation's time is the median over rounds of its per-round median.
+all of them alike; the order rotates from round to round, and no implementation's threads keep
+spinning while another one is timed); an implementation's time is the median over rounds of its
+per-round median.
 Peak memory: one call per implementation in a fresh process (the peak never goes down), at each
 ``--memory`` shape. ``--profile``: what ONNX Runtime runs (:func:`graph_profile`), the view that a
 loaded machine does not distort.
@@ -40,6 +42,10 @@ TORCH_IMPLS = ("torch (original)", "torch (fused)")
 ONNX_IMPLS = ("ort torch.onnx", "ort custom", "ort standard")
 IMPLEMENTATIONS = TORCH_IMPLS + ONNX_IMPLS
 REFERENCE = "ort torch.onnx"
+# A pause before each timed block: PyTorch's OpenMP workers spin-wait for a while after a
+# parallel region (ONNX Runtime's no longer do, see _session_options) and would otherwise run
+# into the first calls of the next implementation.
+SETTLE_S = 0.05
 
 
 class PaddedEncoder(nn.Module):
@@ -95,6 +101,12 @@ def _session_options(threads: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    # One process holds a session per implementation, each with its own intra-op pool. By default
+    # a pool's workers keep spin-waiting for work after a run returns (tens of ms), so the session
+    # timed just before would burn a core while the next one is timed (issue 12: on 2 cores the
+    # standard flavor, timed right after the custom one, paid for the custom one's spinning).
+    # Workers still spin between the nodes of a run; they stop when the run returns.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 
@@ -161,14 +173,25 @@ def run_benchmark(seqs=SEQS, batches=BATCHES, *, threads: int = 2, rounds: int =
             for run in runners.values():
                 run()  # warm-up
             per_round: Dict[str, List[float]] = {impl: [] for impl in IMPLEMENTATIONS}
-            for _ in range(rounds):
-                for impl, run in runners.items():
-                    per_round[impl].append(_median_call(run, min_run_time))
+            for index in range(rounds):
+                for impl in round_order(IMPLEMENTATIONS, index):
+                    time.sleep(SETTLE_S)
+                    per_round[impl].append(_median_call(runners[impl], min_run_time))
             medians = {impl: statistics.median(times) for impl, times in per_round.items()}
             results += [OnnxResult(batch, seq, impl, medians[impl] * 1e3,
                                    None if impl == REFERENCE else medians[impl] / medians[REFERENCE])
                         for impl in IMPLEMENTATIONS]
     return results, facts
+
+
+def round_order(impls, index: int) -> List[str]:
+    """The order of round ``index``: rotated by one each round, so that over as many rounds as
+    implementations each one is timed at every position (first after PyTorch, last, ...) and
+    whatever one block leaves behind (warm or evicted caches, threads still busy) does not always
+    fall on the same neighbour."""
+    impls = list(impls)
+    shift = index % len(impls)
+    return impls[shift:] + impls[:shift]
 
 
 def _median_call(run: Callable[[], object], min_run_time: float) -> float:
