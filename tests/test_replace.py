@@ -12,6 +12,11 @@ import attn_export
 from attn_export import FusedMultiheadAttention, replace_attention, inspect_attention, CoverageError
 from helpers import assert_rel_close
 
+try:  # the hf extra; imported here, once, rather than in each test (mutation runs fork per mutant)
+    import transformers
+except ImportError:
+    transformers = None
+
 FUSED_OP = torch.ops.attn_export.multi_head_attention.default
 NATIVE_LAYER_OP = torch.ops.aten._transformer_encoder_layer_fwd.default
 
@@ -412,3 +417,99 @@ def test_a_skipped_layer_first_does_not_stop_the_others_and_unfused_encoders_are
     assert off.use_nested_tensor is False
     assert not any("use_nested_tensor" in note for note in replace_attention(off).notes)
 
+
+
+# ---- transformers models (the hf extra): routed through transformers' AttentionInterface, not
+# swapped. The expectations are the model's own structure and outputs as built here.
+
+def tiny_gpt2():
+    if transformers is None:
+        pytest.skip("needs the hf extra: pip install 'attn-export[hf]'")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(vocab_size=13, n_embd=8, n_layer=2, n_head=2, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # attn_pdrop 0.1: a dropout note
+    torch.manual_seed(0)
+    return transformers.GPT2Model(config).eval()
+
+
+GPT2_LAYERS = ["h.0.attn", "h.1.attn"]
+
+
+def test_transformers_layers_are_routed_in_place_and_the_plan_says_so_first():
+    model = tiny_gpt2()
+    original = copy.deepcopy(model)
+    before = model.config._attn_implementation
+    plan = inspect_attention(model)
+    assert [(layer.path, layer.status, layer.found, layer.num_heads, layer.embed_dim) for layer in plan.layers] == [
+        (path, "will be routed", "routed", 2, 8) for path in GPT2_LAYERS]
+    assert plan.notes == [ROUTING_NOTE.format("will be routed")]
+    assert model.config._attn_implementation == before != "attn_export"  # inspect changes nothing
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == [(path, "routed") for path in GPT2_LAYERS]
+    assert report.notes == [ROUTING_NOTE.format("are routed")]
+    assert model.config._attn_implementation == "attn_export"
+    assert all(type(model.h[i].attn) is type(original.h[i].attn) for i in range(2))  # not swapped
+    ids = torch.randint(1, 13, (2, 6))
+    with torch.no_grad():
+        assert_rel_close(model(ids).last_hidden_state, original(ids).last_hidden_state, 2e-6, "routed gpt2")
+
+
+def test_a_routed_model_beside_a_new_one_does_not_stop_the_new_ones_routing():
+    done = tiny_gpt2()
+    replace_attention(done)
+    model = nn.ModuleDict({"done": done, "new": tiny_gpt2()})
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == (
+        [(f"done.{p}", "already fused") for p in GPT2_LAYERS] + [(f"new.{p}", "routed") for p in GPT2_LAYERS])
+
+
+@pytest.mark.parametrize("refusals", [[], ["no such implementation"], ["not now", "not ever"]])
+def test_a_route_transformers_refuses_leaves_the_layers_skipped_with_its_words(refusals):
+    """transformers logs its refusals instead of raising; whatever it said, the layers whose
+    config did not change are skipped, with what it said appended."""
+    models = [tiny_gpt2() for _ in range(max(len(refusals), 1))]
+    before = models[0].config._attn_implementation
+    for model, words in zip(models, refusals or [None]):
+        def refuse(implementation, words=words):
+            if words is not None:
+                raise ValueError(words)
+        model.set_attn_implementation = refuse  # leaves the config as it is
+    model = models[0] if len(models) == 1 else nn.ModuleDict({f"m{i}": m for i, m in enumerate(models)})
+    assert all(layer.notes for layer in inspect_attention(model).layers)  # the dropout note, dropped below
+    report = replace_attention(model)
+    reason = (f"transformers did not set attn_implementation='attn_export' on it (it stays {before!r}; the model "
+              "class may not support changing it after loading: load it with attn_implementation='attn_export')"
+              + "".join(f"; GPT2Model: {words}" for words in refusals))
+    assert [(layer.status, layer.reason, layer.notes) for layer in report.layers] == [
+        ("skipped", reason, [])] * 2 * len(models)
+    assert report.notes == []
+
+
+def test_a_transformers_attention_layer_outside_a_transformers_model_is_not_routable():
+    """Routing sets attn_implementation on a PreTrainedModel; a layer used on its own has none."""
+    layer = tiny_gpt2().h[0].attn
+    plan = inspect_attention(nn.ModuleDict({"attn": layer}))
+    assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("attn", "skipped", "")]
+    assert plan.layers[0].reason.startswith("not a torch.nn.MultiheadAttention")
+
+
+def test_an_sdpa_module_reached_by_two_paths_is_listed_once():
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    shared = Attn()
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    for report in (inspect_attention(model), replace_attention(model)):
+        assert [(layer.path, layer.found, layer.also_at) for layer in report.layers] == [("a", "sdpa", ["b.0"])]
+
+
+def test_hand_written_attention_geometry_is_read_from_the_transformers_style_names_too():
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_attention_heads, self.hidden_size = 3, 12
+            self.qkv = nn.Linear(12, 36)
+
+    (layer,) = inspect_attention(nn.ModuleDict({"hand": SelfAttention()})).layers
+    assert (layer.path, layer.status, layer.num_heads, layer.embed_dim) == ("hand", "skipped", 3, 12)
