@@ -243,6 +243,8 @@ def test_inspect_changes_nothing_and_already_fused_layers_count():
     replace_attention(model)
     again = inspect_attention(model)
     assert again.num_replaced == 0 and len(again.already_fused) == 2 and again.num_fused == 2
+    assert [(layer.cls.rsplit(".", 1)[-1], layer.num_heads, layer.embed_dim) for layer in again.already_fused] == [
+        ("FusedMultiheadAttention", 2, 16)] * 2
     assert again.coverage_error(min_replaced=2) is None
 
 
@@ -499,9 +501,13 @@ def test_an_sdpa_module_reached_by_two_paths_is_listed_once():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
     shared = Attn()
+    shared.inner = nn.MultiheadAttention(16, 2)  # its children are visited too
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
     for report in (inspect_attention(model), replace_attention(model)):
-        assert [(layer.path, layer.found, layer.also_at) for layer in report.layers] == [("a", "sdpa", ["b.0"])]
+        assert [(layer.path, layer.found, layer.also_at) for layer in report.layers] == [
+            ("a", "sdpa", ["b.0"]), ("a.inner", "module", [])]  # one module under both: visited once
+    assert [(layer.path, layer.status) for layer in inspect_attention(model).layers] == [
+        ("a", "already fused"), ("a.inner", "already fused")]
 
 
 def test_hand_written_attention_geometry_is_read_from_the_transformers_style_names_too():
@@ -511,5 +517,11 @@ def test_hand_written_attention_geometry_is_read_from_the_transformers_style_nam
             self.num_attention_heads, self.hidden_size = 3, 12
             self.qkv = nn.Linear(12, 36)
 
-    (layer,) = inspect_attention(nn.ModuleDict({"hand": SelfAttention()})).layers
-    assert (layer.path, layer.status, layer.num_heads, layer.embed_dim) == ("hand", "skipped", 3, 12)
+    class OddAttention(SelfAttention):  # geometry attributes that are not integers are not reported as such
+        def __init__(self):
+            super().__init__()
+            self.num_attention_heads, self.hidden_size = 3.0, "12"
+
+    hand, odd = inspect_attention(nn.ModuleDict({"hand": SelfAttention(), "odd": OddAttention()})).layers
+    assert (hand.path, hand.status, hand.num_heads, hand.embed_dim) == ("hand", "skipped", 3, 12)
+    assert (odd.path, odd.status, odd.num_heads, odd.embed_dim) == ("odd", "skipped", None, None)
