@@ -318,8 +318,8 @@ def test_attention_like_modules_are_listed_unless_they_hold_a_multihead_attentio
     assert [layer.path for layer in report.replaced] == ["block.inner"]
     (hand,) = report.skipped
     assert hand.path == "hand" and hand.num_heads == 2 and hand.embed_dim == 16 and hand.found == ""
-    assert hand.reason.startswith("not a torch.nn.MultiheadAttention and its forward calls no "
-                                  "F.scaled_dot_product_attention")
+    assert hand.reason == ("not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
+                           "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)")
     assert type(model["block"].inner) is FusedMultiheadAttention
     # The model itself named like attention is not listed (nothing to swap it into).
     assert inspect_attention(SelfAttention()).layers == []
@@ -493,6 +493,20 @@ def test_a_transformers_attention_layer_outside_a_transformers_model_is_not_rout
     plan = inspect_attention(nn.ModuleDict({"attn": layer}))
     assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("attn", "skipped", "")]
     assert plan.layers[0].reason.startswith("not a torch.nn.MultiheadAttention")
+
+
+def test_hand_written_attention_beside_a_transformers_model_says_routing_cannot_reach_it():
+    class HandWrittenAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+    model = nn.ModuleDict({"gpt": tiny_gpt2(), "head_attention": HandWrittenAttention()})
+    *routed, hand = inspect_attention(model).layers
+    assert [layer.status for layer in routed] == ["will be routed"] * 2
+    assert (hand.path, hand.status, hand.reason) == (
+        "head_attention", "skipped", "does not dispatch through transformers' AttentionInterface (it computes "
+        "attention itself), so attn_implementation cannot route it")
 
 
 def test_an_sdpa_module_reached_by_two_paths_is_listed_once():
