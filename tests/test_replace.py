@@ -539,3 +539,14 @@ def test_hand_written_attention_geometry_is_read_from_the_transformers_style_nam
     hand, odd = inspect_attention(nn.ModuleDict({"hand": SelfAttention(), "odd": OddAttention()})).layers
     assert (hand.path, hand.status, hand.num_heads, hand.embed_dim) == ("hand", "skipped", 3, 12)
     assert (odd.path, odd.status, odd.num_heads, odd.embed_dim) == ("odd", "skipped", None, None)
+
+
+def test_a_multihead_attention_subclass_whose_forward_calls_sdpa_is_skipped_not_routed():
+    """Overriding nn.MultiheadAttention.forward is what skips a layer, whatever the forward calls."""
+    class SdpaMHA(nn.MultiheadAttention):
+        def forward(self, q, k, v, **kwargs):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v), None
+
+    (layer,) = inspect_attention(nn.ModuleDict({"m": SdpaMHA(16, 2)})).layers
+    assert (layer.status, layer.found) == ("skipped", "module")
+    assert layer.reason == f"{SdpaMHA.__qualname__} overrides nn.MultiheadAttention.forward"
