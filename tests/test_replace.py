@@ -516,10 +516,12 @@ def test_an_sdpa_module_reached_by_two_paths_is_listed_once():
 
     shared = Attn()
     shared.inner = nn.MultiheadAttention(16, 2)  # its children are visited too
+    shared.num_heads, shared.embed_dim = 4, 32
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
     for report in (inspect_attention(model), replace_attention(model)):
         assert [(layer.path, layer.found, layer.also_at) for layer in report.layers] == [
             ("a", "sdpa", ["b.0"]), ("a.inner", "module", [])]  # one module under both: visited once
+        assert report.layers[0].cls.endswith(".Attn") and (report.layers[0].num_heads, report.layers[0].embed_dim) == (4, 32)
     assert [(layer.path, layer.status) for layer in inspect_attention(model).layers] == [
         ("a", "already fused"), ("a.inner", "already fused")]
 
