@@ -552,3 +552,20 @@ def test_a_multihead_attention_subclass_whose_forward_calls_sdpa_is_skipped_not_
     (layer,) = inspect_attention(nn.ModuleDict({"m": SdpaMHA(16, 2)})).layers
     assert (layer.status, layer.found) == ("skipped", "module")
     assert layer.reason == f"{SdpaMHA.__qualname__} overrides nn.MultiheadAttention.forward"
+
+
+def test_already_fused_layers_keep_their_notes_and_a_model_that_is_an_sdpa_site_names_its_children():
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bias_kv": nn.MultiheadAttention(16, 2, add_bias_kv=True)})
+    replace_attention(model)
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).already_fused}
+    assert notes["ok"] == [] and "add_bias_kv" in " ".join(notes["bias_kv"])
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.MultiheadAttention(16, 2)
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    assert [(layer.path, layer.found) for layer in inspect_attention(Attn()).layers] == [("", "sdpa"), ("inner", "module")]
