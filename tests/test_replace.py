@@ -445,6 +445,7 @@ def test_transformers_layers_are_routed_in_place_and_the_plan_says_so_first():
     assert [(layer.path, layer.status, layer.found, layer.num_heads, layer.embed_dim) for layer in plan.layers] == [
         (path, "will be routed", "routed", 2, 8) for path in GPT2_LAYERS]
     assert plan.notes == [ROUTING_NOTE.format("will be routed")]
+    assert {layer.cls for layer in plan.layers} == {f"{type(model.h[0].attn).__module__}.GPT2Attention"}
     assert model.config._attn_implementation == before != "attn_export"  # inspect changes nothing
     report = replace_attention(model)
     assert [(layer.path, layer.status) for layer in report.layers] == [(path, "routed") for path in GPT2_LAYERS]
@@ -569,3 +570,17 @@ def test_already_fused_layers_keep_their_notes_and_a_model_that_is_an_sdpa_site_
             return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
     assert [(layer.path, layer.found) for layer in inspect_attention(Attn()).layers] == [("", "sdpa"), ("inner", "module")]
+
+
+def test_a_transformers_layer_without_a_config_is_skipped_with_the_reason():
+    model = tiny_gpt2()
+    model.h[1].attn.config = None  # dispatches through the interface, nothing to set attn_implementation on
+    assert [(layer.path, layer.status, layer.reason) for layer in inspect_attention(model).layers] == [
+        ("h.0.attn", "will be routed", None),
+        ("h.1.attn", "skipped", "dispatches through transformers' AttentionInterface but has no config with an "
+                                "attn_implementation to set")]
+
+
+def test_skipped_layers_carry_the_reason_and_class_not_the_notes():
+    (layer,) = replace_attention(nn.ModuleDict({"c": Custom(16, 2, dropout=0.1)})).layers
+    assert (layer.status, layer.notes, layer.cls) == ("skipped", [], f"{Custom.__module__}.{Custom.__qualname__}")
