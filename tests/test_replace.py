@@ -318,6 +318,7 @@ def test_attention_like_modules_are_listed_unless_they_hold_a_multihead_attentio
     assert [layer.path for layer in report.replaced] == ["block.inner"]
     (hand,) = report.skipped
     assert hand.path == "hand" and hand.num_heads == 2 and hand.embed_dim == 16 and hand.found == ""
+    assert hand.cls == f"{SelfAttention.__module__}.{SelfAttention.__qualname__}"
     assert hand.reason == ("not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
                            "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)")
     assert type(model["block"].inner) is FusedMultiheadAttention
@@ -584,3 +585,9 @@ def test_a_transformers_layer_without_a_config_is_skipped_with_the_reason():
 def test_skipped_layers_carry_the_reason_and_class_not_the_notes():
     (layer,) = replace_attention(nn.ModuleDict({"c": Custom(16, 2, dropout=0.1)})).layers
     assert (layer.status, layer.notes, layer.cls) == ("skipped", [], f"{Custom.__module__}.{Custom.__qualname__}")
+
+
+def test_a_transformers_layer_reached_by_two_paths_is_listed_once():
+    model = tiny_gpt2()
+    model.h[1].attn = model.h[0].attn
+    assert [(layer.path, layer.also_at) for layer in inspect_attention(model).layers] == [("h.0.attn", ["h.1.attn"])]
