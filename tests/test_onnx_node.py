@@ -292,3 +292,29 @@ def test_both_bodies_declare_the_spec_attributes():
             "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
             "plugin_namespace": b"", "plugin_version": b"2"}
         assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask", ["padding", "attn"])
+def test_rows_one_mask_alone_empties_are_zero(mask, causal, body):
+    """The dead-row guard for a node with only one of the masks (the lean bodies guard when
+    either is present): batch 1's keys all padded, or query 1 seeing no key."""
+    B, H, L, D = 2, 2, 4, 4
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    padding = attn = None
+    if mask == "padding":
+        padding = torch.zeros(B, L, dtype=torch.bool)
+        padding[1] = True
+    else:
+        attn = torch.zeros(1, 1, L, L, dtype=torch.bool)
+        attn[..., 1, :] = True
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
+             "key_padding_mask": additive(padding).numpy() if padding is not None else np.zeros((1, 1), np.float32),
+             "attn_mask": additive(attn).numpy() if attn is not None else np.zeros((1, 1, 1, 1), np.float32)}
+    attrs = onnx_node.node_attributes(H, 0.5, causal, padding is not None, attn is not None)
+    out = run(one_node_model(attrs, body=body), feeds)
+    ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.5)
+    expected = ref.transpose(1, 2).reshape(B, L, -1).numpy()
+    assert (expected[1] == 0).all() if mask == "padding" else (expected[:, 1] == 0).all()
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)

@@ -12,6 +12,11 @@ import attn_export
 from attn_export import FusedMultiheadAttention, replace_attention, inspect_attention, CoverageError
 from helpers import assert_rel_close
 
+try:  # the hf extra; imported here, once, rather than in each test (mutation runs fork per mutant)
+    import transformers
+except ImportError:
+    transformers = None
+
 FUSED_OP = torch.ops.attn_export.multi_head_attention.default
 NATIVE_LAYER_OP = torch.ops.aten._transformer_encoder_layer_fwd.default
 
@@ -238,6 +243,8 @@ def test_inspect_changes_nothing_and_already_fused_layers_count():
     replace_attention(model)
     again = inspect_attention(model)
     assert again.num_replaced == 0 and len(again.already_fused) == 2 and again.num_fused == 2
+    assert [(layer.cls.rsplit(".", 1)[-1], layer.num_heads, layer.embed_dim) for layer in again.already_fused] == [
+        ("FusedMultiheadAttention", 2, 16)] * 2
     assert again.coverage_error(min_replaced=2) is None
 
 
@@ -311,8 +318,9 @@ def test_attention_like_modules_are_listed_unless_they_hold_a_multihead_attentio
     assert [layer.path for layer in report.replaced] == ["block.inner"]
     (hand,) = report.skipped
     assert hand.path == "hand" and hand.num_heads == 2 and hand.embed_dim == 16 and hand.found == ""
-    assert hand.reason.startswith("not a torch.nn.MultiheadAttention and its forward calls no "
-                                  "F.scaled_dot_product_attention")
+    assert hand.cls == f"{SelfAttention.__module__}.{SelfAttention.__qualname__}"
+    assert hand.reason == ("not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
+                           "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)")
     assert type(model["block"].inner) is FusedMultiheadAttention
     # The model itself named like attention is not listed (nothing to swap it into).
     assert inspect_attention(SelfAttention()).layers == []
@@ -412,3 +420,174 @@ def test_a_skipped_layer_first_does_not_stop_the_others_and_unfused_encoders_are
     assert off.use_nested_tensor is False
     assert not any("use_nested_tensor" in note for note in replace_attention(off).notes)
 
+
+
+# ---- transformers models (the hf extra): routed through transformers' AttentionInterface, not
+# swapped. The expectations are the model's own structure and outputs as built here.
+
+def tiny_gpt2():
+    if transformers is None:
+        pytest.skip("needs the hf extra: pip install 'attn-export[hf]'")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(vocab_size=13, n_embd=8, n_layer=2, n_head=2, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # attn_pdrop 0.1: a dropout note
+    torch.manual_seed(0)
+    return transformers.GPT2Model(config).eval()
+
+
+GPT2_LAYERS = ["h.0.attn", "h.1.attn"]
+
+
+def test_transformers_layers_are_routed_in_place_and_the_plan_says_so_first():
+    model = tiny_gpt2()
+    original = copy.deepcopy(model)
+    before = model.config._attn_implementation
+    plan = inspect_attention(model)
+    assert [(layer.path, layer.status, layer.found, layer.num_heads, layer.embed_dim) for layer in plan.layers] == [
+        (path, "will be routed", "routed", 2, 8) for path in GPT2_LAYERS]
+    assert plan.notes == [ROUTING_NOTE.format("will be routed")]
+    assert {layer.cls for layer in plan.layers} == {f"{type(model.h[0].attn).__module__}.GPT2Attention"}
+    assert model.config._attn_implementation == before != "attn_export"  # inspect changes nothing
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == [(path, "routed") for path in GPT2_LAYERS]
+    assert report.notes == [ROUTING_NOTE.format("are routed")]
+    assert model.config._attn_implementation == "attn_export"
+    assert all(type(model.h[i].attn) is type(original.h[i].attn) for i in range(2))  # not swapped
+    ids = torch.randint(1, 13, (2, 6))
+    with torch.no_grad():
+        assert_rel_close(model(ids).last_hidden_state, original(ids).last_hidden_state, 2e-6, "routed gpt2")
+
+
+def test_a_routed_model_beside_a_new_one_does_not_stop_the_new_ones_routing():
+    done = tiny_gpt2()
+    replace_attention(done)
+    model = nn.ModuleDict({"done": done, "new": tiny_gpt2()})
+    report = replace_attention(model)
+    assert [(layer.path, layer.status) for layer in report.layers] == (
+        [(f"done.{p}", "already fused") for p in GPT2_LAYERS] + [(f"new.{p}", "routed") for p in GPT2_LAYERS])
+
+
+@pytest.mark.parametrize("refusals", [[], ["no such implementation"], ["not now", "not ever"]])
+def test_a_route_transformers_refuses_leaves_the_layers_skipped_with_its_words(refusals):
+    """transformers logs its refusals instead of raising; whatever it said, the layers whose
+    config did not change are skipped, with what it said appended."""
+    models = [tiny_gpt2() for _ in range(max(len(refusals), 1))]
+    before = models[0].config._attn_implementation
+    for model, words in zip(models, refusals or [None]):
+        def refuse(implementation, words=words):
+            if words is not None:
+                raise ValueError(words)
+        model.set_attn_implementation = refuse  # leaves the config as it is
+    model = models[0] if len(models) == 1 else nn.ModuleDict({f"m{i}": m for i, m in enumerate(models)})
+    assert all(layer.notes for layer in inspect_attention(model).layers)  # the dropout note, dropped below
+    report = replace_attention(model)
+    reason = (f"transformers did not set attn_implementation='attn_export' on it (it stays {before!r}; the model "
+              "class may not support changing it after loading: load it with attn_implementation='attn_export')"
+              + "".join(f"; GPT2Model: {words}" for words in refusals))
+    assert [(layer.status, layer.reason, layer.notes) for layer in report.layers] == [
+        ("skipped", reason, [])] * 2 * len(models)
+    assert report.notes == []
+
+
+def test_a_transformers_attention_layer_outside_a_transformers_model_is_not_routable():
+    """Routing sets attn_implementation on a PreTrainedModel; a layer used on its own has none."""
+    layer = tiny_gpt2().h[0].attn
+    plan = inspect_attention(nn.ModuleDict({"attn": layer}))
+    assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("attn", "skipped", "")]
+    assert plan.layers[0].reason.startswith("not a torch.nn.MultiheadAttention")
+
+
+def test_hand_written_attention_beside_a_transformers_model_says_routing_cannot_reach_it():
+    class HandWrittenAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+    model = nn.ModuleDict({"gpt": tiny_gpt2(), "head_attention": HandWrittenAttention()})
+    *routed, hand = inspect_attention(model).layers
+    assert [layer.status for layer in routed] == ["will be routed"] * 2
+    assert (hand.path, hand.status, hand.reason) == (
+        "head_attention", "skipped", "does not dispatch through transformers' AttentionInterface (it computes "
+        "attention itself), so attn_implementation cannot route it")
+
+
+def test_an_sdpa_module_reached_by_two_paths_is_listed_once():
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    shared = Attn()
+    shared.inner = nn.MultiheadAttention(16, 2)  # its children are visited too
+    shared.num_heads, shared.embed_dim = 4, 32
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    for report in (inspect_attention(model), replace_attention(model)):
+        assert [(layer.path, layer.found, layer.also_at) for layer in report.layers] == [
+            ("a", "sdpa", ["b.0"]), ("a.inner", "module", [])]  # one module under both: visited once
+        assert report.layers[0].cls.endswith(".Attn") and (report.layers[0].num_heads, report.layers[0].embed_dim) == (4, 32)
+    assert [(layer.path, layer.status) for layer in inspect_attention(model).layers] == [
+        ("a", "already fused"), ("a.inner", "already fused")]
+
+
+def test_hand_written_attention_geometry_is_read_from_the_transformers_style_names_too():
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_attention_heads, self.hidden_size = 3, 12
+            self.qkv = nn.Linear(12, 36)
+
+    class OddAttention(SelfAttention):  # geometry attributes that are not integers are not reported as such
+        def __init__(self):
+            super().__init__()
+            self.num_attention_heads, self.hidden_size = 3.0, "12"
+
+    hand, odd = inspect_attention(nn.ModuleDict({"hand": SelfAttention(), "odd": OddAttention()})).layers
+    assert (hand.path, hand.status, hand.num_heads, hand.embed_dim) == ("hand", "skipped", 3, 12)
+    assert (odd.path, odd.status, odd.num_heads, odd.embed_dim) == ("odd", "skipped", None, None)
+
+
+def test_a_multihead_attention_subclass_whose_forward_calls_sdpa_is_skipped_not_routed():
+    """Overriding nn.MultiheadAttention.forward is what skips a layer, whatever the forward calls."""
+    class SdpaMHA(nn.MultiheadAttention):
+        def forward(self, q, k, v, **kwargs):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v), None
+
+    (layer,) = inspect_attention(nn.ModuleDict({"m": SdpaMHA(16, 2)})).layers
+    assert (layer.status, layer.found) == ("skipped", "module")
+    assert layer.reason == f"{SdpaMHA.__qualname__} overrides nn.MultiheadAttention.forward"
+
+
+def test_already_fused_layers_keep_their_notes_and_a_model_that_is_an_sdpa_site_names_its_children():
+    model = nn.ModuleDict({"ok": nn.MultiheadAttention(16, 2), "bias_kv": nn.MultiheadAttention(16, 2, add_bias_kv=True)})
+    replace_attention(model)
+    notes = {layer.path: layer.notes for layer in inspect_attention(model).already_fused}
+    assert notes["ok"] == [] and "add_bias_kv" in " ".join(notes["bias_kv"])
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.MultiheadAttention(16, 2)
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    assert [(layer.path, layer.found) for layer in inspect_attention(Attn()).layers] == [("", "sdpa"), ("inner", "module")]
+
+
+def test_a_transformers_layer_without_a_config_is_skipped_with_the_reason():
+    model = tiny_gpt2()
+    model.h[1].attn.config = None  # dispatches through the interface, nothing to set attn_implementation on
+    assert [(layer.path, layer.status, layer.reason) for layer in inspect_attention(model).layers] == [
+        ("h.0.attn", "will be routed", None),
+        ("h.1.attn", "skipped", "dispatches through transformers' AttentionInterface but has no config with an "
+                                "attn_implementation to set")]
+
+
+def test_skipped_layers_carry_the_reason_and_class_not_the_notes():
+    (layer,) = replace_attention(nn.ModuleDict({"c": Custom(16, 2, dropout=0.1)})).layers
+    assert (layer.status, layer.notes, layer.cls) == ("skipped", [], f"{Custom.__module__}.{Custom.__qualname__}")
+
+
+def test_a_transformers_layer_reached_by_two_paths_is_listed_once():
+    model = tiny_gpt2()
+    model.h[1].attn = model.h[0].attn
+    assert [(layer.path, layer.also_at) for layer in inspect_attention(model).layers] == [("h.0.attn", ["h.1.attn"])]
