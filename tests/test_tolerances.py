@@ -31,6 +31,14 @@ def test_tolerance_is_the_documented_size(dtype, eps, k, sqrt_k):
     assert tolerance(dtype, k) == pytest.approx(8.0 * eps * sqrt_k, rel=1e-12)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp16"])
+def test_a_coarser_compute_precision_widens_a_float32_tolerance(precision):
+    # TF32 and float16 products keep 10 mantissa bits: eps 2^-10 (TensorRT's --tf32/--fp16
+    # builds of a float32 model). A dtype coarser than the precision keeps its own eps.
+    assert tolerance(torch.float32, 64, precision) == pytest.approx(8.0 * 2.0 ** -10 * 8.0, rel=1e-12)
+    assert tolerance(torch.bfloat16, 64, precision) == pytest.approx(8.0 * 2.0 ** -7 * 8.0, rel=1e-12)
+
+
 def test_tolerance_treats_an_empty_reduction_as_length_one():
     assert tolerance(torch.float32, 0) == pytest.approx(8.0 * FP32_EPS, rel=1e-12)
 
