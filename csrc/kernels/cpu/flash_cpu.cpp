@@ -146,6 +146,26 @@ ATTN_EXPORT_INLINE void pack_panels(int64_t k, int64_t k_total, int64_t n, int64
                                     const typename C::Scalar* src, int64_t k_stride, int64_t n_stride,
                                     typename C::Scalar* dst) {
   using T = typename C::Scalar;
+  if (n_stride == 1) {
+    // Rows contiguous along the columns (V in the forward; Q, dO and K in the backward): each
+    // row goes out in whole NR-wide pieces. The element-by-element loop below reads such a
+    // source down its columns, a row stride apart, and cost the backward an eighth of its time
+    // repacking Q and dO for every key block.
+    for (int64_t p = 0; p < k; ++p) {
+      const T* in = src + p * k_stride;
+      for (int64_t j0 = 0; j0 < n_pad; j0 += C::NR) {
+        T* out = dst + j0 / C::NR * k_total * C::NR + p * C::NR;
+        const int64_t width = std::clamp<int64_t>(n - j0, 0, C::NR);
+        if (width == C::NR) {
+          std::memcpy(out, in + j0, C::NR * sizeof(T));
+        } else {
+          std::copy(in + j0, in + j0 + width, out);
+          std::fill(out + width, out + C::NR, T(0));
+        }
+      }
+    }
+    return;
+  }
   for (int64_t j = 0; j < n_pad; ++j) {
     T* out = dst + j / C::NR * k_total * C::NR + j % C::NR;
     if (j < n) {
@@ -291,12 +311,31 @@ ATTN_EXPORT_INLINE typename C::Scalar exp_shifted(typename C::Scalar* x, int64_t
   }
 }
 
+// x = exp(x) over n values (any n).
+template <typename C>
+ATTN_EXPORT_INLINE void exp_in_place(typename C::Scalar* x, int64_t n) {
+  using T = typename C::Scalar;
+  using V = typename C::V;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + C::W <= n; j += C::W) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      v = exp_vector<C>(v);
+      std::memcpy(x + j, &v, sizeof(V));
+    }
+  }
+  for (; j < n; ++j) {
+    x[j] = exp_approx(x[j]);
+  }
+}
+
 // Per-thread buffers of the forward.
 // K^T and V are packed once per head: a chunk's consecutive tasks are the query blocks of one
 // head, and repacking per block costs as much as a third of the block's products.
 template <typename T>
 struct ForwardScratch {
-  std::vector<T> k_t, v, s, o, m, l;
+  std::vector<T> k_t, v, s, o, m, l, m_new, alpha;
   int64_t head = -1;  // whose K^T and V k_t and v hold
   ForwardScratch(const AttentionParams& p)
       : k_t(p.head_dim * padded(p.seqlen_k)),
@@ -304,7 +343,9 @@ struct ForwardScratch {
         s(kQueryBlock * kKeyBlock),
         o(kQueryBlock * padded(p.head_dim_v)),
         m(kQueryBlock),
-        l(kQueryBlock) {}
+        l(kQueryBlock),
+        m_new(kQueryBlock),
+        alpha(kQueryBlock) {}
 };
 
 // One forward task: query rows [row0, row0 + rows) of head (b, h).
@@ -337,24 +378,29 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
     product<C>(rows, cols_pad, dim, static_cast<T>(p.scale), q, p.q_row_stride, 1, w.k_t.data() + j0 * dim,
                dim * C::NR, s, kKeyBlock, false);
     finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, nullptr);
+    // The online softmax in passes over the block's rows rather than row by row: the rows'
+    // reductions overlap, and the rescaling is branch-free (a data-dependent branch on whether
+    // a row's maximum grew mispredicted often), its factors exp(m_old - m_new) vectorized.
+    T *m_new = w.m_new.data(), *alpha = w.alpha.data();
+    for (int64_t r = 0; r < rows; ++r) {
+      m_new[r] = std::max(m[r], row_max<C>(s + r * kKeyBlock, cols_pad));
+      // A row with nothing visible yet keeps its empty state: alpha = exp(0) = 1.
+      alpha[r] = m_new[r] == kNegInf<T> ? T(0) : m[r] - m_new[r];
+    }
+    exp_in_place<C>(alpha, rows);
     for (int64_t r = 0; r < rows; ++r) {
       T* row = s + r * kKeyBlock;
-      const T m_new = std::max(m[r], row_max<C>(row, cols_pad));
-      if (m_new == kNegInf<T>) {  // nothing visible yet: P = 0, and the state stays empty
+      T* acc = o + r * dv_pad;
+      if (m_new[r] == kNegInf<T>) {  // P = 0
         std::fill(row, row + cols_pad, T(0));
         continue;
       }
-      const T sum = exp_shifted<C>(row, cols_pad, m_new);
-      if (m_new != m[r]) {
-        const T alpha = m[r] == kNegInf<T> ? T(0) : std::exp(m[r] - m_new);
-        T* acc = o + r * dv_pad;
-        for (int64_t d = 0; d < dv_pad; ++d) {
-          acc[d] *= alpha;
-        }
-        l[r] *= alpha;
-        m[r] = m_new;
+      const T sum = exp_shifted<C>(row, cols_pad, m_new[r]);
+      for (int64_t d = 0; d < dv_pad; ++d) {
+        acc[d] *= alpha[r];
       }
-      l[r] += sum;
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = m_new[r];
     }
     // P is 0 past cols: the product stops there.
     product<C>(rows, dv_pad, cols, T(1), s, kKeyBlock, 1, w.v.data() + j0 * C::NR, keys_pad * C::NR, o, dv_pad, true);
