@@ -318,3 +318,23 @@ def test_rows_one_mask_alone_empties_are_zero(mask, causal, body):
     expected = ref.transpose(1, 2).reshape(B, L, -1).numpy()
     assert (expected[1] == 0).all() if mask == "padding" else (expected[:, 1] == 0).all()
     np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal):
+    # ONNX's Trilu takes its k as "a 0-D tensor"; ONNX Runtime and onnx's reference evaluator
+    # also accept a one-element vector, stricter parsers need not. Both bodies, every Trilu.
+    variant = onnx_node.BodyVariant.of_node(
+        helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain,
+                         **onnx_node.node_attributes(2, 0.5, causal, True, True)), TensorProto.FLOAT)
+    bodies = [onnx_node.function_proto(OPSET), onnx_node.lean_function_proto(OPSET, variant)]
+    trilus = 0
+    for function in bodies:
+        constants = {node.output[0]: helper.get_attribute_value(node.attribute[0])
+                     for node in function.node if node.op_type == "Constant" and node.attribute[0].name == "value"}
+        for node in function.node:
+            if node.op_type == "Trilu":
+                trilus += 1
+                if len(node.input) > 1 and node.input[1]:
+                    assert list(constants[node.input[1]].dims) == [], f"{function.name}: Trilu's k is not 0-D"
+    assert trilus == (2 if causal else 1)  # the generic body always holds its causal Trilu
