@@ -338,3 +338,24 @@ def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal):
                 if len(node.input) > 1 and node.input[1]:
                     assert list(constants[node.input[1]].dims) == [], f"{function.name}: Trilu's k is not 0-D"
     assert trilus == (2 if causal else 1)  # the generic body always holds its causal Trilu
+
+
+# Attributes that ONNX's operator specs define as boolean flags (an int, 0 or 1).
+BOOLEAN_ATTRIBUTES = {("Trilu", "upper"), ("IsInf", "detect_positive"), ("IsInf", "detect_negative"),
+                      ("ReduceMax", "keepdims")}
+
+
+def test_boolean_attributes_are_0_or_1_in_both_bodies():
+    # ONNX Runtime reads any nonzero flag as true; the spec says 0 or 1, and a stricter consumer
+    # may refuse anything else. Every mask and the cap on: the bodies hold all their nodes.
+    attrs = onnx_node.node_attributes(2, 0.5, True, True, True, softcap=1.0)
+    variant = onnx_node.BodyVariant.of_node(
+        helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs), TensorProto.FLOAT)
+    seen = set()
+    for function in (onnx_node.function_proto(OPSET), onnx_node.lean_function_proto(OPSET, variant)):
+        for node in function.node:
+            for attribute in node.attribute:
+                if (node.op_type, attribute.name) in BOOLEAN_ATTRIBUTES:
+                    seen.add((node.op_type, attribute.name))
+                    assert helper.get_attribute_value(attribute) in (0, 1), (function.name, node.op_type, attribute.name)
+    assert seen == BOOLEAN_ATTRIBUTES  # the bodies set each of them explicitly
