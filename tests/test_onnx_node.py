@@ -359,3 +359,28 @@ def test_boolean_attributes_are_0_or_1_in_both_bodies():
                     seen.add((node.op_type, attribute.name))
                     assert helper.get_attribute_value(attribute) in (0, 1), (function.name, node.op_type, attribute.name)
     assert seen == BOOLEAN_ATTRIBUTES  # the bodies set each of them explicitly
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_rows_with_a_positive_infinite_score_are_nan_as_in_pytorch(body):
+    # Only rows with no visible key are zeroed. A row whose scores overflow float32 to +inf, or
+    # whose float mask adds +inf, is NaN, as PyTorch's SDPA gives it: validation then sees the
+    # overflow instead of a row of zeros that looks like a masked one.
+    B, H, L, D = 1, 2, 4, 4
+    torch.manual_seed(0)
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    q[0, 0, 1] = 1e30
+    k[0, 0, 2] = 1e10  # head 0, query 1: q . k = 4e40 -> +inf
+    attn = torch.zeros(1, 1, L, L)
+    attn[0, 0, 3, 0] = math.inf  # query 3 of every head: a +inf bias
+    scale = 0.5
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale)
+    expected = expected.transpose(1, 2).reshape(B, L, H * D).numpy()
+    assert np.isnan(expected[0, 1, :D]).all() and np.isnan(expected[0, 3]).all()  # the reference's own view
+    feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
+             "key_padding_mask": np.zeros((B, L), np.float32), "attn_mask": attn.numpy()}
+    out = run(one_node_model(onnx_node.node_attributes(H, scale, False, True, True), body=body), feeds)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    np.testing.assert_allclose(out[finite], expected[finite], atol=2e-6, rtol=0)
+
