@@ -139,7 +139,8 @@ def set_gemm_backend(name: str = "auto") -> GemmChoice:
         chosen, reason, forced = requested, "forced (set_gemm_backend / " + ENV_VAR + ")", True
     microkernels = isa is not None and (not forced or chosen == "microkernel")
     if isa is not None and not forced:
-        reason += f"; float32 products of up to 2^25 multiply-adds on the {isa} micro-kernels"
+        reason += (f"; float32 products of up to 2^{lib.attn_export_linear_kernel_max_work_log2()} "
+                   f"multiply-adds on the {isa} micro-kernels")
     if lib.attn_export_gemm_set(BACKENDS.index(chosen), int(microkernels)) != 0:
         raise _unavailable(chosen, "OpenBLAS was not loaded")
     _choice = GemmChoice(chosen, isa if microkernels else None, forced, reason)

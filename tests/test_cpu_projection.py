@@ -1,6 +1,7 @@
 """The CPU layer's own projection kernel (csrc/kernels/cpu/linear_kernel.cpp) against float64.
 
-On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds run on it,
+On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds (2^32 on AMD
+CPUs with AVX2: attn_export_linear_kernel_max_work_log2) run on it,
 with the token rows (or, for a few tokens, the weight's column panels) split across threads;
 everything else goes to the GEMM library in force (tests/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
 column panels (3E not a multiple of 32), the column split, the dot-product path of up to 16
@@ -64,9 +65,28 @@ def test_without_bias(threads, batch, seqlen):
     _check(96, 4, batch, seqlen, seqlen, "self", bias=False)
 
 
-def test_large_products_go_to_blas_and_agree(threads):
-    # 640 tokens x 256 x 768 > 2^25 multiply-adds: the input projection is BLAS's.
+def _max_work_log2():
+    import ctypes
+    from attn_export import _C
+    return ctypes.CDLL(_C.__file__).attn_export_linear_kernel_max_work_log2()
+
+
+def test_large_products_agree(threads):
+    # 640 tokens x 256 x 768 = 1.3e8 multiply-adds: BLAS's input projection where the kernel's
+    # limit is 2^25, the kernel's where it is 2^32.
     _check(256, 8, 1, 640, 640, "self")
+
+
+def test_products_above_the_kernels_limit_go_to_blas():
+    if attn_export.gemm_backend().microkernel is None:
+        pytest.skip(f"the projection kernel is off: {attn_export.gemm_backend()}")
+    embed = 512
+    tokens = 2 ** _max_work_log2() // (3 * embed * embed) + 1  # the input projection just above it
+    _, fused = make_pair(embed, 8, batch_first=True)
+    assert "aten::addmm" in _blas_calls(fused, torch.randn(1, tokens, embed))
+    # One token fewer stays on the kernel, which calls no BLAS for it (the output projection,
+    # a third of the input one, neither).
+    assert _blas_calls(fused, torch.randn(1, tokens - 1, embed)) == []
 
 
 def _blas_calls(layer, x):

@@ -291,6 +291,14 @@ bool linear_kernel_available() {
   return linear_kernel_isa() != LinearKernelIsa::none && gemm_microkernels_enabled();
 }
 
+int64_t linear_kernel_max_work() {
+  static const int64_t max_work = [] {
+    __builtin_cpu_init();
+    return linear_kernel_isa() == LinearKernelIsa::avx2 && __builtin_cpu_is("amd") ? int64_t{1} << 32 : int64_t{1} << 25;
+  }();
+  return max_work;
+}
+
 void linear_rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,
                  float* scratch) {
   if (linear_kernel_isa() == LinearKernelIsa::avx512) {
@@ -310,6 +318,10 @@ bool linear_kernel_available() {
   return false;
 }
 
+int64_t linear_kernel_max_work() {
+  return 0;
+}
+
 void linear_rows(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*) {}
 
 #endif
@@ -319,4 +331,10 @@ void linear_rows(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*) 
 // For attn_export/_gemm.py (ctypes): 0 none, 1 AVX2 + FMA, 2 AVX-512.
 extern "C" __attribute__((visibility("default"))) int attn_export_linear_kernel_isa() {
   return static_cast<int>(attn_export::cpu::linear_kernel_isa());
+}
+
+// For attn_export/_gemm.py: log2 of linear_kernel_max_work() (0 without the kernel).
+extern "C" __attribute__((visibility("default"))) int attn_export_linear_kernel_max_work_log2() {
+  const int64_t max_work = attn_export::cpu::linear_kernel_max_work();
+  return max_work > 0 ? 63 - __builtin_clzll(static_cast<unsigned long long>(max_work)) : 0;
 }

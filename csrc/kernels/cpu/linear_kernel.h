@@ -22,6 +22,13 @@ constexpr int64_t kLinearPanelCols = 32;
 enum class LinearKernelIsa { none, avx2, avx512 };
 LinearKernelIsa linear_kernel_isa();
 
+// The largest product (m * n * k multiply-adds) the layer's projections give the tile loop
+// when the GEMM backend chooses (projection.cpp); BLAS takes the larger ones. 2^25 where the
+// kernel has not been measured against the BLAS; on AMD CPUs with AVX2 (and no AVX-512) 2^32:
+// there, at 2 threads, it ran at 1.0-1.2x MKL's rate on every projection from 134 M to 3.2 G
+// multiply-adds (docs/benchmarks.md, "GEMM-rate line").
+int64_t linear_kernel_max_work();
+
 // Whether linear_rows may run: the CPU has one of its ISAs and the GEMM backend in force
 // allows it (gemm_backend.h: a forced library turns it off).
 bool linear_kernel_available();

@@ -20,9 +20,6 @@ using cpu::linear_rows;
 using cpu::linear_scratch_floats;
 using cpu::LinearArgs;
 
-// Above this many multiply-adds per projection BLAS is at its best (its packing and threads
-// pay for themselves), and it takes over.
-constexpr int64_t kLinearKernelMaxWork = int64_t{1} << 25;
 // Below this many per thread, a second thread costs more to wake than it saves.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
@@ -36,7 +33,8 @@ bool is_float(const at::Tensor& t) {
 
 bool linear_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   // A forced `microkernel` backend takes every product the kernel covers, whatever its size.
-  const bool small_enough = x.size(0) * weight.size(0) * weight.size(1) <= kLinearKernelMaxWork ||
+  // Above linear_kernel_max_work() BLAS takes over: its packing and threads pay for themselves.
+  const bool small_enough = x.size(0) * weight.size(0) * weight.size(1) <= cpu::linear_kernel_max_work() ||
                             cpu::gemm_backend() == GemmBackend::microkernel;
   return is_float(x) && is_float(weight) && x.dim() == 2 && weight.dim() == 2 &&
          unit_stride(x, 1) && (unit_stride(weight, 0) || unit_stride(weight, 1)) &&
