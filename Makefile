@@ -51,14 +51,16 @@ bench: install
 
 # Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
 # each running only the tests that call the mutated function; >= 90% must be killed.
-# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py".
+# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py";
+# MUTANTS_ARGS passes options, e.g. MUTANTS_ARGS="--max-children 2" (the full run: ~90 min on 2 cores).
 MUTANTS_PATHS ?=
+MUTANTS_ARGS ?=
 $(VENV)/.mutation: $(VENV)/.built
 	$(PIP) install $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['mutation']))")
 	touch $@
 
 mutants: $(VENV)/.mutation
-	$(PY) scripts/mutants.py $(MUTANTS_PATHS)
+	$(PY) scripts/mutants.py $(MUTANTS_ARGS) $(MUTANTS_PATHS)
 
 # ThreadSanitizer over a representative subset of the emulated CUDA kernels (forward and backward,
 # flash and generic, sm_80 and sm_90 dispatch), under both cp.async orderings: a race between

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -111,7 +112,8 @@ def write_stage(modules: dict[str, list[str]]) -> bool:
 
 
 def _fingerprint(files: list[Path]) -> str:
-    return "".join(f"{f.relative_to(ROOT)} {f.stat().st_mtime_ns}\n" for f in files)
+    # Contents, not modification times: a checkout or an edit undone leaves the results valid.
+    return "".join(f"{f.relative_to(ROOT)} {hashlib.sha256(f.read_bytes()).hexdigest()}\n" for f in files)
 
 
 def _read(path: Path) -> str:
