@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 import numpy as np
@@ -19,8 +20,12 @@ import torch
 from torch.utils.benchmark import Timer
 
 from attn_export import _gemm
+from attn_export.bench_onnx import round_order
 
 ORT = "onnxruntime MatMul"
+
+# Seconds between two timed blocks: long enough for OpenBLAS's spinning workers to park.
+SETTLE_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,9 @@ def _ort_statement(gemm: Gemm, threads: int) -> Callable[[], None]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    # Its workers stop spinning when run() returns instead of taking a core from whatever is
+    # timed next (bench_onnx.py, issue 12).
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     feed = {"x": rng.standard_normal((gemm.m, gemm.k), dtype=np.float32)}
@@ -124,10 +132,16 @@ def run_gemm_rates(
                     _gemm.set_gemm_backend(backend)
                 stmt()  # warm-up: thread pools, OpenBLAS buffers, ORT's prepacking
             medians: Dict[str, List[float]] = {name: [] for name in stmts}
-            for _ in range(rounds):
-                for name, (backend, stmt) in stmts.items():
+            for index in range(rounds):
+                for name in round_order(stmts, index):
+                    backend, stmt = stmts[name]
                     if backend:
                         _gemm.set_gemm_backend(backend)
+                    # OpenBLAS's workers spin after a call (for up to ~0.1 s) before they park:
+                    # timed right after it, the micro-kernels ran at half their rate (50 against
+                    # 98 GFLOP/s at 512x1536x512). The pause lets them park; the rotating order
+                    # keeps any other such leftover from always falling on one neighbour.
+                    time.sleep(SETTLE_S)
                     timer = Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=threads)
                     medians[name].append(timer.blocked_autorange(min_run_time=min_run_time).median)
             best = {name: min(times) for name, times in medians.items()}

@@ -81,3 +81,20 @@ def test_every_implementation_is_timed_at_every_position_of_a_round():
     assert all(sorted(order) == sorted(impls) for order in orders)
     for position in range(len(impls)):
         assert sorted(order[position] for order in orders) == sorted(impls)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's per-thread /proc accounting")
+def test_the_gemm_rate_lines_onnx_runtime_stops_its_workers_when_a_run_returns():
+    # The same guard for `bench --gemm`'s ONNX Runtime MatMul, timed between the GEMM backends.
+    from attn_export import bench_gemm
+
+    before = _threads()
+    run = bench_gemm._ort_statement(bench_gemm.Gemm("square", N, N, N), 2)
+    workers = _threads() - before
+    assert workers, "the session started no intra-op worker thread: nothing to measure"
+    for _ in range(20):
+        run()
+    start = _cpu_ms(workers)
+    time.sleep(0.2)
+    burned = _cpu_ms(workers) - start
+    assert burned < 1.0, f"the GEMM line's session burned {burned:.1f} ms of CPU in the 0.2 s after its last run"
