@@ -11,19 +11,21 @@ Timed on q, k, v of ``[1, 4, L, 64]`` float32 (2 threads by default):
   ``out.backward(grad)`` with q, k, v requiring grad.
 
 Every round times every implementation once (interleaved, so a burst of load on a shared machine
-hits all of them alike); an implementation's time is the median over rounds of its per-round
-median, and ratios are taken of those medians. Ratios below 1.00 mean attn-export is faster.
+hits all of them alike; in an order that rotates from round to round, with ONNX Runtime's workers
+told to stop spinning after a run); an implementation's time is the median over rounds of its
+per-round median, and ratios are taken of those medians. Ratios below 1.00 mean attn-export is faster.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from attn_export.bench_onnx import _median_call, machine
+from attn_export.bench_onnx import SETTLE_S, _median_call, machine, round_order
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 64
 FORWARD_SEQS = (512, 2048, 4096)
@@ -58,6 +60,9 @@ def _session(model: bytes, threads: int):
 
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads, options.log_severity_level = threads, 1, 3
+    # Its workers stop spinning when run() returns: left spinning (30-60 ms), they took a core
+    # from the implementation timed next, which at L = 512 read 2.6x its time alone.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
@@ -115,9 +120,12 @@ def _time(runners: Dict[str, Callable[[], object]], rounds: int, min_run_time: f
     for run in runners.values():
         run()  # warm-up
     per_round: Dict[str, List[float]] = {impl: [] for impl in runners}
-    for _ in range(rounds):
-        for impl, run in runners.items():
-            per_round[impl].append(_median_call(run, min_run_time))
+    for index in range(rounds):
+        # The order rotates (bench_onnx.round_order) and a pause separates the blocks, so that
+        # whatever one leaves behind does not always fall on the same neighbour.
+        for impl in round_order(runners, index):
+            time.sleep(SETTLE_S)
+            per_round[impl].append(_median_call(runners[impl], min_run_time))
     return {impl: statistics.median(times) * 1e3 for impl, times in per_round.items()}
 
 
