@@ -1,6 +1,6 @@
 """The CPU layer's own projection kernel (csrc/kernels/cpu/linear_kernel.cpp) against float64.
 
-On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds (2^32 on AMD
+On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds (2^31 on AMD
 CPUs with AVX2: attn_export_linear_kernel_max_work_log2) run on it,
 with the token rows (or, for a few tokens, the weight's column panels) split across threads;
 everything else goes to the GEMM library in force (tests/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
@@ -73,7 +73,7 @@ def _max_work_log2():
 
 def test_large_products_agree(threads):
     # 640 tokens x 256 x 768 = 1.3e8 multiply-adds: BLAS's input projection where the kernel's
-    # limit is 2^25, the kernel's where it is 2^32.
+    # limit is 2^25, the kernel's where it is 2^31.
     _check(256, 8, 1, 640, 640, "self")
 
 

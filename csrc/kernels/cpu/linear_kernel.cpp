@@ -294,7 +294,7 @@ bool linear_kernel_available() {
 int64_t linear_kernel_max_work() {
   static const int64_t max_work = [] {
     __builtin_cpu_init();
-    return linear_kernel_isa() == LinearKernelIsa::avx2 && __builtin_cpu_is("amd") ? int64_t{1} << 32 : int64_t{1} << 25;
+    return linear_kernel_isa() == LinearKernelIsa::avx2 && __builtin_cpu_is("amd") ? int64_t{1} << 31 : int64_t{1} << 25;
   }();
   return max_work;
 }

@@ -24,9 +24,9 @@ LinearKernelIsa linear_kernel_isa();
 
 // The largest product (m * n * k multiply-adds) the layer's projections give the tile loop
 // when the GEMM backend chooses (projection.cpp); BLAS takes the larger ones. 2^25 where the
-// kernel has not been measured against the BLAS; on AMD CPUs with AVX2 (and no AVX-512) 2^32:
-// there, at 2 threads, it ran at 1.0-1.2x MKL's rate on every projection from 134 M to 3.2 G
-// multiply-adds (docs/benchmarks.md, "GEMM-rate line").
+// kernel has not been measured against the BLAS; on AMD CPUs with AVX2 (and no AVX-512) 2^31:
+// there, at 2 threads, it ran at 1.0-1.4x MKL's rate on the layer's projections from 1.3e8 to
+// 1.6e9 multiply-adds, and MKL won at 3.2e9 (4096 x 1536 x 512; docs/benchmarks.md, "CPU GEMMs").
 int64_t linear_kernel_max_work();
 
 // Whether linear_rows may run: the CPU has one of its ISAs and the GEMM backend in force
