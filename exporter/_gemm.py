@@ -11,13 +11,14 @@ CPU has AVX-512 or AVX2+FMA (a library call costs microseconds of dispatch there
 backend was forced: ``ATTN_EXPORT_GEMM=aten|openblas|microkernel`` runs that one for every
 product it covers, ``ATTN_EXPORT_GEMM=auto`` (or unset) chooses.
 
-The automatic choice is PyTorch's BLAS plus the micro-kernels. MKL, which PyTorch's x86 wheels
-link, runs its generic code paths on AMD CPUs (on a Zen 4 machine, 2048x256x768 at ~101 GFLOP/s
-against OpenBLAS's ~210 for a single GEMM), but inside the fused layer OpenBLAS lost: on an idle
-Zen 3 machine the layer ran 1.5-5x slower than nn.MultiheadAttention with it (its thread pool
-against at::parallel_for's; docs/benchmarks.md). So OpenBLAS runs only when forced. The choice
-is a rule, not a measurement, so that two runs on one machine compute the same sums in the same
-order.
+The automatic choice: on AMD CPUs, OpenBLAS when the wheel is installed, else PyTorch's BLAS;
+elsewhere PyTorch's BLAS; the micro-kernels take the small float32 products either way. MKL,
+which PyTorch's x86 wheels link, runs its generic code paths on AMD CPUs (on a Zen 4 machine,
+2048x256x768 at ~101 GFLOP/s against OpenBLAS's ~210); on the Zen 3 machine of
+docs/benchmarks.md OpenBLAS ran every projection shape measured 1.03-1.40x faster than MKL. It
+runs single-threaded inside at::parallel_for's tasks, never on its own thread pool, which
+fought ATen's (1.7 GFLOP/s at 128x384x128 before that). The choice is a rule, not a
+measurement, so that two runs on one machine compute the same sums in the same order.
 
 OpenBLAS is loaded with dlopen from the path the ``scipy_openblas32`` module gives: the build
 needs neither its headers nor its library, and a machine without the wheel runs on ``aten``.
@@ -108,12 +109,12 @@ def _unavailable(name: str, why: str) -> GemmBackendError:
 
 
 def _auto(lib: ctypes.CDLL, available: dict[str, str]) -> tuple[str, str]:
-    # Not OpenBLAS on AMD, although its single GEMMs outrun MKL on Zen 4 (the numbers):
-    # inside the layer, on an idle Zen 3 machine (docs/benchmarks.md, "CPU GEMMs"), its threads
-    # and at::parallel_for's made the fused layer 1.5-5x slower than nn.MultiheadAttention.
-    # Until a measurement shows it winning in the layer, it runs only when forced.
     vendor = _VENDORS.get(lib.attn_export_cpu_vendor(), "non-AMD")
-    return "aten", f"{vendor} CPU: PyTorch's BLAS (OpenBLAS only when forced: in the layer it lost to it here)"
+    if vendor != "AMD":
+        return "aten", f"{vendor} CPU: PyTorch's BLAS"
+    if available["openblas"]:
+        return "aten", f"AMD CPU: PyTorch's BLAS (OpenBLAS would be faster, but {available['openblas']})"
+    return "openblas", "AMD CPU: OpenBLAS (faster than the MKL PyTorch links, which runs generic code on AMD)"
 
 
 def set_gemm_backend(name: str = "auto") -> GemmChoice:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import attn_export
+from attn_export import _gemm
 from helpers import assert_rel_close, make_pair
 
 REL = 2e-6
@@ -83,10 +84,18 @@ def test_products_above_the_kernels_limit_go_to_blas():
     embed = 512
     tokens = 2 ** _max_work_log2() // (3 * embed * embed) + 1  # the input projection just above it
     _, fused = make_pair(embed, 8, batch_first=True)
-    assert "aten::addmm" in _blas_calls(fused, torch.randn(1, tokens, embed))
-    # One token fewer stays on the kernel, which calls no BLAS for it (the output projection,
-    # a third of the input one, neither).
-    assert _blas_calls(fused, torch.randn(1, tokens - 1, embed)) == []
+    # PyTorch's BLAS behind the micro-kernels, whatever the automatic choice: the profiler sees
+    # its calls (OpenBLAS's it does not). The routing by size is the same under either library.
+    before = attn_export.gemm_backend()
+    lib = _gemm._lib()
+    assert lib.attn_export_gemm_set(_gemm.BACKENDS.index("aten"), 1) == 0
+    try:
+        assert "aten::addmm" in _blas_calls(fused, torch.randn(1, tokens, embed))
+        # One token fewer stays on the kernel, which calls no BLAS for it (the output
+        # projection, a third of the input one, neither).
+        assert _blas_calls(fused, torch.randn(1, tokens - 1, embed)) == []
+    finally:
+        attn_export.set_gemm_backend(before.name if before.forced else "auto")
 
 
 def _blas_calls(layer, x):

@@ -54,8 +54,11 @@ def _layer_parity(embed_dim, heads, batch, seqlen_q, seqlen_k, kind, masks):
         assert_rel_close(g, w.float(), GRAD_REL, "gradient")
 
 
-@pytest.mark.parametrize("embed_dim,heads,batch,seqlen", [(40, 5, 3, 7), (256, 8, 1, 600)],
-                         ids=["microkernel-sized", "library-sized"])
+# decode-sized: 3 tokens against a 600 x 200 weight, enough work for two threads, too few rows to
+# split: a library call at top level is cut into column parts (runtime_aten.cpp), 600 columns
+# into 16-column pieces with a remainder.
+@pytest.mark.parametrize("embed_dim,heads,batch,seqlen", [(40, 5, 3, 7), (256, 8, 1, 600), (200, 8, 1, 3)],
+                         ids=["microkernel-sized", "library-sized", "decode-sized"])
 def test_self_attention_parity(gemm, embed_dim, heads, batch, seqlen):
     _layer_parity(embed_dim, heads, batch, seqlen, seqlen, "self", {})
 
@@ -106,18 +109,40 @@ def test_unavailable_openblas_is_refused_with_the_fix(monkeypatch):
     assert attn_export.gemm_backend() == before  # a refused choice changes nothing
 
 
-def test_auto_choice_is_pytorchs_blas_with_the_micro_kernels():
-    # The rule of attn_export._gemm (OpenBLAS only when forced), checked on this CPU.
+def _cpuinfo(key: str) -> str:
+    line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(key)), "")
+    return line.partition(":")[2]
+
+
+def test_auto_choice_is_openblas_on_amd_else_pytorchs_blas_with_the_micro_kernels():
+    # The rule of attn_export._gemm, checked on this CPU: OpenBLAS on AMD where the wheel is
+    # installed (it is in the test extra), PyTorch's BLAS elsewhere.
     before = attn_export.gemm_backend()
     try:
         choice = attn_export.set_gemm_backend("auto")
     finally:
         attn_export.set_gemm_backend(before.name if before.forced else "auto")
-    assert choice.name == "aten", choice
+    amd = _cpuinfo("vendor_id").strip() == "AuthenticAMD"
+    openblas_installed = _gemm.available_backends()["openblas"] == ""
+    assert choice.name == ("openblas" if amd and openblas_installed else "aten"), choice
     assert not choice.forced and choice.reason
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    flags = " " + _cpuinfo("flags")
     expected_isa = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags and " fma" in flags else None
     assert choice.microkernel == expected_isa
+
+
+def test_auto_choice_without_the_openblas_wheel_is_pytorchs_blas_saying_why():
+    before = attn_export.gemm_backend()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_gemm, "_openblas_path", lambda: (None, "the scipy-openblas32 wheel is not installed"))
+        try:
+            choice = attn_export.set_gemm_backend("auto")
+        finally:
+            mp.undo()
+            attn_export.set_gemm_backend(before.name if before.forced else "auto")
+    assert choice.name == "aten" and not choice.forced
+    if _cpuinfo("vendor_id").strip() == "AuthenticAMD":
+        assert "scipy-openblas32" in choice.reason, choice
 
 
 def test_environment_variable_forces_a_backend(monkeypatch):

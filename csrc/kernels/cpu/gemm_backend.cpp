@@ -35,18 +35,6 @@ std::mutex load_mutex;
 std::atomic<GemmBackend> backend{GemmBackend::aten};
 std::atomic<bool> microkernels{true};
 
-// OpenBLAS's thread count is process-wide: set it only when it changes. Calls inside a
-// parallel_for task want 1, top-level calls at::get_num_threads(); the two never overlap in
-// the layer, and a race between two user threads costs speed, never correctness.
-std::atomic<int> openblas_threads{-1};
-
-void use_threads(int threads) {
-  if (openblas_threads.load(std::memory_order_relaxed) != threads) {
-    openblas.set_num_threads(threads);
-    openblas_threads.store(threads, std::memory_order_relaxed);
-  }
-}
-
 template <typename Fn>
 bool find(void* handle, const char* name, Fn* fn, std::string* error) {
   *fn = reinterpret_cast<Fn>(dlsym(handle, name));
@@ -59,9 +47,8 @@ bool find(void* handle, const char* name, Fn* fn, std::string* error) {
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the CBLAS row-major entry
 // does that swap itself, so the blocks pass through as they are.
 template <typename T, typename Fn>
-void gemm(Fn fn, int threads, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
+void gemm(Fn fn, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
           const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
-  use_threads(threads);
   fn(kCblasRowMajor, trans_a ? kCblasTrans : kCblasNoTrans, trans_b ? kCblasTrans : kCblasNoTrans,
      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
      static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
@@ -114,6 +101,9 @@ bool load_openblas(const std::string& path, std::string* error) {
     dlclose(handle);
     return false;
   }
+  // One thread, for good: the callers split the work between their own threads (runtime.h's
+  // parallel_for), and a second pool on the same cores would fight the first.
+  api.set_num_threads(1);
   openblas = api;  // the handle stays open for the life of the process
   loaded.store(true);
   return true;
@@ -127,15 +117,15 @@ std::string openblas_config() {
   return openblas_loaded() ? std::string(openblas.get_config()) : std::string();
 }
 
-void openblas_gemm(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+void openblas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  gemm(openblas.sgemm, threads, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  gemm(openblas.sgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-void openblas_gemm(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+void openblas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
                    const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
                    int64_t ldc) {
-  gemm(openblas.dgemm, threads, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  gemm(openblas.dgemm, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 }  // namespace attn_export::cpu

@@ -40,12 +40,12 @@ bool openblas_loaded();
 // picked for this CPU, e.g. "OpenBLAS 0.3.30 DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64".
 std::string openblas_config();
 
-// C[m, n] = alpha * op(A) op(B) + beta * C through OpenBLAS on `threads` threads, with
+// C[m, n] = alpha * op(A) op(B) + beta * C through OpenBLAS on the calling thread, with
 // runtime.h's blas_gemm conventions (row-major blocks, unit column strides). Only call when
 // openblas_loaded().
-void openblas_gemm(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+void openblas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
-void openblas_gemm(int threads, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+void openblas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
                    const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
                    int64_t ldc);
 

@@ -72,8 +72,8 @@ bool openblas_applies(const at::Tensor& out, const at::Tensor& x, const at::Tens
          out.stride(0) >= std::max<int64_t>(out.size(1), 1) && x.size(0) > 0 && weight.size(0) > 0;
 }
 
-// out = x W^T (+ b) through runtime.h's blas_gemm, which runs OpenBLAS on at::get_num_threads()
-// threads at top level. The bias is written first and accumulated onto (beta = 1).
+// out = x W^T (+ b) through runtime.h's blas_gemm, which splits it between at::parallel_for's
+// threads, one single-threaded OpenBLAS call each. The bias is written first and accumulated onto (beta = 1).
 template <typename T>
 void run_openblas(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {

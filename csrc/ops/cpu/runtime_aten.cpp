@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 namespace attn_export::cpu {
 namespace {
 
@@ -19,13 +21,49 @@ at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
                        at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
+// Below this many multiply-adds per thread a product runs on one thread (as in projection.cpp).
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
+
+// OpenBLAS always runs on one thread, inside at::parallel_for's tasks, never on its own pool:
+// two pools on the same cores fight (OpenBLAS's workers spin and yield while ATen's OpenMP
+// threads wait for work), 1.7 GFLOP/s at 128x384x128 with two threads each (docs/benchmarks.md).
+// At top level the product is cut into one part per thread: the rows of C, or for a few rows
+// (decoding) its columns.
+template <typename T>
+void openblas_gemm_split(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                         int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  const int64_t threads = at::in_parallel_region()
+                              ? 1
+                              : std::clamp<int64_t>(m * n * k / kMinWorkPerThread, 1, at::get_num_threads());
+  if (threads == 1) {
+    openblas_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const bool split_rows = m >= 8 * threads;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      if (split_rows) {  // rows r0..r1 of op(A): rows of A, or columns of A when transposed
+        const int64_t r0 = m * part / threads, r1 = m * (part + 1) / threads;
+        openblas_gemm(trans_a, trans_b, r1 - r0, n, k, alpha, a + (trans_a ? r0 : r0 * lda), lda, b, ldb,
+                      beta, c + r0 * ldc, ldc);
+      } else {  // columns c0..c1 of op(B), in whole 16-column pieces where n allows
+        const int64_t pieces = (n + 15) / 16;
+        const int64_t c0 = std::min(n, pieces * part / threads * 16);
+        const int64_t c1 = std::min(n, pieces * (part + 1) / threads * 16);
+        if (c1 > c0) {
+          openblas_gemm(trans_a, trans_b, m, c1 - c0, k, alpha, a, lda, b + (trans_b ? c0 * ldb : c0), ldb,
+                        beta, c + c0, ldc);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
           const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (gemm_backend() == GemmBackend::openblas) {
-    // Inside a parallel_for task the kernels' threads are busy: one OpenBLAS thread each.
-    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-    openblas_gemm(threads, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    openblas_gemm_split(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   const at::Tensor a_op = trans_a ? wrap_block(a, k, m, lda).t() : wrap_block(a, m, k, lda);
