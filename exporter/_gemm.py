@@ -15,8 +15,8 @@ The automatic choice: on AMD CPUs, OpenBLAS when the wheel is installed, else Py
 elsewhere PyTorch's BLAS; the micro-kernels take the small float32 products either way. MKL,
 which PyTorch's x86 wheels link, runs its generic code paths on AMD CPUs (on a Zen 4 machine,
 2048x256x768 at ~101 GFLOP/s against OpenBLAS's ~210); on the Zen 3 machine of
-docs/benchmarks.md OpenBLAS ran every projection shape measured 1.03-1.40x faster than MKL. It
-runs single-threaded inside at::parallel_for's tasks, never on its own thread pool, which
+docs/benchmarks.md OpenBLAS ran 17 of 21 projection shapes faster than MKL, by up to 1.8x (MKL
+led on few-token products, 32-64 rows). It runs single-threaded inside at::parallel_for's tasks, never on its own thread pool, which
 fought ATen's (1.7 GFLOP/s at 128x384x128 before that). The choice is a rule, not a
 measurement, so that two runs on one machine compute the same sums in the same order.
 
@@ -139,11 +139,11 @@ def set_gemm_backend(name: str = "auto") -> GemmChoice:
             raise _unavailable(requested, available[requested])
         chosen, reason, forced = requested, "forced (set_gemm_backend / " + ENV_VAR + ")", True
     microkernels = isa is not None and (not forced or chosen == "microkernel")
-    if isa is not None and not forced:
-        reason += (f"; float32 products of up to 2^{lib.attn_export_linear_kernel_max_work_log2()} "
-                   f"multiply-adds on the {isa} micro-kernels")
     if lib.attn_export_gemm_set(BACKENDS.index(chosen), int(microkernels)) != 0:
         raise _unavailable(chosen, "OpenBLAS was not loaded")
+    if isa is not None and not forced:  # the limit depends on the library now in force
+        reason += (f"; float32 products of up to 2^{lib.attn_export_linear_kernel_max_work_log2()} "
+                   f"multiply-adds on the {isa} micro-kernels")
     _choice = GemmChoice(chosen, isa if microkernels else None, forced, reason)
     return _choice
 

@@ -1,7 +1,7 @@
 """The CPU layer's own projection kernel (csrc/kernels/cpu/linear_kernel.cpp) against float64.
 
-On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds (2^31 on AMD
-CPUs with AVX2: attn_export_linear_kernel_max_work_log2) run on it,
+On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds (behind OpenBLAS
+2^23, behind MKL on AMD CPUs with AVX2 2^31: attn_export_linear_kernel_max_work_log2) run on it,
 with the token rows (or, for a few tokens, the weight's column panels) split across threads;
 everything else goes to the GEMM library in force (tests/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
 column panels (3E not a multiple of 32), the column split, the dot-product path of up to 16
@@ -82,14 +82,14 @@ def test_products_above_the_kernels_limit_go_to_blas():
     if attn_export.gemm_backend().microkernel is None:
         pytest.skip(f"the projection kernel is off: {attn_export.gemm_backend()}")
     embed = 512
-    tokens = 2 ** _max_work_log2() // (3 * embed * embed) + 1  # the input projection just above it
     _, fused = make_pair(embed, 8, batch_first=True)
     # PyTorch's BLAS behind the micro-kernels, whatever the automatic choice: the profiler sees
-    # its calls (OpenBLAS's it does not). The routing by size is the same under either library.
+    # its calls (OpenBLAS's it does not). The limit is the one for that library.
     before = attn_export.gemm_backend()
     lib = _gemm._lib()
     assert lib.attn_export_gemm_set(_gemm.BACKENDS.index("aten"), 1) == 0
     try:
+        tokens = 2 ** _max_work_log2() // (3 * embed * embed) + 1  # the input projection just above it
         assert "aten::addmm" in _blas_calls(fused, torch.randn(1, tokens, embed))
         # One token fewer stays on the kernel, which calls no BLAS for it (the output
         # projection, a third of the input one, neither).

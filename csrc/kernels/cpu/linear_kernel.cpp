@@ -292,11 +292,14 @@ bool linear_kernel_available() {
 }
 
 int64_t linear_kernel_max_work() {
-  static const int64_t max_work = [] {
+  static const bool amd_avx2 = [] {
     __builtin_cpu_init();
-    return linear_kernel_isa() == LinearKernelIsa::avx2 && __builtin_cpu_is("amd") ? int64_t{1} << 31 : int64_t{1} << 25;
+    return linear_kernel_isa() == LinearKernelIsa::avx2 && __builtin_cpu_is("amd");
   }();
-  return max_work;
+  if (gemm_backend() == GemmBackend::openblas) {
+    return int64_t{1} << 23;
+  }
+  return amd_avx2 ? int64_t{1} << 31 : int64_t{1} << 25;
 }
 
 void linear_rows(const LinearArgs& x, int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,

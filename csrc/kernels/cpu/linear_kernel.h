@@ -23,10 +23,14 @@ enum class LinearKernelIsa { none, avx2, avx512 };
 LinearKernelIsa linear_kernel_isa();
 
 // The largest product (m * n * k multiply-adds) the layer's projections give the tile loop
-// when the GEMM backend chooses (projection.cpp); BLAS takes the larger ones. 2^25 where the
-// kernel has not been measured against the BLAS; on AMD CPUs with AVX2 (and no AVX-512) 2^31:
-// there, at 2 threads, it ran at 1.0-1.4x MKL's rate on the layer's projections from 1.3e8 to
-// 1.6e9 multiply-adds, and MKL won at 3.2e9 (4096 x 1536 x 512; docs/benchmarks.md, "CPU GEMMs").
+// when the GEMM backend chooses (projection.cpp); the library takes the larger ones. Measured
+// at 2 threads on an AMD Zen 3 CPU with AVX2 (docs/benchmarks.md, "CPU GEMMs"):
+//   - behind OpenBLAS (the automatic library on AMD), 2^23: the tile loop kept up with it on
+//     the 8x16x128x4 layer's 2e6-6e6, and OpenBLAS led by 10-60% from 1.7e7 up (the tile
+//     loop repacks the whole weight on every thread);
+//   - behind MKL on AMD with AVX2 (and no AVX-512), 2^31: 1.0-1.4x MKL's rate from 1.3e8 to
+//     1.6e9, MKL ahead at 3.2e9 (4096 x 1536 x 512);
+//   - elsewhere 2^25, not measured against the library.
 int64_t linear_kernel_max_work();
 
 // Whether linear_rows may run: the CPU has one of its ISAs and the GEMM backend in force
