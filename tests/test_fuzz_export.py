@@ -48,7 +48,7 @@ from torch import nn
 import attn_export
 
 MASTER_SEED = 20261201
-NUM_CONFIGS = 120
+NUM_CONFIGS = 100  # issue 18 asks for at least 100; 120 cost CI another 50 s
 
 KINDS = ("encoder", "decoder", "seq2seq", "mha_self", "mha_cross")
 DYNAMIC = ("batch+seq", "seq", "batch", "static")
