@@ -127,7 +127,6 @@ void pack_transposed_panel(const float* w, int64_t ldw, int64_t k, int64_t width
 // or weight rows past the end are clamped to the last one, computed and dropped, so that the
 // block stays one fully unrolled loop.
 constexpr int kDotRows = 4, kDotCols = 3;
-constexpr int64_t kDotMaxRows = 16;  // measured: at 32 rows packing is as fast
 
 // The sum of a vector's lanes as a tree of half-width adds (log2 W dependent adds, where a
 // lane-by-lane loop in order would chain W of them).
@@ -206,7 +205,7 @@ ATTN_EXPORT_INLINE void rows(const LinearArgs& x, int64_t row_begin, int64_t row
   float* const panel_bias = panel + x.k * kPanelCols;          // 32
   float* const partial = panel_bias + kPanelCols;              // kTileRows x 32 output staging
   const int64_t row_count = row_end - row_begin;
-  if (x.b_transposed && row_count <= kDotMaxRows) {
+  if (x.b_transposed && row_count <= kLinearDotMaxRows) {
     dot_rows<V>(x, row_begin, row_end, col_begin, col_end);
     return;
   }

@@ -18,6 +18,10 @@ namespace attn_export::cpu {
 // Columns per panel of B: the tile width, and the unit a column split should use.
 constexpr int64_t kLinearPanelCols = 32;
 
+// Up to this many token rows against a row-major weight, linear_rows takes a dot-product loop
+// that packs nothing (measured: at 32 rows packing is as fast).
+constexpr int64_t kLinearDotMaxRows = 16;
+
 // The tile loop this CPU runs: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), else AVX2 + FMA.
 enum class LinearKernelIsa { none, avx2, avx512 };
 LinearKernelIsa linear_kernel_isa();

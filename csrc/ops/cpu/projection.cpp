@@ -113,9 +113,13 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
   args.b_transposed = !column_major;
   const int64_t work = m * n * k;
   const int64_t threads = std::clamp<int64_t>(work / kMinWorkPerThread, 1, at::get_num_threads());
-  // Token rows are split when each thread gets a few; a handful of tokens (decoding) splits
-  // the weight's column panels instead.
-  const bool split_rows = m >= 8 * threads;
+  // Split the dimension whose share of the work each thread's packing does not repeat: the
+  // token rows when there are at least as many as output features (every thread packs the
+  // whole weight), or when each thread's rows are few enough for the dot-product path, which
+  // packs nothing; else the weight's column panels (each thread packs its own). Measured at 2
+  // threads (docs/benchmarks.md, "CPU GEMMs"): 64-128 tokens against 512-1536 features ran
+  // 1.0-1.5x faster split by columns; 32 tokens, on the dot-product path, faster by rows.
+  const bool split_rows = m >= 8 * threads && (m >= n || (args.b_transposed && m <= cpu::kLinearDotMaxRows * threads));
   const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
   const int64_t parts = split_rows ? threads : std::min(threads, panels);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
