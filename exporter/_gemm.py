@@ -16,9 +16,10 @@ elsewhere PyTorch's BLAS; the micro-kernels take the small float32 products eith
 which PyTorch's x86 wheels link, runs its generic code paths on AMD CPUs (on a Zen 4 machine,
 2048x256x768 at ~101 GFLOP/s against OpenBLAS's ~210); on the Zen 3 machine of
 docs/benchmarks.md OpenBLAS ran 17 of 21 projection shapes faster than MKL, by up to 1.8x (MKL
-led on few-token products, 32-64 rows). It runs single-threaded inside at::parallel_for's tasks, never on its own thread pool, which
-fought ATen's (1.7 GFLOP/s at 128x384x128 before that). The choice is a rule, not a
-measurement, so that two runs on one machine compute the same sums in the same order.
+led on few-token products, 32-64 rows). It runs single-threaded inside at::parallel_for's
+tasks, never on its own thread pool, which fought ATen's (1.7 GFLOP/s at 128x384x128 before
+that). The choice is a rule, not a measurement, so that two runs on one machine compute the
+same sums in the same order.
 
 OpenBLAS is loaded with dlopen from the path the ``scipy_openblas32`` module gives: the build
 needs neither its headers nor its library, and a machine without the wheel runs on ``aten``.

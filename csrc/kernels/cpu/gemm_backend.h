@@ -23,6 +23,10 @@ namespace attn_export::cpu {
 
 enum class GemmBackend { aten, openblas, microkernel };
 
+// Below this many multiply-adds per thread a product runs on one thread: a second thread costs
+// more to wake than it saves (the split of the micro-kernels' and OpenBLAS's products).
+constexpr int64_t kGemmMinWorkPerThread = int64_t{1} << 17;
+
 const char* gemm_backend_name(GemmBackend backend);
 
 // The backend in force, and whether small float32 products go to linear_kernel.h.

@@ -20,8 +20,6 @@ using cpu::linear_rows;
 using cpu::linear_scratch_floats;
 using cpu::LinearArgs;
 
-// Below this many per thread, a second thread costs more to wake than it saves.
-constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
 
 bool unit_stride(const at::Tensor& t, int64_t dim) {
   return t.stride(dim) == 1 || t.size(dim) <= 1;
@@ -73,7 +71,8 @@ bool openblas_applies(const at::Tensor& out, const at::Tensor& x, const at::Tens
 }
 
 // out = x W^T (+ b) through runtime.h's blas_gemm, which splits it between at::parallel_for's
-// threads, one single-threaded OpenBLAS call each. The bias is written first and accumulated onto (beta = 1).
+// threads, one single-threaded OpenBLAS call each. The bias is written first and accumulated
+// onto (beta = 1).
 template <typename T>
 void run_openblas(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
@@ -112,14 +111,15 @@ void run_linear_kernel(const at::Tensor& out, const at::Tensor& x, const at::Ten
                   out.data_ptr<float>(), out.stride(0)};
   args.b_transposed = !column_major;
   const int64_t work = m * n * k;
-  const int64_t threads = std::clamp<int64_t>(work / kMinWorkPerThread, 1, at::get_num_threads());
-  // Split the dimension whose share of the work each thread's packing does not repeat: the
-  // token rows when there are at least as many as output features (every thread packs the
-  // whole weight), or when each thread's rows are few enough for the dot-product path, which
-  // packs nothing; else the weight's column panels (each thread packs its own). Measured at 2
+  const int64_t threads = std::clamp<int64_t>(work / cpu::kGemmMinWorkPerThread, 1, at::get_num_threads());
+  // Split the token rows when they are at least as many as the output features (each thread
+  // then packs the whole weight, the smaller operand) or when each thread's rows are few enough
+  // for the dot-product path, which packs nothing; else split the weight's column panels (each
+  // thread packs only its own, and reads all the rows). Measured at 2
   // threads (docs/benchmarks.md, "CPU GEMMs"): 64-128 tokens against 512-1536 features ran
   // 1.0-1.5x faster split by columns; 32 tokens, on the dot-product path, faster by rows.
-  const bool split_rows = m >= 8 * threads && (m >= n || (args.b_transposed && m <= cpu::kLinearDotMaxRows * threads));
+  const bool rows_fit_dot_path = args.b_transposed && m <= cpu::kLinearDotMaxRows * threads;
+  const bool split_rows = m >= 8 * threads && (m >= n || rows_fit_dot_path);
   const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
   const int64_t parts = split_rows ? threads : std::min(threads, panels);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {

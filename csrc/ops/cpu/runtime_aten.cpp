@@ -21,9 +21,6 @@ at::Tensor wrap_block(const T* data, int64_t rows, int64_t cols, int64_t ld) {
                        at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
-// Below this many multiply-adds per thread a product runs on one thread (as in projection.cpp).
-constexpr int64_t kMinWorkPerThread = int64_t{1} << 17;
-
 // OpenBLAS always runs on one thread, inside at::parallel_for's tasks, never on its own pool:
 // two pools on the same cores fight (OpenBLAS's workers spin and yield while ATen's OpenMP
 // threads wait for work), 1.7 GFLOP/s at 128x384x128 with two threads each (docs/benchmarks.md).
@@ -33,7 +30,7 @@ void openblas_gemm_split(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
                          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   const int64_t threads = at::in_parallel_region()
                               ? 1
-                              : std::clamp<int64_t>(m * n * k / kMinWorkPerThread, 1, at::get_num_threads());
+                              : std::clamp<int64_t>(m * n * k / kGemmMinWorkPerThread, 1, at::get_num_threads());
   if (threads == 1) {
     openblas_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
