@@ -30,8 +30,9 @@ LinearKernelIsa linear_kernel_isa();
 // when the GEMM backend chooses (projection.cpp); the library takes the larger ones. Measured
 // at 2 threads on an AMD Zen 3 CPU with AVX2 (docs/benchmarks.md, "CPU GEMMs"):
 //   - behind OpenBLAS (the automatic library on AMD), 2^23: the tile loop kept up with it on
-//     the 8x16x128x4 layer's 2e6-6e6, and OpenBLAS led by 10-60% from 1.7e7 up (the tile
-//     loop repacks the whole weight on every thread);
+//     the 8x16x128x4 layer's 2e6-6e6, and OpenBLAS led by 10-60% from 1.7e7 up (measured
+//     with both splitting rows; splitting columns below as many rows as features, as both do
+//     now, sped both up alike at 64-128 tokens);
 //   - behind MKL on AMD with AVX2 (and no AVX-512), 2^31: 1.0-1.4x MKL's rate from 1.3e8 to
 //     1.6e9, MKL ahead at 3.2e9 (4096 x 1536 x 512);
 //   - elsewhere 2^25, not measured against the library.
