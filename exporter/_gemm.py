@@ -113,8 +113,9 @@ def _auto(lib: ctypes.CDLL, available: dict[str, str]) -> tuple[str, str]:
     vendor = _VENDORS.get(lib.attn_export_cpu_vendor(), "non-AMD")
     if vendor != "AMD":
         return "aten", f"{vendor} CPU: PyTorch's BLAS"
-    if available["openblas"]:
-        return "aten", f"AMD CPU: PyTorch's BLAS (OpenBLAS would be faster, but {available['openblas']})"
+    why_not_openblas = available["openblas"]  # "" when it can run
+    if why_not_openblas:
+        return "aten", f"AMD CPU: PyTorch's BLAS (OpenBLAS would be faster, but {why_not_openblas})"
     return "openblas", "AMD CPU: OpenBLAS (faster than the MKL PyTorch links, which runs generic code on AMD)"
 
 

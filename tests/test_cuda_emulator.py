@@ -135,8 +135,13 @@ def _pairwise(dtypes, head_dims):
     each head dim and each dtype also meets both causal settings: all pairs of values, in 6
     cases instead of the 12 of the full product (the three are independent template parameters
     of the tile code; the full product cost about a minute more of CI at the emulator's speed)."""
-    return [pytest.param(dtype, head_dim, bool((i + j) % 2), id=f"{str(dtype)[6:]}-{head_dim}-{'causal' if (i + j) % 2 else 'full'}")
-            for i, dtype in enumerate(dtypes) for j, head_dim in enumerate(head_dims)]
+    cases = []
+    for i, dtype in enumerate(dtypes):
+        for j, head_dim in enumerate(head_dims):
+            causal = bool((i + j) % 2)
+            name = f"{str(dtype)[6:]}-{head_dim}-{'causal' if causal else 'full'}"
+            cases.append(pytest.param(dtype, head_dim, causal, id=name))
+    return cases
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal", _pairwise([torch.float16, torch.bfloat16], [32, 64, 128]))
