@@ -14,6 +14,11 @@ Every round times every implementation once (interleaved, so a burst of load on 
 hits all of them alike; in an order that rotates from round to round, with ONNX Runtime's workers
 told to stop spinning after a run); an implementation's time is the median over rounds of its
 per-round median, and ratios are taken of those medians. Ratios below 1.00 mean attn-export is faster.
+
+Each row also says how far the core is from this CPU's own limit: its GFLOP/s (the algorithm's
+multiply-adds, 2 products forward and 5 backward with the recomputation of Q K^T, as FlashAttention
+counts them; causal: the visible pairs only) against the float32 FMA peak of the same threads,
+measured by csrc/kernels/cpu/fma_peak.cpp in the vector width the core runs with.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class CoreResult:
     causal: bool
     median_ms: Dict[str, float]  # per implementation: median over rounds of the per-round median
     ratios: Dict[str, float]  # "attn_export / <impl>" for every other implementation
+    core_gflops: float = 0.0  # the core's rate: core_flops() / its median time
+    of_peak: Optional[float] = None  # core_gflops / the FMA peak; None where no peak was measured
 
 
 def mha_model_bytes(heads: int = HEADS, causal: bool = False) -> bytes:
@@ -129,23 +136,52 @@ def _time(runners: Dict[str, Callable[[], object]], rounds: int, min_run_time: f
     return {impl: statistics.median(times) * 1e3 for impl, times in per_round.items()}
 
 
-def _result(mode: str, seq: int, causal: bool, medians: Dict[str, float]) -> CoreResult:
+def core_flops(mode: str, seq: int, causal: bool) -> float:
+    """Floating-point operations of one call at [1, 4, seq, 64]: 2 per multiply-add of the
+    products over the (query, key) pairs that are visible."""
+    pairs = seq * (seq + 1) / 2 if causal else float(seq * seq)
+    products = 2 if mode == "forward" else 7  # forward: Q K^T, P V; backward: 5 more
+    return 2.0 * products * BATCH * HEADS * pairs * HEAD_DIM
+
+
+def fma_peak_gflops(threads: int, seconds: float = 0.5) -> float:
+    """The float32 multiply-add ceiling of `threads` threads in GFLOP/s (fma_peak.cpp, best of
+    repeated blocks over `seconds`); 0.0 where the core runs its generic kernels."""
+    import ctypes
+
+    from attn_export import _C
+
+    probe = ctypes.CDLL(_C.__file__).attn_export_fma_peak_gflops
+    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_double]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return float(probe(threads, seconds))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _result(mode: str, seq: int, causal: bool, medians: Dict[str, float], peak: float) -> CoreResult:
     ratios = {f"{CORE} / {impl}": medians[CORE] / medians[impl] for impl in medians if impl != CORE}
-    return CoreResult(mode, seq, causal, medians, ratios)
+    gflops = core_flops(mode, seq, causal) / (medians[CORE] * 1e-3) * 1e-9
+    return CoreResult(mode, seq, causal, medians, ratios, gflops, gflops / peak if peak > 0 else None)
 
 
 def run_benchmark(forward_seqs=FORWARD_SEQS, backward_seqs=BACKWARD_SEQS, *, threads: int = 2, rounds: int = 5,
-                  min_run_time: float = 0.2, progress: Callable[[str], None] = lambda _m: None) -> List[CoreResult]:
+                  min_run_time: float = 0.2, peak: float = 0.0,
+                  progress: Callable[[str], None] = lambda _m: None) -> List[CoreResult]:
+    """peak: the FMA peak of `threads` threads (fma_peak_gflops) for the rows' share of it."""
     torch.set_num_threads(threads)
     results = []
     for seq in forward_seqs:
         progress(f"forward, L = {seq}")
-        results.append(_result("forward", seq, False, _time(forward_runners(seq, threads), rounds, min_run_time)))
+        results.append(_result("forward", seq, False, _time(forward_runners(seq, threads), rounds, min_run_time),
+                               peak))
     for seq in backward_seqs:
         for causal in (False, True):
             progress(f"forward+backward, L = {seq}{', causal' if causal else ''}")
             results.append(_result("forward+backward", seq, causal,
-                                   _time(backward_runners(seq, causal), rounds, min_run_time)))
+                                   _time(backward_runners(seq, causal), rounds, min_run_time), peak))
     return results
 
 
@@ -163,11 +199,13 @@ def core_isa() -> str:
 def markdown_table(results: List[CoreResult]) -> str:
     impls = list(dict.fromkeys(i for r in results for i in r.median_ms))
     ratio_cols = list(dict.fromkeys(c for r in results for c in r.ratios))
-    lines = ["| mode | L | causal | " + " | ".join(f"{i} (ms)" for i in impls) + " | " + " | ".join(ratio_cols) + " |",
-             "|---" * (3 + len(impls) + len(ratio_cols)) + "|"]
+    lines = ["| mode | L | causal | " + " | ".join(f"{i} (ms)" for i in impls) + " | " + " | ".join(ratio_cols)
+             + f" | {CORE} GFLOP/s | of FMA peak |",
+             "|---" * (5 + len(impls) + len(ratio_cols)) + "|"]
     for r in results:
         cells = [f"{r.median_ms[i]:.2f}" if i in r.median_ms else "" for i in impls]
         cells += [f"{r.ratios[c]:.2f}x" if c in r.ratios else "" for c in ratio_cols]
+        cells += [f"{r.core_gflops:.1f}", f"{r.of_peak:.0%}" if r.of_peak is not None else "not measured"]
         lines.append(f"| {r.mode} | {r.seq} | {'yes' if r.causal else 'no'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -177,6 +215,7 @@ def facts(threads: int) -> Dict[str, str]:
             "shape": f"[{BATCH}, {HEADS}, L, {HEAD_DIM}] float32"}
 
 
-def as_json(results: List[CoreResult], threads: int, rounds: int, check: Optional[Dict[str, float]]) -> dict:
-    return {"machine": facts(threads), "rounds": rounds, "parity_max_abs": check,
+def as_json(results: List[CoreResult], threads: int, rounds: int, check: Optional[Dict[str, float]],
+            peak: float = 0.0) -> dict:
+    return {"machine": facts(threads), "fma_peak_gflops": peak, "rounds": rounds, "parity_max_abs": check,
             "results": [dataclasses.asdict(r) for r in results]}

@@ -174,14 +174,18 @@ def _bench_core(threads, rounds, min_run_time, json_path, markdown_path):
     check = lib.parity()
     click.echo("parity (max |attn_export - impl|, L = 256): " + ", ".join(f"{k} {v:.1e}" for k, v in check.items()))
     with Console(stderr=True).status("benchmarking") as status:
-        results = lib.run_benchmark(threads=threads, rounds=rounds, min_run_time=min_run_time,
+        status.update("measuring the FMA peak")
+        peak = lib.fma_peak_gflops(threads)
+        results = lib.run_benchmark(threads=threads, rounds=rounds, min_run_time=min_run_time, peak=peak,
                                     progress=lambda what: status.update(f"benchmarking: {what}"))
+    click.echo(f"float32 FMA peak of {threads} thread(s), {lib.core_isa()} vectors: "
+               + (f"{peak:.1f} GFLOP/s" if peak > 0 else "not measured (generic kernels)"))
     table = lib.markdown_table(results)
     click.echo(table)
     if markdown_path:
         write_text(markdown_path, table + "\n")
     if json_path:
-        write_text(json_path, json.dumps(lib.as_json(results, threads, rounds, check), indent=2) + "\n")
+        write_text(json_path, json.dumps(lib.as_json(results, threads, rounds, check, peak), indent=2) + "\n")
 
 
 def _sizes(text: str, option: str):
