@@ -50,6 +50,14 @@ def empty_token_major(like: torch.Tensor, batch, heads, seqlen, dim, dtype=None)
     return like.new_empty((batch, seqlen, heads, dim), dtype=dtype or like.dtype).transpose(1, 2)
 
 
+def empty_grad_like(like: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """The gradient of a [B, H, L, D] input as the C++ empty_grad_like allocates it (like's dtype
+    and device): contiguous where the input is, token-major otherwise."""
+    if input.is_contiguous():
+        return like.new_empty(input.shape)
+    return empty_token_major(like, *input.shape)
+
+
 def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> None:
     torch._check(
         query.dim() == 4 and key.dim() == 4 and value.dim() == 4,
@@ -275,11 +283,7 @@ def _attention_backward_fake(
         lambda: "attention backward: grad_output and logsumexp must be on the query's device "
         f"{query.device}; got {grad_output.device} and {logsumexp.device}",
     )
-    return (
-        empty_token_major(query, batch, heads, query.size(2), query.size(3)),
-        empty_token_major(query, batch, heads, key.size(2), key.size(3)),
-        empty_token_major(query, batch, heads, value.size(2), value.size(3)),
-    )
+    return empty_grad_like(query, query), empty_grad_like(query, key), empty_grad_like(query, value)
 
 
 def _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first):

@@ -39,7 +39,8 @@ def attention(
     Returns:
         ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
         whose keys are all masked yields zeros, never NaN. Differentiable in query, key and
-        value; masks are treated as constants.
+        value, each gradient contiguous where its input is and token-major otherwise (so that
+        autograd keeps a leaf's gradient as it is); masks are treated as constants.
     """
     if softcap is None or softcap == 0:
         # The operator's default: graphs traced without a cap look as they did before it existed.

@@ -159,6 +159,11 @@ at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64
   return at::empty({batch, seqlen, heads, dim}, options).transpose(1, 2);
 }
 
+at::Tensor empty_grad_like(const at::Tensor& input, at::TensorOptions options) {
+  return input.is_contiguous() ? at::empty(input.sizes(), options)
+                               : empty_token_major(input.size(0), input.size(1), input.size(2), input.size(3), options);
+}
+
 at::ScalarType accumulation_dtype(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }

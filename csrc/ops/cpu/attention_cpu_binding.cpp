@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
+  const int64_t seqlen_k = key.size(2);
   TORCH_CHECK(
       !probs.has_value() || probs->sizes() == at::IntArrayRef({batch, heads, seqlen_q, seqlen_k}),
       "attention backward: probs must be [batch, heads, Lq, Lk] = [", batch, ", ", heads, ", ",
@@ -84,9 +84,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const at::Tensor v = kernel_operand(value, acc);
   const at::Tensor grad_out = kernel_operand(grad_output, acc);
   const at::Tensor lse = logsumexp.to(acc).contiguous();
-  at::Tensor grad_q = empty_token_major(batch, heads, seqlen_q, query.size(3), options);
-  at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, key.size(3), options);
-  at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, options);
+  at::Tensor grad_q = empty_grad_like(query, options);
+  at::Tensor grad_k = empty_grad_like(key, options);
+  at::Tensor grad_v = empty_grad_like(value, options);
   const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, acc);
   const auto padding = kernel_padding_mask(key_padding_mask, acc);
 

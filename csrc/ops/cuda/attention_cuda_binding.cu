@@ -121,9 +121,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     at::Tensor expanded = grad_weights->to(acc).expand({batch, heads, seqlen_q, seqlen_k});
     gw = kernel_operand(expanded);
   }
-  at::Tensor grad_q = empty_token_major(batch, heads, seqlen_q, dim, query.options());
-  at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, dim, query.options());
-  at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, query.options());
+  at::Tensor grad_q = empty_grad_like(query, query.options());
+  at::Tensor grad_k = empty_grad_like(key, query.options());
+  at::Tensor grad_v = empty_grad_like(value, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
                             softcap),
