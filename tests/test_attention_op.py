@@ -202,9 +202,10 @@ def test_mask_requiring_grad_is_refused():
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradients_come_in_the_layout_of_their_inputs(device):
     # Contiguous q, k, v (leaves, as in SDPA-style code) get contiguous gradients, which autograd
-    # keeps as .grad as they are: token-major ones cost AccumulateGrad a strided copy each, 3.3 ms
-    # of a 45 ms forward+backward at [1, 4, 1024, 64] on one thread. Token-major inputs (the
-    # layer's heads, views of its projections) keep token-major gradients.
+    # keeps as .grad as they are: token-major ones cost AccumulateGrad a strided copy each,
+    # 3 x 1.1 ms per causal forward+backward at [1, 4, 1024, 64] on one thread
+    # (docs/benchmarks.md). Token-major inputs (the layer's heads, views of its projections)
+    # keep token-major gradients.
     contiguous = [t.detach() for t in qkv(2, 3, 7, 5, 8, device=device)]
     token_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in contiguous]
     for inputs in (contiguous, token_major):
