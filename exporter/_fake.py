@@ -50,12 +50,12 @@ def empty_token_major(like: torch.Tensor, batch, heads, seqlen, dim, dtype=None)
     return like.new_empty((batch, seqlen, heads, dim), dtype=dtype or like.dtype).transpose(1, 2)
 
 
-def empty_grad_like(like: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """The gradient of a [B, H, L, D] input as the C++ empty_grad_like allocates it (like's dtype
-    and device): contiguous where the input is, token-major otherwise."""
-    if input.is_contiguous():
-        return like.new_empty(input.shape)
-    return empty_token_major(like, *input.shape)
+def empty_grad_like(like: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The gradient of a [B, H, L, D] input `source` as the C++ empty_grad_like allocates it
+    (like's dtype and device): contiguous where the input is, token-major otherwise."""
+    if source.is_contiguous():
+        return like.new_empty(source.shape)
+    return empty_token_major(like, *source.shape)
 
 
 def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> None:

@@ -91,9 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   if (grad_weights.has_value() && grad_weights->defined()) {
     gw = kernel_operand(grad_weights->to(acc).expand({batch, heads, seqlen_q, seqlen_k}));
   }
-  at::Tensor grad_q = empty_token_major(batch, heads, seqlen_q, dim, query.options());
-  at::Tensor grad_k = empty_token_major(batch, heads, seqlen_k, dim, query.options());
-  at::Tensor grad_v = empty_token_major(batch, heads, seqlen_k, dim_v, query.options());
+  // The layout of the caller's inputs decides, as in the CUDA binding (the guarded copies may differ).
+  at::Tensor grad_q = empty_grad_like(query_in, query.options());
+  at::Tensor grad_k = empty_grad_like(key_in, query.options());
+  at::Tensor grad_v = empty_grad_like(value_in, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
                             softcap),
