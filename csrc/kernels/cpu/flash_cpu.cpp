@@ -117,24 +117,83 @@ ATTN_EXPORT_INLINE void tail_tile(int64_t rows, int64_t k, typename C::Scalar al
   }
 }
 
+// Which terms of a product causality leaves nonzero, at register-tile granularity, so that the
+// blocks on the diagonal skip the hidden half instead of computing it and masking it away.
+// offset = (the key at the product's key index 0) - (the query at its query index 0); query i
+// sees key j when key j <= query i.
+struct Visible {
+  enum Kind {
+    kAll,
+    // rows are queries, columns keys (S = Q K^T, dP = dO V^T): a tile whose last row sees
+    // none of a column panel is not computed; the caller masks those scores anyway.
+    kColumnsToRow,
+    // rows are queries, the inner dimension keys (O += P V, dQ += dS K): each tile stops at the
+    // last key its last row sees (P and dS are 0 past it).
+    kInnerToRow,
+    // rows are keys, the inner dimension queries (dV += P^T dO, dK += dS^T Q): each tile starts
+    // at the first query that sees its first key.
+    kInnerFromRow,
+  };
+  Kind kind = kAll;
+  int64_t offset = 0;
+};
+
+// The tile of product()'s rows [i, i + rows) (rows = R, or rows < MR = R + 1 for the tail)
+// against its column panel j, over the inner indices that `visible` leaves.
+template <typename C, int R>
+ATTN_EXPORT_INLINE void visible_tile(int64_t rows, int64_t i, int64_t j, int64_t k, typename C::Scalar alpha,
+                                     const typename C::Scalar* a, int64_t ar, int64_t ac,
+                                     const typename C::Scalar* panel, typename C::Scalar* c, int64_t ldc,
+                                     bool accumulate, Visible visible) {
+  int64_t lo = 0, hi = k;
+  if (visible.kind == Visible::kColumnsToRow && j + visible.offset > i + rows - 1) {
+    return;
+  } else if (visible.kind == Visible::kInnerToRow) {
+    hi = std::clamp<int64_t>(i + rows - visible.offset, 0, k);
+  } else if (visible.kind == Visible::kInnerFromRow) {
+    lo = std::clamp<int64_t>(i + visible.offset, 0, k);
+  }
+  if (hi <= lo && accumulate) {
+    return;
+  }
+  a += i * ar + lo * ac;
+  panel += lo * C::NR;
+  c += i * ldc + j;
+  if constexpr (R == C::MR) {
+    tile<C, R>(hi - lo, alpha, a, ar, ac, panel, C::NR, c, ldc, accumulate);
+  } else {
+    tail_tile<C, R>(rows, hi - lo, alpha, a, ar, ac, panel, C::NR, c, ldc, accumulate);
+  }
+}
+
 // C[m, 0:n] (+)= alpha * A B with a(i, p) = a[i * ar + p * ac] (A or, with ar = 1, A^T read
 // from a row-major buffer), n a multiple of kPad, and B packed in column panels of NR
 // (pack_panels): panel q holds columns [q NR, q NR + NR), its rows NR apart, panels
-// `panel_stride` apart.
+// `panel_stride` apart. `visible` restricts the work to the terms causality leaves.
 template <typename C>
 ATTN_EXPORT_INLINE void product(int64_t m, int64_t n, int64_t k, typename C::Scalar alpha,
                                 const typename C::Scalar* a, int64_t ar, int64_t ac, const typename C::Scalar* b,
-                                int64_t panel_stride, typename C::Scalar* c, int64_t ldc, bool accumulate) {
+                                int64_t panel_stride, typename C::Scalar* c, int64_t ldc, bool accumulate,
+                                Visible visible = {}) {
   // Column panels outside: a panel of B (k x NR, contiguous) stays in L1 while the rows of A
   // stream by. Contiguous panels matter: rows of B a power of two apart (a head's K^T, or 128
   // keys) map to a handful of cache sets and evict one another.
   for (int64_t j = 0; j < n; j += C::NR) {
     const typename C::Scalar* panel = b + j / C::NR * panel_stride;
     int64_t i = 0;
-    for (; i + C::MR <= m; i += C::MR) {
-      tile<C, C::MR>(k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+    if (visible.kind == Visible::kAll) {  // all but the diagonal blocks: no checks per tile
+      for (; i + C::MR <= m; i += C::MR) {
+        tile<C, C::MR>(k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+      }
+      tail_tile<C, C::MR - 1>(m - i, k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+      continue;
     }
-    tail_tile<C, C::MR - 1>(m - i, k, alpha, a + i * ar, ar, ac, panel, C::NR, c + i * ldc + j, ldc, accumulate);
+    for (; i + C::MR <= m; i += C::MR) {
+      visible_tile<C, C::MR>(C::MR, i, j, k, alpha, a, ar, ac, panel, c, ldc, accumulate, visible);
+    }
+    if (i < m) {
+      visible_tile<C, C::MR - 1>(m - i, i, j, k, alpha, a, ar, ac, panel, c, ldc, accumulate, visible);
+    }
   }
 }
 
@@ -374,9 +433,12 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;
     }
-    // Columns [cols, cols_pad) are zero padding or keys past a causal end: -inf below either way.
+    // Only the diagonal block has hidden terms: its tiles above the diagonal are skipped.
+    const auto visible = [&](Visible::Kind kind) { return p.is_causal ? Visible{kind, j0 - row0} : Visible{}; };
+    // Columns [cols, cols_pad) are zero padding or keys past a causal end: -inf below either way,
+    // like the scores of the tiles skipped.
     product<C>(rows, cols_pad, dim, static_cast<T>(p.scale), q, p.q_row_stride, 1, w.k_t.data() + j0 * dim,
-               dim * C::NR, s, kKeyBlock, false);
+               dim * C::NR, s, kKeyBlock, false, visible(Visible::kColumnsToRow));
     finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, nullptr);
     // The online softmax in passes over the block's rows rather than row by row: the rows'
     // reductions overlap, and the rescaling is branch-free (a data-dependent branch on whether
@@ -403,7 +465,8 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
       m[r] = m_new[r];
     }
     // P is 0 past cols: the product stops there.
-    product<C>(rows, dv_pad, cols, T(1), s, kKeyBlock, 1, w.v.data() + j0 * C::NR, keys_pad * C::NR, o, dv_pad, true);
+    product<C>(rows, dv_pad, cols, T(1), s, kKeyBlock, 1, w.v.data() + j0 * C::NR, keys_pad * C::NR, o, dv_pad, true,
+               visible(Visible::kInnerToRow));
   }
   T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + row0 * p.out_row_stride;
   T* lse = static_cast<T*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q + row0;
@@ -478,7 +541,11 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
     }
     const T* q_blk = q + row0 * p.q_row_stride;
     const T* dout_blk = dout + row0 * p.grad_out_row_stride;
-    product<C>(rows, cols_pad, dim, scale, q_blk, p.q_row_stride, 1, w.k_t.data(), dim * C::NR, s, kKeyBlock, false);
+    // The blocks on the diagonal skip their hidden terms (product's Visible); the scores and
+    // dS there are set below (-inf, 0), never left to the skipped tiles.
+    const auto visible = [&](Visible::Kind kind) { return p.is_causal ? Visible{kind, j0 - row0} : Visible{}; };
+    product<C>(rows, cols_pad, dim, scale, q_blk, p.q_row_stride, 1, w.k_t.data(), dim * C::NR, s, kKeyBlock, false,
+               visible(Visible::kColumnsToRow));
     finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, raw);
     for (int64_t r = 0; r < rows; ++r) {
       // P = exp(S - lse); a row with no visible key (lse = -inf) has P = 0.
@@ -491,22 +558,26 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
     }
     pack_panels<C>(rows, rows, dim_v, dv_pad, dout_blk, p.grad_out_row_stride, 1, w.dout.data());
     // dV += P^T dO
-    product<C>(cols_pad, dv_pad, rows, T(1), s, 1, kKeyBlock, w.dout.data(), rows * C::NR, dv, dv_pad, true);
+    product<C>(cols_pad, dv_pad, rows, T(1), s, 1, kKeyBlock, w.dout.data(), rows * C::NR, dv, dv_pad, true,
+               visible(Visible::kInnerFromRow));
     // dP = dO V^T, then dS = P * (dP - D) (times the soft-cap's derivative 1 - tanh^2)
     product<C>(rows, cols_pad, dim_v, T(1), dout_blk, p.grad_out_row_stride, 1, w.v_t.data(), dim_v * C::NR, dp,
-               kKeyBlock, false);
+               kKeyBlock, false, visible(Visible::kColumnsToRow));
     for (int64_t r = 0; r < rows; ++r) {
       const T* prob = s + r * kKeyBlock;
       T* ds = dp + r * kKeyBlock;
       const T d = d_row[row0 + r];
+      // The keys causality hides from this row: dS = 0 there, whatever the skipped tiles left.
+      const int64_t end = p.is_causal ? std::clamp<int64_t>(row0 + r + 1 - j0, 0, cols_pad) : cols_pad;
 #pragma omp simd
-      for (int64_t j = 0; j < cols_pad; ++j) {
+      for (int64_t j = 0; j < end; ++j) {
         ds[j] = prob[j] * (ds[j] - d);
       }
+      std::fill(ds + end, ds + cols_pad, T(0));
       if (raw != nullptr) {
         // Masked keys have P = 0, hence dS = 0, and x finite there (no mask is added to it).
         const T* x = raw + r * kKeyBlock;
-        for (int64_t j = 0; j < cols; ++j) {
+        for (int64_t j = 0; j < std::min(cols, end); ++j) {
           const T t = std::tanh(x[j] * inv_cap);
           ds[j] *= T(1) - t * t;
         }
@@ -514,9 +585,10 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
     }
     pack_panels<C>(rows, rows, dim, d_pad, q_blk, p.q_row_stride, 1, w.q.data());
     // dK += scale dS^T Q, dQ += scale dS K
-    product<C>(cols_pad, d_pad, rows, scale, dp, 1, kKeyBlock, w.q.data(), rows * C::NR, dk, d_pad, true);
+    product<C>(cols_pad, d_pad, rows, scale, dp, 1, kKeyBlock, w.q.data(), rows * C::NR, dk, d_pad, true,
+               visible(Visible::kInnerFromRow));
     product<C>(rows, d_pad, cols, scale, dp, kKeyBlock, 1, w.k.data(), cols_pad * C::NR, dq + row0 * d_pad, d_pad,
-               true);
+               true, visible(Visible::kInnerToRow));
   }
   T* grad_k = static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride + j0 * p.grad_k_row_stride;
   T* grad_v = static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride + j0 * p.grad_v_row_stride;
