@@ -42,7 +42,9 @@ constexpr int64_t kQueryBlock = 64;
 // Keys per block: K^T and V of a block at head dim 64 are 32 KiB each, within L2 next to the
 // scores; long enough rows for the softmax's vector passes to amortize their reductions.
 constexpr int64_t kKeyBlock = 128;
-// Column padding of every packed operand: a multiple of each instruction set's tile width.
+// Column padding that suits every instruction set's tile width: the per-thread buffers are sized
+// with it. The loops pad the keys only to their own tile width (Tiles::pad): at 16 keys the
+// AVX2 kernels would otherwise compute twice the scores they need.
 constexpr int64_t kPad = 32;
 
 int64_t padded(int64_t n) {
@@ -61,6 +63,8 @@ struct Tiles {
   static constexpr int W = W_, MR = MR_, NV = NV_, NR = W_ * NV_;
   typedef T V __attribute__((vector_size(W_ * sizeof(T))));
   static_assert(kPad % NR == 0, "the padding must hold whole tiles");
+  // n rounded up to whole column panels.
+  static int64_t pad(int64_t n) { return (n + NR - 1) / NR * NR; }
 };
 
 // c[r, 0:NR] (+)= alpha * sum_p a(r, p) b[p, 0:NR] for r < R, a(r, p) = a[r * ar + p * ac]:
@@ -167,7 +171,7 @@ ATTN_EXPORT_INLINE void visible_tile(int64_t rows, int64_t i, int64_t j, int64_t
 }
 
 // C[m, 0:n] (+)= alpha * A B with a(i, p) = a[i * ar + p * ac] (A or, with ar = 1, A^T read
-// from a row-major buffer), n a multiple of kPad, and B packed in column panels of NR
+// from a row-major buffer), n a multiple of NR, and B packed in column panels of NR
 // (pack_panels): panel q holds columns [q NR, q NR + NR), its rows NR apart, panels
 // `panel_stride` apart. `visible` restricts the work to the terms causality leaves.
 template <typename C>
@@ -323,7 +327,7 @@ ATTN_EXPORT_INLINE typename C::V exp_vector(typename C::V x) {
   return rows::exp_approx_vector<typename C::V, VI>(x);
 }
 
-// Row maximum over n (a multiple of kPad) values.
+// Row maximum over n (a multiple of NR) values.
 template <typename C>
 ATTN_EXPORT_INLINE typename C::Scalar row_max(const typename C::Scalar* x, int64_t n) {
   using T = typename C::Scalar;
@@ -341,7 +345,7 @@ ATTN_EXPORT_INLINE typename C::Scalar row_max(const typename C::Scalar* x, int64
   return m;
 }
 
-// x = exp(x - shift) over n (a multiple of kPad) values; returns their sum. -inf becomes 0.
+// x = exp(x - shift) over n (a multiple of NR) values; returns their sum. -inf becomes 0.
 template <typename C>
 ATTN_EXPORT_INLINE typename C::Scalar exp_shifted(typename C::Scalar* x, int64_t n, typename C::Scalar shift) {
   using T = typename C::Scalar;
@@ -399,7 +403,7 @@ struct ForwardScratch {
   ForwardScratch(const AttentionParams& p)
       : k_t(p.head_dim * padded(p.seqlen_k)),
         v(padded(p.seqlen_k) * padded(p.head_dim_v)),
-        s(kQueryBlock * kKeyBlock),
+        s(std::min(kQueryBlock, p.seqlen_q) * kKeyBlock),
         o(kQueryBlock * padded(p.head_dim_v)),
         m(kQueryBlock),
         l(kQueryBlock),
@@ -420,7 +424,7 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
   std::fill(o, o + rows * dv_pad, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
-  const int64_t keys_pad = padded(p.seqlen_k);
+  const int64_t keys_pad = C::pad(p.seqlen_k);
   if (w.head != b * p.num_heads + h) {
     pack_panels<C>(dim, dim, p.seqlen_k, keys_pad, k, 1, p.k_row_stride, w.k_t.data());
     pack_panels<C>(p.seqlen_k, keys_pad, dim_v, dv_pad, v, p.v_row_stride, 1, w.v.data());
@@ -429,7 +433,7 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
   // Top-left causal alignment: the block's last row sees keys [0, row0 + rows).
   const int64_t key_end = p.is_causal ? std::min(p.seqlen_k, row0 + rows) : p.seqlen_k;
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
-    const int64_t cols = std::min(kKeyBlock, key_end - j0), cols_pad = padded(cols);
+    const int64_t cols = std::min(kKeyBlock, key_end - j0), cols_pad = C::pad(cols);
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;
     }
@@ -501,9 +505,9 @@ struct BackwardScratch {
         k(kKeyBlock * padded(p.head_dim)),
         q(kQueryBlock * padded(p.head_dim)),
         dout(kQueryBlock * padded(p.head_dim_v)),
-        s(kQueryBlock * kKeyBlock),
-        raw(p.softcap > 0 ? kQueryBlock * kKeyBlock : 0),
-        dp(kQueryBlock * kKeyBlock),
+        s(std::min(kQueryBlock, p.seqlen_q) * kKeyBlock),
+        raw(p.softcap > 0 ? std::min(kQueryBlock, p.seqlen_q) * kKeyBlock : 0),
+        dp(std::min(kQueryBlock, p.seqlen_q) * kKeyBlock),
         dk(kKeyBlock * padded(p.head_dim)),
         dv(kKeyBlock * padded(p.head_dim_v)) {}
 };
@@ -517,7 +521,7 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
                                        BackwardScratch<typename C::Scalar>& w) {
   using T = typename C::Scalar;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v, d_pad = padded(dim), dv_pad = padded(dim_v);
-  const int64_t cols_pad = padded(cols);
+  const int64_t cols_pad = C::pad(cols);
   const T scale = static_cast<T>(p.scale);
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + j0 * p.k_row_stride;
