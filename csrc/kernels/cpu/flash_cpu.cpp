@@ -4,7 +4,9 @@
 // visible keys in blocks of kKeyBlock: S = scale * Q K^T for the block (K packed transposed, a
 // register-tiled product), soft-cap, masks, then the online softmax (running max m, running sum
 // l, the output accumulator rescaled by exp(m_old - m_new)) and O += P V. Blocks that causality
-// hides are never visited; blocks that the boolean masks hide entirely are skipped.
+// hides are never visited; blocks that the boolean masks hide entirely are skipped; on the
+// blocks that straddle the causal diagonal, forward and backward, the products skip the
+// register tiles causality hides (Visible).
 //
 // Backward: one task per (batch, head, key block), so that a task owns its rows of dK and dV
 // and accumulates them in its scratch without synchronization. For each query block that sees
