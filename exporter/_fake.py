@@ -108,19 +108,15 @@ def check_attention_masks(batch, heads, seqlen_q, seqlen_k, device, attn_mask, k
             m.device == device,
             lambda: f"attention: attn_mask must be on the query's device {device}; got {m.device}",
         )
-        ok_tail = m.dim() >= 2 and m.size(-2) == seqlen_q and m.size(-1) == seqlen_k
-        ok_lead = (
-            m.dim() == 2
-            or (m.dim() == 3 and (m.size(0) == 1 or m.size(0) == batch * heads))
-            or (
-                m.dim() == 4
-                and (m.size(0) == 1 or m.size(0) == batch)
-                and (m.size(1) == 1 or m.size(1) == heads)
-            )
-        )
+        target = (batch, heads, seqlen_q, seqlen_k)
+        # nn.MultiheadAttention's [batch*heads, Lq, Lk], or PyTorch's broadcasting to
+        # [batch, heads, Lq, Lk] (the masks F.scaled_dot_product_attention takes), as the C++ checks.
+        flat = m.dim() == 3 and batch * heads != 1 and tuple(m.shape) == (batch * heads, seqlen_q, seqlen_k)
+        broadcasts = m.dim() <= 4 and all(
+            size == 1 or size == want for size, want in zip(reversed(m.shape), reversed(target)))
         torch._check(
-            ok_tail and ok_lead,
-            lambda: "attention: attn_mask must be [Lq, Lk], [batch*heads, Lq, Lk] or broadcastable to "
+            flat or broadcasts,
+            lambda: "attention: attn_mask must be [batch*heads, Lq, Lk] or broadcastable to "
             f"[batch, heads, Lq, Lk] = [{batch}, {heads}, {seqlen_q}, {seqlen_k}]; got {_sizes(m)}",
         )
     if key_padding_mask is not None:

@@ -64,6 +64,33 @@ void check_attention_inputs(
                         attn_mask, key_padding_mask);
 }
 
+namespace {
+
+// nn.MultiheadAttention's per-(batch, head) mask [batch*heads, Lq, Lk], batch-major. Where
+// batch*heads is 1 it is also the broadcasting reading, which then applies.
+bool is_flat_batch_heads_mask(const at::Tensor& m, int64_t batch, int64_t heads, int64_t seqlen_q,
+                              int64_t seqlen_k) {
+  return m.dim() == 3 && batch * heads != 1 && m.size(0) == batch * heads && m.size(1) == seqlen_q &&
+      m.size(2) == seqlen_k;
+}
+
+// PyTorch's broadcasting (F.scaled_dot_product_attention's rule for masks): aligned from the
+// last dim, each size 1 or the target's.
+bool broadcasts_to(const at::Tensor& m, at::IntArrayRef target) {
+  if (m.dim() > static_cast<int64_t>(target.size())) {
+    return false;
+  }
+  for (int64_t i = 1; i <= m.dim(); ++i) {
+    const int64_t size = m.size(-i), want = target[target.size() - i];
+    if (size != 1 && size != want) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void check_attention_masks(
     int64_t batch,
     int64_t heads,
@@ -80,14 +107,10 @@ void check_attention_masks(
     TORCH_CHECK(
         m.device() == device,
         "attention: attn_mask must be on the query's device ", device, "; got ", m.device());
-    const bool ok_tail = m.dim() >= 2 && m.size(-2) == seqlen_q && m.size(-1) == seqlen_k;
-    const bool ok_lead = (m.dim() == 2) ||
-        (m.dim() == 3 && (m.size(0) == 1 || m.size(0) == batch * heads)) ||
-        (m.dim() == 4 && (m.size(0) == 1 || m.size(0) == batch) &&
-         (m.size(1) == 1 || m.size(1) == heads));
     TORCH_CHECK(
-        ok_tail && ok_lead,
-        "attention: attn_mask must be [Lq, Lk], [batch*heads, Lq, Lk] or broadcastable to "
+        is_flat_batch_heads_mask(m, batch, heads, seqlen_q, seqlen_k) ||
+            broadcasts_to(m, {batch, heads, seqlen_q, seqlen_k}),
+        "attention: attn_mask must be [batch*heads, Lq, Lk] or broadcastable to "
         "[batch, heads, Lq, Lk] = [",
         batch, ", ", heads, ", ", seqlen_q, ", ", seqlen_k, "]; got ", m.sizes());
   }
@@ -140,18 +163,12 @@ void check_softcap(double softcap) {
               "attention: softcap must be finite and >= 0 (0 = off); got ", softcap);
 }
 
-at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads) {
-  const int64_t seqlen_q = mask.size(-2), seqlen_k = mask.size(-1);
-  at::Tensor m4;
-  if (mask.dim() == 2) {
-    m4 = mask.view({1, 1, seqlen_q, seqlen_k});
-  } else if (mask.dim() == 3) {
-    // nn.MultiheadAttention's per (batch, head) mask: [batch*heads, Lq, Lk], batch-major.
-    m4 = mask.size(0) == 1 ? mask.unsqueeze(0) : mask.reshape({batch, heads, seqlen_q, seqlen_k});
-  } else {
-    m4 = mask;
+at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t seqlen_q,
+                               int64_t seqlen_k) {
+  if (is_flat_batch_heads_mask(mask, batch, heads, seqlen_q, seqlen_k)) {
+    return mask.reshape({batch, heads, seqlen_q, seqlen_k});
   }
-  return m4.expand({batch, heads, seqlen_q, seqlen_k});
+  return mask.expand({batch, heads, seqlen_q, seqlen_k});  // stride 0 where it broadcasts
 }
 
 at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64_t dim,
@@ -198,11 +215,12 @@ at::Tensor mask_in(const at::Tensor& mask, std::optional<at::ScalarType> dtype) 
 }  // namespace
 
 std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
-                                           int64_t heads, std::optional<at::ScalarType> dtype) {
+                                           int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                           std::optional<at::ScalarType> dtype) {
   if (!mask.has_value()) {
     return std::nullopt;
   }
-  return broadcast_attn_mask(mask_in(*mask, dtype), batch, heads);
+  return broadcast_attn_mask(mask_in(*mask, dtype), batch, heads, seqlen_q, seqlen_k);
 }
 
 std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
@@ -242,7 +260,7 @@ AttentionForward prepare_attention_forward(
   if (need_weights) {
     f.weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
   }
-  f.attn_mask = kernel_attn_mask(attn_mask, batch, heads, mask_dtype);
+  f.attn_mask = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k, mask_dtype);
   f.key_padding_mask = kernel_padding_mask(key_padding_mask, mask_dtype);
   f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask,
                                    resolve_scale(scale, query.size(3)), is_causal, softcap);
@@ -269,7 +287,7 @@ AttentionParams make_attention_params(
     bool is_causal,
     double softcap) {
   for (const at::Tensor* t : {&q, &k, &v, &out}) {
-    TORCH_INTERNAL_ASSERT(t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
+    TORCH_INTERNAL_ASSERT(t->numel() == 0 || t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
   }
   AttentionParams p;
   p.batch = q.size(0);
@@ -311,14 +329,14 @@ AttentionBackwardParams make_attention_backward_params(
     const at::Tensor& grad_k,
     const at::Tensor& grad_v) {
   for (const at::Tensor* t : {&grad_out, &grad_q, &grad_k, &grad_v}) {
-    TORCH_INTERNAL_ASSERT(t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
+    TORCH_INTERNAL_ASSERT(t->numel() == 0 || t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
   }
   AttentionBackwardParams p;
   static_cast<AttentionParams&>(p) = forward;
   point_at(p.grad_out, p.grad_out_batch_stride, p.grad_out_head_stride, p.grad_out_row_stride, grad_out);
   if (grad_weights.has_value()) {
     const at::Tensor& gw = *grad_weights;
-    TORCH_INTERNAL_ASSERT(gw.size(3) <= 1 || gw.stride(3) == 1, "last dim must be contiguous");
+    TORCH_INTERNAL_ASSERT(gw.numel() == 0 || gw.size(3) <= 1 || gw.stride(3) == 1, "last dim must be contiguous");
     point_at(p.grad_weights, p.grad_weights_batch_stride, p.grad_weights_head_stride,
              p.grad_weights_row_stride, gw);
   }

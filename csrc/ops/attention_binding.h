@@ -48,9 +48,11 @@ double resolve_scale(std::optional<double> scale, int64_t head_dim);
 // Validates a logit soft-cap: finite and >= 0 (0 = off). The fake kernels raise the same message.
 void check_softcap(double softcap);
 
-// An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts 2-D
-// [Lq, Lk], 3-D [B*H or 1, Lq, Lk] and 4-D masks broadcastable to [B, H, Lq, Lk].
-at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads);
+// An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts
+// nn.MultiheadAttention's 3-D [B*H, Lq, Lk] and any mask broadcastable to [B, H, Lq, Lk] (the
+// masks F.scaled_dot_product_attention takes); check_attention_masks has refused the rest.
+at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t seqlen_q,
+                               int64_t seqlen_k);
 
 // A [batch, heads, seqlen, dim] tensor whose memory is token-major, [batch, seqlen, heads, dim]:
 // the layout of every [B, H, L, D] result of the kernels. Merging the heads back into
@@ -88,7 +90,8 @@ at::Tensor kernel_operand(const at::Tensor& t, std::optional<at::ScalarType> dty
 // (broadcast_attn_mask); with `dtype`, a floating mask converted to it (bool masks stay bool:
 // the kernels read them as bytes).
 std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask, int64_t batch,
-                                           int64_t heads, std::optional<at::ScalarType> dtype = std::nullopt);
+                                           int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                           std::optional<at::ScalarType> dtype = std::nullopt);
 std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
                                               std::optional<at::ScalarType> dtype = std::nullopt);
 

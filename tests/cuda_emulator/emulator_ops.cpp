@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads);
+  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k);
 
   at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
   {

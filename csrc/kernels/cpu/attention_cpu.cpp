@@ -239,7 +239,9 @@ void attention_forward_kernel(const AttentionParams& p) {
           if (!in_place) {
             std::copy(s + r * ld, s + r * ld + cols, w);
           }
-          std::fill(w + (in_place ? padded_cols(cols) : cols), w + seqlen_k, T(0));
+          // From cols, not padded_cols(cols): the softmax may leave the padding's -inf in
+          // place (the float64 path writes only the visible columns).
+          std::fill(w + cols, w + seqlen_k, T(0));
         }
       }
     }

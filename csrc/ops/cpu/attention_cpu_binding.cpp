@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   at::Tensor grad_q = empty_grad_like(query, options);
   at::Tensor grad_k = empty_grad_like(key, options);
   at::Tensor grad_v = empty_grad_like(value, options);
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, acc);
+  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k, acc);
   const auto padding = kernel_padding_mask(key_padding_mask, acc);
 
   std::optional<at::Tensor> gw;

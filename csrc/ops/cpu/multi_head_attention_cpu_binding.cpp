@@ -80,7 +80,7 @@ CoreInputs fill_core_params(AttentionParams& p, const MultiHeadAttentionArgs& a,
   point(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, q);
   point(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, k);
   point(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, v);
-  CoreInputs inputs{kernel_attn_mask(a.attn_mask, g.batch, g.heads, acc),
+  CoreInputs inputs{kernel_attn_mask(a.attn_mask, g.batch, g.heads, g.seqlen_q, g.seqlen_k, acc),
                     kernel_padding_mask(batched_padding_mask(a), acc)};
   if (inputs.attn_mask.has_value()) {
     p.attn_mask = mask_params(*inputs.attn_mask, /*is_key_padding=*/false);

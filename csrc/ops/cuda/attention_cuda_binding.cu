@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
   // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads);
+  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k);
 
   // The kernels need the forward's output O for rowsum(dO * O). The autograd functions pass
   // the saved one; a caller that does not is served by one more forward pass, O(L) memory.
