@@ -159,3 +159,42 @@ def test_float64_self_attention_weights_one_head(seqlen):
     _, w = fused(x, x, x, attn_mask=mask, is_causal=True)
     _, w_ref = ref(x, x, x, attn_mask=mask)
     assert_parity(w, w_ref, 1e-12, "weights")
+
+
+# ------------------------------------------------------------------------------------------
+# The same masks through the ONNX export (the node's mask input stays 4-D)
+# ------------------------------------------------------------------------------------------
+
+class _Core(nn.Module):
+    def forward(self, q, k, v, mask):
+        return attn_export.attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", [(B, 1, 1, LK), (LK,), (LQ, 1), (H, LQ, LK), (1, 1, LK), (B * H, LQ, LK)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_every_mask_rank_exports_and_runs_in_onnx_runtime(shape, kind, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    from attn_export.onnx_export import export_onnx
+
+    # Declared dynamic: the batch (where the mask has it) and the key length (the mask's last
+    # dim where it is not 1).
+    def mask_axes(s):
+        axes = {len(s) - 1: "seq"} if s[-1] == LK else {}
+        return {**axes, 0: "batch"} if len(s) == 4 and s[0] == B else axes
+
+    flat = shape[0] == B * H  # its first dim is batch*heads: the batch stays static
+    batch_axis = {} if flat else {0: "batch"}
+    dynamic = {"q": batch_axis, "k": {**batch_axis, 2: "seq"}, "v": {**batch_axis, 2: "seq"}, "mask": mask_axes(shape)}
+    q, k, v = qkv(B, H, LQ, LK, D)
+    path = tmp_path / "core.onnx"
+    export_onnx(_Core(), {"q": q, "k": k, "v": v, "mask": _mask(shape, kind)}, path, dynamic_axes=dynamic)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, seqlen_k in [(B, LK), (B, 11)] if flat else [(B, LK), (4, 11)]:
+        q, k, v = qkv(batch, H, LQ, seqlen_k, D)
+        s = tuple(batch if (len(shape) == 4 and i == 0 and d == B) else (seqlen_k if d == LK and i == len(shape) - 1 else d)
+                  for i, d in enumerate(shape))
+        mask = _mask(s, kind)
+        got = session.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "mask": mask.numpy()})[0]
+        assert_parity(torch.from_numpy(got), reference_attention(q, k, v, attn_mask=mask)[0], 2e-6,
+                      f"ONNX Runtime at batch {batch}, Lk {seqlen_k}")

@@ -69,16 +69,15 @@ def _mask_inputs(op, key_padding_mask, attn_mask, num_heads: int):
     else:
         mask = _additive_mask(op, attn_mask)
         rank = len(attn_mask.shape)
-        if rank == 2:  # [Lq, Lk]
-            mask = op.Unsqueeze(mask, _const(op, [0, 1]))
-        elif rank == 3:  # [B*H, Lq, Lk] (or [1, Lq, Lk])
-            if attn_mask.shape[0] == 1:
-                mask = op.Unsqueeze(mask, _const(op, [0]))
-            else:
-                tail = op.Shape(mask, start=1)
-                mask = op.Reshape(mask, op.Concat(_const(op, [-1, num_heads]), tail, axis=0))
+        if rank == 3 and attn_mask.shape[0] not in (1, num_heads):
+            # nn.MultiheadAttention's [B*H, Lq, Lk] (the operator's reading of a 3-D mask whose
+            # first dim is neither 1 nor the heads).
+            tail = op.Shape(mask, start=1)
+            mask = op.Reshape(mask, op.Concat(_const(op, [-1, num_heads]), tail, axis=0))
+        elif rank < 4:  # broadcast from the last dim, as in F.scaled_dot_product_attention
+            mask = op.Unsqueeze(mask, _const(op, list(range(4 - rank))))
         elif rank != 4:
-            raise ExportError(f"attn_mask of rank {rank} is not supported")
+            raise ExportError(f"attn_mask of rank {rank} is not supported; masks broadcast to [B, H, Lq, Lk]")
     return kpm, mask, key_padding_mask is not None, attn_mask is not None
 
 
