@@ -15,7 +15,8 @@ def _seed():
 # starting with these leaves only short files for the end, so neither worker idles while the
 # other finishes a long one.
 LONGEST_FIRST = (
-    "test_cuda_emulator.py", "test_hf_zoo.py", "test_module_conformance.py", "test_attention_op.py",
+    "test_cuda_emulator.py", "test_hf_zoo.py", "test_module_conformance.py", "test_instruction_sets.py",
+    "test_attention_op.py",
     "test_distributed.py", "test_cuda_build.py", "test_onnx_standard.py", "test_hf.py", "test_cli.py",
     "test_onnx_export.py",
 )

@@ -17,6 +17,9 @@ from helpers import (
     reference_attention,
 )
 
+# Run again under every lower instruction set the CPU has (tests/test_instruction_sets.py).
+pytestmark = pytest.mark.kernels
+
 ops = torch.ops.attn_export
 f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 

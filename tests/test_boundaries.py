@@ -13,6 +13,9 @@ import attn_export
 from attn_export import FusedMultiheadAttention
 from helpers import assert_parity, qkv, reference_attention
 
+# Run again under every lower instruction set the CPU has (tests/test_instruction_sets.py).
+pytestmark = pytest.mark.kernels
+
 B, H, LQ, LK, D = 2, 3, 5, 7, 8
 
 # Every rank and every subset of size-1 dims that broadcasts to [B, H, Lq, Lk] (SDPA's own rule;

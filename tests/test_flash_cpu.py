@@ -1,18 +1,17 @@
 """The flash-style CPU core (csrc/kernels/cpu/flash_cpu.cpp) where its structure could go wrong:
 key blocks that the masks hide entirely (skipped), causality across query and key blocks with
 Lq != Lk, dQ summed over key blocks that different threads own, float64 gradcheck across
-blocks, and every instruction-set path the machine can run. References: the float64 definition
+blocks (every instruction set the machine has: tests/test_instruction_sets.py). References: the float64 definition
 (helpers.reference_attention) and torch.autograd.gradcheck."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import attn_export
 from helpers import check_core, padding_mask
+
+# Run again under every lower instruction set the CPU has (tests/test_instruction_sets.py).
+pytestmark = pytest.mark.kernels
 
 f32, f64 = torch.float32, torch.float64
 # The kernel's blocks: 64 query rows, 128 keys.
@@ -70,18 +69,6 @@ def test_gradcheck_across_blocks_float64(seqlen_q, seqlen_k, causal):
     assert torch.autograd.gradcheck(lambda q, k, v: attn_export.attention(q, k, v, **masks), (q, k, v), fast_mode=True)
 
 
-# Instruction sets below the machine's best, which the kernels run when forced to
-# (ATTN_EXPORT_CPU_ISA); the best runs in every other test.
-def _lower_isas():
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    lower = ["generic"] if {"avx2", "fma"} <= flags else []
-    return lower + (["avx2"] if "avx512f" in flags else [])
-
-
 def _softmax_of_scores(path, x):
     """softmax(x) over the last dim of x [B, Lk] as the kernels compute it: one query of head
     dim 1 (q = 1, scale 1, so the scores are x exactly). "flash": the core, with V = I so that
@@ -113,15 +100,3 @@ def test_softmax_exponentials_within_a_few_ulp_of_float64(path, Lk):
     ref = torch.softmax(x.double(), dim=-1)
     rel = ((p - ref).abs() / ref).max().item()
     assert rel < 4e-7, f"{path}: max relative error {rel:.3g}"
-
-
-@pytest.mark.skipif(not _lower_isas(), reason="this CPU runs only the generic kernels, which every test runs")
-@pytest.mark.parametrize("isa", _lower_isas())
-def test_every_instruction_set_path(isa):
-    tests = Path(__file__).parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", str(Path(__file__)),
-         "-k", "hidden_blocks or causal_across or different_threads or exponentials"],
-        capture_output=True, text=True, timeout=300, cwd=tests.parent,
-        env={**os.environ, "ATTN_EXPORT_CPU_ISA": isa})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -37,6 +37,9 @@ import torch
 from attn_export import FusedMultiheadAttention
 from helpers import EPS, make_pair
 
+# Run again under every lower instruction set the CPU has (tests/test_instruction_sets.py).
+pytestmark = pytest.mark.kernels
+
 CONFIGS = 3000
 CHUNK = 100
 BASE_SEED = 18_000
