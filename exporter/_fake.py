@@ -207,10 +207,14 @@ def check_multi_head_attention_inputs(
             f"input); got {_sizes(m)} for key {_sizes(key)}",
         )
     if attn_mask is not None:
+        m, batched = attn_mask, query.dim() == 3
+        seq_dim = 1 if batched and batch_first else 0
+        batch = query.size(0 if batch_first else 1) if batched else 1
         torch._check(
-            attn_mask.dim() in (2, 3),
+            (m.dim() == 2 or (m.dim() == 3 and (m.size(0) == 1 or m.size(0) == batch * num_heads)))
+            and m.size(-2) == query.size(seq_dim) and m.size(-1) == key.size(seq_dim),
             lambda: "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
-            f"got {_sizes(attn_mask)}",
+            f"got {_sizes(m)} for query {_sizes(query)} and key {_sizes(key)}",
         )
     torch._check(
         not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),

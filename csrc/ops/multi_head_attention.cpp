@@ -153,10 +153,17 @@ void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& a, bool pac
         "input); got ", m.sizes(), " for key ", a.key.sizes());
   }
   if (a.attn_mask.has_value()) {
+    // nn.MultiheadAttention's shapes, exactly (plus [1, Lq, Lk]): the core op's broadcasting
+    // would read a [num_heads, Lq, Lk] mask per head, where stock refuses it.
+    const at::Tensor& m = *a.attn_mask;
+    const bool batched = query.dim() == 3;
+    const int64_t seq_dim = batched && !a.batch_first ? 0 : (batched ? 1 : 0);
+    const c10::SymInt batch = batched ? query.sym_size(a.batch_first ? 0 : 1) : c10::SymInt(1);
     TORCH_CHECK(
-        a.attn_mask->dim() == 2 || a.attn_mask->dim() == 3,
+        (m.dim() == 2 || (m.dim() == 3 && (m.sym_size(0) == 1 || m.sym_size(0) == batch * a.num_heads))) &&
+            m.sym_size(-2) == query.sym_size(seq_dim) && m.sym_size(-1) == a.key.sym_size(seq_dim),
         "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
-        "got ", a.attn_mask->sizes());
+        "got ", m.sizes(), " for query ", query.sizes(), " and key ", a.key.sizes());
   }
   TORCH_CHECK(
       !packed_qkv || (a.key.sym_sizes() == query.sym_sizes() && a.value.sym_sizes() == query.sym_sizes()),
