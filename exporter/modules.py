@@ -53,10 +53,42 @@ def fusion_notes(module: nn.MultiheadAttention) -> List[str]:
             "(attn_export::attention)"]
 
 
-def _check_inputs(module, query, key, value, key_padding_mask, attn_mask) -> None:
-    """Raises where nn.MultiheadAttention raises AssertionError, with the same type (callers
-    catch it) and a message that says what to pass instead. Only the checks stock asserts:
-    everything else is left to the operators' own checks, RuntimeError as in stock."""
+def _stock_error(module, call: dict) -> Optional[Exception]:
+    """The exception nn.MultiheadAttention raises on the same call (same parameters, training
+    mode and grad mode, so its eval fast path's checks too), or None where stock accepts it.
+    Asked only on the failure path: the drop-in's errors are stock's, type and message."""
+    stock = module.to_module()
+    try:
+        stock(**call)
+    except Exception as error:  # noqa: BLE001 (whatever stock raises is the answer)
+        return error
+    return None
+
+
+def _forward_call(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
+    """A forward call's arguments by name (for _stock_error; built on failure paths only)."""
+    return dict(query=query, key=key, value=value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+
+
+def _check_inputs(module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                  is_causal) -> None:
+    """Raises stock's exception where nn.MultiheadAttention asserts on these inputs (the
+    forward's arguments). Nested tensors get this module's own AssertionError, which
+    names the fix (stock's fast path takes some of them, this module none)."""
+    try:
+        _assert_inputs(module, query, key, value, key_padding_mask, attn_mask)
+    except AssertionError as ours:
+        if any(x.is_nested for x in (query, key, value)):
+            raise
+        call = _forward_call(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                             is_causal)
+        raise _stock_error(module, call) or ours from None
+
+
+def _assert_inputs(module, query, key, value, key_padding_mask, attn_mask) -> None:
+    """Raises where nn.MultiheadAttention raises AssertionError, with the same type. Only the
+    checks stock asserts: everything else is left to the operators' own checks."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.is_nested:
             raise AssertionError(
@@ -98,6 +130,16 @@ def _check_inputs(module, query, key, value, key_padding_mask, attn_mask) -> Non
             raise AssertionError(
                 f"expecting key_padding_mask shape of {[*batch, key.size(seq_dim)]}, "
                 f"but got {list(key_padding_mask.shape)}"
+            )
+    if attn_mask is not None:
+        # nn.MultiheadAttention's mask shapes exactly (plus [1, Lq, Lk]), not the core op's
+        # broadcasting, which the configurations projected in PyTorch reach.
+        rows = (key.size(1 - seq_dim) if batched else 1) * module.num_heads
+        tail = tuple(attn_mask.shape[-2:]) == (query.size(seq_dim), key.size(seq_dim))
+        if not tail or (attn_mask.dim() == 3 and attn_mask.size(0) not in (1, rows)):
+            raise AssertionError(
+                f"attn_mask must be [Lq, Lk] or [batch*num_heads, Lq, Lk] = [{rows}, {query.size(seq_dim)}, "
+                f"{key.size(seq_dim)}]; got {list(attn_mask.shape)}"
             )
     if not batched and attn_mask is not None and attn_mask.dim() == 3:
         expected = [module.num_heads, query.size(0), key.size(0)]
@@ -319,12 +361,17 @@ class FusedMultiheadAttention(nn.Module):
             )
         in_proj_weight = self.in_proj_weight
         if in_proj_weight is None or self.bias_k is not None or self.add_zero_attn:
-            return self._core_forward(
-                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-            )
+            try:
+                return self._core_forward(
+                    query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+                )
+            except RuntimeError as refused:  # the core op's checks: stock's error where stock refuses too
+                call = _forward_call(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                     average_attn_weights, is_causal)
+                raise _stock_error(self, call) or refused from None
         # The operator is called directly, positionally: on small inputs every microsecond of
         # Python overhead shows. Its checks raise RuntimeError; where nn.MultiheadAttention
-        # asserts instead, _check_inputs says so with the stock type, on the failure path only.
+        # asserts instead, _check_inputs raises stock's error, on the failure path only.
         out_proj = self.out_proj
         try:
             output, weights = _MULTI_HEAD_ATTENTION(
@@ -332,10 +379,13 @@ class FusedMultiheadAttention(nn.Module):
                 out_proj.weight, out_proj.bias, attn_mask, key_padding_mask, need_weights,
                 average_attn_weights, is_causal, self.batch_first,
             )
-        except RuntimeError:  # NotImplementedError (nested tensors) included
-            _check_inputs(self, query, key, value, key_padding_mask, attn_mask)
+        except RuntimeError as refused:  # NotImplementedError (nested tensors) included
+            call = _forward_call(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                                 is_causal)
+            _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                          is_causal)
             if not _mixed_dtypes(query, key, value, in_proj_weight, self.in_proj_bias, out_proj.weight, out_proj.bias):
-                raise
+                raise _stock_error(self, call) or refused from None
             # The operator wants one dtype; nn.MultiheadAttention promotes where F.linear does
             # (e.g. a float16 bias on a float64 batch_first layer), so the core path, which
             # projects with F.linear as stock does, gives stock's result or stock's error.
@@ -355,7 +405,8 @@ class FusedMultiheadAttention(nn.Module):
         """Separate q/k/v weights, add_bias_kv, add_zero_attn: the projections and the appended
         key/value rows in PyTorch, the attention on the core operator (``attn_export::attention``,
         which exports as one FusedAttention node)."""
-        _check_inputs(self, query, key, value, key_padding_mask, attn_mask)
+        _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                      is_causal)
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
