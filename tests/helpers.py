@@ -69,9 +69,10 @@ def assert_rel_close(actual, expected, rel: float, what: str = "", *, scale=None
     assert_parity(actual, expected, rel, what, scale=scale, n=n)
 
 
-def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.float32):
+def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.float32, add_bias_kv=False):
     """A stock nn.MultiheadAttention and a fused layer sharing its parameters."""
-    ref = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=batch_first, dtype=dtype)
+    ref = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=batch_first, dtype=dtype,
+                                add_bias_kv=add_bias_kv)
     with torch.no_grad():  # non-zero biases so that bias gradients are exercised
         for p in ref.parameters():
             if p.dim() == 1:

@@ -7,7 +7,9 @@ Covered at random: self and cross attention (key is value or not), batch_first b
 and off, attention masks none / bool / float / 3-D [B*H, L, S], key padding bool / float,
 causal (is_causal=True with the exact causal mask, as nn.MultiheadAttention requires), fully
 masked rows, need_weights with average_attn_weights both, odd sizes, batch 1, sequence 1,
-unbatched 2-D inputs; float32 and float64, and a few bfloat16.
+unbatched 2-D inputs, zero-size batches, lengths at and around the tile widths (16, 32),
+add_bias_kv (with fully masked rows: they then see the bias key only), inputs passed as
+non-contiguous views; float32 and float64, and a few bfloat16.
 
 Each configuration is drawn from its own seed (random.Random(seed) for the configuration,
 torch.Generator(seed) for the tensors), so a failure names the configuration and the seed, and
@@ -15,10 +17,11 @@ torch.Generator(seed) for the tensors), so a failure names the configuration and
 
 Tolerances. float32/float64: FUZZ_C x eps x sqrt(n), n the longest reduction (embed dim, key
 length, batch x query length for the weight gradients), relative to each tensor's own scale
-(max |reference|); that scale is floored at FLOOR x the largest gradient of the configuration,
-so that a mathematically-zero gradient (the query input when every query sees one key, the
-key part of in_proj_bias, keys nobody sees) is held to an absolute bound at a typical scale
-instead of its own rounding noise. bfloat16: at most 2x the error of the stock module run in
+(max |reference|); for a gradient that scale is floored at the largest gradient of its kind
+(the inputs' together, the parameters' together), so that a mathematically-zero gradient (the
+query input when every query sees one key, the key part of in_proj_bias, keys nobody sees) or a
+nearly cancelling one (a bias gradient summed over tokens) is held to the configuration's
+scale instead of its own rounding noise. bfloat16: at most 2x the error of the stock module run in
 bfloat16 (the plain computation's own rounding), plus one eps.
 
 Fully masked rows: the stock module gives NaN, the fused layer zeros. Outputs and weights are
@@ -44,7 +47,6 @@ CONFIGS = 3000
 CHUNK = 100
 BASE_SEED = 18_000
 FUZZ_C = 16.0
-FLOOR = 1e-2
 
 
 def _config(seed):
@@ -56,8 +58,9 @@ def _config(seed):
         embed=heads * rng.choice([1, 2, 3, 4, 5, 8, 16]),
         batch=rng.choice([1, 1, 2, 3, 5]),
         unbatched=rng.random() < 0.1,
-        seqlen_q=rng.choice([1, 1, 2, 3, 5, 7, 8, 11, 13]),
-        seqlen_k=rng.choice([1, 1, 2, 3, 4, 6, 9, 12]),
+        # At and around the kernels' tile widths (16 and 32 floats) too.
+        seqlen_q=rng.choice([1, 1, 2, 3, 5, 7, 8, 11, 13, 15, 16, 17, 31, 32, 33]),
+        seqlen_k=rng.choice([1, 1, 2, 3, 4, 6, 9, 12, 15, 16, 17, 32, 33, 48]),
         kind=rng.choice(["self", "self", "shared_kv", "separate"]),
         batch_first=rng.random() < 0.5,
         bias=rng.random() < 0.7,
@@ -68,7 +71,13 @@ def _config(seed):
         need_weights=rng.random() < 0.5,
         average=rng.random() < 0.5,
         dtype=rng.choices([torch.float32, torch.float64, torch.bfloat16], weights=[70, 25, 5])[0],
+        add_bias_kv=rng.random() < 0.15,
+        strided=rng.random() < 0.2,
+        zero_batch=rng.random() < 0.03,
     )
+    if c["zero_batch"] and not c["unbatched"]:
+        # Stock cannot reshape an empty per-batch mask ([0, ...] has no inferable dim): 2-D only.
+        c.update(batch=0, padding=None, attn_mask=c["attn_mask"] and c["attn_mask"].removesuffix("_3d"))
     if c["unbatched"]:
         c["batch"] = 1
     if c["kind"] == "self":
@@ -173,9 +182,15 @@ def _err(actual, expected, floor):
     return float((a - e)[finite].abs().max()) / scale
 
 
-def _run(module, q, k, v, c, masks, grad_out, grad_w):
+def _strided(t):
+    """The same values in memory of another layout (dims reversed), as a differentiable view."""
+    return t.permute(*reversed(range(t.dim()))).contiguous().permute(*reversed(range(t.dim())))
+
+
+def _run(module, q, k, v, c, masks, grad_out, grad_w, strided=False):
     leaves = [q] if c["kind"] == "self" else ([q, k] if c["kind"] == "shared_kv" else [q, k, v])
-    out, w = module(q, k, v, need_weights=c["need_weights"], average_attn_weights=c["average"], **masks)
+    args = (_strided(q), _strided(k), _strided(v)) if strided else (q, k, v)
+    out, w = module(*args, need_weights=c["need_weights"], average_attn_weights=c["average"], **masks)
     loss = (out * grad_out.to(out.dtype)).sum()
     if c["need_weights"]:
         loss = loss + (w * grad_w.to(w.dtype)).sum()
@@ -200,22 +215,27 @@ def _check(c):
     dtype = c["dtype"]
     B, H, Lq, Lk, E = c["batch"], c["heads"], c["seqlen_q"], c["seqlen_k"], c["embed"]
     q64, k64, v64, masks64 = _inputs(c, gen)
-    ref, _ = make_pair(E, H, bias=c["bias"], batch_first=c["batch_first"], dtype=torch.float64)
-    fused = FusedMultiheadAttention(E, H, bias=c["bias"], batch_first=c["batch_first"], dtype=dtype)
+    ref, _ = make_pair(E, H, bias=c["bias"], batch_first=c["batch_first"], dtype=torch.float64,
+                       add_bias_kv=c["add_bias_kv"])
+    fused = FusedMultiheadAttention(E, H, bias=c["bias"], batch_first=c["batch_first"], dtype=dtype,
+                                    add_bias_kv=c["add_bias_kv"])
     fused.load_state_dict(ref.state_dict())  # also exercises state_dict compatibility
     low = {n: (m.to(dtype) if m.is_floating_point() else m) if isinstance(m, torch.Tensor) else m
            for n, m in masks64.items()}
 
     merged, dead = _merged_mask(c, masks64)
+    if c["add_bias_kv"]:
+        dead = torch.zeros_like(dead)  # every query sees the appended bias key
     dead_rows = dead.any(1)  # [B, Lq]: a query that some head sees nothing with
     grad_out = torch.randn(B, Lq, E, generator=gen, dtype=torch.float64).masked_fill(dead_rows[..., None], 0)
-    w_shape = (B, Lq, Lk) if c["average"] else (B, H, Lq, Lk)
+    Lw = Lk + c["add_bias_kv"]  # the weights cover the appended key too
+    w_shape = (B, Lq, Lw) if c["average"] else (B, H, Lq, Lw)
     grad_w = torch.randn(w_shape, generator=gen, dtype=torch.float64)
     grad_w = grad_w.masked_fill(dead_rows[:, None, :, None] if not c["average"] else dead_rows[..., None], 0)
     grad_w = grad_w[0] if c["unbatched"] else grad_w
     grad_out = _layout(grad_out, c)
 
-    out, w, grads = _run(fused, *_leaves(q64, k64, v64, c, dtype), c, low, grad_out, grad_w)
+    out, w, grads = _run(fused, *_leaves(q64, k64, v64, c, dtype), c, low, grad_out, grad_w, c["strided"])
     kw = dict(need_weights=c["need_weights"], average_attn_weights=c["average"])
     ref_leaves = _leaves(q64, k64, v64, c, torch.float64)
     ref_masks = masks64
@@ -237,7 +257,11 @@ def _check(c):
     results = {"output": (out, out_ref)}
     if c["need_weights"]:
         results["weights"] = (w, w_ref)
-    typical = max(float(g.abs().max()) for g in grads_ref.values())
+    # The configuration's scale of each kind of gradient: the inputs' together, the parameters'
+    # together (a bias gradient that nearly cancels is held to its kind's scale, not its own).
+    inputs = ("grad query", "grad key", "grad value")
+    kind_scale = {kind: max((float(g.abs().max()) for n, g in grads_ref.items() if (n in inputs) == kind and g.numel()),
+                            default=0.0) for kind in (True, False)}
     for name, g_ref in grads_ref.items():
         results[name] = (grads[name], g_ref)
     for name, (a, _) in results.items():
@@ -255,7 +279,7 @@ def _check(c):
         _, _, grads_p = _run(plain, *_leaves(q64, k64, v64, c, dtype), c, plain_masks, grad_out, grad_w)
         plain_results = {"output": out_p, "weights": w_p, **grads_p}
     for name, (a, e) in results.items():
-        floor = FLOOR * typical if name.startswith("grad") else 0.0
+        floor = kind_scale[name in inputs] if name.startswith("grad") else 0.0
         err = _err(a, e, floor)
         if dtype == torch.bfloat16:
             p = plain_results[name]
@@ -301,6 +325,11 @@ def test_the_fuzz_covers_what_it_claims():
     assert seen("attn_mask") == {None, "bool", "float", "bool_3d", "float_3d"}
     assert seen("padding") == {None, "bool", "float"}
     assert seen("dtype") == {torch.float32, torch.float64, torch.bfloat16}
-    for key in ("batch_first", "bias", "causal", "fully_masked", "need_weights", "average", "unbatched"):
+    for key in ("batch_first", "bias", "causal", "fully_masked", "need_weights", "average", "unbatched",
+                "add_bias_kv", "strided"):
         assert seen(key) == {False, True}, key
-    assert 1 in seen("batch") and 1 in seen("seqlen_q") and 1 in seen("seqlen_k")
+    assert {0, 1} <= seen("batch") and 1 in seen("seqlen_q") and 1 in seen("seqlen_k")
+    assert {15, 16, 17, 31, 32, 33} <= seen("seqlen_q") and {15, 16, 17, 32, 33, 48} <= seen("seqlen_k")
+    both = lambda *keys: any(all(c[k] for k in keys) for c in cs)  # noqa: E731
+    assert both("add_bias_kv", "fully_masked") and both("need_weights", "strided")
+    assert any(c["dtype"] == torch.float64 and c["need_weights"] for c in cs)
