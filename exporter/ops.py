@@ -25,8 +25,9 @@ def attention(
         query: ``Tensor[B, H, Lq, D]``.
         key: ``Tensor[B, H, Lk, D]``.
         value: ``Tensor[B, H, Lk, Dv]``.
-        attn_mask: ``Tensor[Lq, Lk]``, ``Tensor[B*H, Lq, Lk]`` or broadcastable to
-            ``Tensor[B, H, Lq, Lk]``. Boolean: ``True`` marks a pair that may NOT attend
+        attn_mask: ``Tensor[B*H, Lq, Lk]`` (torch.nn.MultiheadAttention's layout, when the
+            first dim is neither 1 nor H), or any shape that broadcasts to ``Tensor[B, H, Lq, Lk]``
+            by PyTorch's rule (``[Lq, Lk]``, ``[B, 1, 1, Lk]``, ``[Lk]``, ...). Boolean: ``True`` marks a pair that may NOT attend
             (torch.nn.MultiheadAttention's convention, the opposite of
             ``F.scaled_dot_product_attention``). Floating: added to the scaled scores.
         key_padding_mask: ``Tensor[B, Lk]``; boolean ``True`` marks padding, floating is added.
