@@ -51,7 +51,7 @@ bench: install
 
 # Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
 # each running only the tests that call the mutated function; >= 90% must be killed.
-# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/validation exporter/inputs.py";
+# MUTANTS_PATHS restricts it, e.g. make mutants MUTANTS_PATHS="exporter/attn_export/validation exporter/attn_export/inputs.py";
 # MUTANTS_ARGS passes options, e.g. MUTANTS_ARGS="--max-children 2" (the full run: ~90 min on 2 cores).
 MUTANTS_PATHS ?=
 MUTANTS_ARGS ?=
@@ -78,4 +78,4 @@ plugin:
 	cmake --build build/tensorrt -j
 
 clean:
-	rm -rf build exporter/_C*.so $(VENV)
+	rm -rf build exporter/attn_export/_C*.so $(VENV)

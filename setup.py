@@ -12,7 +12,6 @@ import os
 import sys
 
 from setuptools import setup
-from setuptools.command.build_py import build_py
 
 try:
     import torch
@@ -78,21 +77,9 @@ def extension():
     return cpp_extension.CppExtension(**kwargs)
 
 
-class BuildPyWithSpec(build_py):
-    """Ships csrc/attention_spec.h inside the package: exporter/spec.py reads the node's names
-    from it (an editable install reads the source tree's copy)."""
-
-    def run(self):
-        super().run()
-        target = os.path.join(self.build_lib, "attn_export")
-        if os.path.isdir(target):
-            self.copy_file(os.path.join(CSRC, "attention_spec.h"), os.path.join(target, "attention_spec.h"))
-
-
 setup(
     ext_modules=[extension()],
     cmdclass={
         "build_ext": cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True),
-        "build_py": BuildPyWithSpec,
     },
 )

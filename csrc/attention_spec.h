@@ -3,7 +3,7 @@
 // writes, the model-local ONNX function beside it, the TensorRT plugin that replaces it, the
 // torch operator registrations and the Python fake kernels all use the constants below.
 // Plain constexpr C++ with no includes, so the TensorRT plugin (and any plain C++ test) can
-// include it; the Python exporter reads this file (exporter/spec.py) and
+// include it; the Python exporter reads this file (exporter/attn_export/spec.py) and
 // tests/test_spec.py holds the exported models to it. Documented in docs/onnx_node.md.
 //
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What running ONNX Runtime in a child process costs the parity gate (issue 18).
+"""What running ONNX Runtime in a child process costs the parity gate.
 
 The gate's ONNX Runtime backend loads the model in a child interpreter (worker.py) and sends
 every case's inputs over a pipe. This times that backend (cold: a new child; warm: the worker
@@ -27,7 +27,7 @@ import torch
 from attn_export import inputs as _inputs
 from attn_export import shapes as _shapes
 from attn_export.examples import tiny_seq2seq
-from attn_export.onnx_export import export_onnx
+from attn_export.onnx import export_onnx
 from attn_export.validation import OnnxRuntimeRunner, isolation, validate
 from attn_export.validation.runners import _elem_type, feeds_for
 

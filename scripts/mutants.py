@@ -1,17 +1,17 @@
 """Mutation testing of the gate and the export (``make mutants``; docs/testing.md).
 
 mutmut 3 finds the tests of each function by recording which tests call it, then runs only
-those on each mutant, forked from a process that has imported torch once. It derives a
-module's name from its path, but this checkout's package directory ``exporter/`` imports as
-``attn_export``. So mutmut runs in a stage, build/mutation/STAGE/ (one per selection of
-modules), where the package is laid out under its import name (a copy of exporter/, with the
-built _C.so), beside copies of tests/ and csrc/ (the spec header) and a pyproject.toml written
-here from the checkout's [tool.mutmut] and [tool.pytest.ini_options] with the paths translated.
+those on each mutant, forked from a process that has imported torch once. It imports the code
+under test from a source root of ``./``, ``src/`` or ``source/`` beside its config; ours is
+``exporter/``. So each selection of modules gets a run folder, build/mutation/STAGE/, holding
+the config (written here from the checkout's [tool.mutmut] and [tool.pytest.ini_options]) and a
+link ``attn_export -> exporter/attn_export``: mutmut copies the package from there into its own
+mutants/ as it always does, and the tests run from the checkout's tests/.
 
     python scripts/mutants.py                         # every module of MUTATED (slow)
-    python scripts/mutants.py exporter/validation     # a folder: the listed modules under it
-    python scripts/mutants.py exporter/inputs.py --report-only
-    python scripts/mutants.py exporter/onnx_node.py --only '*register_schema*' '*function_proto__mutmut_*0'
+    python scripts/mutants.py exporter/attn_export/validation     # a folder: the listed modules under it
+    python scripts/mutants.py exporter/attn_export/inputs.py --report-only
+    python scripts/mutants.py exporter/attn_export/onnx/node.py --only '*register_schema*' '*function_proto__mutmut_*0'
                                                       # a subset (mutmut's fnmatch patterns): here one
                                                       # function, and every tenth mutant of another
 
@@ -35,18 +35,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ROOT / "build" / "mutation"
-PACKAGE_DIR, IMPORT_NAME = "exporter", "attn_export"
+SOURCE_ROOT, PACKAGE = ROOT / "exporter", "attn_export"
 
 # The modules under mutation and the unit tests that exercise each directly; mutmut then
 # narrows these down per function to the tests that call it. End-to-end files (an ONNX export
 # and an ONNX Runtime process per run, test_validation.py) are left out: ~1 min per mutant here.
 MUTATED = {
-    "exporter/validation/tolerances.py": ["tests/test_tolerances.py"],
-    "exporter/shapes.py": ["tests/test_shapes.py"],
-    "exporter/inputs.py": ["tests/test_inputs.py"],
-    "exporter/replace.py": ["tests/test_replace.py"],
-    "exporter/loading.py": ["tests/test_loading.py"],
-    "exporter/onnx_node.py": ["tests/test_onnx_node.py"],
+    "exporter/attn_export/validation/tolerances.py": ["tests/test_tolerances.py"],
+    "exporter/attn_export/shapes.py": ["tests/test_shapes.py"],
+    "exporter/attn_export/inputs.py": ["tests/test_inputs.py"],
+    "exporter/attn_export/surgery/replace.py": ["tests/test_replace.py"],
+    "exporter/attn_export/loading.py": ["tests/test_loading.py"],
+    "exporter/attn_export/onnx/node.py": ["tests/test_onnx_node.py"],
 }
 
 
@@ -72,9 +72,9 @@ def stage_for(modules) -> Path:
     return STAGES / ("all" if set(modules) == set(MUTATED) else "+".join(names))
 
 
-def staged(path: str) -> str:
-    """exporter/x.py -> attn_export/x.py"""
-    return IMPORT_NAME + path[len(PACKAGE_DIR):]
+def import_path(path: str) -> str:
+    """exporter/attn_export/x.py -> attn_export/x.py: the path below the source root."""
+    return str((ROOT / path).relative_to(SOURCE_ROOT))
 
 
 def toml_table(name: str, table: dict) -> str:
@@ -83,28 +83,28 @@ def toml_table(name: str, table: dict) -> str:
 
 
 def write_stage(modules: dict[str, list[str]]) -> bool:
+    """The run folder: the config and the link to the package. mutmut's own state (mutants/)
+    is kept while the package's sources are unchanged, so a run resumes where the last one
+    stopped; it is cleared when they changed. Returns whether the tests changed since the last
+    run (then the survivors are tried again)."""
     stage = stage_for(modules)
-    """build/mutation/: a fresh copy of the package under its import name, tests/, csrc/ and
-    the config. mutmut's own state (mutants/) is kept while the package's sources are unchanged,
-    so a run resumes where the last one stopped; it is cleared when they changed. Returns
-    whether the tests changed since the last run (then the survivors are tried again)."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
     mutmut = dict(config["mutmut"])
-    mutmut["source_paths"] = [IMPORT_NAME]
-    mutmut["only_mutate"] = [staged(m) for m in modules]
+    mutmut["source_paths"] = [PACKAGE]
+    mutmut["only_mutate"] = [import_path(m) for m in modules]
     tests = sorted({t for ts in modules.values() for t in ts})
-    mutmut["pytest_add_cli_args_test_selection"] = tests
+    mutmut["pytest_add_cli_args_test_selection"] = [str(ROOT / t) for t in tests]
     text = toml_table("tool.mutmut", mutmut) + "\n" + toml_table("tool.pytest.ini_options", config["pytest"]["ini_options"])
 
     stage.mkdir(parents=True, exist_ok=True)
-    sources = _fingerprint(sorted((ROOT / PACKAGE_DIR).rglob("*.py")))
-    test_files = _fingerprint(sorted((ROOT / "tests").glob("*.py")))
+    sources = _fingerprint(sorted((SOURCE_ROOT / PACKAGE).rglob("*.py")))
+    test_files = _fingerprint(sorted((ROOT / "tests").rglob("*.py")))
     if _read(stage / "sources.stamp") != sources:
         shutil.rmtree(stage / "mutants", ignore_errors=True)
     tests_changed = _read(stage / "tests.stamp") != test_files
-    for name, source in ((IMPORT_NAME, ROOT / PACKAGE_DIR), ("tests", ROOT / "tests"), ("csrc", ROOT / "csrc")):
-        shutil.rmtree(stage / name, ignore_errors=True)
-        shutil.copytree(source, stage / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "build"))
+    link = stage / PACKAGE
+    if not link.is_symlink():
+        link.symlink_to(SOURCE_ROOT / PACKAGE, target_is_directory=True)
     (stage / "pyproject.toml").write_text(text)
     (stage / "sources.stamp").write_text(sources)
     (stage / "tests.stamp").write_text(test_files)
@@ -127,7 +127,7 @@ def tally(modules: dict[str, list[str]]) -> tuple[int, int, list[str]]:
     killed = counted = 0
     lines = []
     for module in modules:
-        meta = stage / "mutants" / (staged(module) + ".meta")
+        meta = stage / "mutants" / (import_path(module) + ".meta")
         if not meta.exists():
             lines.append(f"{module}: not run")
             continue
@@ -166,8 +166,8 @@ def main() -> int:
     args = parser.parse_args()
     modules = selected([p for arg in args.paths for p in arg.replace(",", " ").split()])
     if not args.report_only:
-        if not list((ROOT / PACKAGE_DIR).glob("_C*.so")):
-            sys.exit("mutants: exporter/_C*.so is missing: run `make install` first")
+        if not list((SOURCE_ROOT / PACKAGE).glob("_C*.so")):
+            sys.exit("mutants: exporter/attn_export/_C*.so is missing: run `make install` first")
         tests_changed = write_stage(modules)
         retry = [name for line in tally(modules)[2] if line.startswith("    survived: ")
                  for name in [line.split(": ", 1)[1]]

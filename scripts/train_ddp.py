@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import attn_export
-from attn_export._io import atomic_output, write_text
+from attn_export.atomic_io import atomic_output, write_text
 from attn_export.examples import TinySeq2Seq
 
 BATCH, SRC_LEN, TGT_LEN = 8, 16, 12

@@ -51,7 +51,7 @@ def small_seq2seq():
 @pytest.fixture(scope="session")
 def exported_seq2seq(small_seq2seq, tmp_path_factory):
     """small_seq2seq exported once per session (fp32, default dynamic axes)."""
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
 
     path = tmp_path_factory.mktemp("export") / "seq2seq.onnx"
     return export_onnx(small_seq2seq, small_seq2seq.example_inputs, path)

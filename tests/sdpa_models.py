@@ -1,5 +1,5 @@
 """Small models whose attention calls F.scaled_dot_product_attention or is written out by hand, the way popular
-code writes them (tests of the SDPA route, attn_export.sdpa). Also importable as
+code writes them (tests of the SDPA route, attn_export.surgery.sdpa_route). Also importable as
 ``--model sdpa_models:<factory>`` by the command-line tests."""
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ class SwinSdpaWindowAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(bw, n, c))
 
 
-# -- hand-written attention (rewritten in the captured graph: attn_export.onnx_export.patterns) --
+# -- hand-written attention (rewritten in the captured graph: attn_export.surgery.patterns) --
 
 class NanoGPTManualAttention(NanoGPTAttention):
     """nanoGPT's CausalSelfAttention, its non-flash branch (a causal buffer and masked_fill)."""

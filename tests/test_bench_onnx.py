@@ -1,5 +1,5 @@
-"""attn-export bench --onnx: what its timing loop must not do to the implementations it compares
-(issue 12). The bench holds one ONNX Runtime session per implementation in one process; a
+"""attn-export bench --onnx: what its timing loop must not do to the implementations it compares.
+The bench holds one ONNX Runtime session per implementation in one process; a
 session whose workers keep spin-waiting after its run returns burns a core while the next
 implementation is timed, which on 2 cores made the flavor timed after another one look slower."""
 

@@ -178,7 +178,7 @@ class _Core(nn.Module):
                          ids=lambda s: "x".join(map(str, s)))
 def test_every_mask_rank_exports_and_runs_in_onnx_runtime(shape, kind, tmp_path):
     ort = pytest.importorskip("onnxruntime")
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
 
     # Declared dynamic: the batch (where the mask has it) and the key length (the mask's last
     # dim where it is not 1).

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attn_export
-from attn_export import _gemm
+from attn_export.ops import gemm as _gemm
 from helpers import assert_rel_close, make_pair
 
 REL = 2e-6

@@ -1,4 +1,4 @@
-"""The fake kernels (exporter/_fake.py) must reject what the C++ kernels reject, with the
+"""The fake kernels (exporter/attn_export/ops/fake.py) must reject what the C++ kernels reject, with the
 same message, and otherwise describe the real outputs exactly."""
 import pytest
 import torch
@@ -124,7 +124,7 @@ def test_fake_outputs_describe_real_outputs():
 def test_unbuilt_extension_is_reported_with_the_fix(monkeypatch):
     import importlib
 
-    from attn_export import _library
+    from attn_export.ops import library as _library
 
     monkeypatch.setattr(_library, "_loaded", False)
     real_import = importlib.import_module

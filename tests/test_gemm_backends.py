@@ -1,4 +1,4 @@
-"""The CPU layer's GEMM seam (csrc/kernels/cpu/gemm_backend.h, attn_export._gemm): every backend
+"""The CPU layer's GEMM seam (csrc/kernels/cpu/gemm_backend.h, attn_export.ops.gemm): every backend
 that can run here holds the layer's precision guarantees, and the choice is made, forced and
 refused as documented.
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attn_export
-from attn_export import _gemm
+from attn_export.ops import gemm as _gemm
 from helpers import MASKS, assert_rel_close, check_core, make_pair
 
 FORWARD_REL, GRAD_REL = 2e-6, 2e-5
@@ -115,7 +115,7 @@ def _cpuinfo(key: str) -> str:
 
 
 def test_auto_choice_is_openblas_on_amd_else_pytorchs_blas_with_the_micro_kernels():
-    # The rule of attn_export._gemm, checked on this CPU: OpenBLAS on AMD where the wheel is
+    # The rule of attn_export.ops.gemm, checked on this CPU: OpenBLAS on AMD where the wheel is
     # installed (it is in the test extra), PyTorch's BLAS elsewhere.
     before = attn_export.gemm_backend()
     try:

@@ -15,8 +15,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'attn-export[hf]'")
 
 import attn_export  # noqa: E402
-from attn_export import hf  # noqa: E402
-from attn_export.onnx_export import export_onnx  # noqa: E402
+from attn_export.surgery import transformers as hf  # noqa: E402
+from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 from helpers import max_rel_err  # noqa: E402
@@ -71,10 +71,10 @@ def routed(model):
 
 
 class CountCalls:
-    """Counts calls of attn_export.ops.attention (what the registered function runs)."""
+    """Counts calls of attn_export.ops.functional.attention (what the registered function runs)."""
 
     def __init__(self, monkeypatch):
-        import attn_export.ops as ops
+        import attn_export.ops.functional as ops
 
         self.calls = 0
         original = ops.attention

@@ -22,9 +22,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'attn-export[hf]'")
 
 import attn_export  # noqa: E402
-from attn_export import hf  # noqa: E402
-from attn_export.attention_sites import ROUTED, SKIPPED, WILL_ROUTE  # noqa: E402
-from attn_export.onnx_export import export_onnx  # noqa: E402
+from attn_export.surgery import transformers as hf  # noqa: E402
+from attn_export.surgery.site_report import ROUTED, SKIPPED, WILL_ROUTE  # noqa: E402
+from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 import hf_zoo  # noqa: E402
@@ -63,7 +63,7 @@ def _transformers_layers(report):
 
 
 def _unfused_calls(module) -> dict:
-    from attn_export import sdpa
+    from attn_export.surgery import sdpa_route as sdpa
 
     if sdpa.is_routed(module):
         return {reason: n for reason, n in sdpa.calls(module).items() if reason != "fused"}
@@ -101,14 +101,14 @@ def test_zoo_architecture_is_fused_or_left_alone_with_a_reason(arch, tmp_path):
     done = {layer.path: (layer.status, layer.reason) for layer in _transformers_layers(report)}
     assert done == {p: ((ROUTED if s == WILL_ROUTE else s), r) for p, (s, r) in planned.items()}
     calls = {"n": 0}
-    original_attention = attn_export.ops.attention
+    original_attention = attn_export.ops.functional.attention
 
     def counting(*args, **kwargs):
         calls["n"] += 1
         return original_attention(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn_export.ops, "attention", counting)
+        mp.setattr(attn_export.ops.functional, "attention", counting)
         with torch.no_grad():
             got = hf_zoo.main_outputs(fused(**inputs))
     with torch.no_grad():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from attn_export._errors import InputError
+from attn_export.errors import InputError
 from attn_export import inputs as I
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from attn_export import FusedMultiheadAttention
-from attn_export._errors import InputError
+from attn_export.errors import InputError
 from attn_export.examples import TinySeq2Seq
 from attn_export.loading import load_factory, load_model
 

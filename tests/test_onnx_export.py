@@ -13,9 +13,9 @@ from torch import nn
 
 import attn_export
 from attn_export import spec
-from attn_export._errors import ExportError, InputError
+from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
-from attn_export.onnx_export import export_onnx, read_metadata
+from attn_export.onnx import export_onnx, read_metadata
 
 S = spec.load()
 

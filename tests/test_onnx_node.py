@@ -11,7 +11,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from attn_export import onnx_node, spec
+from attn_export import spec
+
+from attn_export.onnx import node as onnx_node
 from helpers import reference_attention
 
 S = spec.load()

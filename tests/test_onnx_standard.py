@@ -10,8 +10,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from attn_export import onnx_node, spec
-from attn_export.onnx_export import attention_flavor, export_onnx, to_standard_attention
+from attn_export import spec
+
+from attn_export.onnx import node as onnx_node
+from attn_export.onnx import attention_flavor, export_onnx, to_standard_attention
 from attn_export.validation import validate
 from helpers import invoke, one_line_error, reference_attention
 from test_onnx_node import additive, definition_case, one_node_model, pack
@@ -213,7 +215,7 @@ def test_fully_padded_source_rows_stay_finite_in_the_exported_seq2seq(standard_s
     finite output (the stock nn.Transformer: NaN there); the other rows match the stock model."""
     import copy
 
-    from attn_export.replace import replace_attention
+    from attn_export.surgery.replace import replace_attention
 
     model, result = standard_seq2seq
     gen = torch.Generator().manual_seed(1)

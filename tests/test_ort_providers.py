@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attn_export import tensorrt as attn_trt
-from attn_export._errors import InputError
+from attn_export.errors import InputError
 from attn_export.validation import OnnxRuntimeRunner, Runner, providers, run_cases, tolerance, validate
 from attn_export.validation import worker as worker_module
 from helpers import invoke, one_line_error
@@ -280,7 +280,7 @@ def _gpu_provider_missing(name):
 
 def _exported_tiny(directory):
     from attn_export.examples import TinySeq2Seq
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
 
     torch.manual_seed(0)
     model = TinySeq2Seq(features=8, d_model=16, heads=2, layers=1).eval()
@@ -291,7 +291,7 @@ def _exported_tiny(directory):
 
 @pytest.mark.cuda
 def test_cuda_provider_matches_pytorch_on_the_gpu():
-    from attn_export.onnx_export import flatten_outputs
+    from attn_export.onnx import flatten_outputs
     from attn_export.validation import compare, reduction_length
 
     missing = _gpu_provider_missing("cuda")

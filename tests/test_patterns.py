@@ -1,4 +1,4 @@
-"""Hand-written attention rewritten in the captured graph (attn_export.onnx_export.patterns):
+"""Hand-written attention rewritten in the captured graph (attn_export.surgery.patterns):
 exact matches become one attn_export::attention node (one FusedAttention ONNX node), everything
 else is left alone with the reason. Every check compares against the untouched model."""
 import math
@@ -11,8 +11,8 @@ from torch import nn
 
 import attn_export
 from attn_export import spec
-from attn_export.onnx_export import export_onnx
-from attn_export.onnx_export.patterns import rewrite
+from attn_export.onnx import export_onnx
+from attn_export.surgery.patterns import rewrite
 
 import sdpa_models as M
 

@@ -379,12 +379,12 @@ ROUTING_NOTE = ("transformers attention layers {} through transformers' Attentio
                 "(attn_implementation='attn_export'); the modules themselves stay in place")
 SDPA_NOTE = ("F.scaled_dot_product_attention calls of the 'sdpa' sites {} on the fused operator; calls it cannot "
              "express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
-             "(attn_export.sdpa.calls(module) counts both)")
+             "(attn_export.surgery.sdpa_route.calls(module) counts both)")
 
 
 @pytest.mark.parametrize("status,applied,verb", [("routed", True, "are routed"), ("will be routed", False, "will be routed")])
 def test_the_routing_note_names_the_implementation_only_when_layers_route(status, applied, verb):
-    from attn_export.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _routing_note
+    from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _routing_note
 
     def layers(*statuses):
         return [(AttentionLayer(f"l{i}", "Attn", 2, 16, s, found="routed"), None) for i, s in enumerate(statuses)]

@@ -1,4 +1,4 @@
-"""A runtime that crashes or hangs must not take the parity gate with it (issue 18).
+"""A runtime that crashes or hangs must not take the parity gate with it.
 
 ONNX Runtime runs in a child process (attn_export.validation.isolation): a segfault while it
 loads or runs a model, or a hang past the time limit, is a failed case naming the runtime, the
@@ -171,7 +171,7 @@ def test_an_ordinary_load_error_stays_an_error_message(tmp_path):
 def test_export_never_writes_the_crashing_pattern(tmp_path):
     """The exporter moves such a projection before the transpose: the file loads at
     ONNX Runtime's default level and validates."""
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
 
     torch.manual_seed(0)
     model = TransposeLinear()
@@ -223,7 +223,7 @@ def test_cli_exits_1_with_reports_when_onnxruntime_crashes(tmp_path):
 
 
 def test_the_reported_model_converts_and_validates(tmp_path):
-    """Issue 18's reproduction, as reported: a sequence-first fp16 encoder with a key-padding
+    """The reproduction of a crash as first reported: a sequence-first fp16 encoder with a key-padding
     mask used to segfault ONNX Runtime at its default level (exit 139, no report)."""
     torch.manual_seed(0)
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=False), 2,

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import attn_export
-from attn_export import sdpa, spec
-from attn_export.onnx_export import export_onnx
-from attn_export.replace import ROUTED, inspect_attention, replace_attention
+from attn_export import spec
+from attn_export.surgery import sdpa_route as sdpa
+from attn_export.onnx import export_onnx
+from attn_export.surgery.replace import ROUTED, inspect_attention, replace_attention
 
 import sdpa_models as M
 from helpers import assert_parity, run

@@ -1,4 +1,4 @@
-"""The SDPA route (attn_export.sdpa): F.scaled_dot_product_attention calls inside a model run on
+"""The SDPA route (attn_export.surgery.sdpa_route): F.scaled_dot_product_attention calls inside a model run on
 the fused operator, with SDPA's exact semantics, in eager (inference and training with
 gradients), through torch.export and into ONNX (one FusedAttention node per call); whatever the
 operator cannot express stays on PyTorch's SDPA and says why. Every check compares against the
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import attn_export
-from attn_export import sdpa
-from attn_export.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, inspect_attention, replace_attention
+from attn_export.surgery import sdpa_route as sdpa
+from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, inspect_attention, replace_attention
 
 import sdpa_models as M
 

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 
 from attn_export import spec as spec_mod
 from attn_export import tensorrt as attn_trt
-from attn_export._errors import InputError
+from attn_export.errors import InputError
 from attn_export.shapes import label_kinds, shape_cases
 from attn_export.validation import BACKEND_TRT
 from helpers import invoke, one_line_error, run
@@ -122,7 +122,7 @@ def test_example_inputs_must_fit_the_graph(seq2seq_onnx, small_seq2seq):
 
 def _one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version=None, namespace=""):
     s = spec_mod.load()
-    from attn_export import onnx_node
+    from attn_export.onnx import node as onnx_node
 
     shapes = {"query": ["b", "lq", 8], "key": ["b", "lk", 8], "value": ["b", "lk", 8],
               "key_padding_mask": [1, 1], "attn_mask": [1, 1, 1, 1]}
@@ -421,7 +421,7 @@ class FakeEngineRunner:
 
 @pytest.fixture(scope="module")
 def exported_for_engine(cli_dir):
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
 
     model = torch.load(cli_dir / "model.pt", weights_only=False)
     onnx_path = cli_dir / "engine-model.onnx"
@@ -519,7 +519,7 @@ def test_torch2trt_registration_with_a_stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch2trt.torch2trt", inner)
     module = _import_torch2trt_converters(monkeypatch)
     assert module.REGISTERED
-    assert set(registered) == {"attn_export.ops.attention", "attn_export.attention"}
+    assert set(registered) == {"attn_export.ops.functional.attention", "attn_export.attention"}
     assert all(fn is module.convert_attention for fn in registered.values())
 
 

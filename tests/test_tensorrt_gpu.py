@@ -39,7 +39,7 @@ def plugin():
 @needs_tensorrt
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_engine_matches_pytorch(small_seq2seq, tmp_path, plugin, dtype):
-    from attn_export.onnx_export import export_onnx
+    from attn_export.onnx import export_onnx
     from attn_export.validation import BACKEND_TRT, validate
 
     inputs = small_seq2seq.example_inputs

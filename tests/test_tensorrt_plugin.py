@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from attn_export import onnx_node
+from attn_export.onnx import node as onnx_node
 from attn_export import spec as spec_mod
 
 ROOT = Path(__file__).resolve().parent.parent

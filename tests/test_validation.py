@@ -10,9 +10,9 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from attn_export._errors import InputError
+from attn_export.errors import InputError
 from attn_export.inputs import padding_mask, resize
-from attn_export.onnx_export import export_onnx
+from attn_export.onnx import export_onnx
 from attn_export.validation import compare, shape_cases, tolerance, validate
 from attn_export.validation.runners import OnnxRuntimeRunner
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import attn_export
-from attn_export._io import atomic_output
+from attn_export.atomic_io import atomic_output
 
 EMBED, HEADS, FFN, LAYERS = 32, 4, 64, 2
 BATCH, SEQ, STEPS, LR = 4, 12, 3, 0.2

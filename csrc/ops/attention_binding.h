@@ -12,7 +12,7 @@
 namespace attn_export::ops {
 
 // Validates the attention core's inputs; the messages quote the shapes received. The Python
-// fake kernels (exporter/_fake.py) raise the same messages.
+// fake kernels (exporter/attn_export/ops/fake.py) raise the same messages.
 void check_attention_inputs(
     const at::Tensor& query,
     const at::Tensor& key,

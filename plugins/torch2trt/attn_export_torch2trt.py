@@ -115,8 +115,8 @@ def register() -> bool:
     from torch2trt.torch2trt import tensorrt_converter
 
     # torch2trt swaps the named function during conversion; attn_export.attention is a second
-    # name of attn_export.ops.attention, so both are registered.
-    for name in ("attn_export.ops.attention", "attn_export.attention"):
+    # name of attn_export.ops.functional.attention, so both are registered.
+    for name in ("attn_export.ops.functional.attention", "attn_export.attention"):
         tensorrt_converter(name)(convert_attention)
     return True
 

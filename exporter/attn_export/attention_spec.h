@@ -1,0 +1,1 @@
+../../csrc/attention_spec.h

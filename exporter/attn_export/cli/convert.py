@@ -1,0 +1,219 @@
+"""``attn-export convert`` (also the default verb: ``attn-export model.pt --to onnx`` or
+``--to tensorrt``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_export.errors import EXIT_MISMATCH
+from attn_export.cli._common import common_verb, finish_validation
+from attn_export.cli._html import check_html, html_option, write_html
+from attn_export.cli._options import (
+    coverage_options,
+    input_options,
+    logging_options,
+    model_options,
+    onnx_attention_option,
+    ort_options,
+    plugin_option,
+    profile_options,
+    report_options,
+    runtime_timeout_option,
+)
+
+SUFFIXES = {"onnx": ".onnx", "tensorrt": ".engine"}
+
+
+def default_output(model_path, factory, to: str) -> Path:
+    suffix = SUFFIXES[to]
+    if model_path:
+        path = Path(model_path)
+        if path.is_dir():  # a transformers save_pretrained folder: <folder>.onnx beside it
+            return path.parent / (path.resolve().name + suffix)
+        return path.with_suffix(suffix)
+    return Path(factory.rpartition(":")[2] + suffix)
+
+
+@click.command("convert")
+@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
+@click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
+              help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
+                   "FusedAttention plugin library).")
+@click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, beside it).")
+@click.option("--onnx-output", "onnx_output", metavar="PATH", type=click.Path(dir_okay=False),
+              help="With --to tensorrt: where the intermediate ONNX goes (default: the engine path with .onnx).")
+@model_options
+@input_options
+@click.option("--opset", type=int, default=None, metavar="N",
+              help="ONNX opset (18 and up; default 20, with --onnx-attention standard 23 and up, default 23).")
+@onnx_attention_option
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Export in this precision (default: the model's own).")
+@click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
+@click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
+@ort_options
+@plugin_option
+@profile_options
+@coverage_options
+@runtime_timeout_option
+@report_options
+@html_option
+@logging_options
+@common_verb
+def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, dtype,
+            no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
+    """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
+    export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
+    TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
+    check.
+
+    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
+    or a Hugging Face transformers save_pretrained folder (its attention is routed to the fused
+    operator through transformers' AttentionInterface); or build the model with
+    --model module:factory, or --model transformers:CLASS with a folder or --config. Example
+    inputs come from --input, --example-inputs or the model's example_inputs attribute
+    (transformers models: input_ids and a padded attention_mask, or pixel_values, by default);
+    the ONNX inputs take their names. Dim 0 (batch) and dim 1 (sequence) of every input are
+    symbolic unless --dynamic/--static say otherwise (transformers models: batch and sequence
+    of the token inputs, the batch of pixel_values).
+
+    Validation (unless --no-validate) is the same as `attn-export validate`; --ort-provider
+    picks ONNX Runtime's execution providers (default cpu). Exit codes: 0 passed, 1 mismatch
+    (or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU, an ONNX Runtime
+    provider or the plugin library missing (the message says what to install or build). Output files are
+    written whole or not at all; after a mismatch they are kept for inspection.
+
+    --to tensorrt: the engine is strongly typed (it computes in the ONNX types: --dtype fp16 for
+    a float16 engine) and has one optimization profile: every dynamic dimension from 1 (min)
+    over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
+    --max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
+    needs (docs/tensorrt.md). With --onnx-attention standard the engine needs no plugin: TensorRT's
+    parser (10.14+) maps the standard Attention nodes itself.
+
+    \b
+    Examples:
+      attn-export model.pt --to onnx
+      attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
+      attn-export model.pt --to onnx --onnx-attention standard
+      attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
+      attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
+      attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
+      attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
+          --max-shapes src:8x512x64
+      attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
+    """
+    import torch
+
+    from attn_export.errors import InputError
+    from attn_export.onnx import export_onnx
+    from attn_export.surgery.replace import inspect_attention
+    from attn_export.validation import validate
+
+    if html_path and no_validate:
+        raise InputError("--html writes the validation report: it does not go with --no-validate")
+    check_html(html_path)
+    out_path = Path(output) if output else default_output(model_path, model_args.factory, to)
+    if onnx_attention == "standard":
+        from attn_export.onnx.standard import check_opset
+
+        check_opset(opset)  # before the model loads
+    engine_path = None
+    if to == "tensorrt":
+        from attn_export import tensorrt as attn_trt
+
+        # What TensorRT needs is checked first: nothing is exported when it could not be built.
+        attn_trt.require_runtime()
+        if onnx_attention == "custom" or plugin:
+            plugin = attn_trt.find_plugin_library(plugin)
+            attn_trt.check_plugin_library(plugin)
+        else:
+            session.note("note: --onnx-attention standard: TensorRT's ONNX parser maps each Attention node to its "
+                         "own attention layer; the engine is built without the FusedAttention plugin")
+        shape_specs = profile_args.shape_specs()
+        engine_path = out_path
+        out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
+        if out_path.resolve() == engine_path.resolve():
+            raise InputError(f"the ONNX file and the engine would both be {out_path}; give -o or --onnx-output")
+    elif onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given:
+        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt "
+                         "(--plugin also with --ort-provider tensorrt)")
+    if not no_validate:
+        ort_args.require(runtime_timeout, plugin)  # the providers, before anything is exported
+    elif ort_args.given:
+        raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
+                         "drop them or --no-validate")
+    with session.step("loading the model"):
+        model, source = model_args.load(model_path, seed=input_args.seed)
+        torch.manual_seed(input_args.seed)
+        inputs = input_args.example_inputs(model)
+        axes = input_args.axes(inputs, model=model)
+
+    plan = inspect_attention(model)
+    if not no_replace:
+        session.out.print(plan.table(title=f"{source}: {plan.summary()}"))
+        # Modules of no known form may hold hand-written attention that the export rewrites: then
+        # the gate waits for the export's report.
+        undecided = any(layer.status == "skipped" and not layer.found for layer in plan.layers)
+        problem = None if undecided else coverage.problem(plan)
+        if problem:
+            click.echo(f"FAILED: {problem}", err=True)
+            return EXIT_MISMATCH
+
+    if not no_validate:
+        from attn_export.validation.runners import prestart_onnxruntime
+
+        prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model exports
+    with session.step(f"exporting to {out_path}"):
+        result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
+                             replace=not no_replace, quiet=not session.verbose, seed=input_args.seed,
+                             attention=onnx_attention)
+    for note in result.notes + (result.replacement.notes if result.replacement else []):
+        session.note(f"note: {note}")
+    if result.replacement is not None:
+        # The export's report: SDPA sites confirmed when the model ran (one that made no fused call
+        # counts as skipped) and hand-written attention rewritten in the graph, or why not.
+        final = result.replacement
+        if [(layer.path, layer.status) for layer in final.layers] != [(layer.path, layer.status) for layer in plan.layers]:
+            session.out.print(final.table(title=f"after export: {final.summary()}"))
+        problem = coverage.problem(final)
+        if problem:
+            click.echo(f"FAILED: {problem} (when the model ran)", err=True)
+            return EXIT_MISMATCH
+    axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
+    nodes_text = f"{result.num_attention_nodes} fused attention node(s)"
+    if onnx_attention == "standard":
+        nodes_text = f"{result.num_standard_attention_nodes} standard Attention node(s)" + (
+            f", {result.num_attention_nodes} kept as fused attention node(s)" if result.num_attention_nodes else "")
+    session.out.print(f"wrote {out_path}: opset {result.opset}, {result.dtype}, {nodes_text}, dynamic axes: {axes_text}")
+    extra = {"export": result.to_dict()}
+    if engine_path is not None:
+        import onnx
+
+        if result.num_attention_nodes and not plugin:
+            raise InputError(f"{result.num_attention_nodes} layer(s) kept the custom node (see the notes), so the "
+                             "engine needs the FusedAttention plugin: give --plugin, or build it (docs/tensorrt.md)")
+
+        profile = attn_trt.derive_profile(onnx.load(str(out_path)), inputs, min_shapes=shape_specs["min"],
+                                          opt_shapes=shape_specs["opt"], max_shapes=shape_specs["max"])
+        for line in profile.lines():
+            session.note(f"profile {line}")
+        with session.step(f"building the TensorRT engine {engine_path}") as update:
+            info = attn_trt.build_engine(out_path, engine_path, plugin=plugin, profile=profile,
+                                         workspace_mib=profile_args.workspace_mib, progress=update)
+        session.out.print(
+            f"wrote {engine_path}: TensorRT {info.tensorrt} on {info.gpu}, {info.plugin_layers} FusedAttention plugin "
+            f"layer(s), build record {engine_path}.json"
+        )
+        extra["engine"] = info.to_dict()
+    if no_validate:
+        session.out.print("validation skipped (--no-validate)")
+        return 0
+
+    with session.step("validating against the original model") as update:
+        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
+                          engine=engine_path, plugin=plugin, runtime_timeout_s=runtime_timeout,
+                          **ort_args.validate_kwargs())
+    write_html(session, report, html_path)
+    return finish_validation(session, report, reports, extra=extra)

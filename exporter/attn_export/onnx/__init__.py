@@ -1,0 +1,34 @@
+"""ONNX export with one portable custom node per fused attention layer.
+
+    >>> result = attn_export.export_onnx(model, {"src": x}, "model.onnx")
+    >>> result.num_attention_nodes, result.dynamic_axes
+
+Path: ``torch.export`` keeps ``attn_export::multi_head_attention`` (and ``attention``) as single
+nodes; torch's ONNX exporter translates each through ``custom_translation_table`` into ordinary
+MatMul/Add projections on the initializers, ONE ``attn_export.FusedAttention`` node (the
+attention core, docs/onnx_node.md) and the output projection. After export the node's
+model-local function (standard ONNX ops) is attached, the symbolic dimensions are renamed to
+the requested labels and ``onnx.checker.check_model(full_check=True)`` runs; the file is
+written whole or not at all.
+
+Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx), ``graph``
+(helpers on the exported graph), ``standard`` (the standard-Attention flavor).
+"""
+from attn_export.onnx.graph import (
+    META_PREFIX,
+    apply_axis_labels,
+    attach_function,
+    count_attention_nodes,
+    flatten_outputs,
+    output_names_for,
+    read_metadata,
+)
+from attn_export.onnx.pipeline import ATTENTION_FLAVORS, DEFAULT_OPSET, EXPORT_DTYPES, ExportResult, export_onnx
+from attn_export.onnx.standard import attention_flavor, to_standard_attention
+from attn_export.onnx.translation import translate_attention, translate_multi_head_attention, translation_table
+
+__all__ = [
+    "export_onnx", "ExportResult", "ATTENTION_FLAVORS", "attention_flavor", "to_standard_attention", "DEFAULT_OPSET", "EXPORT_DTYPES", "META_PREFIX", "read_metadata",
+    "count_attention_nodes", "attach_function", "apply_axis_labels", "output_names_for", "flatten_outputs",
+    "translation_table", "translate_multi_head_attention", "translate_attention",
+]

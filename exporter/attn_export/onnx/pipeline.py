@@ -1,0 +1,323 @@
+"""``export_onnx``: replace, trace with torch.export (dynamic batch and sequence), translate
+with torch's ONNX exporter, attach the node's function, label the axes, check, write."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
+
+import onnx
+import torch
+from torch import nn
+
+from attn_export.surgery import transformers as _hf
+from attn_export import inputs as _inputs
+from attn_export import spec as _spec
+from attn_export.errors import ExportError, InputError, first_line as _first_line
+from attn_export.atomic_io import atomic_output
+from attn_export.onnx.graph import (
+    META_PREFIX,
+    apply_axis_labels,
+    attach_function,
+    count_attention_nodes,
+    output_names_for,
+    project_before_transposing_inputs,
+)
+from attn_export.surgery.patterns import rewrite as rewrite_patterns
+from attn_export.onnx.standard import MIN_OPSET as STANDARD_MIN_OPSET, to_standard_attention
+from attn_export.onnx.standard import check_opset as check_standard_opset
+from attn_export.onnx.translation import translation_table
+
+DEFAULT_OPSET = 20
+# How each fused layer is written: the custom FusedAttention node (with its model-local function
+# and the TensorRT plugin), or the standard Attention operator (opset 23; docs/onnx_node.md).
+ATTENTION_FLAVORS = ("custom", "standard")
+EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    opset: int
+    dtype: str
+    input_names: List[str]
+    output_names: List[str]
+    dynamic_axes: Dict[str, Dict[int, str]]  # input -> {axis: label in the ONNX graph}
+    num_attention_nodes: int
+    replacement: Optional[object] = None  # ReplacementReport when export_onnx replaced layers
+    notes: List[str] = field(default_factory=list)
+    attention: str = "custom"  # the flavor asked for
+    num_standard_attention_nodes: int = 0
+    kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
+
+    def to_dict(self) -> dict:
+        return {
+            "path": str(self.path),
+            "opset": self.opset,
+            "dtype": self.dtype,
+            "input_names": self.input_names,
+            "output_names": self.output_names,
+            "dynamic_axes": {n: {str(a): lbl for a, lbl in d.items()} for n, d in self.dynamic_axes.items()},
+            "num_attention_nodes": self.num_attention_nodes,
+            "replacement": self.replacement.to_dict() if self.replacement is not None else None,
+            "notes": self.notes,
+            "attention": self.attention,
+            "num_standard_attention_nodes": self.num_standard_attention_nodes,
+            "kept_custom": self.kept_custom,
+        }
+
+
+@contextlib.contextmanager
+def _quiet_exporter(enabled: bool):
+    """torch's exporter prints progress and warnings; keep the tool's output clean."""
+    if not enabled:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _dynamic_shapes(inputs: Mapping[str, torch.Tensor], axes: Mapping[str, Mapping[int, str]]):
+    """torch.export dynamic_shapes: Dim.AUTO per declared axis (the model decides which axes
+    are tied), except labels the user put on several axes, which share one named Dim."""
+    from torch.export import Dim
+
+    counts: Dict[str, int] = {}
+    for dims in axes.values():
+        for label in dims.values():
+            counts[label] = counts.get(label, 0) + 1
+    default_labels = set()
+    for name, dims in _inputs.default_axes(inputs).items():
+        default_labels.update(dims.values())
+    named: Dict[str, object] = {}
+    shapes = {}
+    for name in inputs:
+        dims = axes.get(name)
+        if not dims:
+            shapes[name] = None
+            continue
+        spec = {}
+        for axis, label in dims.items():
+            if counts[label] > 1 and label not in default_labels:
+                named.setdefault(label, Dim(label))
+                spec[axis] = named[label]
+            else:
+                spec[axis] = Dim.AUTO
+        shapes[name] = spec
+    return shapes
+
+
+def _check_trace_sizes(inputs, axes, seed):
+    """Example sizes below 2 on a dynamic axis would be specialized by torch.export (0/1
+    specialization); trace at size 2 instead."""
+    sizes = _inputs.label_sizes(inputs, axes)
+    small = {label: 2 for label, size in sizes.items() if size < 2}
+    if not small:
+        return inputs, []
+    note = (
+        "traced at size 2 for " + ", ".join(sorted(small)) +
+        " (an example size of 1 would be baked into the graph as a constant)"
+    )
+    return _inputs.resize(inputs, axes, {**sizes, **small}, seed=seed), [note]
+
+
+def _translations(model: nn.Module) -> dict:
+    """torch.onnx's custom translations: the attn_export operators', over transformers' own for
+    the ops its models emit (transformers models only)."""
+    table = _hf.models.onnx_translations() if _hf.contains_hf_model(model) else {}
+    table.update(translation_table())
+    return table
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    opset: Optional[int] = None,
+    dtype: Optional[str] = None,
+    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
+    replace: bool = True,
+    quiet: bool = True,
+    seed: int = 0,
+    attention: str = "custom",
+) -> ExportResult:
+    """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
+    fused attention layer.
+
+    Args:
+        model: the model; not modified (a copy is replaced and exported, in eval mode). A
+            transformers model is exported without its key/value cache (``use_cache=False``).
+        example_inputs: name -> tensor, the names of ``model.forward``'s parameters; they become
+            the ONNX graph's input names.
+        path: the .onnx file to write (atomically).
+        opset: default-domain ONNX opset (>= 18; default 20, 23 with ``attention="standard"``).
+        dtype: "fp32" (default: the model's own), "fp16" or "bf16": exports in that precision.
+        dynamic_axes: input -> {axis: label}; default: dim 0 "batch" and dim 1 a sequence label
+            for every input (see attn_export.inputs.default_axes; for transformers models
+            attn_export.surgery.transformers.default_axes: batch and sequence of the token inputs, the batch of
+            the others); ``{}`` exports static shapes.
+        replace: run :func:`attn_export.replace_attention` on the copy first.
+        quiet: silence torch's exporter output.
+        attention: "custom" (default): one FusedAttention node per layer, with its model-local
+            function; "standard": one standard ``Attention`` node (opset >= 23) per layer where
+            it can express the layer, the custom node where not (``kept_custom`` says why).
+    """
+    from attn_export.surgery.replace import replace_attention
+
+    s = _spec.load()
+    if attention not in ATTENTION_FLAVORS:
+        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
+    standard = attention == "standard"
+    if opset is None:
+        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
+    opset = int(opset)
+    if standard:
+        check_standard_opset(opset)
+    if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
+        raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise InputError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
+    path = Path(path)
+    _check_writable(path)
+
+    work = copy.deepcopy(model).eval()
+    is_hf = _hf.contains_hf_model(work)
+    if is_hf:
+        _hf.prepare_for_export(work)  # no key/value cache among the outputs
+    report = replace_attention(work) if replace else None
+    target = EXPORT_DTYPES.get(dtype) if dtype else None
+    if target is not None:
+        work = work.to(target)
+    inputs = _inputs.cast_floats(_inputs.order_for_model(work, example_inputs), target)
+    if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
+        raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
+    if dynamic_axes is None:
+        axes = _hf.default_axes(inputs) if is_hf else _inputs.default_axes(inputs)
+    else:
+        axes = {n: dict(d) for n, d in dynamic_axes.items() if d}
+    for name in axes:
+        if name not in inputs:
+            raise InputError(f"dynamic axes name an unknown input {name!r} (inputs: {', '.join(inputs)})")
+
+    with torch.no_grad():
+        try:
+            outputs = work(**inputs)
+        except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
+            raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
+    output_names = output_names_for(outputs)
+    # SDPA sites were found in the source; this run says which calls really were fused.
+    confirmed = report.confirm_sdpa_calls(work) if report is not None else []
+    trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
+    notes.extend(f"not fused: {line}" for line in confirmed)
+
+    # torch.export first, by hand: given a module, torch.onnx.export falls back to
+    # torch.export.draft_export when export proper fails, which ignores shape guards and can
+    # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
+    with _quiet_exporter(quiet):
+        try:
+            exported = torch.export.export(
+                work, (), kwargs=trace_inputs, strict=False,
+                dynamic_shapes=_dynamic_shapes(trace_inputs, axes) if axes else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
+            raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
+        if replace:
+            # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
+            report.add_pattern_sites(rewrite_patterns(exported))
+        try:
+            program = torch.onnx.export(
+                exported, (), dynamo=True, opset_version=opset,
+                custom_translation_table=_translations(work), output_names=output_names,
+                optimize=True, verbose=False, external_data=False,
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise ExportError(f"torch.onnx.export failed: {_first_line(exc)}") from exc
+    proto = program.model_proto
+
+    labels, static = apply_axis_labels(proto, axes)
+    if static:
+        listed = ", ".join(f"{n}:{a} ({lbl}, came out as {v})" for n, a, lbl, v in static)
+        raise ExportError(
+            f"axes declared dynamic came out static: {listed}. The model specializes them (a shape-dependent "
+            "branch or a constant size inside); give --dynamic to declare the right axes or --static"
+        )
+    if project_before_transposing_inputs(proto):
+        notes.append("an fp16 projection of a transposed graph input now runs before the transpose (the other "
+                     "order crashes ONNX Runtime 1.32 at its default optimization level; docs/onnx_node.md)")
+    rewrite = to_standard_attention(proto) if standard else None
+    if rewrite is not None:
+        notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
+    if count_attention_nodes(proto):
+        attach_function(proto, opset)
+    meta = {
+        "version": _package_version(),
+        "dtype": dtype or _dtype_name(inputs),
+        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in axes.items()}),
+        "input_names": json.dumps(list(inputs)),
+        "output_names": json.dumps(output_names),
+        "attention_nodes": str(count_attention_nodes(proto)),
+        "attention": attention,
+    }
+    for key, value in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = META_PREFIX + key, value
+    proto.producer_name = "attn-export"
+    proto.producer_version = _package_version()
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as exc:  # noqa: BLE001
+        raise ExportError(f"the exported model fails onnx.checker.check_model(full_check=True): {_first_line(exc)}") from exc
+    if proto.ByteSize() > 2**31 - 1:
+        raise ExportError("the model is larger than 2 GB; external-data export is not supported yet")
+    try:
+        with atomic_output(path) as tmp:
+            onnx.save_model(proto, str(tmp))
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    return ExportResult(
+        path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
+        dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
+        attention=attention, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
+        kept_custom=rewrite.kept if rewrite else [],
+    )
+
+
+def _check_writable(path: Path) -> None:
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise InputError(f"cannot write {path}: directory {directory} does not exist")
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a directory")
+
+    if not os.access(directory, os.W_OK):
+        raise InputError(f"cannot write {path}: directory {directory} is not writable")
+
+
+def _dtype_name(inputs: Mapping[str, torch.Tensor]) -> str:
+    for t in inputs.values():
+        if t.dtype.is_floating_point:
+            return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}[t.dtype]
+    return "fp32"
+
+
+def _package_version() -> str:
+    from attn_export._version import __version__
+
+    return __version__

@@ -1,0 +1,262 @@
+"""The standard-``Attention`` flavor: each FusedAttention node of an exported model becomes ONE
+ONNX ``Attention`` node (opset 23), which ONNX Runtime (1.23+) and TensorRT's ONNX parser
+(10.14+, its native attention layer) implement themselves; no custom domain, no plugin.
+
+What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor"):
+
+* the masks as ONE additive mask of the node's type, with the query axis spelled out
+  (``Expand`` to ``[.., Lq, Lk]``): ONNX Runtime 1.32 refuses a mask that broadcasts its query
+  axis from 1 ("inconsistent q_sequence_length"), which is what a key-padding mask is;
+* a causal layer without masks keeps ``is_causal=1`` (top-left aligned, as the op defines it
+  also for ``Lq != Lk``); with masks the causal part joins the mask, so that
+* the guard sees every -inf: rows the mask empties give 0 (``Where`` on the output), where the
+  op gives NaN or uniform weights; it reads the mask before the query axis is spelled out;
+* mask and guard are built once per model for the layers that share them (``_SharedMasks``);
+* bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16).
+
+A node the operator cannot express keeps the custom node (and its function), and the rewrite
+says which and why: soft-capping together with a mask or causal masking, where opset 23 puts
+the cap after the mask (a masked key comes back as -softcap) and runtimes disagree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import onnx
+from onnx import TensorProto, helper
+
+from attn_export import spec as _spec
+from attn_export.onnx.graph import attention_nodes, value_dims, value_types
+
+MIN_OPSET = 23  # the first opset with the standard Attention operator
+
+
+def check_opset(opset: int | None) -> None:
+    """InputError (exit 2) for an opset the standard operator does not exist in; None: the default (23)."""
+    from attn_export.errors import InputError
+
+    if opset is not None and opset < MIN_OPSET:
+        raise InputError(f"--onnx-attention standard needs --opset {MIN_OPSET} or later (the standard Attention "
+                         f"operator is opset {MIN_OPSET}); got {opset}")
+
+
+@dataclass
+class StandardRewrite:
+    converted: int
+    kept: List[str]  # "node <name>: <reason>" for each node left custom
+
+
+def _attrs(node: onnx.NodeProto) -> Dict[str, object]:
+    s = _spec.load()
+    values = {a.name: a.default for a in s.attributes}
+    values.update({a.name: helper.get_attribute_value(a) for a in node.attribute})
+    return values
+
+
+def why_not_standard(node: onnx.NodeProto) -> str | None:
+    """Why the standard operator cannot compute this node, or None."""
+    s = _spec.load()
+    a = _attrs(node)
+    if float(a[s.attr_softcap]) > 0 and (a[s.attr_is_causal] or a[s.attr_has_key_padding_mask] or a[s.attr_has_attn_mask]):
+        return ("soft-capping with a mask or causal masking: opset 23 Attention caps after adding the mask (a "
+                "masked key would come back), attn-export caps before")
+    return None
+
+
+class _Builder:
+    """Nodes for one rewritten FusedAttention node, with names unique to it."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.nodes: List[onnx.NodeProto] = []
+
+    def name(self, what: str) -> str:
+        return f"{self.prefix}/{what}"
+
+    def const(self, what: str, values, dtype=TensorProto.INT64, dims=None) -> str:
+        out = self.name(what)
+        dims = [len(values)] if dims is None else dims
+        self.nodes.append(helper.make_node("Constant", [], [out], name=out,
+                                           value=helper.make_tensor(out, dtype, dims, values)))
+        return out
+
+    def op(self, op_type: str, inputs: List[str], what: str, outputs: List[str] | None = None, **attrs) -> str:
+        outs = outputs or [self.name(what)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name(what), **attrs))
+        return outs[0]
+
+
+class _SharedMasks:
+    """The additive mask of the rewritten nodes and its dead-row flags, built once per model for
+    the nodes that read the same masks at the same query (and, causal, key) length, as the
+    graph's recorded shapes say (equal symbols are equal sizes): every layer of a padded encoder
+    shares one ``[B, 1, Lq, Lk]`` mask instead of expanding and reducing its own. A node whose
+    lengths the graph does not record gets its own."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.dims = value_dims(model)
+        self.built: Dict[tuple, "_Mask"] = {}
+
+    def axis(self, name: str, axis: int):
+        dims = self.dims.get(name)
+        return dims[axis] if dims and len(dims) > axis and dims[axis] not in (None, "") else None
+
+    def get(self, b: "_Builder", node: onnx.NodeProto, index: int, compute: int) -> "_Mask | None":
+        s = _spec.load()
+        a = _attrs(node)
+        causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
+        if not (has_kpm or has_mask):
+            return None  # causal alone never empties a row: is_causal on the node, no mask, no guard
+        lq, lk = self.axis(node.input[0], 1), self.axis(node.input[1], 1) if causal else "any"
+        key = ((node.input[3] if has_kpm else None, node.input[4] if has_mask else None, causal, lq, lk, compute)
+               if lq is not None and lk is not None else ("node", index))
+        if key not in self.built:
+            # The dead-row flags [B|1, H|1, Lq|1, 1] keep a head axis only where attn_mask has one.
+            per_head = has_mask and self.axis(node.input[4], 1) != 1
+            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head)
+        return self.built[key]
+
+
+@dataclass
+class _Mask:
+    mask: str  # the Attention node's additive mask, [B|1, H|1, Lq, Lk] of the computing type
+    dead: str  # the dead rows: [B|1, Lq|1, 1] (per_head False) or [B|1, H, Lq|1, 1]
+    per_head: bool
+
+
+def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
+                per_head: bool) -> _Mask:
+    q, k, _, kpm, mask = node.input
+    f32 = TensorProto.FLOAT
+    terms = []
+    if has_kpm:
+        terms.append(b.op("Unsqueeze", [kpm, b.const("axes12", [1, 2])], "kpm4"))
+    if has_mask:
+        terms.append(mask)
+    lq = b.op("Shape", [q], "lq", start=1, end=2)
+    if causal:  # joins the mask, so the guard below sees it (-inf strictly above the diagonal)
+        lk = b.op("Shape", [k], "lk", start=1, end=2)
+        all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
+                       value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
+        terms.append(b.op("Trilu", [all_inf, b.const("one", [1], dims=[])], "causal_bias", upper=1))
+    bias = terms[0]
+    for i, term in enumerate(terms[1:]):
+        bias = b.op("Add", [bias, term], f"bias{i}")
+    # The guard reads the bias before its query axis is spelled out: a padding mask's max over
+    # keys is one value per batch row, not one per (row, query).
+    dead = b.op("IsInf", [b.op("ReduceMax", [bias, b.const("last_axis", [-1])], "bias_max", keepdims=1)],
+                "dead_row", detect_positive=0, detect_negative=1)
+    if not per_head:  # [B|1, 1, Lq|1, 1] -> [B|1, Lq|1, 1]: broadcasts against the output [B, Lq, H*Dv]
+        dead = b.op("Squeeze", [dead, b.const("head_axis", [1])], "dead_rows")
+    if not causal:  # the query axis spelled out: [.., 1, Lk] -> [.., Lq, Lk] (the causal term has it)
+        target = b.op("Concat", [b.const("ones2", [1, 1]), lq, b.const("one1", [1])], "mask_shape", axis=0)
+        bias = b.op("Expand", [bias, target], "mask_full")
+    if compute != f32:
+        bias = b.op("Cast", [bias], "mask_t", to=compute)
+    return _Mask(bias, dead, per_head)
+
+
+def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
+                    masks: _SharedMasks) -> List[onnx.NodeProto]:
+    s = _spec.load()
+    a = _attrs(node)
+    heads = int(a[s.attr_num_heads])
+    q, k, v = node.input[:3]
+    (out,) = node.output
+    b = _Builder(f"{node.name or 'FusedAttention'}_{index}/standard")
+    f32 = TensorProto.FLOAT
+    # The node's computing type: T itself, or float32 for bfloat16 (and for an unknown T).
+    compute = query_type if query_type in (TensorProto.FLOAT, TensorProto.FLOAT16) else f32
+    if compute != query_type:
+        q, k, v = (b.op("Cast", [x], f"{what}_f32", to=f32) for x, what in ((q, "q"), (k, "k"), (v, "v")))
+    mask = masks.get(b, node, index, compute)
+    y = b.op("Attention", [q, k, v] + ([mask.mask] if mask else []), "attention", q_num_heads=heads,
+             kv_num_heads=heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
+             softcap=float(a[s.attr_softcap]))
+    if mask:  # rows the mask empties give 0
+        zero = b.const("zero", [0.0], compute, [])
+        if mask.per_head:  # [B, Lq, H*Dv] -> [B, Lq, H, Dv]; the flags [B|1, H, Lq|1, 1] -> [B|1, Lq|1, H, 1]
+            y4 = b.op("Reshape", [y, b.const("split", [0, 0, heads, -1])], "y4")
+            dead_t = b.op("Transpose", [mask.dead], "dead_t", perm=[0, 2, 1, 3])
+            y = b.op("Reshape", [b.op("Where", [dead_t, zero, y4], "guarded"), b.const("merge", [0, 0, -1])], "y")
+        else:
+            y = b.op("Where", [mask.dead, zero, y], "guarded")
+    if compute != query_type:  # CastLike: also right where the graph does not record T
+        b.op("CastLike", [y, node.input[0]], "out", outputs=[out])
+    else:
+        b.nodes[-1].output[0] = out  # y is the last node's output
+    return b.nodes
+
+
+def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
+    """Rewrites, in place, every FusedAttention node the standard operator can express (see the
+    module doc); the model's default-domain opset must be >= 23. Unused placeholder masks are
+    removed. Returns how many were converted and which were kept custom, with the reason."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < MIN_OPSET:
+        raise ValueError(f"the standard Attention operator needs opset >= {MIN_OPSET}; the model has {opset}")
+    types = value_types(model)
+    targets = {id(n): n for n in attention_nodes(model)}
+    masks = _SharedMasks(model)
+    kept, converted, nodes = [], 0, []
+    for index, node in enumerate(model.graph.node):
+        if id(node) not in targets:
+            nodes.append(node)
+            continue
+        reason = why_not_standard(node)
+        if reason:
+            kept.append(f"node {node.name or index}: {reason}")
+            nodes.append(node)
+            continue
+        nodes.extend(_standard_nodes(node, index, types.get(node.input[0]), masks))
+        converted += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    remove_unused(model)
+    if not kept:  # no custom node left: no custom domain
+        s = _spec.load()
+        imports = [o for o in model.opset_import if o.domain != s.domain]
+        del model.opset_import[:]
+        model.opset_import.extend(imports)
+    return StandardRewrite(converted, kept)
+
+
+def _read_names(graph: onnx.GraphProto):
+    """Every value name the graph's nodes read, also from inside subgraphs (If/Loop bodies)."""
+    for node in graph.node:
+        yield from node.input
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _read_names(sub)
+
+
+def remove_unused(model: onnx.ModelProto) -> None:
+    """Drops nodes and initializers nothing reads (the placeholder masks of converted nodes)."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = set(_read_names(graph)) | outputs
+        keep = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(keep) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(keep)
+    initializers = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+
+
+def attention_flavor(model: onnx.ModelProto) -> Dict[str, object]:
+    """Which flavor a file uses, from its nodes: ``{"flavor": "custom" | "standard" | "mixed" |
+    "none", "custom_nodes": n, "standard_nodes": m, "text": one line}``. "mixed" is the standard
+    flavor with layers kept custom."""
+    s = _spec.load()
+    custom = len(attention_nodes(model))
+    standard = sum(1 for n in model.graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx"))
+    flavor = {(True, False): "custom", (False, True): "standard", (True, True): "mixed"}.get((custom > 0, standard > 0), "none")
+    parts = [f"{custom} {s.domain}.{s.op_type}"] if custom else []
+    parts += [f"{standard} standard Attention (opset 23)"] if standard else []
+    text = f"{flavor}: " + (" + ".join(parts) + " node(s)" if parts else "no attention node")
+    return {"flavor": flavor, "custom_nodes": custom, "standard_nodes": standard, "text": text}

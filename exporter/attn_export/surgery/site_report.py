@@ -1,0 +1,207 @@
+"""What model surgery found and did, site by site: the statuses, one row per attention site
+(``AttentionLayer``), and the report that ``inspect_attention`` / ``replace_attention`` return
+(``ReplacementReport``: table, JSON, coverage gate). exporter/attn_export/surgery/replace.py fills it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from torch import nn
+
+from attn_export.surgery import sdpa_route as _sdpa
+
+REPLACED = "replaced"
+WILL_REPLACE = "will be replaced"
+# transformers models: the attention layer stays, its attention function is routed to the operator
+ROUTED = "routed"
+WILL_ROUTE = "will be routed"
+ALREADY_FUSED = "already fused"
+SKIPPED = "skipped"
+# hand-written attention rewritten to the operator in the captured graph (export only)
+REWRITTEN = "rewritten in the export"
+_CHANGED = (REPLACED, WILL_REPLACE, ROUTED, WILL_ROUTE, REWRITTEN)
+
+
+class CoverageError(RuntimeError):
+    """Fewer attention layers would be replaced than the caller required."""
+
+
+def _qualname(obj) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class AttentionLayer:
+    """One attention layer of a model and what replace_attention does (or did) with it."""
+
+    path: str
+    cls: str
+    num_heads: Optional[int]
+    embed_dim: Optional[int]
+    status: str
+    reason: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+    also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
+    # how the site was found: "module" (an nn.MultiheadAttention), "routed" (a transformers layer
+    # dispatching through AttentionInterface), "sdpa" (a module whose forward calls
+    # F.scaled_dot_product_attention), "pattern" (hand-written attention), "" (an unrecognized
+    # module named like an attention layer)
+    found: str = "module"
+
+
+@dataclass
+class ReplacementReport:
+    layers: List[AttentionLayer]
+    notes: List[str] = field(default_factory=list)
+    applied: bool = True  # False for inspect_attention (nothing changed)
+
+    @property
+    def replaced(self) -> List[AttentionLayer]:
+        """Layers replaced (or routed) now; planned ones for inspect_attention."""
+        return [layer for layer in self.layers if layer.status in _CHANGED]
+
+    @property
+    def skipped(self) -> List[AttentionLayer]:
+        return [layer for layer in self.layers if layer.status == SKIPPED]
+
+    @property
+    def already_fused(self) -> List[AttentionLayer]:
+        return [layer for layer in self.layers if layer.status == ALREADY_FUSED]
+
+    @property
+    def num_replaced(self) -> int:
+        return len(self.replaced)
+
+    @property
+    def num_fused(self) -> int:
+        """Layers that run the fused operator afterwards (replaced now or fused before)."""
+        return len(self.replaced) + len(self.already_fused)
+
+    def coverage_error(self, min_replaced: Optional[int] = None, require_all: bool = False) -> Optional[str]:
+        """None when the coverage requirement holds, else the reason in one sentence."""
+        if require_all and self.skipped:
+            listed = "; ".join(f"{layer.path}: {layer.reason}" for layer in self.skipped)
+            return f"{len(self.skipped)} attention layer(s) cannot be fused ({listed})"
+        if min_replaced is not None and self.num_fused < min_replaced:
+            return (
+                f"only {self.num_fused} attention layer(s) fused, fewer than the required {min_replaced} "
+                f"({len(self.layers)} found, {len(self.skipped)} skipped)"
+            )
+        return None
+
+    def confirm_sdpa_calls(self, model: nn.Module) -> List[str]:
+        """After ``model`` (the one :func:`replace_attention` changed) has run: every routed
+        ``sdpa`` site that made no SDPA call, or whose calls ran on PyTorch's SDPA, becomes
+        skipped with the reason. Returns one line per site changed."""
+        changed = []
+        for layer in self.layers:
+            if layer.found != "sdpa" or layer.status not in (ROUTED, ALREADY_FUSED):
+                continue
+            try:
+                module = model.get_submodule(layer.path) if layer.path else model
+            except AttributeError:
+                continue
+            counts = _sdpa.calls(module)
+            stock = sorted(key[len("stock: "):] for key in counts if key.startswith("stock: "))
+            if counts.get("fused", 0) and not stock:
+                continue
+            layer.status = SKIPPED
+            if stock:
+                layer.reason = "its F.scaled_dot_product_attention call(s) ran on PyTorch's SDPA: " + "; ".join(stock)
+            else:
+                layer.reason = ("its forward made no F.scaled_dot_product_attention call when the model ran (it took "
+                                "another path, e.g. a switch such as timm's fused_attn=False)")
+            changed.append(f"{layer.path or '(model)'}: {layer.reason}")
+        return changed
+
+    def add_pattern_sites(self, sites) -> None:
+        """Records the hand-written attention found in a captured graph
+        (attn_export.surgery.patterns.PatternSite rows), one row per module: rewritten when
+        every match in it was, else skipped with the first reason."""
+        by_path = {layer.path: layer for layer in self.layers}
+        grouped: Dict[str, list] = {}
+        for site in sites:
+            grouped.setdefault(site.path, []).append(site)
+        for path, group in grouped.items():
+            layer = by_path.get(path)
+            if layer is not None and layer.found not in ("", "pattern") and layer.status != SKIPPED:
+                continue  # a softmax inside a site fused otherwise: reported there
+            if layer is None:
+                layer = AttentionLayer(path, group[0].cls, None, None, SKIPPED)
+                self.layers.append(layer)
+            refused = [site.reason for site in group if not site.rewritten]
+            layer.found = "pattern"
+            layer.status = SKIPPED if refused else REWRITTEN
+            layer.reason = f"hand-written attention not rewritten: {refused[0]}" if refused else None
+            layer.notes = []
+
+    def to_dict(self) -> Dict:
+        return {
+            "applied": self.applied,
+            "num_found": len(self.layers),
+            "num_replaced": self.num_replaced,  # swapped modules and routed transformers layers
+            "num_routed": sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE)),
+            "num_sdpa": sum(1 for layer in self.layers if layer.found == "sdpa"),
+            "num_already_fused": len(self.already_fused),
+            "num_skipped": len(self.skipped),
+            "layers": [asdict(layer) for layer in self.layers],
+            "notes": list(self.notes),
+        }
+
+    def table(self, title: Optional[str] = None):
+        """A rich Table: one row per layer."""
+        from rich.table import Table
+
+        table = Table(title=title or f"Attention layers: {self.summary()}")
+        for column in ("module path", "class", "found", "heads", "embed dim", "status", "reason / notes"):
+            table.add_column(column, justify="right" if column in ("heads", "embed dim") else "left",
+                             overflow="fold", no_wrap=column in ("found", "heads", "embed dim", "status"))
+        styles = {REPLACED: "green", WILL_REPLACE: "green", ROUTED: "green", WILL_ROUTE: "green", REWRITTEN: "green",
+                  ALREADY_FUSED: "cyan", SKIPPED: "yellow"}
+        for layer in self.layers:
+            detail = "; ".join(([layer.reason] if layer.reason else []) + layer.notes)
+            if layer.also_at:
+                detail = "; ".join(filter(None, [detail, "also at " + ", ".join(layer.also_at)]))
+            table.add_row(
+                layer.path or "(model)",
+                _short_class(layer.cls),
+                layer.found or "-",
+                "-" if layer.num_heads is None else str(layer.num_heads),
+                "-" if layer.embed_dim is None else str(layer.embed_dim),
+                f"[{styles.get(layer.status, '')}]{layer.status}[/]",
+                detail,
+            )
+        return table
+
+    def summary(self) -> str:
+        routed = sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE))
+        rewritten = sum(1 for layer in self.layers if layer.status == REWRITTEN)
+        swapped = self.num_replaced - routed - rewritten
+        parts = [f"{len(self.layers)} found"]
+        if swapped or not (routed or rewritten):
+            parts.append(f"{swapped} {'replaced' if self.applied else 'to replace'}")
+        if routed:
+            parts.append(f"{routed} {'routed' if self.applied else 'to route'}")
+        if rewritten:
+            parts.append(f"{rewritten} rewritten in the export")
+        if self.already_fused:
+            parts.append(f"{len(self.already_fused)} already fused")
+        parts.append(f"{len(self.skipped)} skipped")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        lines = [f"attention layers: {self.summary()}"]
+        for layer in self.layers:
+            extra = f" ({layer.reason})" if layer.reason else ""
+            how = f" [{layer.found}]" if layer.found else ""
+            lines.append(f"  {layer.path or '(model)'}: {layer.cls}{how}, {layer.status}{extra}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _short_class(qualified: str) -> str:
+    for prefix, short in (("torch.nn.modules.", "nn."), ("attn_export.ops.module.", "attn_export."),
+                          ("transformers.models.", "transformers.")):
+        if qualified.startswith(prefix):
+            return short + qualified.rpartition(".")[2]
+    return qualified

@@ -1,0 +1,225 @@
+"""The attention function and the mask function registered in transformers' AttentionInterface
+and AttentionMaskInterface under the name ``attn_export``."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from attn_export.surgery.transformers.compat import IMPLEMENTATION, UNSERVED_KWARGS, _transformers
+from attn_export.surgery.sdpa_route import is_one as _is_one
+from attn_export.surgery.sdpa_route import repeat_heads
+from attn_export.surgery.sdpa_route import known_equal as _same_size
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else repeat_heads(x, groups)
+
+
+def to_operator_masks(attention_mask: Optional[torch.Tensor], batch, key_length):
+    """transformers' mask -> (attn_mask, key_padding_mask) in the operator's convention.
+
+    * boolean (``True`` = attend, the ``sdpa`` convention): inverted (the operator's ``True`` =
+      masked out);
+    * floating: additive, as given (``eager``-style masks with large negatives included);
+    * ``[B|1, 1, 1, Lk]`` (one row per key): the ``key_padding_mask`` ``[B, Lk]``;
+    * ``[B|1, H|1, Lq, Lk]``: the ``attn_mask`` (a longer last axis is cut to ``Lk``).
+    """
+    if attention_mask is None:
+        return None, None
+    mask = attention_mask
+    if mask.dtype == torch.bool:
+        mask = ~mask
+    if mask.dim() != 4:  # e.g. a flash-attention style [B, Lk] mask: not built for this implementation
+        raise ValueError(
+            f"attn_implementation='{IMPLEMENTATION}': expected a 4-D attention mask [B, 1, Lq, Lk], got shape "
+            f"{list(mask.shape)}"
+        )
+    if not _same_size(mask.shape[-1], key_length):
+        # Older transformers build causal masks longer than the keys and slice them in the
+        # attention function (as their sdpa function does).
+        mask = mask[..., :key_length]
+    if _is_one(mask.shape[1]) and _is_one(mask.shape[2]):
+        return None, mask[:, 0, 0, :].expand(batch, key_length)
+    return mask, None
+
+
+def unfused_reason(module: nn.Module, kwargs, attention_mask=None) -> Optional[str]:
+    """Why this call cannot run on the fused operator (None: it can). The same rules as
+    :func:`attn_export.surgery.transformers.routing.classify`, which predicts them from the layer's forward."""
+    for name, what in UNSERVED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            return f"{what} ({name}=...): not computed by the fused operator; transformers' eager attention runs"
+    bias = kwargs.get("position_bias")
+    learned = [t for t in (bias, attention_mask) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if learned and torch.is_grad_enabled():
+        return ("a position bias or mask that requires grad (training a learned bias): the operator takes no "
+                "gradient for its additive mask; transformers' eager attention runs")
+    return None
+
+
+def unfused_calls(module: nn.Module) -> Dict[str, int]:
+    """The calls of ``module`` that ran transformers' attention instead of the operator since
+    it was built: reason -> count (empty when every call was fused)."""
+    return dict(getattr(module, _UNFUSED_CALLS, {}))
+
+
+_UNFUSED_CALLS = "_attn_export_unfused_calls"
+
+
+def _count_unfused(module: nn.Module, reason: str) -> None:
+    counts = module.__dict__.setdefault(_UNFUSED_CALLS, {})
+    counts[reason] = counts.get(reason, 0) + 1
+
+
+def _eager_attention(module: nn.Module):
+    """The modeling file's own ``eager_attention_forward`` (the one implementation that computes
+    every feature of the architecture: sinks, biases, soft-capping); None if it has none."""
+    import sys
+
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True`` = masked out, the operator's convention) as an additive float
+    mask with -inf; floating masks unchanged (cast)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _run_unfused(module, reason, query, key, value, attention_mask, dropout, scaling, causal, kwargs):
+    """One call on transformers' eager attention, with the mask in its convention: additive,
+    large negative (not -inf, as transformers builds it) where masked, causality explicit."""
+    eager = _eager_attention(module)
+    if eager is None:
+        raise NotImplementedError(
+            f"{type(module).__name__}: {reason}, but its modeling file has no eager_attention_forward to run; "
+            f"load the model with attn_implementation='eager'")
+    _count_unfused(module, reason)
+    mask = attention_mask
+    q_length, k_length = query.shape[2], key.shape[2]
+    if mask is None and causal:
+        mask = _causal_bool(q_length, k_length, query.device, kwargs.get("sliding_window"))
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _causal_bool(q_length, k_length, device, window=None) -> torch.Tensor:
+    """[1, 1, Lq, Lk] booleans, ``True`` = attend: top-left causal (query i sees keys j <= i), and
+    within ``window`` keys of the query when a sliding window is given (transformers'
+    ``sliding_window_overlay``: j > i - window)."""
+    i = torch.arange(q_length, device=device)[:, None]
+    j = torch.arange(k_length, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (j > i - window)
+    return allowed[None, None]
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
+    """The function registered as ``attn_implementation="attn_export"``.
+
+    Same contract as transformers' ``sdpa_attention_forward``: ``query`` ``[B, H, Lq, D]``,
+    ``key``/``value`` ``[B, Hkv, Lk, D]`` (grouped-query heads repeated), ``attention_mask`` as
+    built by the model (boolean ``True`` = attend, or additive floating, or ``None``), causality
+    from ``is_causal`` or ``module.is_causal`` when there is no mask (a mask, when given, already
+    holds the causal pattern). Returns ``(output [B, Lq, H, D], None)``.
+
+    Also served: ``position_bias`` (T5's relative position bias: added to the operator's
+    additive mask), ``softcap`` (Gemma 2's logit soft-capping: the operator's ``softcap``),
+    ``sliding_window`` (held by the mask transformers builds; made explicit when there is none).
+
+    Calls the operator cannot compute run transformers' eager attention of the layer's modeling
+    file and are counted in :func:`unfused_calls` (see :func:`unfused_reason`); ``dropout > 0``
+    in training runs transformers' ``sdpa`` function (dropout is not fused).
+    """
+    q_length, k_length = query.shape[2], key.shape[2]
+    causal = False
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # One query attends to every key (decoding with a cache), as in transformers' sdpa path.
+        causal = bool(causal) and not _is_one(q_length)
+    reason = unfused_reason(module, kwargs, attention_mask)
+    if reason is not None:
+        return _run_unfused(module, reason, query, key, value, attention_mask, dropout, scaling, causal, kwargs)
+    if dropout and dropout > 0.0 and module.training:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    from attn_export.ops.functional import attention
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if isinstance(groups, int) and groups > 1:
+        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    window = kwargs.get("sliding_window")
+    if causal and isinstance(window, int):
+        # transformers builds the window into the mask; should it skip the mask, the window must
+        # still apply (explicitly, and without comparing lengths: no guard on a symbolic length).
+        attention_mask, causal = _causal_bool(q_length, k_length, query.device, window), False
+    attn_mask, key_padding_mask = to_operator_masks(attention_mask, query.shape[0], k_length)
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        attn_mask = bias if attn_mask is None else _additive(attn_mask, query.dtype) + bias
+    if attn_mask is not None and attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
+        attn_mask = attn_mask.to(query.dtype)
+    softcap = kwargs.get("softcap")
+    extra = {"softcap": float(softcap)} if softcap else {}
+    out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                    is_causal=causal, scale=scaling, **extra)
+    # [B, H, Lq, D] laid out [B, Lq, H, D]: the transpose is free.
+    return out.transpose(1, 2), None
+
+
+def attention_mask(*args, **kwargs):
+    """The mask function registered as ``"attn_export"`` in ``AttentionMaskInterface``.
+
+    A plain bidirectional padding mask (no offsets, no local window, no overlay) comes back as
+    ``[B, 1, 1, Lk]`` booleans (``True`` = attend), which :func:`attention_forward` passes to the
+    operator as its key-padding mask; ``None`` without an ``attention_mask``. Everything else
+    (causal, sliding windows, packed sequences, caches) is the ``sdpa`` mask, built by
+    transformers' own function with every argument passed on unchanged."""
+    from transformers import masking_utils
+
+    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)  # transformers >= 5
+    padding = kwargs.get("attention_mask")
+    if (
+        bidirectional is not None
+        and not args
+        and kwargs.get("mask_function") is bidirectional
+        and not kwargs.get("kv_offset", 0)
+        and not kwargs.get("q_offset", 0)
+        and kwargs.get("local_size") is None
+        and "kv_length" in kwargs
+    ):
+        if padding is None:
+            return None
+        if padding.dim() == 2 and padding.dtype == torch.bool and _same_size(padding.shape[-1], kwargs["kv_length"]):
+            return padding[:, None, None, :]
+    sdpa_mask = masking_utils.AttentionMaskInterface._global_mapping["sdpa"]
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Registers :func:`attention_forward` and :func:`attention_mask` under ``"attn_export"``
+    (idempotent). Raises :class:`UnsupportedTransformersError` when transformers is missing or
+    older than :data:`MIN_VERSION`."""
+    transformers = _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    transformers.AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)

@@ -1,0 +1,70 @@
+"""Checks of the exported graph (and engine) that need no run: every axis declared dynamic is
+symbolic, the attention nodes carry their function, the engine belongs to the file."""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping
+
+from attn_export import spec as _spec
+from attn_export.validation.report import CaseResult, CheckResult
+from attn_export.validation.runners import BACKEND_TRT
+
+
+def dynamic_axes_check(declared: Mapping[str, Mapping[int, str]], symbolic: Mapping[str, Mapping[int, str]]) -> CheckResult:
+    baked = [f"{n}:{a} ({lbl})" for n, d in declared.items() for a, lbl in d.items() if a not in symbolic.get(n, {})]
+    return CheckResult(
+        "dynamic axes", not baked,
+        "declared dynamic but static in the ONNX graph: " + ", ".join(baked) if baked else
+        "symbolic: " + (", ".join(f"{n}:{a}={lbl}" for n, d in symbolic.items() for a, lbl in d.items()) or "(none declared)"),
+    )
+
+
+def attention_checks(onnx_model, metadata: Dict[str, str]) -> List[CheckResult]:
+    """The FusedAttention nodes have their model-local function (the portable body), and as
+    many as the exporter recorded."""
+    from attn_export.onnx import count_attention_nodes
+
+    s = _spec.load()
+    nodes = count_attention_nodes(onnx_model)
+    checks = []
+    if nodes:
+        has_function = any(f.domain == s.domain and f.name == s.op_type for f in onnx_model.functions)
+        checks.append(CheckResult(
+            "attention function", has_function,
+            f"{nodes} {s.domain}.{s.op_type} node(s), model-local function "
+            + ("attached" if has_function else "MISSING: runtimes without the plugin cannot run the node"),
+        ))
+    expected = metadata.get("attention_nodes")
+    if expected is not None and int(expected) != nodes:
+        checks.append(CheckResult("attention nodes", False, f"metadata says {expected} nodes, graph has {nodes}"))
+    return checks
+
+
+def engine_check(engine, graph_inputs: List[str], output_names: List[str], nodes: int) -> CheckResult:
+    """The engine belongs to this ONNX file (same inputs and outputs) and ran every attention
+    node as a plugin layer (as recorded beside it by build_engine)."""
+    if sorted(engine.inputs) != sorted(graph_inputs) or sorted(engine.outputs) != sorted(output_names):
+        return CheckResult(
+            "tensorrt engine", False,
+            f"the engine's inputs {engine.inputs} / outputs {engine.outputs} are not the ONNX graph's "
+            f"{graph_inputs} / {output_names}: was it built from another model?",
+        )
+    meta = engine.metadata
+    if not meta:
+        return CheckResult("tensorrt engine", True, "no build record beside the engine: plugin layer count unknown")
+    layers = meta.get("plugin_layers")
+    ok = layers == nodes
+    return CheckResult(
+        "tensorrt engine", ok,
+        f"{layers} FusedAttention plugin layer(s) for {nodes} node(s)"
+        + ("" if ok else ": the engine does not run every node as the plugin"),
+    )
+
+
+def tensorrt_coverage_check(cases: List[CaseResult]) -> CheckResult:
+    ran = [c for c in cases if c.backend == BACKEND_TRT and c.status != "skipped"]
+    return CheckResult(
+        "tensorrt coverage", bool(ran),
+        f"{len({c.case for c in ran})} case(s) ran in TensorRT" if ran else
+        "no case ran in TensorRT (see the skipped cases: shapes outside the engine's optimization profile "
+        "need an engine built with wider --min-shapes/--max-shapes)",
+    )

@@ -1,0 +1,391 @@
+"""``validate``: the original PyTorch model as the reference, a list of runners (the replaced
+PyTorch model, ONNX Runtime, TensorRT) compared against it at several shapes."""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from attn_export.surgery import transformers as _hf
+from attn_export import inputs as _inputs
+from attn_export import shapes as _shapes
+from attn_export.errors import InputError, first_line as _first_line
+from attn_export.onnx import attention_flavor, count_attention_nodes, output_names_for, read_metadata
+from attn_export.surgery.replace import replace_attention
+from attn_export.validation import checks as _checks
+from attn_export.validation.error_profile import error_profile
+from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
+from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
+from attn_export.validation.providers import (
+    CPU_SETUP,
+    DEFAULT_PROVIDERS,
+    ProviderSetup,
+    environment_entry,
+    provider_setups,
+)
+from attn_export.validation.runners import (
+    BACKEND_REFERENCE,
+    BACKEND_REPLACED,
+    ORT_LEVELS,
+    OnnxRuntimeRunner,
+    Runner,
+    RunnerError,
+    TensorRTRunner,
+    TorchRunner,
+    prestart_onnxruntime,
+)
+from attn_export.validation.tolerances import TOLERANCE_FACTOR, compare, reduction_length, tolerance
+
+DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+_ELEM_TO_DTYPE_NAME = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
+
+Inputs = Mapping[str, torch.Tensor]
+
+
+def run_cases(
+    reference: Runner,
+    runners: Sequence[Runner],
+    cases: Sequence[Tuple[str, Inputs]],
+    output_names: List[str],
+    *,
+    rtol_for: Callable[[Inputs, Optional[str]], float],
+    baseline: Optional[Runner] = None,
+    valid_tokens_for: Callable[[Inputs], Optional[torch.Tensor]] = lambda _inputs: None,
+    say: Callable[[str], None] = lambda _msg: None,
+    notes: Optional[List[str]] = None,
+) -> List[CaseResult]:
+    """Every runner against the reference on every case, one CaseResult per output (or one
+    per runner and case when it was skipped or failed to run). Cases whose shapes repeat an
+    earlier case's are skipped with a note. ``rtol_for(case_inputs, precision)`` is the
+    tolerance for a runner of that compute precision (Runner.precision; None: the dtype's)."""
+    results: List[CaseResult] = []
+    seen_shapes = []
+    for case_name, case_inputs in cases:
+        shapes = _inputs.describe(case_inputs)
+        if shapes in seen_shapes:
+            if notes is not None:
+                notes.append(f"case {case_name} skipped: same shapes as an earlier case")
+            continue
+        seen_shapes.append(shapes)
+        say(f"case {case_name}: {shapes}")
+        try:
+            ref = reference.run(case_inputs)
+        except Exception as exc:  # noqa: BLE001
+            for runner in runners:
+                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False,
+                                          message=f"the original model rejects these shapes: {_first_line(exc)}"))
+            continue
+        if len(ref) != len(output_names):
+            raise InputError(f"the model returns {len(ref)} tensors but the ONNX graph has {len(output_names)} outputs")
+        base = None
+        if baseline is not None:
+            try:
+                base = baseline.run(case_inputs)
+            except Exception:  # noqa: BLE001 - the baseline is diagnostic only
+                base = None
+        valid_tokens = valid_tokens_for(case_inputs)
+        for runner in runners:
+            rtol = rtol_for(case_inputs, runner.precision)
+            skip = runner.skip_reason(case_inputs)
+            if skip:
+                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False, message=skip))
+                continue
+            start = time.perf_counter()
+            try:
+                got = runner.run(case_inputs)
+                if len(got) != len(ref):
+                    raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
+            except Exception as exc:  # noqa: BLE001
+                crash = getattr(exc, "crash", None)
+                results.append(CaseResult(case_name, runner.name, "*", shapes, "error", False, rtol=rtol,
+                                          message=_first_line(exc), seconds=time.perf_counter() - start,
+                                          crash=crash.to_dict() if crash is not None else None))
+                continue
+            elapsed = time.perf_counter() - start
+            for i, (name, a, e) in enumerate(zip(output_names, got, ref)):
+                valid = _positions(valid_tokens, e)
+                r = compare(a, e, rtol, valid=valid)
+                base_err = None
+                if base is not None and i < len(base) and e.dtype.is_floating_point:
+                    base_err = compare(base[i], e, rtol, valid=valid)["max_rel_err"]
+                results.append(CaseResult(
+                    case_name, runner.name, name, shapes, "passed" if r["passed"] else "failed", bool(r["passed"]),
+                    max_abs_err=r["max_abs_err"], max_rel_err=r["max_rel_err"], atol=r["atol"],
+                    rtol=rtol if e.dtype.is_floating_point else 0.0, nan_mismatch=r["nan_mismatch"],
+                    baseline_err=base_err, message=r["message"], seconds=elapsed,
+                    errors=error_profile(a, e, r["atol"], valid),
+                ))
+    return results
+
+
+def validate(
+    model: nn.Module,
+    onnx_path: str | Path,
+    example_inputs: Mapping[str, torch.Tensor],
+    *,
+    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
+    seed: int = 0,
+    progress: Optional[Callable[[str], None]] = None,
+    engine: Optional[str | Path] = None,
+    plugin: Optional[str | Path] = None,
+    isolate: bool = True,
+    runtime_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ort_providers: Sequence[str] = DEFAULT_PROVIDERS,
+    ort_trt_cache_dir: Optional[str | Path] = None,
+    ort_trt_fp16: bool = False,
+) -> ValidationReport:
+    """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
+    ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
+    sequence 1, an odd and a longer sequence, and compares every output.
+
+    Args:
+        model: the ORIGINAL model (not modified; copies are made).
+        onnx_path: the exported file.
+        example_inputs: name -> tensor, as for export.
+        dynamic_axes: the axes that must be symbolic in the graph; default: what the exporter
+            recorded in the file's metadata, else dim 0 and 1 of every input.
+        seed: for the generated inputs.
+        progress: called with a short description before each step.
+        engine: a TensorRT engine of ``onnx_path`` (attn_export.tensorrt.build_engine); needs
+            TensorRT and a GPU (TensorRTUnavailable otherwise). Shapes outside its optimization
+            profile are reported as skipped; at least one case must run.
+        plugin: the FusedAttention plugin library for the engine and for ONNX Runtime's TensorRT
+            provider (default: as attn_export.tensorrt.find_plugin_library looks for it).
+        isolate: run TensorRT in a child process too (ONNX Runtime always runs in one); False
+            keeps the engine in this process (for a stand-in engine).
+        runtime_timeout_s: how long ONNX Runtime or TensorRT may take to load the model or run
+            one case before it counts as hung (a failed case).
+        ort_providers: ONNX Runtime's execution providers, "cpu", "cuda", "tensorrt", each its
+            own backend row, in this order (providers.py). A provider this ONNX Runtime lacks,
+            or a GPU provider with no GPU, raises ProviderUnavailable (exit 2) saying what to
+            install; a session that silently fell back to the CPU is a failed row.
+        ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
+        ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
+
+    A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
+    failed case that says which runtime, which step, the signal or timeout and the
+    optimization level; for ONNX Runtime the report's ``diagnosis`` then says at which lower
+    optimization levels the model loads and runs.
+    """
+    say = progress or (lambda _msg: None)
+    onnx_path = Path(onnx_path)
+    onnx_model = _load_onnx(onnx_path)
+    prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
+    setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
+                             trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)
+    ort_runners = [OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s) for setup in setups]
+    try:
+        return _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, dynamic_axes=dynamic_axes,
+                         seed=seed, say=say, engine=engine, plugin=plugin, isolate=isolate,
+                         runtime_timeout_s=runtime_timeout_s)
+    finally:
+        for runner in ort_runners:
+            runner.close()
+
+
+def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dynamic_axes, seed, say, engine, plugin,
+              isolate, runtime_timeout_s) -> ValidationReport:
+    meta = read_metadata(onnx_model)
+    init_names = {i.name for i in onnx_model.graph.initializer}
+    graph_inputs = [v.name for v in onnx_model.graph.input if v.name not in init_names]
+    dtype_name = meta.get("dtype") or _dtype_of_graph(onnx_model)
+    dtype = DTYPE_FROM_NAME.get(dtype_name, torch.float32)
+
+    is_hf = _hf.contains_hf_model(model)
+    reference = TorchRunner(BACKEND_REFERENCE, _prepared(model).float(), torch.float32, fast_paths=False)
+    inputs = _inputs.order_for_model(reference.model, example_inputs)
+    missing = [n for n in graph_inputs if n not in inputs]
+    if missing:
+        raise InputError(f"the ONNX graph needs input(s) {', '.join(missing)} that were not given (inputs: {', '.join(inputs)})")
+
+    say("running the original model at the example shape")
+    try:
+        with torch.no_grad():
+            example_out = _example_outputs(reference, inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
+    output_names = json.loads(meta["output_names"]) if "output_names" in meta else output_names_for(example_out)
+
+    symbolic = _shapes.graph_axes(onnx_model, graph_inputs)
+    checks: List[CheckResult] = [_checks.dynamic_axes_check(_declared_axes(dynamic_axes, meta, inputs, graph_inputs), symbolic)]
+    checks += _checks.attention_checks(onnx_model, meta)
+
+    replaced = _prepared(model)
+    replacement = replace_attention(replaced)
+    runners: List[Runner] = [TorchRunner(BACKEND_REPLACED, replaced.to(dtype), dtype)]
+    baseline = TorchRunner(f"pytorch-{dtype_name}", _prepared(model).to(dtype), dtype, fast_paths=False) \
+        if dtype in (torch.float16, torch.bfloat16) else None
+    load_errors: List[CaseResult] = []
+    for ort_runner in ort_runners:
+        say(f"loading the ONNX model in ONNX Runtime ({ort_runner.setup.provider})")
+        try:
+            ort_runner.load()
+            runners.append(ort_runner)
+        except RunnerError as exc:
+            load_errors.append(_load_error(ort_runner.name, exc))
+    trt_runner = None
+    if engine is not None:
+        say(f"loading the TensorRT engine {engine}")
+        try:
+            trt_runner = TensorRTRunner(engine, plugin, graph_inputs, output_names, isolate=isolate,
+                                        timeout_s=runtime_timeout_s)
+        except RunnerError as exc:  # TensorRT crashed or hung while deserializing the engine
+            load_errors.append(_load_error(TensorRTRunner.name, exc))
+        else:
+            checks.append(_checks.engine_check(trt_runner.engine, graph_inputs, output_names,
+                                               count_attention_nodes(onnx_model)))
+            runners.append(trt_runner)
+
+    axes = symbolic
+    sizes = _inputs.label_sizes(inputs, axes)
+    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"
+             + (" (transformers layers: routed to the operator)" if replacement.to_dict()["num_routed"] else "")]
+    if is_hf and _hf.valid_token_mask(inputs) is not None:
+        notes.append("transformers model with an attention_mask: outputs of shape [batch, seq, ...] are compared "
+                     "at valid tokens only (attention_mask != 0); padded positions are not compared")
+    if not axes:
+        notes.append("the ONNX graph has no symbolic input axis: only the example shape is checked")
+    cases = [(name, inputs if not overrides else _inputs.resize(inputs, axes, {**sizes, **overrides}, seed=seed))
+             for name, overrides in _shapes.shape_cases(sizes, _shapes.label_kinds(axes))]
+    try:
+        results = run_cases(
+            reference, runners, cases, output_names,
+            rtol_for=lambda case_inputs, precision: tolerance(
+                dtype, reduction_length(reference.model, case_inputs, axes), precision),
+            baseline=baseline, valid_tokens_for=_hf.valid_token_mask if is_hf else (lambda _inputs: None),
+            say=say, notes=notes,
+        ) + load_errors
+    finally:
+        for runner in runners:
+            runner.close()
+    diagnosis = {}
+    crashed = [r for r in ort_runners if any(c.crash and c.backend == r.name for c in results)]
+    if crashed:
+        say("ONNX Runtime crashed: trying lower optimization levels")
+        diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s, setup=crashed[0].setup)
+        notes.append(diagnosis["summary"])
+    notes += [f"{r.name}: {note}" for r in ort_runners for note in r.setup.notes]
+
+    env = environment(seed, providers=[r.setup.provider for r in ort_runners],
+                      onnxruntime_version=next((r.version for r in ort_runners if r.version), None))
+    env["onnxruntime_optimization_level"] = ort_runners[0].optimization_level
+    env["onnxruntime_execution_providers"] = [environment_entry(r.setup, r.session_providers) for r in ort_runners]
+    if engine is not None:
+        from attn_export.tensorrt import environment as trt_environment
+
+        checks.append(_checks.tensorrt_coverage_check(results))
+        library = trt_runner.engine.plugin_library if trt_runner is not None else None
+        env.update(trt_environment())
+        env.update(engine=str(engine), plugin_library=library.path if library else None,
+                   plugin_sha256=library.sha256 if library else None)
+    k_base = reduction_length(reference.model, inputs, axes)
+    return ValidationReport(
+        cases=results, checks=checks, dtype=dtype_name,
+        tolerance={
+            "rule": "pass iff max|actual - reference| <= rtol * max|reference| and no NaN/inf where the "
+                    "reference is finite; rtol = factor * eps(dtype) * sqrt(K)",
+            "factor": TOLERANCE_FACTOR, "eps": torch.finfo(dtype).eps, "reduction_length_example": k_base,
+            "rtol_example": tolerance(dtype, k_base), "reference": "original PyTorch model, float32, eval, fast paths off",
+            "compute_precision": {r.name: r.precision for r in ort_runners if r.precision},
+        },
+        environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
+        output_names=output_names, notes=notes, diagnosis=diagnosis, coverage=replacement.to_dict(),
+        attention_flavor=attention_flavor(onnx_model),  # the file is loaded already: not again in the report
+    )
+
+
+def _load_error(backend: str, exc: RunnerError) -> CaseResult:
+    return CaseResult("all", backend, "*", {}, "error", False, message=str(exc),
+                      crash=exc.crash.to_dict() if exc.crash is not None else None)
+
+
+def diagnose_onnxruntime(onnx_path: Path, inputs: Inputs, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         setup: Optional[ProviderSetup] = None) -> Dict[str, object]:
+    """Loads and runs the model (example inputs) at each ONNX Runtime optimization level, each
+    in a fresh process: which levels work says whether a graph optimization pass is at fault
+    and what users can set until the runtime or the model is fixed."""
+    levels: Dict[str, str] = {}
+    for level in ORT_LEVELS:
+        runner = OnnxRuntimeRunner(onnx_path, setup, optimization_level=level, timeout_s=timeout_s)
+        try:
+            runner.load()
+            runner.run(inputs)
+            levels[level] = "ok"
+        except RunnerError as exc:
+            levels[level] = str(exc) if exc.crash is None else exc.crash.describe()
+        except Exception as exc:  # noqa: BLE001 - e.g. inputs ONNX Runtime cannot take
+            levels[level] = _first_line(exc)
+        finally:
+            runner.close()
+    working = [lvl for lvl, verdict in levels.items() if verdict == "ok"]
+    if not working:
+        summary = "diagnosis: ONNX Runtime fails at every optimization level (" + \
+            "; ".join(f"{lvl}: {v}" for lvl, v in levels.items()) + ")"
+    elif ORT_LEVELS[0] in working:
+        summary = (f"diagnosis: a fresh ONNX Runtime process loads and runs the model at {ORT_LEVELS[0]}: "
+                   "the failure depends on the case's shapes or is intermittent")
+    else:
+        summary = (f"diagnosis: ONNX Runtime fails at {', '.join(l for l in ORT_LEVELS if l not in working)} "
+                   f"but loads and runs the model at {', '.join(working)}: a graph optimization pass of the higher "
+                   f"level is at fault. Workaround for users: SessionOptions.graph_optimization_level = "
+                   f"{working[0]}; please report the model")
+    return {"runtime": "onnxruntime", "provider": (setup or CPU_SETUP).provider, "levels": levels, "working_levels": working, "summary": summary}
+
+
+def _load_onnx(onnx_path: Path):
+    import onnx
+
+    if not onnx_path.is_file():
+        raise InputError(f"{onnx_path}: no such file")
+    try:
+        return onnx.load(str(onnx_path))
+    except Exception as exc:  # noqa: BLE001
+        raise InputError(f"{onnx_path}: not a readable ONNX file ({_first_line(exc)})") from exc
+
+
+def _example_outputs(reference: TorchRunner, inputs: Inputs):
+    """The reference's outputs at the example shape, unflattened (their structure names the
+    ONNX outputs of a file that does not record them)."""
+    from attn_export.validation.runners import FastPathsOff
+
+    with FastPathsOff():
+        return reference.model(**_inputs.cast_floats(inputs, torch.float32))
+
+
+def _declared_axes(dynamic_axes, meta: Dict[str, str], inputs: Inputs, graph_inputs: List[str]):
+    """The axes that must be symbolic: as given, else as the exporter recorded, else dim 0 and 1."""
+    if dynamic_axes is not None:
+        return {n: dict(d) for n, d in dynamic_axes.items() if d}
+    if "dynamic_axes" in meta:
+        return {n: {int(a): lbl for a, lbl in d.items()} for n, d in json.loads(meta["dynamic_axes"]).items()}
+    return _inputs.default_axes({n: inputs[n] for n in graph_inputs})
+
+
+def _prepared(model: nn.Module) -> nn.Module:
+    """An eval-mode copy; transformers models without their key/value cache in the outputs
+    (as exported)."""
+    copied = copy.deepcopy(model).eval()
+    if _hf.contains_hf_model(copied):
+        _hf.prepare_for_export(copied)
+    return copied
+
+
+def _positions(valid_tokens: Optional[torch.Tensor], output: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [B, L] valid-token mask broadcast over an output of shape [B, L, ...]; None (every
+    position compared) for outputs of other shapes."""
+    if valid_tokens is None or output.dim() < 2 or tuple(output.shape[:2]) != tuple(valid_tokens.shape):
+        return None
+    return valid_tokens.reshape(*valid_tokens.shape, *([1] * (output.dim() - 2))).expand(output.shape)
+
+
+def _dtype_of_graph(onnx_model) -> str:
+    for v in onnx_model.graph.input:
+        name = _ELEM_TO_DTYPE_NAME.get(v.type.tensor_type.elem_type)
+        if name:
+            return name
+    return "fp32"
