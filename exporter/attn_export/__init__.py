@@ -7,6 +7,7 @@ ONNX export and parity validation built around it.
     >>> report = attn_export.replace_attention(model)            # in place
     >>> attn_export.export_onnx(model, {"src": x}, "model.onnx")
     >>> attn_export.validate(original, "model.onnx", {"src": x}).passed
+    >>> attn_export.convert(model, {"src": x}, attn_export.ConvertOptions("model.onnx")).passed
 
 Importing the package loads the compiled operators (``torch.ops.attn_export.*``); the ONNX
 pieces (``export_onnx``, ``validate``) import onnx/onnxruntime on first use.
@@ -35,6 +36,9 @@ _LAZY = {
     "ValidationReport": ("attn_export.validation", "ValidationReport"),
     "load_model": ("attn_export.loading", "load_model"),
     "heatmaps": ("attn_export.maps.heatmaps", "heatmaps"),
+    "convert": ("attn_export.conversion", "convert"),
+    "ConvertOptions": ("attn_export.conversion", "ConvertOptions"),
+    "ConvertResult": ("attn_export.conversion", "ConvertResult"),
 }
 
 
@@ -51,5 +55,6 @@ __all__ = [
     "FusedMultiheadAttention", "UnsupportedAttentionError", "attention", "multi_head_attention",
     "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
+    "convert", "ConvertOptions", "ConvertResult",
     "gemm_backend", "set_gemm_backend", "__version__",
 ]

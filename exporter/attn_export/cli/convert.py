@@ -2,6 +2,7 @@
 ``--to tensorrt``)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -106,114 +107,67 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     """
     import torch
 
+    from attn_export.conversion import ConvertOptions, convert as run_conversion, preflight
     from attn_export.errors import InputError
-    from attn_export.onnx import export_onnx
-    from attn_export.surgery.replace import inspect_attention
-    from attn_export.validation import validate
 
     if html_path and no_validate:
         raise InputError("--html writes the validation report: it does not go with --no-validate")
     check_html(html_path)
-    out_path = Path(output) if output else default_output(model_path, model_args.factory, to)
-    if onnx_attention == "standard":
-        from attn_export.onnx.standard import check_opset
-
-        check_opset(opset)  # before the model loads
-    engine_path = None
-    if to == "tensorrt":
-        from attn_export import tensorrt as attn_trt
-
-        # What TensorRT needs is checked first: nothing is exported when it could not be built.
-        attn_trt.require_runtime()
-        if onnx_attention == "custom" or plugin:
-            plugin = attn_trt.find_plugin_library(plugin)
-            attn_trt.check_plugin_library(plugin)
-        else:
-            session.note("note: --onnx-attention standard: TensorRT's ONNX parser maps each Attention node to its "
-                         "own attention layer; the engine is built without the FusedAttention plugin")
-        shape_specs = profile_args.shape_specs()
-        engine_path = out_path
-        out_path = Path(onnx_output) if onnx_output else engine_path.with_suffix(".onnx")
-        if out_path.resolve() == engine_path.resolve():
-            raise InputError(f"the ONNX file and the engine would both be {out_path}; give -o or --onnx-output")
-    elif onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given:
+    if to == "onnx" and (onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given):
         raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt "
                          "(--plugin also with --ort-provider tensorrt)")
-    if not no_validate:
-        ort_args.require(runtime_timeout, plugin)  # the providers, before anything is exported
-    elif ort_args.given:
+    if no_validate and ort_args.given:
         raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
                          "drop them or --no-validate")
+    shapes = profile_args.shape_specs() if to == "tensorrt" else {"min": {}, "opt": {}, "max": {}}
+    options = ConvertOptions(
+        output=output or default_output(model_path, model_args.factory, to), to=to, onnx_output=onnx_output,
+        opset=opset, attention=onnx_attention, dtype=dtype, replace=not no_replace, validate=not no_validate,
+        seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
+        ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
+        plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],
+        workspace_mib=profile_args.workspace_mib, runtime_timeout_s=runtime_timeout, verbose=session.verbose)
+    progress = ConsoleProgress(session, onnx_attention)
+    target = preflight(options, progress)
     with session.step("loading the model"):
         model, source = model_args.load(model_path, seed=input_args.seed)
         torch.manual_seed(input_args.seed)
         inputs = input_args.example_inputs(model)
-        axes = input_args.axes(inputs, model=model)
+        options = dataclasses.replace(options, dynamic_axes=input_args.axes(inputs, model=model))
 
-    plan = inspect_attention(model)
-    if not no_replace:
-        session.out.print(plan.table(title=f"{source}: {plan.summary()}"))
-        # Modules of no known form may hold hand-written attention that the export rewrites: then
-        # the gate waits for the export's report.
-        undecided = any(layer.status == "skipped" and not layer.found for layer in plan.layers)
-        problem = None if undecided else coverage.problem(plan)
-        if problem:
-            click.echo(f"FAILED: {problem}", err=True)
-            return EXIT_MISMATCH
-
-    if not no_validate:
-        from attn_export.validation.runners import prestart_onnxruntime
-
-        prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model exports
-    with session.step(f"exporting to {out_path}"):
-        result = export_onnx(model, inputs, out_path, opset=opset, dtype=dtype, dynamic_axes=axes,
-                             replace=not no_replace, quiet=not session.verbose, seed=input_args.seed,
-                             attention=onnx_attention)
-    for note in result.notes + (result.replacement.notes if result.replacement else []):
-        session.note(f"note: {note}")
-    if result.replacement is not None:
-        # The export's report: SDPA sites confirmed when the model ran (one that made no fused call
-        # counts as skipped) and hand-written attention rewritten in the graph, or why not.
-        final = result.replacement
-        if [(layer.path, layer.status) for layer in final.layers] != [(layer.path, layer.status) for layer in plan.layers]:
-            session.out.print(final.table(title=f"after export: {final.summary()}"))
-        problem = coverage.problem(final)
-        if problem:
-            click.echo(f"FAILED: {problem} (when the model ran)", err=True)
-            return EXIT_MISMATCH
-    axes_text = ", ".join(f"{n}[{a}]={lbl}" for n, d in result.dynamic_axes.items() for a, lbl in d.items()) or "none"
-    nodes_text = f"{result.num_attention_nodes} fused attention node(s)"
-    if onnx_attention == "standard":
-        nodes_text = f"{result.num_standard_attention_nodes} standard Attention node(s)" + (
-            f", {result.num_attention_nodes} kept as fused attention node(s)" if result.num_attention_nodes else "")
-    session.out.print(f"wrote {out_path}: opset {result.opset}, {result.dtype}, {nodes_text}, dynamic axes: {axes_text}")
-    extra = {"export": result.to_dict()}
-    if engine_path is not None:
-        import onnx
-
-        if result.num_attention_nodes and not plugin:
-            raise InputError(f"{result.num_attention_nodes} layer(s) kept the custom node (see the notes), so the "
-                             "engine needs the FusedAttention plugin: give --plugin, or build it (docs/tensorrt.md)")
-
-        profile = attn_trt.derive_profile(onnx.load(str(out_path)), inputs, min_shapes=shape_specs["min"],
-                                          opt_shapes=shape_specs["opt"], max_shapes=shape_specs["max"])
-        for line in profile.lines():
-            session.note(f"profile {line}")
-        with session.step(f"building the TensorRT engine {engine_path}") as update:
-            info = attn_trt.build_engine(out_path, engine_path, plugin=plugin, profile=profile,
-                                         workspace_mib=profile_args.workspace_mib, progress=update)
-        session.out.print(
-            f"wrote {engine_path}: TensorRT {info.tensorrt} on {info.gpu}, {info.plugin_layers} FusedAttention plugin "
-            f"layer(s), build record {engine_path}.json"
-        )
-        extra["engine"] = info.to_dict()
-    if no_validate:
+    progress.source = source
+    result = run_conversion(model, inputs, options, progress=progress, target=target)
+    if result.coverage_problem:
+        click.echo(f"FAILED: {result.coverage_problem}", err=True)
+        return EXIT_MISMATCH
+    if result.report is None:
         session.out.print("validation skipped (--no-validate)")
         return 0
+    write_html(session, result.report, html_path)
+    return finish_validation(session, result.report, reports, extra=result.to_dict())
 
-    with session.step("validating against the original model") as update:
-        report = validate(model, out_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine_path, plugin=plugin, runtime_timeout_s=runtime_timeout,
-                          **ort_args.validate_kwargs())
-    write_html(session, report, html_path)
-    return finish_validation(session, report, reports, extra=extra)
+
+class ConsoleProgress:
+    """What the conversion does, on the console: steps and notes on stderr, the replacement
+    tables and the files written on stdout."""
+
+    def __init__(self, session, attention: str) -> None:
+        self.session, self.attention, self.source = session, attention, ""
+        self.step, self.note = session.step, session.note
+
+    def plan(self, report, after_export: bool) -> None:
+        title = f"after export: {report.summary()}" if after_export else f"{self.source}: {report.summary()}"
+        self.session.out.print(report.table(title=title))
+
+    def exported(self, onnx_path, export) -> None:
+        axes = ", ".join(f"{n}[{a}]={lbl}" for n, d in export.dynamic_axes.items() for a, lbl in d.items()) or "none"
+        nodes = f"{export.num_attention_nodes} fused attention node(s)"
+        if self.attention == "standard":
+            nodes = f"{export.num_standard_attention_nodes} standard Attention node(s)" + (
+                f", {export.num_attention_nodes} kept as fused attention node(s)" if export.num_attention_nodes else "")
+        self.session.out.print(f"wrote {onnx_path}: opset {export.opset}, {export.dtype}, {nodes}, dynamic axes: {axes}")
+
+    def engine_built(self, engine_path, info) -> None:
+        self.session.out.print(
+            f"wrote {engine_path}: TensorRT {info.tensorrt} on {info.gpu}, {info.plugin_layers} FusedAttention plugin "
+            f"layer(s), build record {engine_path}.json")
