@@ -41,13 +41,16 @@ test: install
 demo: install
 	$(PY) scripts/demo.py
 
-# The CPU benchmarks of docs/benchmarks.md (not part of the tests).
+# The CPU benchmarks of docs/benchmarks.md (benchmarks/, not part of the tests or the package);
+# results in benchmarks/results/. Tens of minutes, most of it the ONNX Runtime run.
+RESULTS := benchmarks/results
 bench: install
-	$(PY) scripts/bench_cpu.py --shapes all --memory 1x8192x256x8 --markdown docs/bench_cpu.md --json docs/bench_cpu.json
-	$(PY) scripts/bench_cpu.py --shapes sweep --plot docs/bench_cpu_sweep.png --markdown docs/bench_cpu_sweep.md
-	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager (tens of minutes).
-	$(VENV)/bin/attn-export bench --onnx --memory 1x2048 --markdown docs/bench_onnx.md --json docs/bench_onnx.json --plot docs/bench_onnx.png
-	$(VENV)/bin/attn-export bench --core --markdown docs/bench_core.md --json docs/bench_core.json
+	$(PY) -m benchmarks.run --shapes all --memory 1x8192x256x8 --markdown $(RESULTS)/layers.md --json $(RESULTS)/layers.json
+	$(PY) -m benchmarks.run --shapes sweep --plot $(RESULTS)/layers_sweep.png --markdown $(RESULTS)/layers_sweep.md
+	$(PY) -m benchmarks.run --shapes 8x16x128x4,8x256x256x4,1x512x512x8 --gemm --no-sdpa --rounds 5 --markdown $(RESULTS)/gemm.md --json $(RESULTS)/gemm.json
+	$(PY) -m benchmarks.run --core --markdown $(RESULTS)/core.md --json $(RESULTS)/core.json
+	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager.
+	$(PY) -m benchmarks.run --onnx --memory 1x2048 --markdown $(RESULTS)/onnx.md --json $(RESULTS)/onnx.json --plot $(RESULTS)/onnx.png
 
 # Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
 # each running only the tests that call the mutated function; >= 90% must be killed.

@@ -80,7 +80,7 @@ def main() -> int:
     console.print(Rule())
     console.print(
         f"Done in {time.perf_counter() - start:.0f} s. Files in {OUT}: the model, its ONNX export, report.json, "
-        "report.xml. Speed of the fused layer: `attn-export bench`."
+        "report.xml. Speed of the fused layer: `make bench` (docs/benchmarks.md)."
     )
     return 0
 

@@ -6,7 +6,7 @@
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
 #      tests/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
 #      if installed, else with tests/run_without_pytest.py),
-#   3. runs the GPU benchmark (scripts/bench_gpu.py),
+#   3. runs the GPU benchmark (benchmarks/gpu.py),
 # and writes everything under $OUT if set, else ./gpu_check_out:
 #   environment.txt  build.log  test_cuda.log  test_cuda.xml  bench_gpu.log  bench_gpu.md
 #   bench_gpu.json  summary.txt  gpu_check.log
@@ -102,7 +102,7 @@ BUDGET=$((450 - (SECONDS - START) - 40))
 [ $BUDGET -lt 30 ] && BUDGET=30
 log "benchmark, budget ${BUDGET} s"
 T0=$SECONDS
-if timeout $((BUDGET + 60)) "$PY" scripts/bench_gpu.py --out "$OUT_DIR" --budget-s "$BUDGET" > "$OUT_DIR/bench_gpu.log" 2>&1; then
+if timeout $((BUDGET + 60)) "$PY" -m benchmarks.gpu --out "$OUT_DIR" --budget-s "$BUDGET" > "$OUT_DIR/bench_gpu.log" 2>&1; then
   summary "PASSED benchmark in $((SECONDS - T0)) s (bench_gpu.md)"
 else
   summary "FAILED benchmark (see bench_gpu.log)"; tail -20 "$OUT_DIR/bench_gpu.log"

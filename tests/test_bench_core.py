@@ -1,4 +1,4 @@
-"""attn-export bench --core: the share of the machine's FMA peak that each row reports.
+"""benchmarks.run --core: the share of the machine's FMA peak that each row reports.
 
 The rate is the algorithm's floating-point operations over the core's median time, against the
 float32 multiply-add ceiling that csrc/kernels/cpu/fma_peak.cpp measures on the same threads."""
@@ -7,12 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from attn_export import bench_core
-from attn_export.cli import main
+from benchmarks import core as bench_core
+from benchmarks.run import bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("onnxruntime")  # bench_core's machine facts name ONNX Runtime's version
 
@@ -53,8 +56,8 @@ def test_the_peak_is_measured_in_the_vector_width_of_the_cores_kernels():
     # Above zero and below what any x86 core can do: two FMA units of 16 lanes at 6 GHz.
     assert 0.0 < peak < 2 * 16 * 2 * 6.0
     # The generic kernels have no fused multiply-add: nothing is measured, never a made-up rate.
-    code = "from attn_export import bench_core; print(bench_core.fma_peak_gflops(1, seconds=0.05))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    code = "from benchmarks import core as bench_core; print(bench_core.fma_peak_gflops(1, seconds=0.05))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "ATTN_EXPORT_CPU_ISA": "generic"}, check=True)
     assert float(out.stdout.split()[-1]) == 0.0
 
@@ -67,7 +70,7 @@ def test_bench_core_prints_the_peak_and_writes_it_to_the_json(tmp_path, monkeypa
     monkeypatch.setattr(bench_core, "run_benchmark",
                         lambda **kw: [bench_core._result("forward", 512, False, medians, kw["peak"])])
     report = tmp_path / "core.json"
-    result = CliRunner().invoke(main, ["bench", "--core", "--threads", "1", "--json", str(report)])
+    result = CliRunner().invoke(bench, ["--core", "--threads", "1", "--json", str(report)])
     assert result.exit_code == 0, result.output
     assert "float32 FMA peak of 1 thread(s)" in result.output and "100.0 GFLOP/s" in result.output
     data = json.loads(report.read_text())

@@ -1,4 +1,4 @@
-"""attn-export bench --onnx: what its timing loop must not do to the implementations it compares.
+"""benchmarks.run --onnx: what its timing loop must not do to the implementations it compares.
 The bench holds one ONNX Runtime session per implementation in one process; a
 session whose workers keep spin-waiting after its run returns burns a core while the next
 implementation is timed, which on 2 cores made the flavor timed after another one look slower."""
@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from attn_export import bench_onnx
+from benchmarks import onnx_runtime as bench_onnx
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -86,7 +86,7 @@ def test_every_implementation_is_timed_at_every_position_of_a_round():
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's per-thread /proc accounting")
 def test_the_gemm_rate_lines_onnx_runtime_stops_its_workers_when_a_run_returns():
     # The same guard for `bench --gemm`'s ONNX Runtime MatMul, timed between the GEMM backends.
-    from attn_export import bench_gemm
+    from benchmarks import gemm as bench_gemm
 
     before = _threads()
     run = bench_gemm._ort_statement(bench_gemm.Gemm("square", N, N, N), 2)
@@ -104,7 +104,7 @@ def test_the_gemm_rate_lines_onnx_runtime_stops_its_workers_when_a_run_returns()
 def test_the_core_benchs_onnx_runtime_stops_its_workers_when_a_run_returns(tmp_path):
     # `bench --core` times ONNX Runtime's MultiHeadAttention between attn-export's core and SDPA;
     # with its workers left spinning the core read 7.1 ms at L = 512 against 2.8 ms alone.
-    from attn_export import bench_core
+    from benchmarks import core as bench_core
 
     path = tmp_path / "matmul.onnx"
     _matmul_model(path)

@@ -165,8 +165,8 @@ def test_unknown_environment_value_fails_the_import_clearly():
 
 def test_gemm_rate_line_times_every_backend_against_onnxruntime():
     pytest.importorskip("onnxruntime")
-    from attn_export import bench_gemm
-    from attn_export.cli.bench import _machine_header
+    from benchmarks import gemm as bench_gemm
+    from benchmarks.run import _machine_header
 
     before = attn_export.gemm_backend()
     rates = bench_gemm.run_gemm_rates([bench_gemm.Gemm("tiny", 5, 24, 8)], rounds=1, min_run_time=0.001)

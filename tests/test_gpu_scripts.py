@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_bench_gpu_dry_run(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--dry-run", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
                    check=True, capture_output=True, text=True, timeout=600)
     results = json.loads((tmp_path / "bench_gpu.json").read_text())["results"]
     assert {r["part"] for r in results} == {"layer", "core"}

@@ -397,9 +397,3 @@ def test_core_operator_configurations_export_and_validate(tmp_path):
     assert report.passed, report
 
 
-@pytest.mark.parametrize("option,value", [("--memory", "1x2048,8"), ("--profile", "1xL")])
-def test_bench_onnx_shape_options_are_checked_before_anything_runs(option, value):
-    from helpers import invoke, one_line_error
-
-    proc = invoke("bench", "--onnx", option, value)
-    one_line_error(proc, option, value, "BATCHxSEQ")

@@ -7,7 +7,6 @@ argument that is not a verb goes to the default verb.
 """
 import click
 
-from attn_export.cli.bench import bench
 from attn_export.cli.convert import convert
 from attn_export.cli.heatmap import heatmap
 from attn_export.cli.inspect import inspect_cmd
@@ -45,7 +44,6 @@ def main() -> None:
     attn-export validate MODEL ONNX    the parity gate alone (exit 0 pass, 1 mismatch, 2 usage);
                                        --engine FILE adds TensorRT
     attn-export heatmap MODEL          draw the attention weights, original beside fused
-    attn-export bench                  time the fused layer against nn.MultiheadAttention
 
     MODEL is a torch.save(model) file or a Hugging Face transformers save_pretrained folder
     (`pip install 'attn-export[hf]'`).
@@ -58,4 +56,3 @@ main.add_command(convert)
 main.add_command(inspect_cmd)
 main.add_command(validate_cmd)
 main.add_command(heatmap)
-main.add_command(bench)

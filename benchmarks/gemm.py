@@ -1,4 +1,4 @@
-"""The GEMM-rate line of ``attn-export bench --gemm``: the layer's projection GEMMs, per GEMM
+"""The GEMM-rate line of ``python -m benchmarks.run --gemm``: the layer's projection GEMMs, per GEMM
 backend (attn_export.ops.gemm), against ONNX Runtime's ``MatMul`` on the same shapes.
 
 Each projection x[m, k] W[n, k]^T runs through the extension's own projection path
@@ -6,7 +6,7 @@ Each projection x[m, k] W[n, k]^T runs through the extension's own projection pa
 allows them), with the backend switched before each measurement; ONNX Runtime runs a one-node
 ``MatMul`` model with W^T as an initializer (MLAS prepacks it, as it does in an exported
 model). Everything is timed in one process, interleaved in rounds; the minimum of the
-per-round medians is kept (noise only ever inflates a time), as in attn_export.bench.
+per-round medians is kept (noise only ever inflates a time), as in benchmarks/layers.py.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 from attn_export.ops import gemm as _gemm
-from attn_export.bench_onnx import round_order
+from benchmarks.onnx_runtime import round_order
 
 ORT = "onnxruntime MatMul"
 
@@ -41,7 +41,7 @@ class Gemm:
 
 
 def projection_gemms(shapes) -> List[Gemm]:
-    """The input (packed q|k|v) and output projections of attn_export.bench.Shape layers."""
+    """The input (packed q|k|v) and output projections of benchmarks.layers.Shape layers."""
     gemms = []
     for s in shapes:
         tokens = s.batch * s.seqlen

@@ -1,4 +1,9 @@
-"""``attn-export bench``: the fused layer against nn.MultiheadAttention (and SDPA) on the CPU."""
+"""The benchmarks' command line: the fused layer against nn.MultiheadAttention (and SDPA) on
+the CPU; with --gemm, --core or --onnx the other benchmarks of docs/benchmarks.md.
+
+    python -m benchmarks.run --shapes small --mode forward
+    python -m benchmarks.run --core --markdown benchmarks/results/core.md
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +43,7 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
 @click.option("--batches", default="1,8", show_default=True, help="With --onnx: batch sizes.")
 @click.option("--gemm", "gemm_rates", is_flag=True,
               help="Also the GEMM-rate line: GFLOP/s of the shapes' projection GEMMs under each GEMM backend "
-                   "against ONNX Runtime's MatMul on the same shapes (attn_export.bench_gemm).")
+                   "against ONNX Runtime's MatMul on the same shapes (benchmarks/gemm.py).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --onnx: leave out the shapes with batch x seq > N (a reduced run).")
 @click.option("--profile", "profile_shape", metavar="BxL",
@@ -46,7 +51,7 @@ MODE_CHOICES = ("forward", "forward+backward", "inference")
                    "and kernel time per op type from its profiler (per node the fastest of 10 calls: robust to load).")
 @click.option("--core", "core_mode", is_flag=True,
               help="Instead: the attention core alone, [1, 4, L, 64], against ONNX Runtime's com.microsoft."
-                   "MultiHeadAttention and SDPA (forward), and SDPA (forward+backward) (attn_export.bench_core).")
+                   "MultiHeadAttention and SDPA (forward), and SDPA (forward+backward) (benchmarks/core.py).")
 def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, markdown_path, plot_path,
           memory_shape, onnx_mode, seqs, batches, gemm_rates, max_tokens, profile_shape,
           core_mode):
@@ -61,7 +66,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     from rich.console import Console
     from rich.table import Table
 
-    from attn_export import bench as lib
+    from benchmarks import layers as lib
     from attn_export.atomic_io import write_text
 
     if core_mode:
@@ -105,7 +110,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
     gemm_results = []
     if gemm_rates:
-        from attn_export import bench_gemm
+        from benchmarks import gemm as bench_gemm
 
         with console.status("GEMM rates") as status:
             gemm_results = bench_gemm.run_gemm_rates(
@@ -135,7 +140,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     if markdown_path:
         text = header + "\n\n" + lib.markdown_table(results) + "\n"
         if gemm_results:
-            from attn_export import bench_gemm
+            from benchmarks import gemm as bench_gemm
 
             text += "\n" + bench_gemm.markdown_table(gemm_results) + "\n"
         if memory_results:
@@ -151,7 +156,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 def _machine_header() -> str:
     """The CPU, its ISA and the GEMM library the layer runs on: the ratios depend on all three."""
     from attn_export.ops import gemm as _gemm
-    from attn_export.bench_onnx import machine
+    from benchmarks.onnx_runtime import machine
 
     facts = machine()
     choice = _gemm.gemm_backend()
@@ -162,10 +167,10 @@ def _machine_header() -> str:
 
 
 def _bench_core(threads, rounds, min_run_time, json_path, markdown_path):
-    """attn-export bench --core (attn_export.bench_core)."""
+    """--core (benchmarks/core.py)."""
     from rich.console import Console
 
-    from attn_export import bench_core as lib
+    from benchmarks import core as lib
     from attn_export.atomic_io import write_text
 
     if rounds < 1 or min_run_time <= 0 or threads < 1:
@@ -210,13 +215,13 @@ def _onnx_shapes(text: str, option: str):
 
 def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path, markdown_path,
                 plot_path, profile_shape=None):
-    """attn-export bench --onnx (attn_export.bench_onnx)."""
+    """--onnx (benchmarks/onnx_runtime.py)."""
     import tempfile
     from pathlib import Path
 
     from rich.console import Console
 
-    from attn_export import bench_onnx as lib
+    from benchmarks import onnx_runtime as lib
     from attn_export.atomic_io import atomic_output, write_text
 
     seqs, batches = _sizes(seqs, "--seqs"), _sizes(batches, "--batches")
@@ -259,3 +264,7 @@ def _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory
     if plot_path:
         with atomic_output(plot_path) as tmp_png:
             lib.plot(results, str(tmp_png))
+
+
+if __name__ == "__main__":
+    bench(prog_name="python -m benchmarks.run")

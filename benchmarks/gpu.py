@@ -15,8 +15,8 @@ F.scaled_dot_product_attention, side by side in one process (scripts/gpu_check.s
 Timing: torch.utils.benchmark (it synchronizes the device around each block of runs),
 medians of blocked_autorange; implementations interleaved per configuration.
 
-    python scripts/bench_gpu.py --out gpu_check_out [--budget-s 150] [--quick]
-    python scripts/bench_gpu.py --dry-run     # tiny sizes on the CPU: checks the script itself
+    python -m benchmarks.gpu --out gpu_check_out [--budget-s 150] [--quick]
+    python -m benchmarks.gpu --dry-run     # tiny sizes on the CPU: checks the script itself
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.benchmark import Timer
 
 import attn_export
-from attn_export.bench import SHAPE_SETS, layer_statement
+from benchmarks.layers import SHAPE_SETS, layer_statement
 
 LAYER_IMPLS = ("fused", "nn.MultiheadAttention", "sdpa")
 CORE_IMPLS = ("fused", "sdpa", "unfused")
@@ -175,7 +175,7 @@ def main():
     if args.dry_run:
         DEVICE, args.min_run_time = "cpu", 0.01
     elif not torch.cuda.is_available():
-        sys.exit("bench_gpu.py needs a GPU (or --dry-run)")
+        sys.exit("benchmarks.gpu needs a GPU (or --dry-run)")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     env = environment()

@@ -1,6 +1,6 @@
 """Peak resident memory of one inference call, measured in a fresh process.
 
-    python -m attn_export._memory_probe IMPL BATCHxSEQxEMBEDxHEADS THREADS
+    python -m benchmarks.memory_probe IMPL BATCHxSEQxEMBEDxHEADS THREADS
 
 prints JSON {"baseline_mb", "peak_mb"}: ru_maxrss after building the inputs and after one
 forward under torch.inference_mode. A fresh process per measurement, because ru_maxrss never
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from attn_export import bench
+from benchmarks import layers as bench
 
 
 def main() -> None:

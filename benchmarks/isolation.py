@@ -9,7 +9,7 @@ overlaps PyTorch work) against ``validate`` with the old in-process backend, in 
 and in fresh processes as the CLI runs, side by side in rounds, on the bundled example model at
 the gate's five shapes. Reports medians.
 
-    python scripts/bench_isolation.py [--rounds 7]
+    python -m benchmarks.isolation [--rounds 7]
 """
 from __future__ import annotations
 
@@ -105,9 +105,9 @@ def validate_in_process(model, path, inputs):
 
 _COLD = """
 import sys, time
-sys.path.insert(0, {scripts!r})
+sys.path.insert(0, {root!r})
 start = time.perf_counter()
-import bench_isolation as b
+from benchmarks import isolation as b
 from attn_export.examples import tiny_seq2seq
 model = tiny_seq2seq()
 (b.validate_in_process if {in_process!r} else b.validate)(model, {path!r}, model.example_inputs)
@@ -120,7 +120,7 @@ def cold(path: Path, in_process: bool) -> float:
     import subprocess
     import sys
 
-    code = _COLD.format(scripts=str(Path(__file__).resolve().parent), in_process=in_process, path=str(path))
+    code = _COLD.format(root=str(Path(__file__).resolve().parents[1]), in_process=in_process, path=str(path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return float(out.strip().splitlines()[-1])
 

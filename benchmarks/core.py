@@ -1,5 +1,5 @@
 """The attention core alone against the best CPU kernels at hand, side by side in one process
-(``attn-export bench --core``; docs/benchmarks.md).
+(``python -m benchmarks.run --core``; docs/benchmarks.md).
 
 Timed on q, k, v of ``[1, 4, L, 64]`` float32 (2 threads by default):
 
@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from attn_export.bench_onnx import SETTLE_S, _median_call, machine, round_order
+from benchmarks.onnx_runtime import SETTLE_S, _median_call, machine, round_order
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 64
 FORWARD_SEQS = (512, 2048, 4096)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.benchmark import Timer
 
 from attn_export.ops.module import FusedMultiheadAttention
+from benchmarks import child_env
 
 MODES = ("forward", "forward+backward", "inference")
 REFERENCE = "nn.MultiheadAttention"
@@ -189,8 +190,8 @@ def measure_memory(shape: Shape, implementations: Iterable[str], threads: int) -
     peaks = {}
     for impl in implementations:
         proc = subprocess.run(
-            [sys.executable, "-m", "attn_export._memory_probe", impl, str(shape), str(threads)],
-            capture_output=True, text=True, check=True,
+            [sys.executable, "-m", "benchmarks.memory_probe", impl, str(shape), str(threads)],
+            capture_output=True, text=True, check=True, env=child_env(),
         )
         peaks[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
     ref_peak = peaks.get(REFERENCE, {}).get("peak_mb")

@@ -1,5 +1,5 @@
 """The exported model where users run it: ONNX Runtime (CPU) against PyTorch eager, side by side
-in one process (``attn-export bench --onnx``; docs/benchmarks.md).
+in one process (``python -m benchmarks.run --onnx``; docs/benchmarks.md).
 
 The model is a 4-layer ``nn.TransformerEncoder`` (embed 256, 4 heads, feed-forward 1024, batch
 first) called with a key-padding mask (the last eighth of every row's keys padded). Timed, per
@@ -271,11 +271,13 @@ def measure_memory(batch: int, seq: int, paths: Dict[str, Path], threads: int) -
     import subprocess
     import sys
 
+    from benchmarks import child_env
+
     out = {}
     for impl in IMPLEMENTATIONS:
         proc = subprocess.run(
-            [sys.executable, "-m", "attn_export.bench_onnx", impl, f"{batch}x{seq}", str(threads),
-             str(paths.get(impl, ""))], capture_output=True, text=True, check=True)
+            [sys.executable, "-m", "benchmarks.onnx_runtime", impl, f"{batch}x{seq}", str(threads),
+             str(paths.get(impl, ""))], capture_output=True, text=True, check=True, env=child_env())
         out[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
@@ -351,7 +353,7 @@ def plot(results: List[OnnxResult], path: str) -> None:
 
 
 def _probe() -> None:
-    """python -m attn_export.bench_onnx IMPL BATCHxSEQ THREADS [ONNX]: prints JSON
+    """python -m benchmarks.onnx_runtime IMPL BATCHxSEQ THREADS [ONNX]: prints JSON
     {"baseline_mb", "peak_mb"} of one call (see measure_memory)."""
     import sys
 
