@@ -13,7 +13,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test bench install clean plugin mutants
+.PHONY: demo test test-fast bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +32,16 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.built
 
 # Two pytest workers, whole files per worker (--dist loadfile: the zoo test's docs check needs
-# its whole file in one process), the longest files first (tests/conftest.py: LONGEST_FIRST);
+# its whole file in one process), the files of slow tests first (tests/conftest.py);
 # PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The everyday loop: every package's tests without the slow ones (the CUDA emulator, the model
+# zoo, the fuzzers, the other instruction sets, end-to-end CLI runs); a few minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
 demo: install
 	$(PY) scripts/demo.py
@@ -70,9 +75,9 @@ mutants: $(VENV)/.mutation
 # emulated threads is a missing __syncthreads. Builds its own sanitized extension (cached).
 .PHONY: tsan
 tsan: install
-	ATTN_EXPORT_EMU_TSAN=1 $(PY) tests/cuda_emulator/tsan_check.py --build
+	ATTN_EXPORT_EMU_TSAN=1 $(PY) tests/ops/cuda_emulator/tsan_check.py --build
 	for order in late early; do \
-	  ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) $(PY) tests/cuda_emulator/tsan_check.py --order $$order || exit 1; \
+	  ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) $(PY) tests/ops/cuda_emulator/tsan_check.py --order $$order || exit 1; \
 	done
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>

@@ -2,9 +2,9 @@
 # The GPU check of the CUDA kernels, for a machine with an NVIDIA GPU, a CUDA build of PyTorch
 # and nvcc, and no network. In under 8 minutes on an H200 it
 #   1. builds attn_export for this GPU only (TORCH_CUDA_ARCH_LIST from its compute capability),
-#   2. runs the GPU tests (the `cuda`-marked tests: tests/test_cuda.py, the device-parametrized
+#   2. runs the GPU tests (the `cuda`-marked tests: tests/ops/test_cuda.py, the device-parametrized
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
-#      tests/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
+#      tests/validation/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
 #      if installed, else with tests/run_without_pytest.py),
 #   3. runs the GPU benchmark (benchmarks/gpu.py),
 # and writes everything under $OUT if set, else ./gpu_check_out:
@@ -72,7 +72,7 @@ summary "PASSED build for sm_${CAPABILITY/./} in $((SECONDS - START)) s"
 
 # ---- 2. GPU tests
 STATUS=0
-GPU_TEST_MODULES="test_cuda test_attention_op test_module_parity test_ort_providers"
+GPU_TEST_MODULES="ops/test_cuda ops/test_attention_op ops/test_module_parity validation/test_ort_providers"
 log "running the cuda tests of: $GPU_TEST_MODULES"
 T0=$SECONDS
 if "$PY" -c 'import pytest' 2>/dev/null; then
@@ -80,11 +80,11 @@ if "$PY" -c 'import pytest' 2>/dev/null; then
     --junitxml "$OUT_DIR/test_cuda.xml" > "$OUT_DIR/test_cuda.log" 2>&1
 else
   # the stand-in ignores marks: the device-parametrized modules are filtered to their cuda ids
-  ( timeout 150 "$PY" tests/run_without_pytest.py test_cuda --junit "$OUT_DIR/test_cuda.xml" &&
-    for m in test_attention_op test_module_parity; do
-      timeout 60 "$PY" tests/run_without_pytest.py "$m" -k cuda --junit "$OUT_DIR/$m.xml" || exit 1
+  ( timeout 150 "$PY" tests/run_without_pytest.py ops/test_cuda --junit "$OUT_DIR/test_cuda.xml" &&
+    for m in ops/test_attention_op ops/test_module_parity; do
+      timeout 60 "$PY" tests/run_without_pytest.py "$m" -k cuda --junit "$OUT_DIR/$(basename $m).xml" || exit 1
     done &&
-    timeout 120 "$PY" tests/run_without_pytest.py test_ort_providers -k ::test_cuda_ \
+    timeout 120 "$PY" tests/run_without_pytest.py validation/test_ort_providers -k ::test_cuda_ \
       --junit "$OUT_DIR/test_ort_providers.xml" ) > "$OUT_DIR/test_cuda.log" 2>&1
 fi
 TEST_RC=$?

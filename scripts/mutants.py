@@ -41,12 +41,12 @@ SOURCE_ROOT, PACKAGE = ROOT / "exporter", "attn_export"
 # narrows these down per function to the tests that call it. End-to-end files (an ONNX export
 # and an ONNX Runtime process per run, test_validation.py) are left out: ~1 min per mutant here.
 MUTATED = {
-    "exporter/attn_export/validation/tolerances.py": ["tests/test_tolerances.py"],
+    "exporter/attn_export/validation/tolerances.py": ["tests/validation/test_tolerances.py"],
     "exporter/attn_export/shapes.py": ["tests/test_shapes.py"],
     "exporter/attn_export/inputs.py": ["tests/test_inputs.py"],
-    "exporter/attn_export/surgery/replace.py": ["tests/test_replace.py"],
+    "exporter/attn_export/surgery/replace.py": ["tests/surgery/test_replace.py"],
     "exporter/attn_export/loading.py": ["tests/test_loading.py"],
-    "exporter/attn_export/onnx/node.py": ["tests/test_onnx_node.py"],
+    "exporter/attn_export/onnx/node.py": ["tests/onnx/test_onnx_node.py"],
 }
 
 

@@ -10,25 +10,13 @@ def _seed():
     yield
 
 
-# The files that take minutes, longest first (serial times on the 2-core CI machine). `make test`
-# hands whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder):
-# starting with these leaves only short files for the end, so neither worker idles while the
-# other finishes a long one.
-LONGEST_FIRST = (
-    "test_cuda_emulator.py", "test_hf_zoo.py", "test_module_conformance.py", "test_instruction_sets.py",
-    "test_attention_op.py",
-    "test_distributed.py", "test_cuda_build.py", "test_onnx_standard.py", "test_hf.py", "test_cli.py",
-    "test_onnx_export.py",
-)
-
-
-def _file_rank(item) -> int:
-    name = item.path.name
-    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
+# `make test` hands whole files to two workers in collection order (--dist loadfile
+# --no-loadscope-reorder): the files of slow tests go first, which leaves only short files for
+# the end, so neither worker idles while the other finishes a long one. `make test-fast` leaves
+# the slow tests out.
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_file_rank)  # stable: the order within a file, and among the rest, is kept
+    # Stable: the order within a file, and among the rest, is kept.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU and the CUDA build of attn_export")
     if not torch.cuda.is_available():
         for item in items:

@@ -4,7 +4,7 @@ network to install it): scripts/gpu_check.sh falls back to this.
 
     python tests/run_without_pytest.py test_cuda [--junit FILE] [-k SUBSTRING]
 
-Supports what tests/test_cuda.py uses: plain test functions, stacked
+Supports what tests/ops/test_cuda.py uses: plain test functions, stacked
 @pytest.mark.parametrize, pytest.param (its marks are ignored), pytest.raises, pytest.skip and
 module-level marks. Each test runs with torch.manual_seed(0), like conftest.py's autouse
 fixture. Exit status 1 on any failure.
@@ -104,16 +104,17 @@ def _cases(fn):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("module", help="test module in tests/, e.g. test_cuda")
+    parser.add_argument("module", help="test module under tests/, e.g. ops/test_cuda")
     parser.add_argument("-k", dest="keyword", default=None, help="run only tests whose id contains this")
     parser.add_argument("--junit", type=pathlib.Path, default=None, help="write a JUnit XML report here")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(HERE))
+    folder, _, name = args.module.rpartition("/")
+    sys.path[:0] = [str(HERE / folder), str(HERE)]  # the module's folder, and tests/ for helpers
     _install_pytest_stand_in()
     import torch
 
-    module = importlib.import_module(args.module)
+    module = importlib.import_module(name)
     marks = getattr(module, "pytestmark", [])
     marks = marks if isinstance(marks, list) else [marks]
     no_gpu = any(getattr(m, "name", None) == "cuda" for m in marks) and not torch.cuda.is_available()
@@ -123,7 +124,7 @@ def main() -> int:
         if not name.startswith("test_") or not callable(fn):
             continue
         for suffix, kwargs in _cases(fn):
-            test_id = f"{args.module}::{name}{suffix}"
+            test_id = f"{module.__name__}::{name}{suffix}"
             if args.keyword and args.keyword not in test_id:
                 continue
             torch.manual_seed(0)

@@ -4,6 +4,9 @@ import json
 import pathlib
 import subprocess
 import sys
+import pytest
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -24,8 +27,8 @@ def test_gpu_check_script_parses():
 
 def test_runner_without_pytest_finds_every_gpu_test():
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                str(ROOT / "tests" / "test_cuda.py")], capture_output=True, text=True, cwd=ROOT)
+                                str(ROOT / "tests" / "ops" / "test_cuda.py")], capture_output=True, text=True, cwd=ROOT)
     count = sum(1 for line in collected.stdout.splitlines() if "::test_" in line)
-    ran = subprocess.run([sys.executable, str(ROOT / "tests" / "run_without_pytest.py"), "test_cuda"],
+    ran = subprocess.run([sys.executable, str(ROOT / "tests" / "run_without_pytest.py"), "ops/test_cuda"],
                          capture_output=True, text=True, cwd=ROOT)
     assert count > 0 and ran.stdout.count("test_cuda::test_") == count, ran.stdout[-2000:] + ran.stderr[-2000:]

@@ -34,11 +34,11 @@ def _is_check(node: ast.AST, is_checking_helper) -> bool:
 
 
 def _functions():
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                yield path.name, node
+                yield str(path.relative_to(TESTS)), node
 
 
 def _resolver(functions):

@@ -2,7 +2,7 @@
 // (de)serialization, the shape rules of the node and the AttentionParams an enqueue() fills.
 //
 // Nothing here includes TensorRT or CUDA headers, so tests/core_test.cpp compiles and runs it
-// with a plain C++ compiler (tests/test_tensorrt_plugin.py does, in CI). fusedAttentionPlugin.cpp
+// with a plain C++ compiler (tests/trt/test_tensorrt_plugin.py does, in CI). fusedAttentionPlugin.cpp
 // is the only file that speaks TensorRT; it converts nvinfer1::PluginField <-> Field and
 // nvinfer1::Dims <-> Shape and static_asserts that FieldType mirrors nvinfer1::PluginFieldType.
 //

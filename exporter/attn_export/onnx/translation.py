@@ -139,7 +139,7 @@ def translate_multi_head_attention(
         # sequence-first graph input from feeding Transpose -> MatMul directly: with fp16
         # weights that pattern segfaults ONNX Runtime 1.32 (CPU) at ORT_ENABLE_ALL while it
         # optimizes the graph (docs/onnx_node.md, "ONNX Runtime: Transpose -> MatMul on a graph
-        # input"; tests/test_runtime_isolation.py keeps the two-node reproduction).
+        # input"; tests/validation/test_runtime_isolation.py keeps the two-node reproduction).
         return to_batch_first(_linear(op, x, in_proj_weight, in_proj_bias, rows))
 
     embed_dim = _static_dim(in_proj_weight, 1, "embed_dim (in_proj_weight.shape[1])")

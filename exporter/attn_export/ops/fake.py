@@ -2,7 +2,7 @@
 torch.export, torch.compile and FakeTensor can trace the operators.
 
 Each fake repeats the input checks of the C++ binding (csrc/ops/attention_binding.cpp,
-csrc/ops/multi_head_attention.cpp) with the same words; tests/test_fake.py holds them to it.
+csrc/ops/multi_head_attention.cpp) with the same words; tests/ops/test_fake.py holds them to it.
 """
 from __future__ import annotations
 

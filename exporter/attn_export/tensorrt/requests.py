@@ -35,7 +35,7 @@ class PluginRequest:
 def expected_fields() -> List[Tuple[str, str]]:
     """(name, PluginFieldType name) of every field the nodes hand the plugin creator: the ONNX
     node's attributes except plugin_version/plugin_namespace, INT -> INT32, FLOAT -> FLOAT32 (the
-    parser's narrowing). tests/test_tensorrt_plugin.py holds the C++ field table to the same list."""
+    parser's narrowing). tests/trt/test_tensorrt_plugin.py holds the C++ field table to the same list."""
     return [(f.name, f.plugin_field_type) for f in _spec.load().plugin_fields]
 
 

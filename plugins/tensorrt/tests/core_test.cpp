@@ -1,5 +1,5 @@
 // Tests of fusedAttentionCore (the plugin's fields, shape rules and params) with a plain C++
-// compiler: no TensorRT, no CUDA. tests/test_tensorrt_plugin.py compiles and runs it in CI.
+// compiler: no TensorRT, no CUDA. tests/trt/test_tensorrt_plugin.py compiles and runs it in CI.
 //
 //   core_test           run the checks; prints "core_test: N checks passed" (exit 1 on a failure)
 //   core_test --fields  print the field table as JSON (compared with the spec, the ONNX node's

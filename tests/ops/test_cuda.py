@@ -1,0 +1,126 @@
+"""What only the GPU has: the CUDA kernels' tensor-core head dims (32/64/128) and generic ones
+(40) over sequence lengths 1..4096, unequal lengths, the fake kernels' strides on CUDA tensors,
+strided inputs on a side stream, and agreement with the CPU operator.
+
+The tests that hold on every device (every mask kind, fully masked rows, weights and their
+gradient, float64 gradcheck, opcheck; the layer against nn.MultiheadAttention) take a `device`
+parameter in tests/ops/test_attention_op.py and tests/ops/test_module_parity.py; their CUDA variants
+carry the `cuda` marker too (`pytest -m cuda tests/` runs them all).
+
+Every test carries the `cuda` marker and is skipped without a GPU (conftest.py). On a GPU,
+scripts/gpu_check.sh builds the extension for the device and runs this file.
+
+Tolerances are derived, FlashAttention style: the fused result's error against a float64
+reference may be at most twice the error of the same computation done the plain way in the
+same dtype (matmul, softmax, matmul; or the stock nn.MultiheadAttention), plus a slack of the
+dtype's rounding (helpers.assert_within).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn_export
+from helpers import EPS, MASKS, assert_within, check_core, padding_mask, qkv, reference_attention, scaled_err
+
+pytestmark = pytest.mark.cuda
+
+ops = torch.ops.attn_export
+DEVICE = "cuda"
+
+
+def _require_cuda_kernels():
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("attn_export::attention", "CUDA"):
+        raise RuntimeError(
+            "attn_export was built without its CUDA kernels; rebuild with ATTN_EXPORT_CUDA=1 "
+            "(scripts/gpu_check.sh does)"
+        )
+
+
+def _core_check(B, H, Lq, Lk, D, dtype, masks, backward=True):
+    _require_cuda_kernels()
+    check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, backward=backward)
+
+
+# ---- The attention core ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
+def test_core_matches_reference(dtype, head_dim, causal, seqlen):
+    _core_check(2, 3, seqlen, seqlen, head_dim, dtype, {"is_causal": causal})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_core_long_sequence(dtype, head_dim):
+    _core_check(1, 2, 4096, 4096, head_dim, dtype, {"is_causal": True})
+    _core_check(1, 2, 4096, 4096, head_dim, dtype, {}, backward=False)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 4096), (97, 1025), (1025, 97), (4096, 1)])
+def test_core_unequal_lengths(seqlen_q, seqlen_k):
+    for causal in (False, True):
+        _core_check(1, 2, seqlen_q, seqlen_k, 64, torch.float16, {"is_causal": causal})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_outputs_have_the_fake_kernels_layouts(dtype):
+    """Strides and dtypes of every result are exactly those the fake kernels promise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _require_cuda_kernels()
+    q, k, v = qkv(2, 3, 17, 19, 64, dtype, device=DEVICE)
+    real = ops._attention_forward(q, k, v, None, padding_mask(2, 19, device=DEVICE), True, None, True)
+    grads = ops._attention_backward(torch.randn_like(real[0]), None, q, k, v, real[1], None, None, True, None)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = ops._attention_forward(q, k, v, None, padding_mask(2, 19, device=DEVICE), True, None, True)
+        fake_grads = ops._attention_backward(torch.randn_like(real[0]), None, q, k, v, real[1], None, None, True, None)
+    for r, f in zip((*real, *grads), (*fake, *fake_grads)):
+        assert (r.shape, r.stride(), r.dtype, r.device) == (f.shape, f.stride(), f.dtype, f.device)
+    assert real[1].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+
+def test_non_contiguous_inputs_and_a_side_stream():
+    """Heads split from a packed [B, L, 3, H, D] projection (strided views), on a side stream."""
+    _require_cuda_kernels()
+    B, L, H, D = 2, 50, 4, 64
+    packed = torch.randn(B, L, 3, H, D, dtype=torch.float16, device=DEVICE)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = attn_export.attention(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    exact, _ = reference_attention(q, k, v, is_causal=True)
+    plain, _ = reference_attention(q, k, v, dtype=torch.float16, is_causal=True)
+    assert_within(out, plain, exact, torch.float16, "output", L)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matches_the_cpu_operator(dtype):
+    _require_cuda_kernels()
+    B, H, Lq, Lk = 2, 3, 41, 29
+    masks = MASKS["causal+padding+float"](B, H, Lq, Lk, DEVICE)
+    q, k, v = qkv(B, H, Lq, Lk, 64, dtype, requires_grad=True, device=DEVICE)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    cpu_masks = {n: (m.cpu() if isinstance(m, torch.Tensor) else m) for n, m in masks.items()}
+    out, out_cpu = attn_export.attention(q, k, v, **masks), attn_export.attention(*cpu, **cpu_masks)
+    exact, _ = reference_attention(q, k, v, **masks)
+    # The CPU op computes in float32 and rounds once; the GPU op's error must stay within 2x
+    # of the plain same-dtype computation, as everywhere; and for float32 the two agree closely.
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within(out, reference_attention(q, k, v, dtype=dtype, **masks)[0], exact, dtype, "output", Lk)
+        assert scaled_err(out_cpu, exact.cpu()) <= EPS[dtype]
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    got_cpu = torch.autograd.grad(out_cpu, cpu, grad.cpu())
+    for g, c, name in zip(got, got_cpu, "qkv"):
+        assert g.shape == c.shape and g.stride() == c.stride(), name
+        if dtype == torch.float32:
+            torch.testing.assert_close(g.cpu(), c, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
