@@ -2,9 +2,10 @@
 PyTorch model, ONNX Runtime, TensorRT) compared against it at several shapes."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -18,7 +19,6 @@ from attn_export.errors import InputError, first_line as _first_line
 from attn_export.onnx import attention_flavor, count_attention_nodes, output_names_for, read_metadata
 from attn_export.surgery.replace import replace_attention
 from attn_export.validation import checks as _checks
-from attn_export.validation.error_profile import error_profile
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.providers import (
@@ -39,88 +39,13 @@ from attn_export.validation.runners import (
     TorchRunner,
     prestart_onnxruntime,
 )
-from attn_export.validation.tolerances import TOLERANCE_FACTOR, compare, reduction_length, tolerance
+from attn_export.validation.cases import run_cases
+from attn_export.validation.tolerances import TOLERANCE_FACTOR, reduction_length, tolerance
 
 DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 _ELEM_TO_DTYPE_NAME = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
 
 Inputs = Mapping[str, torch.Tensor]
-
-
-def run_cases(
-    reference: Runner,
-    runners: Sequence[Runner],
-    cases: Sequence[Tuple[str, Inputs]],
-    output_names: List[str],
-    *,
-    rtol_for: Callable[[Inputs, Optional[str]], float],
-    baseline: Optional[Runner] = None,
-    valid_tokens_for: Callable[[Inputs], Optional[torch.Tensor]] = lambda _inputs: None,
-    say: Callable[[str], None] = lambda _msg: None,
-    notes: Optional[List[str]] = None,
-) -> List[CaseResult]:
-    """Every runner against the reference on every case, one CaseResult per output (or one
-    per runner and case when it was skipped or failed to run). Cases whose shapes repeat an
-    earlier case's are skipped with a note. ``rtol_for(case_inputs, precision)`` is the
-    tolerance for a runner of that compute precision (Runner.precision; None: the dtype's)."""
-    results: List[CaseResult] = []
-    seen_shapes = []
-    for case_name, case_inputs in cases:
-        shapes = _inputs.describe(case_inputs)
-        if shapes in seen_shapes:
-            if notes is not None:
-                notes.append(f"case {case_name} skipped: same shapes as an earlier case")
-            continue
-        seen_shapes.append(shapes)
-        say(f"case {case_name}: {shapes}")
-        try:
-            ref = reference.run(case_inputs)
-        except Exception as exc:  # noqa: BLE001
-            for runner in runners:
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False,
-                                          message=f"the original model rejects these shapes: {_first_line(exc)}"))
-            continue
-        if len(ref) != len(output_names):
-            raise InputError(f"the model returns {len(ref)} tensors but the ONNX graph has {len(output_names)} outputs")
-        base = None
-        if baseline is not None:
-            try:
-                base = baseline.run(case_inputs)
-            except Exception:  # noqa: BLE001 - the baseline is diagnostic only
-                base = None
-        valid_tokens = valid_tokens_for(case_inputs)
-        for runner in runners:
-            rtol = rtol_for(case_inputs, runner.precision)
-            skip = runner.skip_reason(case_inputs)
-            if skip:
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False, message=skip))
-                continue
-            start = time.perf_counter()
-            try:
-                got = runner.run(case_inputs)
-                if len(got) != len(ref):
-                    raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
-            except Exception as exc:  # noqa: BLE001
-                crash = getattr(exc, "crash", None)
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "error", False, rtol=rtol,
-                                          message=_first_line(exc), seconds=time.perf_counter() - start,
-                                          crash=crash.to_dict() if crash is not None else None))
-                continue
-            elapsed = time.perf_counter() - start
-            for i, (name, a, e) in enumerate(zip(output_names, got, ref)):
-                valid = _positions(valid_tokens, e)
-                r = compare(a, e, rtol, valid=valid)
-                base_err = None
-                if base is not None and i < len(base) and e.dtype.is_floating_point:
-                    base_err = compare(base[i], e, rtol, valid=valid)["max_rel_err"]
-                results.append(CaseResult(
-                    case_name, runner.name, name, shapes, "passed" if r["passed"] else "failed", bool(r["passed"]),
-                    max_abs_err=r["max_abs_err"], max_rel_err=r["max_rel_err"], atol=r["atol"],
-                    rtol=rtol if e.dtype.is_floating_point else 0.0, nan_mismatch=r["nan_mismatch"],
-                    baseline_err=base_err, message=r["message"], seconds=elapsed,
-                    errors=error_profile(a, e, r["atol"], valid),
-                ))
-    return results
 
 
 def validate(
@@ -178,31 +103,63 @@ def validate(
     prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
     setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
                              trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)
-    ort_runners = [OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s) for setup in setups]
-    try:
-        return _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, dynamic_axes=dynamic_axes,
-                         seed=seed, say=say, engine=engine, plugin=plugin, isolate=isolate,
-                         runtime_timeout_s=runtime_timeout_s)
-    finally:
-        for runner in ort_runners:
-            runner.close()
+    with contextlib.ExitStack() as open_runners:
+        ort_runners = [open_runners.enter_context(OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s))
+                       for setup in setups]
+        plan = _prepare(model, onnx_path, onnx_model, example_inputs, dynamic_axes=dynamic_axes, seed=seed, say=say)
+        _open_runners(plan, ort_runners, open_runners, engine=engine, plugin=plugin, isolate=isolate,
+                      timeout_s=runtime_timeout_s, say=say)
+        results = run_cases(
+            plan.reference, plan.runners, plan.cases, plan.output_names,
+            rtol_for=lambda case_inputs, precision: tolerance(
+                plan.dtype, reduction_length(plan.reference.model, case_inputs, plan.axes), precision),
+            baseline=plan.baseline, valid_tokens_for=_hf.valid_token_mask if plan.is_hf else (lambda _inputs: None),
+            say=say, notes=plan.notes,
+        ) + plan.load_errors
+    # The runners are closed: a diagnosis starts fresh ONNX Runtime processes of its own.
+    return _report(plan, results, ort_runners, engine=engine, seed=seed, timeout_s=runtime_timeout_s, say=say)
 
 
-def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dynamic_axes, seed, say, engine, plugin,
-              isolate, runtime_timeout_s) -> ValidationReport:
+@dataclasses.dataclass
+class _Plan:
+    """What the gate runs: the reference, the runners, the cases, and what the report says
+    about the file before any case runs."""
+
+    onnx_path: Path
+    onnx_model: object
+    dtype_name: str
+    dtype: torch.dtype
+    graph_inputs: List[str]
+    reference: TorchRunner
+    inputs: Dict[str, torch.Tensor]
+    output_names: List[str]
+    axes: Dict[str, Dict[int, str]]
+    checks: List[CheckResult]
+    replaced: nn.Module
+    replacement: object  # ReplacementReport
+    baseline: Optional[TorchRunner]
+    is_hf: bool
+    cases: List[Tuple[str, Inputs]] = dataclasses.field(default_factory=list)
+    notes: List[str] = dataclasses.field(default_factory=list)
+    runners: List[Runner] = dataclasses.field(default_factory=list)
+    load_errors: List[CaseResult] = dataclasses.field(default_factory=list)
+    trt_runner: Optional[TensorRTRunner] = None
+
+
+def _prepare(model, onnx_path: Path, onnx_model, example_inputs, *, dynamic_axes, seed, say) -> _Plan:
+    """The file read, the reference run at the example shape, the graph checks, the replaced
+    copy and the shape cases."""
     meta = read_metadata(onnx_model)
     init_names = {i.name for i in onnx_model.graph.initializer}
     graph_inputs = [v.name for v in onnx_model.graph.input if v.name not in init_names]
     dtype_name = meta.get("dtype") or _dtype_of_graph(onnx_model)
     dtype = DTYPE_FROM_NAME.get(dtype_name, torch.float32)
 
-    is_hf = _hf.contains_hf_model(model)
     reference = TorchRunner(BACKEND_REFERENCE, _prepared(model).float(), torch.float32, fast_paths=False)
     inputs = _inputs.order_for_model(reference.model, example_inputs)
     missing = [n for n in graph_inputs if n not in inputs]
     if missing:
         raise InputError(f"the ONNX graph needs input(s) {', '.join(missing)} that were not given (inputs: {', '.join(inputs)})")
-
     say("running the original model at the example shape")
     try:
         with torch.no_grad():
@@ -211,63 +168,70 @@ def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dyna
         raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = json.loads(meta["output_names"]) if "output_names" in meta else output_names_for(example_out)
 
-    symbolic = _shapes.graph_axes(onnx_model, graph_inputs)
-    checks: List[CheckResult] = [_checks.dynamic_axes_check(_declared_axes(dynamic_axes, meta, inputs, graph_inputs), symbolic)]
+    axes = _shapes.graph_axes(onnx_model, graph_inputs)
+    checks = [_checks.dynamic_axes_check(_declared_axes(dynamic_axes, meta, inputs, graph_inputs), axes)]
     checks += _checks.attention_checks(onnx_model, meta)
-
     replaced = _prepared(model)
-    replacement = replace_attention(replaced)
-    runners: List[Runner] = [TorchRunner(BACKEND_REPLACED, replaced.to(dtype), dtype)]
-    baseline = TorchRunner(f"pytorch-{dtype_name}", _prepared(model).to(dtype), dtype, fast_paths=False) \
-        if dtype in (torch.float16, torch.bfloat16) else None
-    load_errors: List[CaseResult] = []
+    plan = _Plan(
+        onnx_path=onnx_path, onnx_model=onnx_model, dtype_name=dtype_name, dtype=dtype, graph_inputs=graph_inputs,
+        reference=reference, inputs=inputs, output_names=output_names, axes=axes, checks=checks,
+        replaced=replaced, replacement=replace_attention(replaced), is_hf=_hf.contains_hf_model(model),
+        baseline=TorchRunner(f"pytorch-{dtype_name}", _prepared(model).to(dtype), dtype, fast_paths=False)
+        if dtype in (torch.float16, torch.bfloat16) else None)
+    plan.notes = _notes(plan)
+    sizes = _inputs.label_sizes(inputs, axes)
+    plan.cases = [(name, inputs if not overrides else _inputs.resize(inputs, axes, {**sizes, **overrides}, seed=seed))
+                  for name, overrides in _shapes.shape_cases(sizes, _shapes.label_kinds(axes))]
+    return plan
+
+
+def _notes(plan: _Plan) -> List[str]:
+    notes = [f"replaced {plan.replacement.num_replaced} attention layer(s) in the PyTorch copy"
+             + (" (transformers layers: routed to the operator)" if plan.replacement.to_dict()["num_routed"] else "")]
+    if plan.is_hf and _hf.valid_token_mask(plan.inputs) is not None:
+        notes.append("transformers model with an attention_mask: outputs of shape [batch, seq, ...] are compared "
+                     "at valid tokens only (attention_mask != 0); padded positions are not compared")
+    if not plan.axes:
+        notes.append("the ONNX graph has no symbolic input axis: only the example shape is checked")
+    return notes
+
+
+def _open_runners(plan: _Plan, ort_runners, open_runners: contextlib.ExitStack, *, engine, plugin, isolate,
+                  timeout_s, say) -> None:
+    """The backends under test, loaded, in report order: the replaced model, each ONNX Runtime
+    provider, the engine. One that cannot load is a failed case of its own."""
+    plan.runners = [open_runners.enter_context(TorchRunner(BACKEND_REPLACED, plan.replaced.to(plan.dtype), plan.dtype))]
     for ort_runner in ort_runners:
         say(f"loading the ONNX model in ONNX Runtime ({ort_runner.setup.provider})")
         try:
             ort_runner.load()
-            runners.append(ort_runner)
+            plan.runners.append(ort_runner)
         except RunnerError as exc:
-            load_errors.append(_load_error(ort_runner.name, exc))
-    trt_runner = None
-    if engine is not None:
-        say(f"loading the TensorRT engine {engine}")
-        try:
-            trt_runner = TensorRTRunner(engine, plugin, graph_inputs, output_names, isolate=isolate,
-                                        timeout_s=runtime_timeout_s)
-        except RunnerError as exc:  # TensorRT crashed or hung while deserializing the engine
-            load_errors.append(_load_error(TensorRTRunner.name, exc))
-        else:
-            checks.append(_checks.engine_check(trt_runner.engine, graph_inputs, output_names,
-                                               count_attention_nodes(onnx_model)))
-            runners.append(trt_runner)
-
-    axes = symbolic
-    sizes = _inputs.label_sizes(inputs, axes)
-    notes = [f"replaced {replacement.num_replaced} attention layer(s) in the PyTorch copy"
-             + (" (transformers layers: routed to the operator)" if replacement.to_dict()["num_routed"] else "")]
-    if is_hf and _hf.valid_token_mask(inputs) is not None:
-        notes.append("transformers model with an attention_mask: outputs of shape [batch, seq, ...] are compared "
-                     "at valid tokens only (attention_mask != 0); padded positions are not compared")
-    if not axes:
-        notes.append("the ONNX graph has no symbolic input axis: only the example shape is checked")
-    cases = [(name, inputs if not overrides else _inputs.resize(inputs, axes, {**sizes, **overrides}, seed=seed))
-             for name, overrides in _shapes.shape_cases(sizes, _shapes.label_kinds(axes))]
+            plan.load_errors.append(_load_error(ort_runner.name, exc))
+    if engine is None:
+        return
+    say(f"loading the TensorRT engine {engine}")
     try:
-        results = run_cases(
-            reference, runners, cases, output_names,
-            rtol_for=lambda case_inputs, precision: tolerance(
-                dtype, reduction_length(reference.model, case_inputs, axes), precision),
-            baseline=baseline, valid_tokens_for=_hf.valid_token_mask if is_hf else (lambda _inputs: None),
-            say=say, notes=notes,
-        ) + load_errors
-    finally:
-        for runner in runners:
-            runner.close()
+        trt_runner = TensorRTRunner(engine, plugin, plan.graph_inputs, plan.output_names, isolate=isolate,
+                                    timeout_s=timeout_s)
+    except RunnerError as exc:  # TensorRT crashed or hung while deserializing the engine
+        plan.load_errors.append(_load_error(TensorRTRunner.name, exc))
+        return
+    plan.trt_runner = open_runners.enter_context(trt_runner)
+    plan.checks.append(_checks.engine_check(trt_runner.engine, plan.graph_inputs, plan.output_names,
+                                            count_attention_nodes(plan.onnx_model)))
+    plan.runners.append(trt_runner)
+
+
+def _report(plan: _Plan, results: List[CaseResult], ort_runners, *, engine, seed, timeout_s, say) -> ValidationReport:
+    """The report: the cases, the checks, a diagnosis when ONNX Runtime crashed, the environment
+    and the tolerance rule."""
+    notes, checks = plan.notes, plan.checks
     diagnosis = {}
     crashed = [r for r in ort_runners if any(c.crash and c.backend == r.name for c in results)]
     if crashed:
         say("ONNX Runtime crashed: trying lower optimization levels")
-        diagnosis = diagnose_onnxruntime(onnx_path, inputs, runtime_timeout_s, setup=crashed[0].setup)
+        diagnosis = diagnose_onnxruntime(plan.onnx_path, plan.inputs, timeout_s, setup=crashed[0].setup)
         notes.append(diagnosis["summary"])
     notes += [f"{r.name}: {note}" for r in ort_runners for note in r.setup.notes]
 
@@ -279,23 +243,23 @@ def _validate(model, onnx_path, onnx_model, ort_runners, example_inputs, *, dyna
         from attn_export.tensorrt import environment as trt_environment
 
         checks.append(_checks.tensorrt_coverage_check(results))
-        library = trt_runner.engine.plugin_library if trt_runner is not None else None
+        library = plan.trt_runner.engine.plugin_library if plan.trt_runner is not None else None
         env.update(trt_environment())
         env.update(engine=str(engine), plugin_library=library.path if library else None,
                    plugin_sha256=library.sha256 if library else None)
-    k_base = reduction_length(reference.model, inputs, axes)
+    k_base = reduction_length(plan.reference.model, plan.inputs, plan.axes)
     return ValidationReport(
-        cases=results, checks=checks, dtype=dtype_name,
+        cases=results, checks=checks, dtype=plan.dtype_name,
         tolerance={
             "rule": "pass iff max|actual - reference| <= rtol * max|reference| and no NaN/inf where the "
                     "reference is finite; rtol = factor * eps(dtype) * sqrt(K)",
-            "factor": TOLERANCE_FACTOR, "eps": torch.finfo(dtype).eps, "reduction_length_example": k_base,
-            "rtol_example": tolerance(dtype, k_base), "reference": "original PyTorch model, float32, eval, fast paths off",
+            "factor": TOLERANCE_FACTOR, "eps": torch.finfo(plan.dtype).eps, "reduction_length_example": k_base,
+            "rtol_example": tolerance(plan.dtype, k_base), "reference": "original PyTorch model, float32, eval, fast paths off",
             "compute_precision": {r.name: r.precision for r in ort_runners if r.precision},
         },
-        environment=env, onnx_path=str(onnx_path), input_names=list(inputs),
-        output_names=output_names, notes=notes, diagnosis=diagnosis, coverage=replacement.to_dict(),
-        attention_flavor=attention_flavor(onnx_model),  # the file is loaded already: not again in the report
+        environment=env, onnx_path=str(plan.onnx_path), input_names=list(plan.inputs),
+        output_names=plan.output_names, notes=notes, diagnosis=diagnosis, coverage=plan.replacement.to_dict(),
+        attention_flavor=attention_flavor(plan.onnx_model),  # the file is loaded already: not again in the report
     )
 
 
@@ -373,14 +337,6 @@ def _prepared(model: nn.Module) -> nn.Module:
     if _hf.contains_hf_model(copied):
         _hf.prepare_for_export(copied)
     return copied
-
-
-def _positions(valid_tokens: Optional[torch.Tensor], output: torch.Tensor) -> Optional[torch.Tensor]:
-    """The [B, L] valid-token mask broadcast over an output of shape [B, L, ...]; None (every
-    position compared) for outputs of other shapes."""
-    if valid_tokens is None or output.dim() < 2 or tuple(output.shape[:2]) != tuple(valid_tokens.shape):
-        return None
-    return valid_tokens.reshape(*valid_tokens.shape, *([1] * (output.dim() - 2))).expand(output.shape)
 
 
 def _dtype_of_graph(onnx_model) -> str:

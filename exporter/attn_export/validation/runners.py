@@ -49,7 +49,8 @@ class RunnerError(RuntimeError):
 class Runner(abc.ABC):
     """One backend. ``load`` raises RunnerError when the backend cannot take the model at all
     (reported once for every case); ``skip_reason`` says why a case is not run (e.g. shapes
-    outside a TensorRT profile); ``run`` returns the outputs or raises."""
+    outside a TensorRT profile); ``run`` returns the outputs or raises. A context manager:
+    ``with`` closes it whatever happens inside."""
 
     name: str
     precision: Optional[str] = None  # float32 math done at lower precision ("tf32", "fp16"): a wider tolerance
@@ -66,6 +67,12 @@ class Runner(abc.ABC):
 
     def close(self) -> None:
         """Release what ``load`` took."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class FastPathsOff:
