@@ -89,11 +89,6 @@ struct AttentionBackwardParams : AttentionParams {
   // [batch, num_heads, seqlen_q, seqlen_k] (strides may be 0), accumulation type, last dim contiguous.
   const void* grad_weights = nullptr;
   int64_t grad_weights_batch_stride = 0, grad_weights_head_stride = 0, grad_weights_row_stride = 0;
-  // Optional probabilities saved by the forward, [batch, num_heads, seqlen_q, seqlen_k]
-  // contiguous, accumulation type. A kernel may read them instead of recomputing softmax(q k^T)
-  // (the CPU kernel does: a fifth of the backward's products), or ignore them.
-  const void* probs = nullptr;
-
   void* grad_q = nullptr;  // like q
   int64_t grad_q_batch_stride = 0, grad_q_head_stride = 0, grad_q_row_stride = 0;
   void* grad_k = nullptr;  // like k

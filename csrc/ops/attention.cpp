@@ -61,7 +61,7 @@ TORCH_LIBRARY(attn_export, m) {
   m.def(qualified_schema(
       kOpAttentionBackward, "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, "
       "Tensor value, Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, "
-      "bool is_causal, float? scale, Tensor? probs=None, Tensor? output=None, "
+      "bool is_causal, float? scale, Tensor? output=None, "
       "float softcap=0.0) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)").c_str());
 
   // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention,
@@ -76,15 +76,13 @@ TORCH_LIBRARY(attn_export, m) {
 
   // The layer's forward kernel, returning what its backward needs: the input projections
   // (packed_qkv: one [Nq, 3E] tensor, key and value ignored; else q [Nq, E] and k|v [Nk, 2E]),
-  // the attention output before the output projection, the row log-sum-exp and, with
-  // save_probs, the per-head probabilities [B, H, Lq, Lk] (accumulation dtype; else empty).
+  // the attention output before the output projection and the row log-sum-exp.
   m.def(qualified_schema(
       kOpMultiHeadAttentionForward, "(Tensor query, Tensor key, Tensor value, int num_heads, "
       "Tensor in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, "
       "Tensor? out_proj_bias, Tensor? attn_mask, Tensor? key_padding_mask, bool need_weights, "
-      "bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv, "
-      "bool save_probs) -> (Tensor output, Tensor weights, Tensor q_proj, Tensor kv_proj, "
-      "Tensor attn, Tensor logsumexp, Tensor probs)").c_str());
+      "bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) -> "
+      "(Tensor output, Tensor weights, Tensor q_proj, Tensor kv_proj, Tensor attn, Tensor logsumexp)").c_str());
 
   // The layer's backward from what _multi_head_attention_forward saved. Gradients for query,
   // key, value, in_proj_weight, in_proj_bias, out_proj_weight and out_proj_bias; an entry is
@@ -96,7 +94,7 @@ TORCH_LIBRARY(attn_export, m) {
       "Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool need_weights, bool average_attn_weights, bool is_causal, "
       "bool batch_first, bool packed_qkv, bool shared_kv, Tensor q_proj, Tensor kv_proj, "
-      "Tensor attn, Tensor logsumexp, Tensor probs, bool[7] output_mask) -> (Tensor grad_query, "
+      "Tensor attn, Tensor logsumexp, bool[7] output_mask) -> (Tensor grad_query, "
       "Tensor grad_key, Tensor grad_value, Tensor grad_in_proj_weight, Tensor grad_in_proj_bias, "
       "Tensor grad_out_proj_weight, Tensor grad_out_proj_bias)").c_str());
 }

@@ -44,15 +44,14 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    const std::optional<at::Tensor>& probs = std::nullopt,
     const std::optional<at::Tensor>& output = std::nullopt,
     double softcap = 0.0) {
   static auto op = typed_op<decltype(call_attention_backward)>(spec::kOpAttentionBackward);
   return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
-                 key_padding_mask, is_causal, scale, probs, output, softcap);
+                 key_padding_mask, is_causal, scale, output, softcap);
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 call_multi_head_attention_forward(
     const at::Tensor& query,
     const at::Tensor& key,
@@ -68,12 +67,11 @@ call_multi_head_attention_forward(
     bool average_attn_weights,
     bool is_causal,
     bool batch_first,
-    bool packed_qkv,
-    bool save_probs) {
+    bool packed_qkv) {
   static auto op = typed_op<decltype(call_multi_head_attention_forward)>(spec::kOpMultiHeadAttentionForward);
   return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
                  out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-                 is_causal, batch_first, packed_qkv, save_probs);
+                 is_causal, batch_first, packed_qkv);
 }
 
 using MultiHeadAttentionGrads =
@@ -102,13 +100,12 @@ inline MultiHeadAttentionGrads call_multi_head_attention_backward(
     const at::Tensor& kv_proj,
     const at::Tensor& attn,
     const at::Tensor& logsumexp,
-    const at::Tensor& probs,
     std::array<bool, 7> output_mask) {
   static auto op = typed_op<decltype(call_multi_head_attention_backward)>(spec::kOpMultiHeadAttentionBackward);
   return op.call(grad_output, grad_weights, query, key, value, num_heads, in_proj_weight,
                  in_proj_bias, out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                  need_weights, average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv,
-                 q_proj, kv_proj, attn, logsumexp, probs, output_mask);
+                 q_proj, kv_proj, attn, logsumexp, output_mask);
 }
 
 }  // namespace attn_export::ops

@@ -186,8 +186,7 @@ at::Tensor finalize_weights(const at::Tensor& weights, const MultiHeadAttentionA
   return a.query.dim() == 2 ? w.squeeze(0) : w;
 }
 
-MultiHeadAttentionResult multi_head_attention_forward(
-    const MultiHeadAttentionArgs& a, bool packed_qkv, bool save_probs) {
+MultiHeadAttentionResult multi_head_attention_forward(const MultiHeadAttentionArgs& a, bool packed_qkv) {
   check_multi_head_attention_inputs(a, packed_qkv);
   const Layout l = layout_of(a);
   const int64_t embed_dim = a.in_proj_weight.size(1);
@@ -220,11 +219,9 @@ MultiHeadAttentionResult multi_head_attention_forward(
   }
 
   auto [attn, lse, weights] = call_attention_forward(
-      q, k, v, a.attn_mask, batched_padding_mask(a), a.is_causal, std::nullopt,
-      a.need_weights || save_probs);
+      q, k, v, a.attn_mask, batched_padding_mask(a), a.is_causal, std::nullopt, a.need_weights);
   r.attn = merge_heads(attn, l);
   r.lse = lse;
-  r.probs = save_probs ? weights.to(lse.scalar_type()) : at::empty({0}, lse.options());
   r.output = restore_shape(project(r.attn, a.out_proj_weight, a.out_proj_bias), l.seqlen_q, l);
   r.weights = a.need_weights ? finalize_weights(weights, a) : at::empty({0}, a.query.options());
   return r;
@@ -247,13 +244,9 @@ ProjectionGrads core_backward(
     k = split_heads(s.kv_proj, 0, 2, l.seqlen_k, l);
     v = split_heads(s.kv_proj, 1, 2, l.seqlen_k, l);
   }
-  std::optional<at::Tensor> probs;
-  if (s.probs.defined() && s.probs.numel() > 0) {
-    probs = s.probs;
-  }
   auto [dq4, dk4, dv4] = call_attention_backward(
       split_heads(grad_attn, 0, 1, l.seqlen_q, l), grad_probs, q, k, v, s.lse, a.attn_mask,
-      batched_padding_mask(a), a.is_causal, std::nullopt, probs, split_heads(s.attn, 0, 1, l.seqlen_q, l));
+      batched_padding_mask(a), a.is_causal, std::nullopt, split_heads(s.attn, 0, 1, l.seqlen_q, l));
   const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
   if (packed_qkv) {
     return {at::cat({dq, dk, dv}, 1), at::empty({0}, dq.options())};

@@ -49,18 +49,13 @@ struct MultiHeadAttentionResult {
   at::Tensor kv_proj;  // packed: empty; else [Nk, 2E] (k|v). Token order of the key.
   at::Tensor attn;     // [Nq, E] attention output before the output projection
   at::Tensor lse;      // [B, H, Lq] row log-sum-exp, accumulation dtype
-  at::Tensor probs;    // save_probs: [B, H, Lq, Lk] probabilities, accumulation dtype; else empty
 };
 
 void check_multi_head_attention_inputs(const MultiHeadAttentionArgs& args, bool packed_qkv);
 
 // packed_qkv: query, key and value are one tensor, projected by one GEMM.
-// save_probs: keep the probabilities for the backward, whose CPU row kernels then skip
-// recomputing them. The autograd layer no longer asks for it (attention_autograd.cpp).
-MultiHeadAttentionResult multi_head_attention_forward(
-    const MultiHeadAttentionArgs& args, bool packed_qkv, bool save_probs);
-MultiHeadAttentionResult multi_head_attention_forward_cpu(
-    const MultiHeadAttentionArgs& args, bool packed_qkv, bool save_probs);
+MultiHeadAttentionResult multi_head_attention_forward(const MultiHeadAttentionArgs& args, bool packed_qkv);
+MultiHeadAttentionResult multi_head_attention_forward_cpu(const MultiHeadAttentionArgs& args, bool packed_qkv);
 
 // x W^T + b on token-major rows.
 inline at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -124,7 +119,7 @@ std::array<at::Tensor, 7> multi_head_attention_backward(
 // or multi_head_attention_forward_cpu; Core: core_backward or core_backward_cpu), for each
 // backend's TORCH_LIBRARY_IMPL (cpu/multi_head_attention_cpu_binding.cpp,
 // cuda/multi_head_attention_cuda_binding.cpp).
-template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool)>
 std::tuple<at::Tensor, at::Tensor> layer_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
     const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
@@ -135,24 +130,23 @@ std::tuple<at::Tensor, at::Tensor> layer_kernel(
                                     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                                     need_weights, average_attn_weights, is_causal, batch_first};
   const bool packed = query.is_same(key) && key.is_same(value);
-  MultiHeadAttentionResult r = Forward(args, packed, /*save_probs=*/false);
+  MultiHeadAttentionResult r = Forward(args, packed);
   return std::make_tuple(r.output, r.weights);
 }
 
-template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool, bool)>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+template <MultiHeadAttentionResult (*Forward)(const MultiHeadAttentionArgs&, bool)>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 layer_forward_kernel(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
     const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
     const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-    bool save_probs) {
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) {
   const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
                                     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                                     need_weights, average_attn_weights, is_causal, batch_first};
-  MultiHeadAttentionResult r = Forward(args, packed_qkv, save_probs);
-  return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse, r.probs);
+  MultiHeadAttentionResult r = Forward(args, packed_qkv);
+  return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse);
 }
 
 // Undefined gradients (not needed, or flowing through another argument) travel as empty tensors.
@@ -166,7 +160,7 @@ layer_backward_kernel(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
     bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+    const at::Tensor& logsumexp, std::array<bool, 7> output_mask) {
   const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
                                     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
                                     need_weights, average_attn_weights, is_causal, batch_first};
@@ -175,7 +169,6 @@ layer_backward_kernel(
   saved.kv_proj = kv_proj;
   saved.attn = attn;
   saved.lse = logsumexp;
-  saved.probs = probs;
   auto g = multi_head_attention_backward(
       args, packed_qkv, shared_kv, saved, grad_output, grad_weights.value_or(at::Tensor()),
       output_mask, Core);

@@ -213,8 +213,7 @@ def test_gradients_come_in_the_layout_of_their_inputs(device):
     token_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in contiguous]
     for inputs in (contiguous, token_major):
         out, lse, _ = ops._attention_forward(*inputs, None, None, False, None, False)
-        grads = ops._attention_backward(torch.randn_like(out), None, *inputs, lse, None, None, False, None,
-                                        None, out)
+        grads = ops._attention_backward(torch.randn_like(out), None, *inputs, lse, None, None, False, None, out)
         assert [g.stride() for g in grads] == [t.stride() for t in inputs]
         # The fake kernel states the same layouts (opcheck compares strides).
         torch.library.opcheck(ops._attention_backward.default,
@@ -249,19 +248,16 @@ def test_opcheck_core_ops(dtype, mask, device):
         ops._attention_backward.default,
         (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None),
     )
-    _, _, probs = ops._attention_forward(*detached, attn_mask, padding, is_causal, None, True)
-    torch.library.opcheck(
+    torch.library.opcheck(  # with the forward's output: the flash backward where it applies
         ops._attention_backward.default,
-        (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None,
-         probs.to(lse.dtype)),
+        (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None, out),
     )
 
 
-# (E, H, L, S, B) and opcheck's tolerances. On the CPU, eager keeps the forward's probabilities
-# for the backward; the AOT-traced graph (symbolic sizes) recomputes them from q, k and the
-# log-sum-exp. The two differ by float rounding, amplified in some gradient entries: the
-# tolerance covers that, not the parity with nn.MultiheadAttention, which
-# tests/ops/test_module_parity.py holds to ~1e-6.
+# (E, H, L, S, B) and opcheck's tolerances. On the CPU, eager runs the layer's own kernel; the
+# AOT-traced graph (symbolic sizes) the generic implementation through the dispatcher. The two
+# differ by float rounding, amplified in some gradient entries: the tolerance covers that, not
+# the parity with nn.MultiheadAttention, which tests/ops/test_module_parity.py holds to ~1e-6.
 LAYER_OPCHECK = {"cpu": ((8, 2, 5, 3, 2), dict(atol=1e-4, rtol=1e-4)), "cuda": ((64, 2, 21, 21, 2), {})}
 
 
@@ -298,35 +294,34 @@ def test_opcheck_layer_op(device, batch_first, kind, need_weights):
     args = (q.detach(), k.detach(), v.detach(), H, w_in.detach(), b_in.detach(), w_out.detach(), None,
             None, padding, need_weights, True, False, batch_first)
     packed = kind != "separate"
-    for save_probs in (False, True):
-        torch.library.opcheck(ops._multi_head_attention_forward.default, (*args, packed, save_probs))
-        _, _, q_proj, kv_proj, attn, lse, probs = ops._multi_head_attention_forward(*args, packed, save_probs)
-        grad_output = torch.randn_like(q.detach())
-        for mask in ([True] * 7, [True, False, True, False, True, True, False]):
-            torch.library.opcheck(
-                ops._multi_head_attention_backward.default,
-                (grad_output, None, *args[:8], *args[8:14], packed, False, q_proj, kv_proj, attn, lse,
-                 probs, mask),
-            )
+    torch.library.opcheck(ops._multi_head_attention_forward.default, (*args, packed))
+    _, _, q_proj, kv_proj, attn, lse = ops._multi_head_attention_forward(*args, packed)
+    grad_output = torch.randn_like(q.detach())
+    for mask in ([True] * 7, [True, False, True, False, True, True, False]):
+        torch.library.opcheck(
+            ops._multi_head_attention_backward.default,
+            (grad_output, None, *args[:8], *args[8:14], packed, False, q_proj, kv_proj, attn, lse, mask),
+        )
 
 
 @pytest.mark.parametrize("mask", ["none", "causal+padding+float", "bool_3d"])
-def test_backward_from_saved_probabilities_equals_recomputation(mask):
-    """The layer's backward reads the forward's probabilities when they fit in memory; the
-    core recomputes them. Both must give the float64 reference gradients."""
+def test_backward_with_and_without_the_forward_output(mask):
+    """With the forward's output the CPU backward runs the flash kernels (D = rowsum(dO * O));
+    without it the row kernels recompute whole probability rows. Both must give the float64
+    reference gradients."""
     q, k, v = qkv(2, 3, 70, 33, 16)
     kwargs = MASKS[mask](2, 3, 70, 33)
     attn_mask, padding, causal = kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), kwargs.get("is_causal", False)
     out, lse, probs = ops._attention_forward(q, k, v, attn_mask, padding, causal, None, True)
     grad = torch.randn_like(out)
-    recomputed = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, causal, None)
-    from_probs = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, causal, None, probs)
+    rows = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, causal, None)
+    flash = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, causal, None, out)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     expected, _ = reference_attention(q64, k64, v64, **kwargs)
     want = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
-    for a, b, w, name in zip(recomputed, from_probs, want, "qkv"):
-        assert_rel_close(a, w, 5e-6, f"recomputed grad {name}")
-        assert_rel_close(b, w, 5e-6, f"saved-probs grad {name}")
+    for a, b, w, name in zip(rows, flash, want, "qkv"):
+        assert_rel_close(a, w, 5e-6, f"row-kernel grad {name}")
+        assert_rel_close(b, w, 5e-6, f"flash grad {name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,13 +438,13 @@ def test_operators_refuse_a_bad_softcap(bad):
         ops._attention_forward(q, k, v, None, None, False, None, False, bad)
     out, lse, _ = ops._attention_forward(q, k, v, None, None, False, None, False)
     with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
-        ops._attention_backward(out, None, q, k, v, lse, None, None, False, None, None, None, bad)
+        ops._attention_backward(out, None, q, k, v, lse, None, None, False, None, None, bad)
 
 
-def test_softcap_weights_and_saved_probability_backward():
-    """need_weights returns the capped probabilities; the CPU backward that reads the saved
-    probabilities recomputes the raw scores for the cap's derivative, and agrees with the one
-    that recomputes everything."""
+def test_softcap_weights_and_both_backward_kernels():
+    """need_weights returns the capped probabilities; both CPU backward kernels (the row kernels
+    without the forward's output, the flash kernels with it) recompute the raw scores for the
+    cap's derivative and agree with float64."""
     B, H, Lq, Lk = 2, 3, 70, 33
     kwargs = MASKS["causal+padding+float"](B, H, Lq, Lk)
     attn_mask, padding = kwargs["attn_mask"], kwargs["key_padding_mask"]
@@ -461,11 +456,11 @@ def test_softcap_weights_and_saved_probability_backward():
     assert_rel_close(probs, expected_p, 2e-6, "weights")
     grad = torch.randn_like(out)
     want = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
-    recomputed = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, None, None, 1.25)
-    from_probs = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, probs, None, 1.25)
-    for a, b, w, name in zip(recomputed, from_probs, want, "qkv"):
-        assert_rel_close(a, w, 5e-6, f"recomputed grad {name}")
-        assert_rel_close(b, w, 5e-6, f"saved-probs grad {name}")
+    rows = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, None, 1.25)
+    flash = ops._attention_backward(grad, None, q, k, v, lse, attn_mask, padding, True, 0.5, out, 1.25)
+    for a, b, w, name in zip(rows, flash, want, "qkv"):
+        assert_rel_close(a, w, 5e-6, f"row-kernel grad {name}")
+        assert_rel_close(b, w, 5e-6, f"flash grad {name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -481,5 +476,5 @@ def test_opcheck_core_ops_with_softcap(mask, device):
     torch.library.opcheck(ops._attention_forward.default, (*detached, attn_mask, padding, is_causal, 0.5, True, 3.0))
     torch.library.opcheck(
         ops._attention_backward.default,
-        (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None, None, None, 3.0),
+        (torch.randn_like(out), None, *detached, lse, attn_mask, padding, is_causal, None, None, 3.0),
     )

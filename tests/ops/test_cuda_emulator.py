@@ -337,7 +337,7 @@ def test_softcap_matches_the_cpu_operator(emu):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
     grad = torch.randn_like(out)
     cpu_grads = torch.ops.attn_export._attention_backward(grad, None, q, k, v, cpu_lse, None, padding, True, 0.3,
-                                                           None, None, 0.8)
+                                                           None, 0.8)
     grads = emu.backward(grad, None, q, k, v, lse, None, padding, True, 0.3, 0.8)
     for a, b, name in zip(grads, cpu_grads, "qkv"):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"grad {name}")

@@ -391,30 +391,21 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         T* dS = grad_scores.data();
         const T* lse = static_cast<const T*>(p.lse) + bh * seqlen_q + row0;
         const T* dO = grad_out + row0 * p.grad_out_row_stride;
-        // With a soft-cap, the cap's derivative needs the uncapped scaled scores x, which
-        // neither the saved probabilities nor the masked scores give back: x is computed once,
-        // and P from it when P is recomputed.
+        // With a soft-cap, the cap's derivative needs the uncapped scaled scores x, which the
+        // masked scores do not give back: x is computed once, and P from it.
         T* raw = p.softcap > 0 ? raw_scores.data() : nullptr;
         if (raw != nullptr) {
           scaled_scores(p, b, h, row0, rows, cols, raw, ld, keys_t.keys<T>(p, b, h, rows, cols));
         }
 
-        if (p.probs != nullptr) {  // saved by the forward: no need to recompute q k^T
-          const T* saved = static_cast<const T*>(p.probs) + (bh * seqlen_q + row0) * seqlen_k;
-          for (int64_t r = 0; r < rows; ++r) {
-            std::fill(std::copy(saved + r * seqlen_k, saved + r * seqlen_k + cols, P + r * ld),
-                      P + (r + 1) * ld, T(0));
-          }
+        if (raw != nullptr) {
+          soft_cap(p, rows, cols, raw, P, ld);
+          add_masks(p, b, h, row0, rows, cols, P, ld);
         } else {
-          if (raw != nullptr) {
-            soft_cap(p, rows, cols, raw, P, ld);
-            add_masks(p, b, h, row0, rows, cols, P, ld);
-          } else {
-            masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            vec::probabilities_row(P + r * ld, cols, lse[r]);
-          }
+          masked_scores(p, b, h, row0, rows, cols, P, ld, keys_t.keys<T>(p, b, h, rows, cols));
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          vec::probabilities_row(P + r * ld, cols, lse[r]);
         }
         grads.add_grad_v(P, ld, dO, rows, cols);
         // dP = dO V^T (+ the gradient of the returned weights); padding 0 like P's

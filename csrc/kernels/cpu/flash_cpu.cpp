@@ -849,7 +849,7 @@ bool forward(const AttentionParams& p) {
 }
 
 bool backward(const AttentionBackwardParams& p) {
-  if (p.probs != nullptr || p.grad_weights != nullptr || p.out == nullptr) {
+  if (p.grad_weights != nullptr || p.out == nullptr) {
     return false;
   }
   if (p.dtype == DataType::kFloat32) {

@@ -4,7 +4,7 @@
 //
 // It covers the calls that return no attention weights (the common case); run_attention_forward
 // / run_attention_backward (attention_cpu.h) try it first and fall back to the row kernels of
-// attention_cpu.cpp for the rest (need_weights, saved probabilities, gradients of the weights, a
+// attention_cpu.cpp for the rest (need_weights, gradients of the weights, a
 // backward without the forward's output).
 #pragma once
 
@@ -16,7 +16,7 @@ namespace attn_export::cpu::flash {
 // call is not one it covers (p.weights requested, dtype other than float32 / float64).
 bool forward(const AttentionParams& p);
 
-// Likewise for the backward: false with p.probs or p.grad_weights given, or without p.out (the
+// Likewise for the backward: false with p.grad_weights given, or without p.out (the
 // forward's output, for the row term rowsum(dO * O) of the softmax backward).
 bool backward(const AttentionBackwardParams& p);
 

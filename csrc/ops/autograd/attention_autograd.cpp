@@ -77,7 +77,7 @@ class AttentionFunction : public Function<AttentionFunction> {
     auto [grad_q, grad_k, grad_v] = call_attention_backward(
         grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2],
         ctx->saved_data["lse"].toTensor(), optional_of(saved[3]), optional_of(saved[4]),
-        ctx->saved_data["is_causal"].toBool(), scale, std::nullopt, saved[5],
+        ctx->saved_data["is_causal"].toBool(), scale, saved[5],
         ctx->saved_data["softcap"].toDouble());
     return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -139,14 +139,13 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     // and its gradient computed once; likewise key and value (encoder-decoder attention).
     const bool packed_qkv = query.is_same(key) && key.is_same(value);
     const bool shared_kv = !packed_qkv && key.is_same(value);
-    // No saved probabilities: on the CPU the flash forward and its backward (recomputing from
-    // the log-sum-exp) beat the row kernels that write and reread the [B, H, Lq, Lk] matrix,
-    // at every shape measured (docs/benchmarks.md, "Saved probabilities"), and memory stays O(L).
+    // No saved probabilities: the backward recomputes them from the log-sum-exp, which beat
+    // writing and rereading the [B, H, Lq, Lk] matrix at every shape measured, and memory stays O(L).
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, weights, q_proj, kv_proj, attn, lse, probs] = call_multi_head_attention_forward(
+    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
         attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-        packed_qkv, /*save_probs=*/false);
+        packed_qkv);
 
     ctx->save_for_backward(
         {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,
@@ -154,7 +153,7 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
          key_padding_mask.value_or(at::Tensor())});
     // Intermediates only this function sees, so they need no version-counter protection. Two
     // entries rather than a dozen: on small inputs every map insertion shows.
-    ctx->saved_data["intermediates"] = std::vector<at::Tensor>{q_proj, kv_proj, attn, lse, probs};
+    ctx->saved_data["intermediates"] = std::vector<at::Tensor>{q_proj, kv_proj, attn, lse};
     ctx->saved_data["config"] = LayerConfig{num_heads, packed_qkv, shared_kv, need_weights,
                                             average_attn_weights, is_causal, batch_first}
                                     .pack();
@@ -190,7 +189,7 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
         grad_output, grad_weights, saved[0], saved[1], saved[2], c.num_heads, saved[3], in_proj_bias,
         saved[5], out_proj_bias, attn_mask, key_padding_mask, c.need_weights, c.average_attn_weights,
         c.is_causal, c.batch_first, c.packed_qkv, c.shared_kv, intermediates[0], intermediates[1],
-        intermediates[2], intermediates[3], intermediates[4], needs);
+        intermediates[2], intermediates[3], needs);
     // The operator returns empty tensors for gradients it does not compute (see its schema).
     const std::array<bool, 7> computed = {
         needs[0], needs[1] && !c.packed_qkv, needs[2] && !c.packed_qkv && !c.shared_kv, needs[3],
@@ -266,11 +265,11 @@ class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
       const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
       const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
         const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-      const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output, double softcap) {
+      const std::optional<at::Tensor>& output, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs, output, softcap);
+                                                scale, output, softcap);
     return {dq, dk, dv};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -285,14 +284,13 @@ class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwar
       int64_t num_heads, const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
       const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
       const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-      bool save_probs) {
+      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, weights, q_proj, kv_proj, attn, lse, probs] = call_multi_head_attention_forward(
+    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
         attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-        packed_qkv, save_probs);
-    return {output, weights, q_proj, kv_proj, attn, lse, probs};
+        packed_qkv);
+    return {output, weights, q_proj, kv_proj, attn, lse};
   }
   static variable_list backward(AutogradContext*, variable_list) {
     TORCH_CHECK(false, spec::kOpMultiHeadAttentionForward, " is an internal kernel without a derivative; call ",
@@ -300,19 +298,18 @@ class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwar
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 multi_head_attention_forward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
     const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
     const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-    bool save_probs) {
+    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) {
   const auto r = MultiHeadAttentionForwardNoGrad::apply(
       query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
       attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-      packed_qkv, save_probs);
-  return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
+      packed_qkv);
+  return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5]);
 }
 
 class MultiHeadAttentionBackwardNoGrad : public Function<MultiHeadAttentionBackwardNoGrad> {
@@ -325,13 +322,13 @@ class MultiHeadAttentionBackwardNoGrad : public Function<MultiHeadAttentionBackw
       const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
       bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
       bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-      const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+      const at::Tensor& logsumexp, std::array<bool, 7> output_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto g = call_multi_head_attention_backward(
         grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
         out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights,
         average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn,
-        logsumexp, probs, output_mask);
+        logsumexp, output_mask);
     return {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g),
             std::get<5>(g), std::get<6>(g)};
   }
@@ -348,11 +345,11 @@ MultiHeadAttentionGrads multi_head_attention_backward_autograd(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
     bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-    const at::Tensor& logsumexp, const at::Tensor& probs, std::array<bool, 7> output_mask) {
+    const at::Tensor& logsumexp, std::array<bool, 7> output_mask) {
   const auto r = MultiHeadAttentionBackwardNoGrad::apply(
       grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
       out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-      is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, probs, output_mask);
+      is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, output_mask);
   return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
 }
 
@@ -370,10 +367,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& probs, const std::optional<at::Tensor>& output, double softcap) {
+    const std::optional<at::Tensor>& output, double softcap) {
   const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
                                                 logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, probs, output, softcap);
+                                                scale, output, softcap);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 

@@ -64,7 +64,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    const std::optional<at::Tensor>& probs,
     const std::optional<at::Tensor>& output,
     double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
@@ -72,10 +71,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2);
-  TORCH_CHECK(
-      !probs.has_value() || probs->sizes() == at::IntArrayRef({batch, heads, seqlen_q, seqlen_k}),
-      "attention backward: probs must be [batch, heads, Lq, Lk] = [", batch, ", ", heads, ", ",
-      seqlen_q, ", ", seqlen_k, "]; got ", probs.has_value() ? probs->sizes() : at::IntArrayRef{});
 
   const at::ScalarType acc = accumulation_dtype(query.scalar_type());
   const auto options = query.options().dtype(acc);
@@ -106,12 +101,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   }
   AttentionBackwardParams params =
       make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
-  at::Tensor saved_probs;
-  if (probs.has_value()) {
-    saved_probs = probs->to(acc).contiguous();
-    params.probs = saved_probs.data_ptr();
-  }
-
   run_kernel(params);
   const at::ScalarType dtype = query.scalar_type();
   return std::make_tuple(grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype));

@@ -95,8 +95,7 @@ CoreInputs fill_core_params(AttentionParams& p, const MultiHeadAttentionArgs& a,
 
 }  // namespace
 
-MultiHeadAttentionResult multi_head_attention_forward_cpu(
-    const MultiHeadAttentionArgs& a, bool packed_qkv, bool save_probs) {
+MultiHeadAttentionResult multi_head_attention_forward_cpu(const MultiHeadAttentionArgs& a, bool packed_qkv) {
   check_multi_head_attention_inputs(a, packed_qkv);
   const Geometry g = geometry_of(a);
   const int64_t batch = g.batch, seqlen_q = g.seqlen_q, seqlen_k = g.seqlen_k;
@@ -132,9 +131,9 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   const auto options = a.query.options().dtype(acc);
   at::Tensor attn = at::empty({r.q_proj.size(0), embed_dim}, options);
   r.lse = at::empty({batch, heads, seqlen_q}, options);
-  // The per-head probabilities, when the caller wants the weights or the backward wants them.
+  // The per-head probabilities, when the caller wants the weights.
   std::optional<at::Tensor> weights;
-  if (a.need_weights || save_probs) {
+  if (a.need_weights) {
     weights = at::empty({batch, heads, seqlen_q, seqlen_k}, options);
   }
   AttentionParams p;
@@ -148,7 +147,6 @@ MultiHeadAttentionResult multi_head_attention_forward_cpu(
   r.attn = attn.to(dtype);
   r.output = project_cpu(r.attn, a.out_proj_weight, a.out_proj_bias).view(a.query.sizes());
   r.weights = a.need_weights ? finalize_weights(weights->to(dtype), a) : at::empty({0}, a.query.options());
-  r.probs = save_probs ? *weights : at::empty({0}, options);
   return r;
 }
 
@@ -182,7 +180,7 @@ ProjectionGrads core_backward_cpu(
   // rowsum(dO * O) from it. Only where it was kept at full precision: float16/bfloat16 saved it
   // rounded, and rowsum over rounded O misses the bfloat16 gradient bounds of
   // tests/ops/test_property.py, so there the row kernels recompute the probabilities in float32.
-  // The row kernels (also for saved probabilities or a gradient of the weights) ignore it.
+  // The row kernels (for a gradient of the weights) ignore it.
   at::Tensor attn_out;
   if (s.attn.scalar_type() == acc) {
     attn_out = s.attn.contiguous();
@@ -191,11 +189,6 @@ ProjectionGrads core_backward_cpu(
   }
   const at::Tensor lse = s.lse.to(acc).contiguous();
   p.lse = lse.data_ptr();
-  at::Tensor probs;
-  if (s.probs.defined() && s.probs.numel() > 0) {
-    probs = s.probs.to(acc).contiguous();
-    p.probs = probs.data_ptr();
-  }
   at::Tensor gw;
   if (grad_probs.has_value()) {
     gw = grad_probs->to(acc).expand({g.batch, g.heads, g.seqlen_q, g.seqlen_k});

@@ -78,7 +78,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal,
     std::optional<double> scale,
-    const std::optional<at::Tensor>& /*probs: the flash backward recomputes them*/,
     const std::optional<at::Tensor>& output,
     double softcap) {
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);

@@ -167,6 +167,25 @@ def check_multi_head_attention_inputs(
             lambda: "multi_head_attention: query and key must have the same batch size (batch_first="
             f"{int(batch_first)}); got query {_sizes(query)}, key {_sizes(key)}",
         )
+    _check_projections(query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
+    _check_layer_masks(query, key, num_heads, attn_mask, key_padding_mask, batch_first)
+    torch._check(
+        not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),
+        lambda: "multi_head_attention: packed_qkv needs key and value of the query's shape "
+        f"{_sizes(query)}; got key {_sizes(key)}, value {_sizes(value)}",
+    )
+    # The masks against the layer's geometry, as the C++ layer checks them next.
+    unbatched = query.dim() == 2
+    seq_dim = 0 if unbatched or not batch_first else 1
+    check_attention_masks(
+        1 if unbatched else query.size(0 if batch_first else 1), num_heads, query.size(seq_dim),
+        key.size(seq_dim), query.device, attn_mask,
+        key_padding_mask.unsqueeze(0) if key_padding_mask is not None and unbatched else key_padding_mask,
+    )
+
+
+def _check_projections(query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias) -> None:
+    embed_dim = query.size(-1)
     torch._check(
         in_proj_weight.dim() == 2
         and in_proj_weight.size(0) == 3 * embed_dim
@@ -197,6 +216,9 @@ def check_multi_head_attention_inputs(
             lambda: "multi_head_attention: every input and weight must have the query's dtype "
             f"{_name(query.dtype)}; got {_name(w.dtype)}",
         )
+
+
+def _check_layer_masks(query, key, num_heads, attn_mask, key_padding_mask, batch_first) -> None:
     if key_padding_mask is not None:
         m = key_padding_mask
         want_dim = 2 if query.dim() == 3 else 1
@@ -216,19 +238,6 @@ def check_multi_head_attention_inputs(
             lambda: "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
             f"got {_sizes(m)} for query {_sizes(query)} and key {_sizes(key)}",
         )
-    torch._check(
-        not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),
-        lambda: "multi_head_attention: packed_qkv needs key and value of the query's shape "
-        f"{_sizes(query)}; got key {_sizes(key)}, value {_sizes(value)}",
-    )
-    # The masks against the layer's geometry, as the C++ layer checks them next.
-    unbatched = query.dim() == 2
-    seq_dim = 0 if unbatched or not batch_first else 1
-    check_attention_masks(
-        1 if unbatched else query.size(0 if batch_first else 1), num_heads, query.size(seq_dim),
-        key.size(seq_dim), query.device, attn_mask,
-        key_padding_mask.unsqueeze(0) if key_padding_mask is not None and unbatched else key_padding_mask,
-    )
 
 
 def check_softcap(softcap) -> None:
@@ -263,7 +272,7 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
 @torch.library.register_fake(_OPS.torch_op_attention_backward)
 def _attention_backward_fake(
     grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
-    probs=None, output=None, softcap=0.0,
+    output=None, softcap=0.0,
 ):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_softcap(softcap)
@@ -315,7 +324,6 @@ def _multi_head_attention_fake(
 def _multi_head_attention_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
     attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first, packed_qkv,
-    save_probs,
 ):
     check_multi_head_attention_inputs(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
@@ -333,18 +341,15 @@ def _multi_head_attention_forward_fake(
         q_proj = query.new_empty((tokens_q, embed_dim))
         kv_proj = query.new_empty((key.numel() // embed_dim, 2 * embed_dim))
     attn = query.new_empty((tokens_q, embed_dim))
-    acc = accumulation_dtype(query.dtype)
-    lse = query.new_empty((batch, num_heads, seqlen_q), dtype=acc)
-    seqlen_k = key.size(0 if unbatched or not batch_first else 1)
-    probs = query.new_empty((batch, num_heads, seqlen_q, seqlen_k) if save_probs else (0,), dtype=acc)
-    return output, weights, q_proj, kv_proj, attn, lse, probs
+    lse = query.new_empty((batch, num_heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
+    return output, weights, q_proj, kv_proj, attn, lse
 
 
 @torch.library.register_fake(_OPS.torch_op_multi_head_attention_backward)
 def _multi_head_attention_backward_fake(
     grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
     out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-    is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, probs, output_mask,
+    is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, output_mask,
 ):
     # A gradient is an empty tensor where it is not asked for, or where it flows through
     # another argument that is the same tensor (packed: all to query; shared_kv: to key).
