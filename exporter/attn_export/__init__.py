@@ -14,7 +14,6 @@ pieces (``export_onnx``, ``validate``) import onnx/onnxruntime on first use.
 """
 from attn_export.ops import (  # loads the compiled operators first
     FusedMultiheadAttention,
-    UnsupportedAttentionError,
     attention,
     gemm_backend,
     multi_head_attention,
@@ -52,7 +51,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "FusedMultiheadAttention", "UnsupportedAttentionError", "attention", "multi_head_attention",
+    "FusedMultiheadAttention", "attention", "multi_head_attention",
     "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
     "convert", "ConvertOptions", "ConvertResult",

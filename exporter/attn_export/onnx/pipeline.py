@@ -181,19 +181,7 @@ def export_onnx(
     """
     from attn_export.surgery.replace import replace_attention
 
-    s = _spec.load()
-    if attention not in ATTENTION_FLAVORS:
-        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
-    standard = attention == "standard"
-    if opset is None:
-        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
-    opset = int(opset)
-    if standard:
-        check_standard_opset(opset)
-    if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
-        raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise InputError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
+    opset = _check_options(opset, dtype, attention)
     path = Path(path)
     _check_writable(path)
 
@@ -208,13 +196,7 @@ def export_onnx(
     inputs = _inputs.cast_floats(_inputs.order_for_model(work, example_inputs), target)
     if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
         raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
-    if dynamic_axes is None:
-        axes = _hf.default_axes(inputs) if is_hf else _inputs.default_axes(inputs)
-    else:
-        axes = {n: dict(d) for n, d in dynamic_axes.items() if d}
-    for name in axes:
-        if name not in inputs:
-            raise InputError(f"dynamic axes name an unknown input {name!r} (inputs: {', '.join(inputs)})")
+    axes = _resolve_axes(inputs, dynamic_axes, is_hf)
 
     with torch.no_grad():
         try:
@@ -227,6 +209,57 @@ def export_onnx(
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
     notes.extend(f"not fused: {line}" for line in confirmed)
 
+    proto = _capture(work, trace_inputs, axes, opset, output_names, report, quiet)
+    labels, rewrite = _finish_graph(proto, axes, opset, attention, notes)
+    meta = _write_metadata(proto, {
+        "version": _package_version(),
+        "dtype": dtype or _dtype_name(inputs),
+        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in axes.items()}),
+        "input_names": json.dumps(list(inputs)),
+        "output_names": json.dumps(output_names),
+        "attention_nodes": str(count_attention_nodes(proto)),
+        "attention": attention,
+    })
+    _save(proto, path)
+    return ExportResult(
+        path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
+        dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
+        attention=attention, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
+        kept_custom=rewrite.kept if rewrite else [],
+    )
+
+
+def _check_options(opset: Optional[int], dtype: Optional[str], attention: str) -> int:
+    """The opset to export with, after the flavor, opset and dtype are checked."""
+    s = _spec.load()
+    if attention not in ATTENTION_FLAVORS:
+        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
+    standard = attention == "standard"
+    if opset is None:
+        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
+    opset = int(opset)
+    if standard:
+        check_standard_opset(opset)
+    if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
+        raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise InputError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
+    return opset
+
+
+def _resolve_axes(inputs, dynamic_axes, is_hf: bool) -> Dict[str, Dict[int, str]]:
+    if dynamic_axes is None:
+        axes = _hf.default_axes(inputs) if is_hf else _inputs.default_axes(inputs)
+    else:
+        axes = {n: dict(d) for n, d in dynamic_axes.items() if d}
+    for name in axes:
+        if name not in inputs:
+            raise InputError(f"dynamic axes name an unknown input {name!r} (inputs: {', '.join(inputs)})")
+    return axes
+
+
+def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: bool):
+    """torch.export, the pattern rewrite, then torch.onnx.export: the ModelProto."""
     # torch.export first, by hand: given a module, torch.onnx.export falls back to
     # torch.export.draft_export when export proper fails, which ignores shape guards and can
     # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
@@ -238,7 +271,7 @@ def export_onnx(
             )
         except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
             raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
-        if replace:
+        if report is not None:
             # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
             report.add_pattern_sites(rewrite_patterns(exported))
         try:
@@ -249,8 +282,12 @@ def export_onnx(
             )
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"torch.onnx.export failed: {_first_line(exc)}") from exc
-    proto = program.model_proto
+    return program.model_proto
 
+
+def _finish_graph(proto, axes, opset: int, attention: str, notes: List[str]):
+    """Axis labels (an axis declared dynamic that came out static is an error), the runtime-safe
+    rewrites, the standard flavor, the function bodies. Returns (labels, the standard rewrite)."""
     labels, static = apply_axis_labels(proto, axes)
     if static:
         listed = ", ".join(f"{n}:{a} ({lbl}, came out as {v})" for n, a, lbl, v in static)
@@ -261,25 +298,25 @@ def export_onnx(
     if project_before_transposing_inputs(proto):
         notes.append("an fp16 projection of a transposed graph input now runs before the transpose (the other "
                      "order crashes ONNX Runtime 1.32 at its default optimization level; docs/onnx_node.md)")
-    rewrite = to_standard_attention(proto) if standard else None
+    rewrite = to_standard_attention(proto) if attention == "standard" else None
     if rewrite is not None:
         notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
     if count_attention_nodes(proto):
         attach_function(proto, opset)
-    meta = {
-        "version": _package_version(),
-        "dtype": dtype or _dtype_name(inputs),
-        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in axes.items()}),
-        "input_names": json.dumps(list(inputs)),
-        "output_names": json.dumps(output_names),
-        "attention_nodes": str(count_attention_nodes(proto)),
-        "attention": attention,
-    }
+    return labels, rewrite
+
+
+def _write_metadata(proto, meta: Dict[str, str]) -> Dict[str, str]:
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + key, value
     proto.producer_name = "attn-export"
     proto.producer_version = _package_version()
+    return meta
+
+
+def _save(proto, path: Path) -> None:
+    """Checked (full_check) and written whole or not at all."""
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as exc:  # noqa: BLE001
@@ -291,12 +328,6 @@ def export_onnx(
             onnx.save_model(proto, str(tmp))
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    return ExportResult(
-        path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
-        dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
-        attention=attention, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
-        kept_custom=rewrite.kept if rewrite else [],
-    )
 
 
 def _check_writable(path: Path) -> None:

@@ -10,9 +10,9 @@ load_library()
 
 from attn_export.ops.functional import attention, multi_head_attention  # noqa: E402
 from attn_export.ops.gemm import gemm_backend, set_gemm_backend  # noqa: E402
-from attn_export.ops.module import FusedMultiheadAttention, UnsupportedAttentionError  # noqa: E402
+from attn_export.ops.module import FusedMultiheadAttention  # noqa: E402
 
 __all__ = [
-    "attention", "multi_head_attention", "FusedMultiheadAttention", "UnsupportedAttentionError",
+    "attention", "multi_head_attention", "FusedMultiheadAttention",
     "gemm_backend", "set_gemm_backend", "load_library",
 ]

@@ -102,6 +102,19 @@ def _match(softmax):
     if rank_val is None:
         raise _NoMatch("no shape information")
     rank = rank_val.dim()
+    probs, out, erase = _softmax_and_output(softmax, rank)
+    v = out.args[1]
+    node, scale, biases, mask = _walk_scores(softmax.args[0], erase)
+    scores = node
+    erase.append(scores)
+    q, k, scale = _query_and_key(scores, rank, scale, erase)
+    full = _check_operands(q, k, v, rank, biases, mask)
+    return q, k, v, 1.0 if scale is None else scale, biases, mask, erase, out, full
+
+
+def _softmax_and_output(softmax, rank):
+    """The softmax over the last axis and the matmul(p, v) it feeds (through an eval-mode
+    dropout or a clone): (probabilities, the matmul, the nodes to erase so far)."""
     dim = softmax.args[1]
     if dim % rank != rank - 1:
         raise _NoMatch(f"softmax along axis {dim}, not the last")
@@ -122,12 +135,15 @@ def _match(softmax):
         probs = softmax
     if out.target != aten.matmul.default or out.args[0] is not probs:
         raise _NoMatch("the probabilities are not multiplied by the values (matmul(p, v)) directly")
-    v = out.args[1]
-    erase = [out] + erase + [softmax]
+    return probs, out, [out] + erase + [softmax]
+
+
+def _walk_scores(node, erase):
+    """From the softmax's input back to the q k^T matmul, through one -inf masked_fill, added
+    biases, batch-splitting views and one scaling: (the matmul, scale or None, biases, mask)."""
     biases = []  # nodes, or ("split", bias5, windows) for a bias added through a batch-splitting view
     mask = None
     scale = None
-    node = softmax.args[0]
     while True:
         if not isinstance(node, torch.fx.Node):
             raise _NoMatch("scores are not computed in the graph")
@@ -144,16 +160,7 @@ def _match(softmax):
             continue
         elif node.target == aten.add.Tensor and scale is None and len(node.args) == 2 \
                 and not node.kwargs.get("alpha", 1) != 1:
-            a, b = node.args
-            score_side = a if _is_scores(a) else b if _is_scores(b) else None
-            if score_side is None or (_is_scores(a) and _is_scores(b)):
-                raise _NoMatch("an addition whose operands are not the scores and a bias")
-            bias = b if score_side is a else a
-            if not isinstance(bias, torch.fx.Node) or not _val(bias).dtype.is_floating_point:
-                raise _NoMatch("a non-tensor or non-floating bias")
-            biases.append(bias)
-            erase.append(node)
-            node = score_side
+            node = _added_bias(node, biases, erase)
             continue
         elif node.target in (aten.mul.Tensor, aten.div.Tensor) and scale is None:
             a, b = node.args
@@ -167,13 +174,29 @@ def _match(softmax):
             node = a
             continue
         elif node.target == aten.matmul.default:
-            break
+            return node, scale, biases, mask
         else:
             raise _NoMatch(f"{node.target} between the scores and the softmax")
         erase.append(node)
         node = node.args[0]
-    scores = node
-    erase.append(scores)
+
+
+def _added_bias(node, biases, erase):
+    """``scores + bias``: records the bias and returns the scores' side."""
+    a, b = node.args
+    score_side = a if _is_scores(a) else b if _is_scores(b) else None
+    if score_side is None or (_is_scores(a) and _is_scores(b)):
+        raise _NoMatch("an addition whose operands are not the scores and a bias")
+    bias = b if score_side is a else a
+    if not isinstance(bias, torch.fx.Node) or not _val(bias).dtype.is_floating_point:
+        raise _NoMatch("a non-tensor or non-floating bias")
+    biases.append(bias)
+    erase.append(node)
+    return score_side
+
+
+def _query_and_key(scores, rank, scale, erase):
+    """q and k of ``q @ k.transpose(-2, -1)``, with a constant scaling of q folded into the scale."""
     q, kt = scores.args
     if not isinstance(kt, torch.fx.Node) or not _is_last_two_transpose(kt, rank):
         raise _NoMatch("the scores are not q @ k.transpose(-2, -1)")
@@ -190,6 +213,12 @@ def _match(softmax):
             scale = _scalar(b)
             erase.append(q)
             q = a
+    return q, k, scale
+
+
+def _check_operands(q, k, v, rank, biases, mask):
+    """What the operator takes: 4-D q, k, v of one floating dtype and matching batch, heads,
+    head dims and key lengths; biases and mask broadcastable. Returns [B, H, Lq, Lk]."""
     vals = [_val(t) for t in (q, k, v)]
     if any(t is None for t in vals):
         raise _NoMatch("no shape information for q, k or v")
@@ -206,9 +235,7 @@ def _match(softmax):
     for extra, what in [(b, "bias") for b in biases if not isinstance(b, tuple)] + [(mask, "mask")]:
         if extra is not None and not _broadcastable(_val(extra), full):
             raise _NoMatch(f"the {what} does not broadcast to [B, H, Lq, Lk]")
-    if scale is None:
-        scale = 1.0
-    return q, k, v, scale, biases, mask, erase, out, full
+    return full
 
 
 def _split_bias(view4, biases, erase):

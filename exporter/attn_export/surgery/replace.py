@@ -101,10 +101,7 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
             hf_by_id[id(module)].also_at.append(path)
             return
         hf_layer = _hf.classify(module) if in_hf and not (is_mha or is_fused) else None
-        heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
-        embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
-        heads = heads if isinstance(heads, int) else None
-        embed = embed if isinstance(embed, int) else None
+        heads, embed = _geometry(module)
         if hf_layer is None and not (is_mha or is_fused) and _sdpa.calls_sdpa(module):
             # A module whose forward calls F.scaled_dot_product_attention: its calls are routed
             # to the operator (attn_export.surgery.sdpa_route); its children are visited too.
@@ -120,17 +117,7 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
         if is_fused:
             layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED, notes=fusion_notes(module))
         elif is_mha:
-            reasons = []
-            if type(module).forward is not nn.MultiheadAttention.forward:
-                reasons.append(f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
-            if parent is None:
-                reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
-            layer = AttentionLayer(
-                path, _qualname(module), heads, embed,
-                SKIPPED if reasons else WILL_REPLACE,
-                reason="; ".join(reasons) or None,
-                notes=[] if reasons else _layer_notes(module),
-            )
+            layer = _mha_layer(module, parent, path, heads, embed)
         elif hf_layer is not None:
             state, reason, notes = hf_layer
             heads, embed = _hf.layer_geometry(module)
@@ -163,6 +150,24 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
 
     visit(None, "", model, "")
     return layers, sites
+
+
+def _geometry(module: nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """(heads, embed dim) where the module says them under a common name, else None."""
+    heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
+    embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
+    return (heads if isinstance(heads, int) else None), (embed if isinstance(embed, int) else None)
+
+
+def _mha_layer(module: nn.MultiheadAttention, parent, path: str, heads, embed) -> AttentionLayer:
+    """An nn.MultiheadAttention: replaced, unless its forward is overridden or it is the model."""
+    reasons = []
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        reasons.append(f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
+    if parent is None:
+        reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
+    return AttentionLayer(path, _qualname(module), heads, embed, SKIPPED if reasons else WILL_REPLACE,
+                          reason="; ".join(reasons) or None, notes=[] if reasons else _layer_notes(module))
 
 
 def _sdpa_note(sdpa_layers, applied: bool) -> List[str]:
