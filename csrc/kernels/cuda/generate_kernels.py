@@ -48,24 +48,17 @@ def flash_files() -> dict[str, str]:
 
 
 def generic_files() -> dict[str, str]:
-    files = {}
-    for suffix, ctype in GENERIC_DTYPES:
-        lines = []
-        for regs in GENERIC_REGS:
-            lines += [
-                f"template cudaError_t run_generic_fwd<{ctype}, {regs}>(const AttentionParams&, cudaStream_t);",
-                f"template cudaError_t run_generic_weights<{ctype}, {regs}>(const AttentionParams&, cudaStream_t);",
-                f"template cudaError_t run_generic_delta<{ctype}, {regs}>(const AttentionBackwardParams&, acc_t<{ctype}>*, cudaStream_t);",
-                f"template cudaError_t run_generic_bwd<{ctype}, {regs}>(const AttentionBackwardParams&, const acc_t<{ctype}>*, cudaStream_t);",
-            ]
-        files[f"generic_{suffix}.cu"] = (
-            HEADER.format(what=f"Generic (CUDA-core) kernels for {suffix}, head dims up to {32 * GENERIC_REGS[-1]}.")
-            + '#include "generic_kernels.cuh"\n\n'
-            + "namespace attn_export::cuda {\n\n"
-            + "\n".join(lines)
-            + "\n\n}  // namespace attn_export::cuda\n"
-        )
-    return files
+    """One file for the generic kernels of every element type and register count
+    (ATTN_EXPORT_GENERIC_KERNELS of generic_kernels.cuh instantiates one pair)."""
+    lines = [f"ATTN_EXPORT_GENERIC_KERNELS({ctype}, {regs})" for _, ctype in GENERIC_DTYPES for regs in GENERIC_REGS]
+    types = ", ".join(suffix for suffix, _ in GENERIC_DTYPES)
+    return {"generic_kernels.cu": (
+        HEADER.format(what=f"Generic (CUDA-core) kernels for {types}, head dims up to {32 * GENERIC_REGS[-1]}.")
+        + '#include "generic_kernels.cuh"\n\n'
+        + "namespace attn_export::cuda {\n\n"
+        + "\n".join(lines)
+        + "\n\n}  // namespace attn_export::cuda\n"
+    )}
 
 
 def all_files() -> dict[str, str]:

@@ -353,4 +353,11 @@ cudaError_t run_generic_bwd(const AttentionBackwardParams& p, const acc_t<T>* de
   return err;
 }
 
+// The explicit instantiations of one element type and register count (generic_kernels.cu).
+#define ATTN_EXPORT_GENERIC_KERNELS(T, R)                                                                    \
+  template cudaError_t run_generic_fwd<T, R>(const AttentionParams&, cudaStream_t);                          \
+  template cudaError_t run_generic_weights<T, R>(const AttentionParams&, cudaStream_t);                      \
+  template cudaError_t run_generic_delta<T, R>(const AttentionBackwardParams&, acc_t<T>*, cudaStream_t);     \
+  template cudaError_t run_generic_bwd<T, R>(const AttentionBackwardParams&, const acc_t<T>*, cudaStream_t);
+
 }  // namespace attn_export::cuda
