@@ -231,20 +231,12 @@ std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& m
   return mask_in(*mask, dtype);
 }
 
-AttentionForward prepare_attention_forward(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights,
-    at::ScalarType compute_dtype,
-    bool masks_in_compute_dtype,
-    double softcap) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_softcap(softcap);
+AttentionForward prepare_attention_forward(const ForwardArgs& a, at::ScalarType compute_dtype,
+                                           bool masks_in_compute_dtype) {
+  const at::Tensor &query = a.query, &key = a.key, &value = a.value;
+  const CoreOptions& o = a.options;
+  check_attention_inputs(query, key, value, o.attn_mask, o.key_padding_mask);
+  check_softcap(o.softcap);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
   const auto acc_options = query.options().dtype(accumulation_dtype(query.scalar_type()));
@@ -257,13 +249,12 @@ AttentionForward prepare_attention_forward(
   f.v = kernel_operand(value, compute_dtype);
   f.out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options().dtype(compute_dtype));
   f.lse = at::empty({batch, heads, seqlen_q}, acc_options);
-  if (need_weights) {
+  if (a.need_weights) {
     f.weights = at::empty({batch, heads, seqlen_q, seqlen_k}, acc_options);
   }
-  f.attn_mask = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k, mask_dtype);
-  f.key_padding_mask = kernel_padding_mask(key_padding_mask, mask_dtype);
-  f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask,
-                                   resolve_scale(scale, query.size(3)), is_causal, softcap);
+  f.attn_mask = kernel_attn_mask(o.attn_mask, batch, heads, seqlen_q, seqlen_k, mask_dtype);
+  f.key_padding_mask = kernel_padding_mask(o.key_padding_mask, mask_dtype);
+  f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask, o);
   return f;
 }
 
@@ -283,9 +274,10 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
-    double scale,
-    bool is_causal,
-    double softcap) {
+    const CoreOptions& options) {
+  const double scale = resolve_scale(options.scale, q.size(3));
+  const bool is_causal = options.is_causal;
+  const double softcap = options.softcap;
   for (const at::Tensor* t : {&q, &k, &v, &out}) {
     TORCH_INTERNAL_ASSERT(t->numel() == 0 || t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
   }

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "../attention_params.h"
+#include "core_args.h"
 
 namespace attn_export::ops {
 
@@ -95,8 +96,10 @@ std::optional<at::Tensor> kernel_attn_mask(const std::optional<at::Tensor>& mask
 std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& mask,
                                               std::optional<at::ScalarType> dtype = std::nullopt);
 
-// Fills shapes, q/k/v/out strides, masks, scale, causality and the soft-cap. `attn_mask4d` must come from
-// broadcast_attn_mask; every tensor's last dim must be contiguous.
+// Fills shapes, q/k/v/out strides, masks and the options (scale resolved, causality, soft-cap,
+// and whatever else CoreOptions carries). The masks come as the kernels read them:
+// `attn_mask4d` from broadcast_attn_mask, `key_padding_mask` from kernel_padding_mask (the
+// options' own masks are not read). Every tensor's last dim must be contiguous.
 AttentionParams make_attention_params(
     const at::Tensor& q,
     const at::Tensor& k,
@@ -106,9 +109,7 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
-    double scale,
-    bool is_causal,
-    double softcap = 0.0);
+    const CoreOptions& options);
 
 // A forward pass of the attention core set up for a device's kernels: the inputs checked,
 // q/k/v converted to `compute_dtype` (the dtype the kernels read and write: the accumulation
@@ -124,18 +125,8 @@ struct AttentionForward {
 
 // masks_in_compute_dtype: floating masks converted to compute_dtype too (the CPU kernels read
 // masks in their own dtype; the CUDA kernels read any floating dtype).
-AttentionForward prepare_attention_forward(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights,
-    at::ScalarType compute_dtype,
-    bool masks_in_compute_dtype,
-    double softcap = 0.0);
+AttentionForward prepare_attention_forward(const ForwardArgs& args, at::ScalarType compute_dtype,
+                                           bool masks_in_compute_dtype);
 
 // The _attention_forward op's results (output, logsumexp, weights) after the kernels ran:
 // output and weights in the query's dtype, weights an empty tensor when not computed.

@@ -10,6 +10,8 @@
 #include <tuple>
 
 #include "../attention_spec.h"
+#include "core_args.h"
+#include "multi_head_attention.h"
 
 namespace attn_export::ops {
 
@@ -19,93 +21,50 @@ c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights,
-    double softcap = 0.0) {
-  static auto op = typed_op<decltype(call_attention_forward)>(spec::kOpAttentionForward);
-  return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, softcap);
+// The core's operators take their arguments as the structs of core_args.h; the handles are
+// typed by the adapters' flat signatures, which match the schemas.
+inline std::tuple<at::Tensor, at::Tensor> call_multi_head_attention(const MultiHeadAttentionArgs& a) {
+  static auto op = typed_op<decltype(layer_kernel<nullptr>)>(spec::kOpMultiHeadAttention);
+  return op.call(a.query, a.key, a.value, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj_weight,
+                 a.out_proj_bias, a.attn_mask, a.key_padding_mask, a.need_weights, a.average_attn_weights,
+                 a.is_causal, a.batch_first);
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
-    const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    const std::optional<at::Tensor>& output = std::nullopt,
-    double softcap = 0.0) {
-  static auto op = typed_op<decltype(call_attention_backward)>(spec::kOpAttentionBackward);
-  return op.call(grad_output, grad_weights, query, key, value, logsumexp, attn_mask,
-                 key_padding_mask, is_causal, scale, output, softcap);
+inline at::Tensor call_attention(const ForwardArgs& a) {
+  static auto op = typed_op<decltype(attention_kernel<nullptr>)>(spec::kOpAttention);
+  const CoreOptions& o = a.options;
+  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale, o.softcap);
+}
+
+inline ForwardResults call_attention_forward(const ForwardArgs& a) {
+  static auto op = typed_op<decltype(attention_forward_kernel<nullptr>)>(spec::kOpAttentionForward);
+  const CoreOptions& o = a.options;
+  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale, a.need_weights,
+                 o.softcap);
+}
+
+inline CoreGrads call_attention_backward(const BackwardArgs& a) {
+  static auto op = typed_op<decltype(attention_backward_kernel<nullptr>)>(spec::kOpAttentionBackward);
+  const CoreOptions& o = a.options;
+  return op.call(a.grad_output, a.grad_weights, a.query, a.key, a.value, a.logsumexp, o.attn_mask,
+                 o.key_padding_mask, o.is_causal, o.scale, a.output, o.softcap);
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-call_multi_head_attention_forward(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    int64_t num_heads,
-    const at::Tensor& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights,
-    bool average_attn_weights,
-    bool is_causal,
-    bool batch_first,
-    bool packed_qkv) {
-  static auto op = typed_op<decltype(call_multi_head_attention_forward)>(spec::kOpMultiHeadAttentionForward);
-  return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
-                 out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-                 is_causal, batch_first, packed_qkv);
+call_multi_head_attention_forward(const MultiHeadAttentionArgs& a, bool packed_qkv) {
+  static auto op = typed_op<decltype(layer_forward_kernel<nullptr>)>(spec::kOpMultiHeadAttentionForward);
+  return op.call(a.query, a.key, a.value, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj_weight,
+                 a.out_proj_bias, a.attn_mask, a.key_padding_mask, a.need_weights, a.average_attn_weights,
+                 a.is_causal, a.batch_first, packed_qkv);
 }
 
-using MultiHeadAttentionGrads =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-inline MultiHeadAttentionGrads call_multi_head_attention_backward(
-    const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    int64_t num_heads,
-    const at::Tensor& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights,
-    bool average_attn_weights,
-    bool is_causal,
-    bool batch_first,
-    bool packed_qkv,
-    bool shared_kv,
-    const at::Tensor& q_proj,
-    const at::Tensor& kv_proj,
-    const at::Tensor& attn,
-    const at::Tensor& logsumexp,
-    std::array<bool, 7> output_mask) {
-  static auto op = typed_op<decltype(call_multi_head_attention_backward)>(spec::kOpMultiHeadAttentionBackward);
-  return op.call(grad_output, grad_weights, query, key, value, num_heads, in_proj_weight,
-                 in_proj_bias, out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
-                 need_weights, average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv,
-                 q_proj, kv_proj, attn, logsumexp, output_mask);
+inline MultiHeadAttentionGrads call_multi_head_attention_backward(const MultiHeadAttentionArgs& a,
+                                                                  const LayerBackwardArgs& b) {
+  static auto op = typed_op<decltype(layer_backward_op<nullptr>)>(spec::kOpMultiHeadAttentionBackward);
+  return op.call(b.grad_output, b.grad_weights, a.query, a.key, a.value, a.num_heads, a.in_proj_weight,
+                 a.in_proj_bias, a.out_proj_weight, a.out_proj_bias, a.attn_mask, a.key_padding_mask,
+                 a.need_weights, a.average_attn_weights, a.is_causal, a.batch_first, b.packed_qkv, b.shared_kv,
+                 b.saved.q_proj, b.saved.kv_proj, b.saved.attn, b.saved.lse, b.output_mask);
 }
 
 }  // namespace attn_export::ops

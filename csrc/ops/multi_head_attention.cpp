@@ -218,8 +218,8 @@ MultiHeadAttentionResult multi_head_attention_forward(const MultiHeadAttentionAr
     v = split_heads(r.kv_proj, 1, 2, l.seqlen_k, l);
   }
 
-  auto [attn, lse, weights] = call_attention_forward(
-      q, k, v, a.attn_mask, batched_padding_mask(a), a.is_causal, std::nullopt, a.need_weights);
+  auto [attn, lse, weights] =
+      call_attention_forward({q, k, v, {a.attn_mask, batched_padding_mask(a), a.is_causal}, a.need_weights});
   r.attn = merge_heads(attn, l);
   r.lse = lse;
   r.output = restore_shape(project(r.attn, a.out_proj_weight, a.out_proj_bias), l.seqlen_q, l);
@@ -245,8 +245,8 @@ ProjectionGrads core_backward(
     v = split_heads(s.kv_proj, 1, 2, l.seqlen_k, l);
   }
   auto [dq4, dk4, dv4] = call_attention_backward(
-      split_heads(grad_attn, 0, 1, l.seqlen_q, l), grad_probs, q, k, v, s.lse, a.attn_mask,
-      batched_padding_mask(a), a.is_causal, std::nullopt, split_heads(s.attn, 0, 1, l.seqlen_q, l));
+      {split_heads(grad_attn, 0, 1, l.seqlen_q, l), grad_probs, q, k, v, s.lse, split_heads(s.attn, 0, 1, l.seqlen_q, l),
+       {a.attn_mask, batched_padding_mask(a), a.is_causal}});
   const at::Tensor dq = merge_heads(dq4, l), dk = merge_heads(dk4, l), dv = merge_heads(dv4, l);
   if (packed_qkv) {
     return {at::cat({dq, dk, dv}, 1), at::empty({0}, dq.options())};

@@ -149,10 +149,24 @@ layer_forward_kernel(
   return std::make_tuple(r.output, r.weights, r.q_proj, r.kv_proj, r.attn, r.lse);
 }
 
-// Undefined gradients (not needed, or flowing through another argument) travel as empty tensors.
-template <CoreBackwardFn Core>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-layer_backward_kernel(
+using MultiHeadAttentionGrads =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// attn_export::_multi_head_attention_backward's arguments beyond the layer's own.
+struct LayerBackwardArgs {
+  const at::Tensor& grad_output;
+  const std::optional<at::Tensor>& grad_weights;
+  bool packed_qkv;
+  bool shared_kv;
+  const MultiHeadAttentionResult& saved;  // q_proj, kv_proj, attn, lse
+  std::array<bool, 7> output_mask;
+};
+
+using LayerBackwardImpl = MultiHeadAttentionGrads (*)(const MultiHeadAttentionArgs&, const LayerBackwardArgs&);
+
+// The backward operator's kernel over one implementation (device_layer_backward, or autograd's).
+template <LayerBackwardImpl Impl>
+MultiHeadAttentionGrads layer_backward_op(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
     const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
@@ -169,12 +183,18 @@ layer_backward_kernel(
   saved.kv_proj = kv_proj;
   saved.attn = attn;
   saved.lse = logsumexp;
-  auto g = multi_head_attention_backward(
-      args, packed_qkv, shared_kv, saved, grad_output, grad_weights.value_or(at::Tensor()),
-      output_mask, Core);
+  return Impl(args, {grad_output, grad_weights, packed_qkv, shared_kv, saved, output_mask});
+}
+
+// A device's backward (Core: core_backward or core_backward_cpu). Undefined gradients (not
+// needed, or flowing through another argument) travel as empty tensors.
+template <CoreBackwardFn Core>
+MultiHeadAttentionGrads device_layer_backward(const MultiHeadAttentionArgs& args, const LayerBackwardArgs& b) {
+  auto g = multi_head_attention_backward(args, b.packed_qkv, b.shared_kv, b.saved, b.grad_output,
+                                         b.grad_weights.value_or(at::Tensor()), b.output_mask, Core);
   for (at::Tensor& t : g) {
     if (!t.defined()) {
-      t = at::empty({0}, grad_output.options());
+      t = at::empty({0}, b.grad_output.options());
     }
   }
   return std::make_tuple(g[0], g[1], g[2], g[3], g[4], g[5], g[6]);

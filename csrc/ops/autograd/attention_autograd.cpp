@@ -44,61 +44,41 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// The core's autograd. q, k and v are its differentiable inputs; the options ride along as one
+// argument (masks never carry a gradient: check_masks_are_constant).
 class AttentionFunction : public Function<AttentionFunction> {
  public:
-  static variable_list forward(
-      AutogradContext* ctx,
-      const at::Tensor& query,
-      const at::Tensor& key,
-      const at::Tensor& value,
-      const std::optional<at::Tensor>& attn_mask,
-      const std::optional<at::Tensor>& key_padding_mask,
-      bool is_causal,
-      std::optional<double> scale,
-      double softcap) {
-    check_masks_are_constant(attn_mask, key_padding_mask);
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const CoreOptions& options) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, weights] = call_attention_forward(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap);
+    auto [out, lse, weights] = call_attention_forward({query, key, value, options, /*need_weights=*/false});
     // The output is saved through save_for_backward (not saved_data, which would hold it in a
     // reference cycle with its own grad_fn): the CUDA backward needs it.
-    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor()),
-                            key_padding_mask.value_or(at::Tensor()), out});
+    ctx->save_for_backward({query, key, value, options.attn_mask.value_or(at::Tensor()),
+                            options.key_padding_mask.value_or(at::Tensor()), out});
     ctx->saved_data["lse"] = lse;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["options"] = options.scalars();
     return {out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const std::optional<double> scale = ctx->saved_data["scale"].toOptional<double>();
+    const CoreOptions options = CoreOptions::from(optional_of(saved[3]), optional_of(saved[4]),
+                                                  ctx->saved_data["options"]);
     auto [grad_q, grad_k, grad_v] = call_attention_backward(
-        grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2],
-        ctx->saved_data["lse"].toTensor(), optional_of(saved[3]), optional_of(saved[4]),
-        ctx->saved_data["is_causal"].toBool(), scale, saved[5],
-        ctx->saved_data["softcap"].toDouble());
-    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        {grad_outputs[0], std::nullopt, saved[0], saved[1], saved[2], ctx->saved_data["lse"].toTensor(), saved[5],
+         options});
+    return {grad_q, grad_k, grad_v, at::Tensor()};
   }
 };
 
-at::Tensor attention_autograd(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    double softcap) {
-  if (!needs_autograd({&query, &key, &value})) {
-    check_masks_are_constant(attn_mask, key_padding_mask);
-    static auto op = typed_op<decltype(attention_autograd)>(spec::kOpAttention);
+ForwardResults attention_autograd(const ForwardArgs& a) {
+  check_masks_are_constant(a.options.attn_mask, a.options.key_padding_mask);
+  if (!needs_autograd({&a.query, &a.key, &a.value})) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(query, key, value, attn_mask, key_padding_mask, is_causal, scale, softcap);
+    return {call_attention(a), at::Tensor(), at::Tensor()};
   }
-  return AttentionFunction::apply(query, key, value, attn_mask, key_padding_mask, is_causal, scale, softcap)[0];
+  return {AttentionFunction::apply(a.query, a.key, a.value, a.options)[0], at::Tensor(), at::Tensor()};
 }
 
 // The layer's non-tensor arguments, packed into one integer for saved_data.
@@ -142,10 +122,10 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     // No saved probabilities: the backward recomputes them from the log-sum-exp, which beat
     // writing and rereading the [B, H, Lq, Lk] matrix at every shape measured, and memory stays O(L).
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(
-        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-        packed_qkv);
+    const MultiHeadAttentionArgs args{query, key, value, num_heads, in_proj_weight, in_proj_bias,
+                                      out_proj_weight, out_proj_bias, attn_mask, key_padding_mask,
+                                      need_weights, average_attn_weights, is_causal, batch_first};
+    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(args, packed_qkv);
 
     ctx->save_for_backward(
         {query, key, value, in_proj_weight, in_proj_bias.value_or(at::Tensor()), out_proj_weight,
@@ -185,11 +165,16 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
     // The output has the query's shape; it gets no gradient when only the weights are used.
     const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
     const std::optional<at::Tensor> grad_weights = optional_of(grad_outputs[1]);
+    MultiHeadAttentionResult kept;
+    kept.q_proj = intermediates[0];
+    kept.kv_proj = intermediates[1];
+    kept.attn = intermediates[2];
+    kept.lse = intermediates[3];
+    const MultiHeadAttentionArgs args{saved[0], saved[1], saved[2], c.num_heads, saved[3], in_proj_bias,
+                                      saved[5], out_proj_bias, attn_mask, key_padding_mask, c.need_weights,
+                                      c.average_attn_weights, c.is_causal, c.batch_first};
     const auto grads = call_multi_head_attention_backward(
-        grad_output, grad_weights, saved[0], saved[1], saved[2], c.num_heads, saved[3], in_proj_bias,
-        saved[5], out_proj_bias, attn_mask, key_padding_mask, c.need_weights, c.average_attn_weights,
-        c.is_causal, c.batch_first, c.packed_qkv, c.shared_kv, intermediates[0], intermediates[1],
-        intermediates[2], intermediates[3], needs);
+        args, {grad_output, grad_weights, c.packed_qkv, c.shared_kv, kept, needs});
     // The operator returns empty tensors for gradients it does not compute (see its schema).
     const std::array<bool, 7> computed = {
         needs[0], needs[1] && !c.packed_qkv, needs[2] && !c.packed_qkv && !c.shared_kv, needs[3],
@@ -207,49 +192,35 @@ class MultiHeadAttentionFunction : public Function<MultiHeadAttentionFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> multi_head_attention_autograd(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    int64_t num_heads,
-    const at::Tensor& in_proj_weight,
-    const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight,
-    const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights,
-    bool average_attn_weights,
-    bool is_causal,
-    bool batch_first) {
+MultiHeadAttentionResult multi_head_attention_autograd(const MultiHeadAttentionArgs& a, bool /*packed_qkv*/) {
   const at::Tensor none;
-  const at::Tensor& in_bias = in_proj_bias.has_value() ? *in_proj_bias : none;
-  const at::Tensor& out_bias = out_proj_bias.has_value() ? *out_proj_bias : none;
-  if (!needs_autograd({&query, &key, &value, &in_proj_weight, &in_bias, &out_proj_weight, &out_bias})) {
-    check_masks_are_constant(attn_mask, key_padding_mask);
-    static auto op = typed_op<decltype(multi_head_attention_autograd)>(spec::kOpMultiHeadAttention);
+  const at::Tensor& in_bias = a.in_proj_bias.has_value() ? *a.in_proj_bias : none;
+  const at::Tensor& out_bias = a.out_proj_bias.has_value() ? *a.out_proj_bias : none;
+  MultiHeadAttentionResult r;
+  if (!needs_autograd({&a.query, &a.key, &a.value, &a.in_proj_weight, &in_bias, &a.out_proj_weight, &out_bias})) {
+    check_masks_are_constant(a.attn_mask, a.key_padding_mask);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight,
-                   out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-                   is_causal, batch_first);
+    std::tie(r.output, r.weights) = call_multi_head_attention(a);
+    return r;
   }
   const auto outputs = MultiHeadAttentionFunction::apply(
-      query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-      attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first);
-  return std::make_tuple(outputs[0], outputs[1]);
+      a.query, a.key, a.value, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj_weight, a.out_proj_bias,
+      a.attn_mask, a.key_padding_mask, a.need_weights, a.average_attn_weights, a.is_causal, a.batch_first);
+  r.output = outputs[0];
+  r.weights = outputs[1];
+  return r;
 }
 
 // The kernels of the internal operators have no derivative of their own: a second-order
 // gradient through attention is not supported, and says so instead of returning zeros.
+// The tensors come twice: as arguments, so that autograd sees them and a second derivative
+// reaches backward() and its message, and in the struct the operator is called with.
 class AttentionForwardNoGrad : public Function<AttentionForwardNoGrad> {
  public:
-  static variable_list forward(
-      AutogradContext*, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-      bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
+  static variable_list forward(AutogradContext*, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const ForwardArgs& a) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, weights] = call_attention_forward(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, softcap);
+    auto [out, lse, weights] = call_attention_forward(a);
     return {out, lse, weights};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -260,16 +231,10 @@ class AttentionForwardNoGrad : public Function<AttentionForwardNoGrad> {
 
 class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
  public:
-  static variable_list forward(
-      AutogradContext*, const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-      const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-      const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
-        const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-      const std::optional<at::Tensor>& output, double softcap) {
+  static variable_list forward(AutogradContext*, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const BackwardArgs& a) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dq, dk, dv] = call_attention_backward(grad_output, grad_weights, query, key, value,
-                                                logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, output, softcap);
+    auto [dq, dk, dv] = call_attention_backward(a);
     return {dq, dk, dv};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -279,17 +244,11 @@ class AttentionBackwardNoGrad : public Function<AttentionBackwardNoGrad> {
 
 class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwardNoGrad> {
  public:
-  static variable_list forward(
-      AutogradContext*, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-      int64_t num_heads, const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-      const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) {
+  static variable_list forward(AutogradContext*, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const MultiHeadAttentionArgs& a,
+                               bool packed_qkv) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(
-        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-        packed_qkv);
+    auto [output, weights, q_proj, kv_proj, attn, lse] = call_multi_head_attention_forward(a, packed_qkv);
     return {output, weights, q_proj, kv_proj, attn, lse};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -298,37 +257,26 @@ class MultiHeadAttentionForwardNoGrad : public Function<MultiHeadAttentionForwar
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-multi_head_attention_forward_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv) {
-  const auto r = MultiHeadAttentionForwardNoGrad::apply(
-      query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-      attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first,
-      packed_qkv);
-  return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5]);
+MultiHeadAttentionResult multi_head_attention_forward_nograd(const MultiHeadAttentionArgs& a, bool packed_qkv) {
+  const auto r = MultiHeadAttentionForwardNoGrad::apply(a.query, a.key, a.value, a.in_proj_weight,
+                                                        a.out_proj_weight, a, packed_qkv);
+  MultiHeadAttentionResult result;
+  result.output = r[0];
+  result.weights = r[1];
+  result.q_proj = r[2];
+  result.kv_proj = r[3];
+  result.attn = r[4];
+  result.lse = r[5];
+  return result;
 }
 
 class MultiHeadAttentionBackwardNoGrad : public Function<MultiHeadAttentionBackwardNoGrad> {
  public:
-  static variable_list forward(
-      AutogradContext*, const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-      const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-      const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-      const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-      bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-      bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-      const at::Tensor& logsumexp, std::array<bool, 7> output_mask) {
+  static variable_list forward(AutogradContext*, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const MultiHeadAttentionArgs& a, const LayerBackwardArgs& b) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const auto g = call_multi_head_attention_backward(
-        grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
-        out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights,
-        average_attn_weights, is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn,
-        logsumexp, output_mask);
+    const auto g = call_multi_head_attention_backward(a, b);
     return {std::get<0>(g), std::get<1>(g), std::get<2>(g), std::get<3>(g), std::get<4>(g),
             std::get<5>(g), std::get<6>(g)};
   }
@@ -337,52 +285,32 @@ class MultiHeadAttentionBackwardNoGrad : public Function<MultiHeadAttentionBackw
   }
 };
 
-MultiHeadAttentionGrads multi_head_attention_backward_autograd(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t num_heads,
-    const at::Tensor& in_proj_weight, const std::optional<at::Tensor>& in_proj_bias,
-    const at::Tensor& out_proj_weight, const std::optional<at::Tensor>& out_proj_bias,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool need_weights, bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv,
-    bool shared_kv, const at::Tensor& q_proj, const at::Tensor& kv_proj, const at::Tensor& attn,
-    const at::Tensor& logsumexp, std::array<bool, 7> output_mask) {
-  const auto r = MultiHeadAttentionBackwardNoGrad::apply(
-      grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
-      out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-      is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, output_mask);
+MultiHeadAttentionGrads multi_head_attention_backward_nograd(const MultiHeadAttentionArgs& a,
+                                                             const LayerBackwardArgs& b) {
+  const auto r = MultiHeadAttentionBackwardNoGrad::apply(b.grad_output, a.query, a.key, a.value,
+                                                         a.in_proj_weight, a.out_proj_weight, a, b);
   return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], r[6]);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
-  const auto r = AttentionForwardNoGrad::apply(query, key, value, attn_mask, key_padding_mask,
-                                               is_causal, scale, need_weights, softcap);
+ForwardResults attention_forward_nograd(const ForwardArgs& a) {
+  const auto r = AttentionForwardNoGrad::apply(a.query, a.key, a.value, a);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
-    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& output, double softcap) {
-  const auto r = AttentionBackwardNoGrad::apply(grad_output, grad_weights, query, key, value,
-                                                logsumexp, attn_mask, key_padding_mask, is_causal,
-                                                scale, output, softcap);
+CoreGrads attention_backward_nograd(const BackwardArgs& a) {
+  const auto r = AttentionBackwardNoGrad::apply(a.grad_output, a.query, a.key, a.value, a);
   return std::make_tuple(r[0], r[1], r[2]);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, Autograd, m) {
-  m.impl(spec::kOpAttention, &attention_autograd);
-  m.impl(spec::kOpMultiHeadAttention, &multi_head_attention_autograd);
-  m.impl(spec::kOpAttentionForward, &attention_forward_autograd);
-  m.impl(spec::kOpAttentionBackward, &attention_backward_autograd);
-  m.impl(spec::kOpMultiHeadAttentionForward, &multi_head_attention_forward_autograd);
-  m.impl(spec::kOpMultiHeadAttentionBackward, &multi_head_attention_backward_autograd);
+  m.impl(spec::kOpAttention, &attention_kernel<attention_autograd>);
+  m.impl(spec::kOpMultiHeadAttention, &layer_kernel<multi_head_attention_autograd>);
+  m.impl(spec::kOpAttentionForward, &attention_forward_kernel<attention_forward_nograd>);
+  m.impl(spec::kOpAttentionBackward, &attention_backward_kernel<attention_backward_nograd>);
+  m.impl(spec::kOpMultiHeadAttentionForward, &layer_forward_kernel<multi_head_attention_forward_nograd>);
+  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_op<multi_head_attention_backward_nograd>);
 }
 
 }  // namespace attn_export::ops

@@ -11,6 +11,7 @@
 #include "../../attention_spec.h"
 #include "../../kernels/cpu/attention_cpu.h"
 #include "../attention_binding.h"
+#include "../core_args.h"
 
 namespace attn_export::ops {
 namespace {
@@ -23,95 +24,59 @@ void run_kernel(const AttentionBackwardParams& params) {
   TORCH_INTERNAL_ASSERT(cpu::run_attention_backward(params), "the CPU kernels take float32 or float64");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights,
-    double softcap) {
+ForwardResults attention_forward_cpu(const ForwardArgs& a) {
   const AttentionForward forward = prepare_attention_forward(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights,
-      accumulation_dtype(query.scalar_type()), /*masks_in_compute_dtype=*/true, softcap);
+      a, accumulation_dtype(a.query.scalar_type()), /*masks_in_compute_dtype=*/true);
   run_kernel(forward.params);
-  return attention_forward_results(forward, query);
+  return attention_forward_results(forward, a.query);
 }
 
-at::Tensor attention_cpu(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    double softcap) {
-  return std::get<0>(attention_forward_cpu(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap));
-}
+CoreGrads attention_backward_cpu(const BackwardArgs& a) {
+  const CoreOptions& o = a.options;
+  check_attention_inputs(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask);
+  check_softcap(o.softcap);
+  check_attention_backward_inputs(a.grad_output, a.logsumexp, a.query, a.value);
+  const int64_t batch = a.query.size(0), heads = a.query.size(1), seqlen_q = a.query.size(2);
+  const int64_t seqlen_k = a.key.size(2);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    const std::optional<at::Tensor>& output,
-    double softcap) {
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_softcap(softcap);
-  check_attention_backward_inputs(grad_output, logsumexp, query, value);
-  const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2);
-
-  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
-  const auto options = query.options().dtype(acc);
-  const at::Tensor q = kernel_operand(query, acc);
-  const at::Tensor k = kernel_operand(key, acc);
-  const at::Tensor v = kernel_operand(value, acc);
-  const at::Tensor grad_out = kernel_operand(grad_output, acc);
-  const at::Tensor lse = logsumexp.to(acc).contiguous();
-  at::Tensor grad_q = empty_grad_like(query, options);
-  at::Tensor grad_k = empty_grad_like(key, options);
-  at::Tensor grad_v = empty_grad_like(value, options);
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k, acc);
-  const auto padding = kernel_padding_mask(key_padding_mask, acc);
+  const at::ScalarType acc = accumulation_dtype(a.query.scalar_type());
+  const auto options = a.query.options().dtype(acc);
+  const at::Tensor q = kernel_operand(a.query, acc);
+  const at::Tensor k = kernel_operand(a.key, acc);
+  const at::Tensor v = kernel_operand(a.value, acc);
+  const at::Tensor grad_out = kernel_operand(a.grad_output, acc);
+  const at::Tensor lse = a.logsumexp.to(acc).contiguous();
+  at::Tensor grad_q = empty_grad_like(a.query, options);
+  at::Tensor grad_k = empty_grad_like(a.key, options);
+  at::Tensor grad_v = empty_grad_like(a.value, options);
+  const auto mask4d = kernel_attn_mask(o.attn_mask, batch, heads, seqlen_q, seqlen_k, acc);
+  const auto padding = kernel_padding_mask(o.key_padding_mask, acc);
 
   std::optional<at::Tensor> gw;
-  if (grad_weights.has_value() && grad_weights->defined()) {
-    gw = kernel_operand(grad_weights->expand({batch, heads, seqlen_q, seqlen_k}), acc);
+  if (a.grad_weights.has_value() && a.grad_weights->defined()) {
+    gw = kernel_operand(a.grad_weights->expand({batch, heads, seqlen_q, seqlen_k}), acc);
   }
   // The flash backward (kernels/cpu/flash_cpu.h) reads the forward's output for rowsum(dO * O);
   // without it the row kernels recompute whole probability rows instead.
-  const bool has_output = output.has_value() && output->defined();
-  const at::Tensor out = has_output ? kernel_operand(*output, acc) : grad_out;
-  AttentionParams forward = make_attention_params(
-      q, k, v, out, lse, std::nullopt, mask4d, padding, resolve_scale(scale, query.size(3)),
-      is_causal, softcap);
+  const bool has_output = a.output.has_value() && a.output->defined();
+  const at::Tensor out = has_output ? kernel_operand(*a.output, acc) : grad_out;
+  AttentionParams forward = make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, padding, o);
   if (!has_output) {
     forward.out = nullptr;
   }
   AttentionBackwardParams params =
       make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
   run_kernel(params);
-  const at::ScalarType dtype = query.scalar_type();
+  const at::ScalarType dtype = a.query.scalar_type();
   return std::make_tuple(grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
-  m.impl(spec::kOpAttention, &attention_cpu);
-  m.impl(spec::kOpAttentionForward, &attention_forward_cpu);
-  m.impl(spec::kOpAttentionBackward, &attention_backward_cpu);
+  m.impl(spec::kOpAttention, &attention_kernel<attention_forward_cpu>);
+  m.impl(spec::kOpAttentionForward, &attention_forward_kernel<attention_forward_cpu>);
+  m.impl(spec::kOpAttentionBackward, &attention_backward_kernel<attention_backward_cpu>);
 }
 
 }  // namespace attn_export::ops

@@ -207,7 +207,7 @@ ProjectionGrads core_backward_cpu(
 TORCH_LIBRARY_IMPL(attn_export, CPU, m) {
   m.impl(spec::kOpMultiHeadAttention, &layer_kernel<multi_head_attention_forward_cpu>);
   m.impl(spec::kOpMultiHeadAttentionForward, &layer_forward_kernel<multi_head_attention_forward_cpu>);
-  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_kernel<core_backward_cpu>);
+  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_op<device_layer_backward<core_backward_cpu>>);
 }
 
 }  // namespace attn_export::ops

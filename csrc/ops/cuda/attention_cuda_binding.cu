@@ -34,52 +34,21 @@ cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    bool need_weights,
-    double softcap) {
-  const c10::cuda::CUDAGuard device_guard(query.device());
+ForwardResults attention_forward_cuda(const ForwardArgs& a) {
+  const c10::cuda::CUDAGuard device_guard(a.query.device());
   // float16/bfloat16 stay as they are: the kernels read them natively.
-  const AttentionForward forward = prepare_attention_forward(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
-      /*masks_in_compute_dtype=*/false, softcap);
+  const AttentionForward forward =
+      prepare_attention_forward(a, a.query.scalar_type(), /*masks_in_compute_dtype=*/false);
   check_supported(forward.params);
-  check_launch(cuda::run_attention_forward(forward.params, current_stream(query)), "attention forward");
-  return attention_forward_results(forward, query);
+  check_launch(cuda::run_attention_forward(forward.params, current_stream(a.query)), "attention forward");
+  return attention_forward_results(forward, a.query);
 }
 
-at::Tensor attention_cuda(
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    double softcap) {
-  return std::get<0>(attention_forward_cuda(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, /*need_weights=*/false, softcap));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& grad_output,
-    const std::optional<at::Tensor>& grad_weights,
-    const at::Tensor& query,
-    const at::Tensor& key,
-    const at::Tensor& value,
-    const at::Tensor& logsumexp,
-    const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal,
-    std::optional<double> scale,
-    const std::optional<at::Tensor>& output,
-    double softcap) {
+CoreGrads attention_backward_cuda(const BackwardArgs& a) {
+  const at::Tensor &grad_output = a.grad_output, &query = a.query, &key = a.key, &value = a.value;
+  const at::Tensor& logsumexp = a.logsumexp;
+  const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;
+  const auto& [attn_mask, key_padding_mask, is_causal, scale, softcap] = a.options;
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_softcap(softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
@@ -87,8 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const cudaStream_t stream = current_stream(query);
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim = query.size(3), dim_v = value.size(3);
-  const double softmax_scale = resolve_scale(scale, dim);
+  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
 
   const at::Tensor q = kernel_operand(query);
   const at::Tensor k = kernel_operand(key);
@@ -109,8 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   } else {
     out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
     at::Tensor lse_again = at::empty_like(lse);
-    const AttentionParams forward = make_attention_params(
-        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal, softcap);
+    const AttentionParams forward =
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, a.options);
     check_supported(forward);
     check_launch(cuda::run_attention_forward(forward, stream), "attention backward (recomputing the output)");
   }
@@ -124,8 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   at::Tensor grad_k = empty_grad_like(key, query.options());
   at::Tensor grad_v = empty_grad_like(value, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
-                            softcap),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, a.options),
       grad_out, gw, grad_q, grad_k, grad_v);
   at::Tensor workspace = at::empty(
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},
@@ -137,9 +104,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
-  m.impl(spec::kOpAttention, &attention_cuda);
-  m.impl(spec::kOpAttentionForward, &attention_forward_cuda);
-  m.impl(spec::kOpAttentionBackward, &attention_backward_cuda);
+  m.impl(spec::kOpAttention, &attention_kernel<attention_forward_cuda>);
+  m.impl(spec::kOpAttentionForward, &attention_forward_kernel<attention_forward_cuda>);
+  m.impl(spec::kOpAttentionBackward, &attention_backward_kernel<attention_backward_cuda>);
 }
 
 }  // namespace attn_export::ops

@@ -12,7 +12,7 @@ namespace attn_export::ops {
 TORCH_LIBRARY_IMPL(attn_export, CUDA, m) {
   m.impl(spec::kOpMultiHeadAttention, &layer_kernel<multi_head_attention_forward>);
   m.impl(spec::kOpMultiHeadAttentionForward, &layer_forward_kernel<multi_head_attention_forward>);
-  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_kernel<core_backward>);
+  m.impl(spec::kOpMultiHeadAttentionBackward, &layer_backward_op<device_layer_backward<core_backward>>);
 }
 
 }  // namespace attn_export::ops

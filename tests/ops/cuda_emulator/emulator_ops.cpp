@@ -50,8 +50,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                    value = guarded_memory::guarded_copy(value_in);
   const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
   const AttentionForward f = prepare_attention_forward(
-      query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights, query.scalar_type(),
-      /*masks_in_compute_dtype=*/false, softcap);
+      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap}, need_weights},
+      query.scalar_type(), /*masks_in_compute_dtype=*/false);
   check(cuda::run_attention_forward(f.params, nullptr), f.params);
   call.finish();
   return attention_forward_results(f, query);
@@ -73,8 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
-  const int64_t seqlen_k = key.size(2), dim = query.size(3), dim_v = value.size(3);
-  const double softmax_scale = resolve_scale(scale, dim);
+  const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
+  const CoreOptions options{attn_mask, key_padding_mask, is_causal, scale, softcap};
   const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
@@ -83,8 +83,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
   {
     at::Tensor lse_again = at::empty_like(lse);
-    const AttentionParams forward = make_attention_params(
-        q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal, softcap);
+    const AttentionParams forward =
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, options);
     check(cuda::run_attention_forward(forward, nullptr), forward);
   }
   std::optional<at::Tensor> gw;
@@ -96,8 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor grad_k = empty_grad_like(key_in, query.options());
   at::Tensor grad_v = empty_grad_like(value_in, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, softmax_scale, is_causal,
-                            softcap),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
   // Exactly the size asked for, between guards, 256-byte aligned by the guarded allocator, and
   // filled with garbage: the kernels must not rely on a zeroed workspace.
@@ -115,7 +114,7 @@ bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at:
   at::Tensor out = empty_token_major(q.size(0), q.size(1), q.size(2), v.size(3), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   return cuda::attention_uses_tensor_cores(
-      make_attention_params(q, k, v, out, lse, std::nullopt, std::nullopt, std::nullopt, 1.0, false));
+      make_attention_params(q, k, v, out, lse, std::nullopt, std::nullopt, std::nullopt, CoreOptions{}));
 }
 
 void set_arch(int64_t arch) {
