@@ -4,9 +4,9 @@ mutmut 3 finds the tests of each function by recording which tests call it, then
 those on each mutant, forked from a process that has imported torch once. It imports the code
 under test from a source root of ``./``, ``src/`` or ``source/`` beside its config; ours is
 ``exporter/``. So each selection of modules gets a run folder, build/mutation/STAGE/, holding
-the config (written here from the checkout's [tool.mutmut] and [tool.pytest.ini_options]) and a
-link ``attn_export -> exporter/attn_export``: mutmut copies the package from there into its own
-mutants/ as it always does, and the tests run from the checkout's tests/.
+the config (written here from the checkout's [tool.mutmut] and [tool.pytest.ini_options]) and
+links to ``exporter/attn_export`` and ``tests``: mutmut copies both from there into its own
+mutants/ as it always does (the tests must sit below its root for it to name them).
 
     python scripts/mutants.py                         # every module of MUTATED (slow)
     python scripts/mutants.py exporter/attn_export/validation     # a folder: the listed modules under it
@@ -93,7 +93,7 @@ def write_stage(modules: dict[str, list[str]]) -> bool:
     mutmut["source_paths"] = [PACKAGE]
     mutmut["only_mutate"] = [import_path(m) for m in modules]
     tests = sorted({t for ts in modules.values() for t in ts})
-    mutmut["pytest_add_cli_args_test_selection"] = [str(ROOT / t) for t in tests]
+    mutmut["pytest_add_cli_args_test_selection"] = tests
     text = toml_table("tool.mutmut", mutmut) + "\n" + toml_table("tool.pytest.ini_options", config["pytest"]["ini_options"])
 
     stage.mkdir(parents=True, exist_ok=True)
@@ -102,9 +102,10 @@ def write_stage(modules: dict[str, list[str]]) -> bool:
     if _read(stage / "sources.stamp") != sources:
         shutil.rmtree(stage / "mutants", ignore_errors=True)
     tests_changed = _read(stage / "tests.stamp") != test_files
-    link = stage / PACKAGE
-    if not link.is_symlink():
-        link.symlink_to(SOURCE_ROOT / PACKAGE, target_is_directory=True)
+    for name, target in ((PACKAGE, SOURCE_ROOT / PACKAGE), ("tests", ROOT / "tests")):
+        link = stage / name
+        if not link.is_symlink():
+            link.symlink_to(target, target_is_directory=True)
     (stage / "pyproject.toml").write_text(text)
     (stage / "sources.stamp").write_text(sources)
     (stage / "tests.stamp").write_text(test_files)
