@@ -473,6 +473,7 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+@pytest.mark.slow  # end to end: make test-fast leaves it out
 def test_export_one_custom_node_per_layer_dynamic_batch_and_sequence(exported, name):
     import onnx
 
@@ -568,6 +569,7 @@ def _invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+@pytest.mark.slow  # end to end: make test-fast leaves it out
 def test_cli_converts_a_save_pretrained_folder(tmp_path):
     model = tiny_gpt2()
     model.save_pretrained(tmp_path / "gpt2-tiny")
@@ -585,6 +587,7 @@ def test_cli_converts_a_save_pretrained_folder(tmp_path):
     assert check.exit_code == 0, check.output
 
 
+@pytest.mark.slow  # end to end: make test-fast leaves it out
 def test_cli_builds_a_transformers_class_from_a_config(tmp_path):
     config = tiny_vit().config
     config.to_json_file(tmp_path / "vit.json")
@@ -629,6 +632,7 @@ def _python_blocks(path, section=None):
 
 @pytest.mark.parametrize("path,section", [("README.md", "## Hugging Face transformers models"),
                                           ("docs/huggingface.md", "## Using it")])
+@pytest.mark.slow  # end to end: make test-fast leaves it out
 def test_documented_example_runs_as_written(path, section, tmp_path, monkeypatch, capsys):
     if not HF5:
         pytest.skip("the examples use BERT, which dispatches through AttentionInterface from transformers 5")
