@@ -64,7 +64,6 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     """
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from benchmarks import layers as lib
     from attn_export.atomic_io import write_text
@@ -98,15 +97,8 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
             progress=lambda what: status.update(f"benchmarking {what}"),
         )
 
-    table = Table(title=f"CPU, {threads} threads, torch {torch.__version__}: median us (ratio to {lib.REFERENCE})")
+    Console(width=max(Console().width, 100)).print(_results_table(results, impls, threads))
     short = {lib.REFERENCE: "nn.MHA"}
-    for col in ("shape BxLxExH", "mode", *impls):
-        table.add_column(short.get(col, col), justify="right" if col in impls else "left", no_wrap=True)
-    for shape, mode in dict.fromkeys((r.shape, r.mode) for r in results):
-        row = {r.implementation: r for r in results if r.shape == shape and r.mode == mode}
-        cells = [f"{row[i].median_us:.1f}" + (f" ({row[i].ratio:.2f}x)" if row[i].ratio is not None else "") for i in impls]
-        table.add_row(str(shape), mode, *cells)
-    Console(width=max(Console().width, 100)).print(table)
 
     gemm_results = []
     if gemm_rates:
@@ -123,13 +115,7 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     if memory is not None:
         with console.status(f"measuring peak memory at {memory}"):
             memory_results = lib.measure_memory(memory, impls, threads)
-        mem_table = Table(title=f"Peak resident memory, one inference call at {memory} (fresh process each)")
-        for col in ("implementation", "baseline MB", "peak MB", "peak / nn.MHA"):
-            mem_table.add_column(col, justify="right")
-        for m in memory_results:
-            mem_table.add_row(short.get(m.implementation, m.implementation), f"{m.baseline_mb:.0f}",
-                              f"{m.peak_mb:.0f}", "" if m.ratio is None else f"{m.ratio:.2f}x")
-        Console().print(mem_table)
+        Console().print(_memory_table(memory_results, memory, short))
 
     if json_path:
         payload = {"machine": header, "threads": threads, "torch": torch.__version__, "rounds": rounds,
@@ -151,6 +137,35 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
 
         with atomic_output(plot_path) as tmp:
             lib.plot_latency(results, str(tmp), fmt="png")
+
+
+def _results_table(results, impls, threads: int):
+    import torch
+    from rich.table import Table
+
+    from benchmarks import layers as lib
+
+    table = Table(title=f"CPU, {threads} threads, torch {torch.__version__}: median us (ratio to {lib.REFERENCE})")
+    short = {lib.REFERENCE: "nn.MHA"}
+    for col in ("shape BxLxExH", "mode", *impls):
+        table.add_column(short.get(col, col), justify="right" if col in impls else "left", no_wrap=True)
+    for shape, mode in dict.fromkeys((r.shape, r.mode) for r in results):
+        row = {r.implementation: r for r in results if r.shape == shape and r.mode == mode}
+        cells = [f"{row[i].median_us:.1f}" + (f" ({row[i].ratio:.2f}x)" if row[i].ratio is not None else "") for i in impls]
+        table.add_row(str(shape), mode, *cells)
+    return table
+
+
+def _memory_table(memory_results, memory, short):
+    from rich.table import Table
+
+    table = Table(title=f"Peak resident memory, one inference call at {memory} (fresh process each)")
+    for col in ("implementation", "baseline MB", "peak MB", "peak / nn.MHA"):
+        table.add_column(col, justify="right")
+    for m in memory_results:
+        table.add_row(short.get(m.implementation, m.implementation), f"{m.baseline_mb:.0f}",
+                      f"{m.peak_mb:.0f}", "" if m.ratio is None else f"{m.ratio:.2f}x")
+    return table
 
 
 def _machine_header() -> str:

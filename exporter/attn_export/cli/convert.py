@@ -25,6 +25,47 @@ from attn_export.cli._options import (
 
 SUFFIXES = {"onnx": ".onnx", "tensorrt": ".engine"}
 
+HELP = """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
+export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
+TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
+check.
+
+MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
+or a Hugging Face transformers save_pretrained folder (its attention is routed to the fused
+operator through transformers' AttentionInterface); or build the model with
+--model module:factory, or --model transformers:CLASS with a folder or --config. Example
+inputs come from --input, --example-inputs or the model's example_inputs attribute
+(transformers models: input_ids and a padded attention_mask, or pixel_values, by default);
+the ONNX inputs take their names. Dim 0 (batch) and dim 1 (sequence) of every input are
+symbolic unless --dynamic/--static say otherwise (transformers models: batch and sequence
+of the token inputs, the batch of pixel_values).
+
+Validation (unless --no-validate) is the same as `attn-export validate`; --ort-provider
+picks ONNX Runtime's execution providers (default cpu). Exit codes: 0 passed, 1 mismatch
+(or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU, an ONNX Runtime
+provider or the plugin library missing (the message says what to install or build). Output files are
+written whole or not at all; after a mismatch they are kept for inspection.
+
+--to tensorrt: the engine is strongly typed (it computes in the ONNX types: --dtype fp16 for
+a float16 engine) and has one optimization profile: every dynamic dimension from 1 (min)
+over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
+--max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
+needs (docs/tensorrt.md). With --onnx-attention standard the engine needs no plugin: TensorRT's
+parser (10.14+) maps the standard Attention nodes itself.
+
+\b
+Examples:
+  attn-export model.pt --to onnx
+  attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
+  attn-export model.pt --to onnx --onnx-attention standard
+  attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
+  attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
+  attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
+  attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
+      --max-shapes src:8x512x64
+  attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
+"""
+
 
 def default_output(model_path, factory, to: str) -> Path:
     suffix = SUFFIXES[to]
@@ -36,7 +77,7 @@ def default_output(model_path, factory, to: str) -> Path:
     return Path(factory.rpartition(":")[2] + suffix)
 
 
-@click.command("convert")
+@click.command("convert", help=HELP)
 @click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
 @click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
               help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
@@ -65,46 +106,6 @@ def default_output(model_path, factory, to: str) -> Path:
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, dtype,
             no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
-    """Replace the attention layers of MODEL by the fused operator, export to ONNX, and check the
-    export in ONNX Runtime against the original PyTorch model. With --to tensorrt, also build a
-    TensorRT engine from the ONNX (the FusedAttention nodes run as the plugin) and add it to the
-    check.
-
-    MODEL is a file written by torch.save(model), loaded weights-only (see --trust-model-file),
-    or a Hugging Face transformers save_pretrained folder (its attention is routed to the fused
-    operator through transformers' AttentionInterface); or build the model with
-    --model module:factory, or --model transformers:CLASS with a folder or --config. Example
-    inputs come from --input, --example-inputs or the model's example_inputs attribute
-    (transformers models: input_ids and a padded attention_mask, or pixel_values, by default);
-    the ONNX inputs take their names. Dim 0 (batch) and dim 1 (sequence) of every input are
-    symbolic unless --dynamic/--static say otherwise (transformers models: batch and sequence
-    of the token inputs, the batch of pixel_values).
-
-    Validation (unless --no-validate) is the same as `attn-export validate`; --ort-provider
-    picks ONNX Runtime's execution providers (default cpu). Exit codes: 0 passed, 1 mismatch
-    (or a coverage gate failed), 2 usage or input error, or TensorRT, a GPU, an ONNX Runtime
-    provider or the plugin library missing (the message says what to install or build). Output files are
-    written whole or not at all; after a mismatch they are kept for inspection.
-
-    --to tensorrt: the engine is strongly typed (it computes in the ONNX types: --dtype fp16 for
-    a float16 engine) and has one optimization profile: every dynamic dimension from 1 (min)
-    over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
-    --max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
-    needs (docs/tensorrt.md). With --onnx-attention standard the engine needs no plugin: TensorRT's
-    parser (10.14+) maps the standard Attention nodes itself.
-
-    \b
-    Examples:
-      attn-export model.pt --to onnx
-      attn-export model.pt --to onnx -o out/model.onnx --input src:2x16x64 --input src_key_padding_mask:2x16:bool
-      attn-export model.pt --to onnx --onnx-attention standard
-      attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
-      attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
-      attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
-      attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
-          --max-shapes src:8x512x64
-      attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
-    """
     import torch
 
     from attn_export.conversion import ConvertOptions, convert as run_conversion, preflight
