@@ -15,16 +15,13 @@ from attn_export.onnx import export_onnx
 from attn_export.surgery.patterns import rewrite
 
 import sdpa_models as M
+from helpers import assert_parity
 
 S = spec.load()
 
 
 def op_types(path):
     return [n.op_type for n in onnx.load(str(path)).graph.node]
-
-
-def rel_err(actual, expected):
-    return float((actual - expected).abs().max() / expected.abs().max())
 
 
 class Written(nn.Module):
@@ -102,7 +99,7 @@ def test_rewrite_is_exact_or_not_done(form):
         assert not sites[0].rewritten and fused == 0
         assert LEFT_ALONE[form] in sites[0].reason, sites[0].reason
     for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
-        assert rel_err(g, e) <= 2e-6
+        assert_parity(g, e, 2e-6, form)
 
 
 def test_softmax_that_is_no_attention_is_not_a_site():

@@ -16,15 +16,11 @@ from attn_export.surgery import sdpa_route as sdpa
 from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, inspect_attention, replace_attention
 
 import sdpa_models as M
+from helpers import assert_parity, max_rel_err
 
 EPS = {torch.float32: torch.finfo(torch.float32).eps, torch.float16: torch.finfo(torch.float16).eps,
        torch.bfloat16: torch.finfo(torch.bfloat16).eps}
 FP32_REL = 2e-6
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
 class Call(nn.Module):
@@ -96,7 +92,7 @@ def test_semantics_match_sdpa(case):
     out = fused(q, k, v, mask)
     assert sdpa.calls(fused) == {"fused": 1}
     assert out.shape == expected.shape
-    assert rel_err(out, expected) <= FP32_REL
+    assert_parity(out, expected, FP32_REL)
 
 
 @pytest.mark.parametrize("case", ["causal Lq>Lk", "gqa causal", "bool [B,1,1,Lk] padding", "3-D float [B,Lq,Lk]"])
@@ -110,7 +106,7 @@ def test_gradients_match_sdpa(case):
     got = torch.autograd.grad(fused(*inputs, mask), inputs, grad_out)
     assert sdpa.calls(fused) == {"fused": 1}
     for name, g, e in zip("qkv", got, expected):
-        assert rel_err(g, e) <= 4 * FP32_REL, name
+        assert_parity(g, e, 4 * FP32_REL, f"grad {name}", scale=expected)  # the input gradients' scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -126,9 +122,9 @@ def test_half_precision_within_sdpas_own_error(case, dtype):
         model(q.double(), k.double(), v.double(), mask)
     low = [t.to(dtype) for t in (q, k, v)]
     low_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
-    stock_err = rel_err(model(*low, low_mask), reference)
+    stock_err = max_rel_err(model(*low, low_mask), reference)
     fused = routed(model)
-    fused_err = rel_err(fused(*low, low_mask), reference)
+    fused_err = max_rel_err(fused(*low, low_mask), reference)
     assert sdpa.calls(fused) == {"fused": 1}
     assert fused_err <= 2 * stock_err + 4 * EPS[dtype], (fused_err, stock_err)
 
@@ -172,7 +168,7 @@ def test_mask_requiring_grad_stays_on_sdpa_in_training_and_is_fused_without_grad
     out.sum().backward()
     assert bias.grad is not None  # the stock path keeps the mask's gradient
     with torch.no_grad():
-        assert rel_err(fused(q, k, v, bias), model(q, k, v, bias)) <= FP32_REL
+        assert_parity(fused(q, k, v, bias), model(q, k, v, bias), FP32_REL)
     assert sdpa.calls(fused)["fused"] == 1
 
 
@@ -187,7 +183,7 @@ def test_fully_masked_rows_give_zeros():
     assert torch.isfinite(out).all() and (out[:, :, 2] == 0).all()
     expected = Call()(q, k, v, mask)
     rows = [0, 1, 3, 4]
-    assert rel_err(out[:, :, rows], expected[:, :, rows]) <= FP32_REL
+    assert_parity(out[:, :, rows], expected[:, :, rows], FP32_REL)
 
 
 # -- discovery and the report ------------------------------------------------------------------
@@ -221,7 +217,7 @@ def test_sites_are_found_in_forward_helpers_and_methods():
     q, k, v = qkv(kv_heads=H)
     for model in (ViaHelper(), ViaMethod()):
         fused = routed(model)
-        assert rel_err(fused(q, k, v), model(q, k, v)) <= FP32_REL
+        assert_parity(fused(q, k, v), model(q, k, v), FP32_REL)
         assert sdpa.calls(fused) == {"fused": 1}
 
 
@@ -272,13 +268,14 @@ def test_gqa_decoder_forward_and_training_gradients():
     model = M.gqa_decoder()
     fused = routed(model)
     ids = model.example_inputs["input_ids"]
-    assert rel_err(fused(ids), model(ids)) <= FP32_REL
+    assert_parity(fused(ids), model(ids), FP32_REL)
     model.train(), fused.train()
     model(ids).logsumexp(-1).sum().backward()
     fused(ids).logsumexp(-1).sum().backward()
     fused_params = dict(fused.named_parameters())
+    grads = [p.grad for p in model.parameters()]
     for name, p in model.named_parameters():
-        assert rel_err(fused_params[name].grad, p.grad) <= 1e-5, name
+        assert_parity(fused_params[name].grad, p.grad, 1e-5, f"grad {name}", scale=grads)  # the parameters' scale
     calls = [sdpa.calls(m) for m in fused.modules() if sdpa.is_routed(m)]
     assert calls == [{"fused": 2}, {"fused": 2}]  # per layer: the eval forward and the training forward
 
@@ -297,7 +294,7 @@ def test_dropout_in_training_runs_stock_sdpa_and_is_reported():
     torch.manual_seed(1)
     assert torch.equal(out, model(x))
     fused.eval(), model.eval()
-    assert rel_err(fused(x), model(x)) <= FP32_REL
+    assert_parity(fused(x), model(x), FP32_REL)
     assert sdpa.calls(fused) == {"stock: dropout_p=0.2 (attention dropout is not fused)": 1, "fused": 1}
 
 
@@ -307,13 +304,13 @@ def test_route_survives_deepcopy_and_torch_export():
     twice = copy.deepcopy(fused)
     inputs = model.example_inputs
     assert all(sdpa.is_routed(m) and m.forward.module is m for m in twice.modules() if sdpa.calls_sdpa(m))
-    assert rel_err(twice(**inputs), model(**inputs)) <= FP32_REL
+    assert_parity(twice(**inputs), model(**inputs), FP32_REL)
     assert all(sdpa.calls(m) == {} for m in fused.modules() if sdpa.calls_sdpa(m))  # the copy counted its own
     exported = torch.export.export(twice, (), kwargs=inputs, strict=False)
     nodes = [n for n in exported.graph.nodes if n.op == "call_function" and "attn_export" in str(n.target)]
     assert len(nodes) == 6
     assert not any("scaled_dot_product" in str(n.target) for n in exported.graph.nodes)
-    assert rel_err(exported.module()(**inputs), model(**inputs)) <= FP32_REL
+    assert_parity(exported.module()(**inputs), model(**inputs), FP32_REL)
 
 
 def test_swin_style_learned_bias_mask_training_stays_stock_inference_is_fused():
@@ -325,10 +322,10 @@ def test_swin_style_learned_bias_mask_training_stays_stock_inference_is_fused():
     fused.train(), model.train()
     fused(x).sum().backward()
     model(x).sum().backward()
-    assert rel_err(fused.bias_table.grad, model.bias_table.grad) <= 1e-6
+    assert_parity(fused.bias_table.grad, model.bias_table.grad, 1e-6)
     assert list(sdpa.calls(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
     with torch.no_grad():
-        assert rel_err(fused(x), model(x)) <= FP32_REL
+        assert_parity(fused(x), model(x), FP32_REL)
     assert sdpa.calls(fused)["fused"] == 1
 
 
@@ -344,7 +341,7 @@ def test_torch_compile_traces_the_fused_calls():
     ids = model.example_inputs["input_ids"]
     with torch.no_grad():
         out = torch.compile(fused, backend=backend, fullgraph=True)(ids)
-        assert rel_err(out, model(ids)) <= FP32_REL
+        assert_parity(out, model(ids), FP32_REL)
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("attn_export.attention" in t for t in targets) == 2
     assert not any("scaled_dot_product" in t for t in targets)
