@@ -19,7 +19,7 @@ from attn_export.surgery import transformers as hf  # noqa: E402
 from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
-from helpers import max_rel_err  # noqa: E402
+from helpers import assert_parity, max_rel_err  # noqa: E402
 
 TOL = 1e-5  # float32, relative to the output's largest magnitude (the issue: ~1e-5)
 HF5 = hf._version_tuple(transformers.__version__) >= (5,)
@@ -145,7 +145,7 @@ def test_calls_with_arguments_the_operator_does_not_compute_run_transformers_eag
         want = model(**inputs).last_hidden_state
         got = routed_model(**inputs).last_hidden_state
     valid = inputs["attention_mask"].bool()
-    assert max_rel_err(got[valid], want[valid]) < TOL
+    assert_parity(got[valid], want[valid], TOL)
     layer = routed_model.layers[0].self_attn
     assert list(hf.unfused_calls(layer)) == [hf.unfused_reason(layer, {"s_aux": layer.sinks})]
     # Without the sinks the result would differ: the fallback really computes them.
@@ -182,8 +182,8 @@ def test_t5_position_bias_is_the_operators_additive_mask_and_learns_through_eage
         got, want = fused(**inputs), model(**inputs)
     assert counter.calls == 6  # encoder self, decoder self and cross attention, 2 layers each
     valid = inputs["attention_mask"].bool()
-    assert max_rel_err(got.encoder_last_hidden_state[valid], want.encoder_last_hidden_state[valid]) < TOL
-    assert max_rel_err(got.last_hidden_state, want.last_hidden_state) < TOL
+    assert_parity(got.encoder_last_hidden_state[valid], want.encoder_last_hidden_state[valid], TOL)
+    assert_parity(got.last_hidden_state, want.last_hidden_state, TOL)
     # Training the relative position bias: its gradient flows (transformers' eager attention runs
     # those calls; the operator takes no gradient for its mask) and matches the original's.
     fused.train(), model.train()
@@ -196,7 +196,8 @@ def test_t5_position_bias_is_the_operators_additive_mask_and_learns_through_eage
         ((out.last_hidden_state * weights[0]).sum() + (out.encoder_last_hidden_state * weights[1]).sum()).backward()
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     g_fused, g_orig = dict(fused.named_parameters())[bias].grad, dict(model.named_parameters())[bias].grad
-    assert g_orig.abs().max() > 0 and max_rel_err(g_fused, g_orig) < 1e-4
+    assert g_orig.abs().max() > 0
+    assert_parity(g_fused, g_orig, 1e-4, "gradient")
     reasons = hf.unfused_calls(fused.encoder.block[0].layer[0].SelfAttention)
     assert list(reasons) and "requires grad" in next(iter(reasons))
 
@@ -216,7 +217,7 @@ def test_sliding_window_shorter_than_the_sequence_is_honoured():
     with torch.no_grad():
         got, want = fused(**inputs).last_hidden_state, model(**inputs).last_hidden_state
         unwindowed = global_model(**inputs).last_hidden_state
-    assert max_rel_err(got, want) < TOL
+    assert_parity(got, want, TOL)
     assert max_rel_err(unwindowed, want) > 1e-3  # the window matters at this length
 
 
@@ -230,7 +231,7 @@ def test_a_causal_call_without_a_mask_keeps_its_sliding_window():
     allowed = (j <= i) & (j > i - 3)
     scores = (q.double() @ k.double().transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
     want = (scores.softmax(-1) @ v.double()).transpose(1, 2)
-    assert max_rel_err(got.double(), want) < 1e-6
+    assert_parity(got.double(), want, 1e-6)
 
 
 @pytest.mark.skipif(not hasattr(transformers, "Gemma2Config"), reason="transformers without Gemma 2")
@@ -258,7 +259,7 @@ def test_gemma2_logit_softcapping_is_honoured(monkeypatch):
         uncapped = eager(**batch).logits
     assert counter.calls == 2
     valid = batch["attention_mask"].bool()
-    assert max_rel_err(got[valid], want[valid]) < 1e-5
+    assert_parity(got[valid], want[valid], 1e-5)
     assert max_rel_err(uncapped[valid], want[valid]) > 1e-3  # the cap matters in this model
 
 
@@ -298,11 +299,11 @@ def test_text_models_match_the_original_at_valid_tokens(name, impl, monkeypatch)
     assert counter.calls == 2
     valid = batch["attention_mask"].bool()
     assert torch.isfinite(got).all()
-    assert max_rel_err(got[valid], want[valid]) < TOL
+    assert_parity(got[valid], want[valid], TOL)
     # Without an attention_mask (BERT: no mask; GPT-2: the causal flag alone)
     with torch.no_grad():
         got, want = main_output(model(input_ids=batch["input_ids"])), main_output(original(input_ids=batch["input_ids"]))
-    assert max_rel_err(got, want) < TOL
+    assert_parity(got, want, TOL)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
@@ -336,7 +337,7 @@ def test_gpt2_left_padding_has_no_nan_and_matches_at_valid_tokens():
         got, want = main_output(model(**batch)), main_output(original(**batch))
     valid = batch["attention_mask"].bool()
     assert torch.isfinite(got).all()
-    assert max_rel_err(got[valid], want[valid]) < TOL
+    assert_parity(got[valid], want[valid], TOL)
 
 
 def test_grouped_query_attention_and_cached_generation():
@@ -353,7 +354,7 @@ def test_grouped_query_attention_and_cached_generation():
     with torch.no_grad():
         got, want = model(**batch).logits, original(**batch).logits
         valid = batch["attention_mask"].bool()
-        assert max_rel_err(got[valid], want[valid]) < TOL
+        assert_parity(got[valid], want[valid], TOL)
         prompt = batch["input_ids"][:1]
         assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
                            original.generate(prompt, max_new_tokens=6, do_sample=False))
@@ -365,7 +366,7 @@ def test_vit_matches_the_original():
     assert report.num_replaced == 2
     x = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
-        assert max_rel_err(model(pixel_values=x).last_hidden_state, original(pixel_values=x).last_hidden_state) < TOL
+        assert_parity(model(pixel_values=x).last_hidden_state, original(pixel_values=x).last_hidden_state, TOL)
 
 
 def test_gradients_flow_through_the_operator():
@@ -378,7 +379,7 @@ def test_gradients_flow_through_the_operator():
         main_output(m(**batch))[valid].square().sum().backward()
     a = model.transformer.h[0].attn.c_attn.weight.grad
     b = original.transformer.h[0].attn.c_attn.weight.grad
-    assert max_rel_err(a, b) < 1e-4
+    assert_parity(a, b, 1e-4)
 
 
 def test_attention_dropout_in_training_runs_sdpa_unfused(monkeypatch):
@@ -510,7 +511,7 @@ def test_onnx_runtime_matches_the_original_on_new_padded_batches(exported, name)
             want = main_output(model(**batch))
         got = torch.from_numpy(_ort_run(result.path, batch)[0])
         valid = batch["attention_mask"].bool()
-        assert max_rel_err(got[valid], want[valid]) < TOL, (lengths, seq)
+        assert_parity(got[valid], want[valid], TOL, f"lengths {lengths}, seq {seq}")
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
