@@ -16,6 +16,7 @@ from attn_export import spec
 from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
 from attn_export.onnx import export_onnx, read_metadata
+from helpers import assert_parity
 
 S = spec.load()
 
@@ -94,7 +95,7 @@ def test_onnx_runtime_matches_the_original_model(small_seq2seq, exported_seq2seq
         torch.backends.mha.set_fastpath_enabled(True)
     (out,) = ort_run(exported_seq2seq.path, inputs)
     assert out.shape == tuple(expected.shape)
-    np.testing.assert_allclose(out, expected.numpy(), atol=5e-6 * float(expected.abs().max()), rtol=0)
+    assert_parity(torch.from_numpy(out), expected, 5e-6, "output")
 
 
 def test_the_original_model_is_not_modified(small_seq2seq, exported_seq2seq):
@@ -296,7 +297,7 @@ def test_static_export_and_fp16_export(tmp_path):
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
     assert out.dtype == np.float16
-    assert np.abs(out.astype(np.float32) - expected.numpy()).max() < 2e-2 * float(expected.abs().max())
+    assert_parity(torch.from_numpy(out.astype(np.float32)), expected, 2e-2, "fp16 output")
 
 
 def test_input_and_output_errors_leave_no_file(tmp_path):
