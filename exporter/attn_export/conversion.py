@@ -216,24 +216,26 @@ def preflight(options: ConvertOptions, progress: Optional[Progress] = None) -> T
             progress.note("note: standard attention: TensorRT's ONNX parser maps each Attention node to its own "
                           "attention layer; the engine is built without the FusedAttention plugin")
     if options.validate:
-        _require_providers(options, plugin)
+        require_providers(options.ort_providers, options.ort_trt_cache_dir, options.ort_trt_fp16,
+                          options.runtime_timeout_s, plugin)
         from attn_export.validation.runners import prestart_onnxruntime
 
         prestart_onnxruntime(options.runtime_timeout_s)  # ONNX Runtime's process starts while the model exports
     return Target(plugin=plugin)
 
 
-def _require_providers(options: ConvertOptions, plugin: Optional[str]) -> None:
+def require_providers(ort_providers: Sequence[str], trt_cache_dir: Optional[str], trt_fp16: bool,
+                      timeout_s: float, plugin: Optional[str]) -> None:
     """The providers are in this ONNX Runtime and a GPU is there, and for the TensorRT provider
-    TensorRT and the plugin library (InputError saying what to install or build)."""
+    TensorRT and the plugin library (exit 2 saying what to install or build); the node-level
+    preflight follows in the gate."""
     from attn_export.validation import providers
 
-    names = providers.parse_providers(options.ort_providers, trt_cache_dir=options.ort_trt_cache_dir,
-                                      trt_fp16=options.ort_trt_fp16)
+    names = providers.parse_providers(ort_providers, trt_cache_dir=trt_cache_dir, trt_fp16=trt_fp16)
     if names == providers.DEFAULT_PROVIDERS:
         return
-    providers.require_providers(names, providers.probe(options.runtime_timeout_s))
-    if "tensorrt" in options.ort_providers:
+    providers.require_providers(names, providers.probe(timeout_s))
+    if "tensorrt" in ort_providers:
         from attn_export import tensorrt as attn_trt
 
         attn_trt.import_tensorrt()

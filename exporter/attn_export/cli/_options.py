@@ -137,21 +137,10 @@ class OrtArgs:
         return tuple(self.providers) != ("cpu",) or self.trt_cache_dir is not None or self.trt_fp16
 
     def require(self, timeout_s: float, plugin: Optional[str]) -> None:
-        """Before anything is loaded or exported: the providers are in this ONNX Runtime and a
-        GPU is there, and for the TensorRT provider TensorRT and the plugin library (exit 2
-        saying what to install or build); the node-level preflight follows in the gate."""
-        from attn_export.validation import providers
+        """Before anything is loaded or exported (conversion.require_providers)."""
+        from attn_export.conversion import require_providers
 
-        names = providers.parse_providers(self.providers, trt_cache_dir=self.trt_cache_dir, trt_fp16=self.trt_fp16)
-        if names == providers.DEFAULT_PROVIDERS:
-            return
-        providers.require_providers(names, providers.probe(timeout_s))
-        if self.wants_tensorrt:
-            from attn_export import tensorrt as attn_trt
-
-            attn_trt.import_tensorrt()
-            if plugin is not None:
-                attn_trt.check_plugin_library(plugin)
+        require_providers(self.providers, self.trt_cache_dir, self.trt_fp16, timeout_s, plugin)
 
     def validate_kwargs(self) -> dict:
         return {"ort_providers": self.providers, "ort_trt_cache_dir": self.trt_cache_dir,
