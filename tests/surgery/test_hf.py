@@ -20,48 +20,10 @@ from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 from helpers import assert_parity, max_rel_err  # noqa: E402
+from hf_models import HF5, main_output, padded_batch, tiny_bert, tiny_gpt2, tiny_vit  # noqa: E402,F401
 
 TOL = 1e-5  # float32, relative to the output's largest magnitude (the issue: ~1e-5)
-HF5 = hf._version_tuple(transformers.__version__) >= (5,)
-
 transformers.utils.logging.set_verbosity_error()
-
-
-def tiny_bert(cls_name="BertModel", **overrides):
-    config = transformers.BertConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=128, **overrides,
-    )
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(config).eval()
-
-
-def tiny_gpt2(cls_name="GPT2LMHeadModel", **overrides):
-    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                                     bos_token_id=0, eos_token_id=0, **overrides)
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(config).eval()
-
-
-def tiny_vit():
-    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=64, image_size=16, patch_size=4)
-    torch.manual_seed(0)
-    return transformers.ViTModel(config).eval()
-
-
-def padded_batch(lengths, seq, vocab=97, left=False, seed=0):
-    """input_ids and a 0/1 attention_mask whose rows have the given valid lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (len(lengths), seq), generator=gen)
-    pos = torch.arange(seq)
-    lengths = torch.tensor(lengths)[:, None]
-    keep = pos >= seq - lengths if left else pos < lengths
-    return {"input_ids": ids, "attention_mask": keep.long()}
-
-
-def main_output(out):
-    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
 
 
 def routed(model):

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from attn_export import spec as spec_mod
 from attn_export import tensorrt as attn_trt
@@ -23,6 +23,7 @@ from attn_export.errors import InputError
 from attn_export.shapes import label_kinds, shape_cases
 from attn_export.validation import BACKEND_TRT
 from helpers import invoke, one_line_error, run
+from trt_stand_ins import Creator, Registry, one_node_model, shared_library
 
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 
@@ -120,22 +121,6 @@ def test_example_inputs_must_fit_the_graph(seq2seq_onnx, small_seq2seq):
 # What the nodes ask for
 # --------------------------------------------------------------------------------------------
 
-def _one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version=None, namespace=""):
-    s = spec_mod.load()
-    from attn_export.onnx import node as onnx_node
-
-    shapes = {"query": ["b", "lq", 8], "key": ["b", "lk", 8], "value": ["b", "lk", 8],
-              "key_padding_mask": [1, 1], "attn_mask": [1, 1, 1, 1]}
-    inputs = [helper.make_tensor_value_info(n, mask_type if n in ("key_padding_mask", "attn_mask") else query_type,
-                                            shapes[n]) for n in s.input_names]
-    attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
-    attrs[s.attr_plugin_version], attrs[s.attr_plugin_namespace] = version or s.plugin_version, namespace
-    node = helper.make_node(s.op_type, list(s.input_names), ["output"], name="attn0", domain=s.domain, **attrs)
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("output", query_type, None)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
-                                                   helper.make_opsetid(s.domain, s.domain_version)])
-
-
 def test_nodes_ask_for_the_spec_plugin(seq2seq_onnx):
     s = spec_mod.load()
     (request,) = attn_trt.plugin_requests(seq2seq_onnx)
@@ -147,7 +132,7 @@ def test_nodes_ask_for_the_spec_plugin(seq2seq_onnx):
 
 
 def test_node_attributes_decide_version_and_namespace():
-    (request,) = attn_trt.plugin_requests(_one_node_model(version="7", namespace="acme"))
+    (request,) = attn_trt.plugin_requests(one_node_model(version="7", namespace="acme"))
     assert request.identity() == "FusedAttention version '7' namespace 'acme'"
     assert request.types == {"attn0": "float16"}
 
@@ -156,41 +141,6 @@ def test_node_attributes_decide_version_and_namespace():
 # Preflight, with stand-ins for TensorRT's registry and real shared libraries
 # --------------------------------------------------------------------------------------------
 
-class Field:
-    def __init__(self, name, kind):
-        self.name, self.type = name, type("FieldType", (), {"name": kind})()
-
-
-class Creator:
-    def __init__(self, name="FusedAttention", version=None, namespace="", fields=None):
-        self.name = name
-        self.plugin_version = spec_mod.load().plugin_version if version is None else version
-        self.plugin_namespace = namespace
-        self.field_names = [Field(n, k) for n, k in (fields if fields is not None else attn_trt.expected_fields())]
-
-
-class Registry:
-    def __init__(self, creators, handle=object()):
-        self.all_creators, self.loaded, self.handle = creators, [], handle
-
-    def load_library(self, path):
-        self.loaded.append(path)
-        return self.handle
-
-    def get_creator(self, name, version, namespace=""):
-        for c in self.all_creators:
-            if (c.name, c.plugin_version, c.plugin_namespace) == (name, version, namespace):
-                return c
-        return None
-
-
-def _shared_library(directory: Path, name: str, source: str) -> Path:
-    src, lib = directory / f"{name}.cpp", directory / f"lib{name}.so"
-    src.write_text(source)
-    subprocess.run(["c++", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
-    return lib
-
-
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
     """A library exporting the two entry points (not a real plugin: TensorRT is not here), one
@@ -198,10 +148,10 @@ def libraries(tmp_path_factory):
     if shutil.which("c++") is None:
         pytest.skip("needs a C++ compiler")
     d = tmp_path_factory.mktemp("libs")
-    entry = _shared_library(d, "entry", 'extern "C" void* getCreators(int& n) { n = 0; return nullptr; }\n'
+    entry = shared_library(d, "entry", 'extern "C" void* getCreators(int& n) { n = 0; return nullptr; }\n'
                                         'extern "C" void setLoggerFinder(void*) {}\n')
-    plain = _shared_library(d, "plain", 'extern "C" int something() { return 1; }\n')
-    dep = _shared_library(d, "dep", 'extern "C" int dep() { return 1; }\n')
+    plain = shared_library(d, "plain", 'extern "C" int something() { return 1; }\n')
+    dep = shared_library(d, "dep", 'extern "C" int dep() { return 1; }\n')
     broken = d / "libbroken.so"
     subprocess.run(["c++", "-shared", "-fPIC", "-o", str(broken), "-x", "c++", "-", f"-L{d}", "-ldep"],
                    input='extern "C" int dep(); extern "C" int f() { return dep(); }\n', text=True, check=True,
@@ -264,9 +214,9 @@ def test_preflight_when_tensorrt_refuses_the_library(libraries, seq2seq_onnx):
 
 
 @pytest.mark.parametrize("model, capability, words", [
-    (_one_node_model(TensorProto.DOUBLE), None, "node attn0: query is double; the FusedAttention plugin supports"),
-    (_one_node_model(mask_type=TensorProto.FLOAT16), None, "node attn0: key_padding_mask is float16"),
-    (_one_node_model(TensorProto.BFLOAT16), (7, 5), "bfloat16 needs a GPU of compute capability 8.0 or newer"),
+    (one_node_model(TensorProto.DOUBLE), None, "node attn0: query is double; the FusedAttention plugin supports"),
+    (one_node_model(mask_type=TensorProto.FLOAT16), None, "node attn0: key_padding_mask is float16"),
+    (one_node_model(TensorProto.BFLOAT16), (7, 5), "bfloat16 needs a GPU of compute capability 8.0 or newer"),
 ])
 def test_preflight_refuses_unsupported_types_before_loading_anything(libraries, model, capability, words):
     registry = Registry([Creator()])
@@ -278,7 +228,7 @@ def test_preflight_refuses_unsupported_types_before_loading_anything(libraries, 
 
 def test_preflight_accepts_bfloat16_on_ampere(libraries):
     registry = Registry([Creator()])
-    report = attn_trt.preflight(_one_node_model(TensorProto.BFLOAT16), libraries["entry"], registry=registry,
+    report = attn_trt.preflight(one_node_model(TensorProto.BFLOAT16), libraries["entry"], registry=registry,
                                 compute_capability=(8, 0))
     (request,) = report.requests
     assert request.types == {"attn0": "bfloat16"} and request.nodes == ["attn0"]

@@ -117,13 +117,13 @@ def test_session_options_of_the_gpu_provider():
 
 
 def test_tensorrt_session_options_and_plugin_preflight(tmp_path):
-    from test_tensorrt import Creator, Registry, _one_node_model, _shared_library
+    from trt_stand_ins import Creator, Registry, one_node_model, shared_library
 
     if shutil.which("c++") is None:
         pytest.skip("needs a C++ compiler (for a library with TensorRT's entry points)")
-    library = _shared_library(tmp_path, "entry", 'extern "C" void* getCreators(int& n) { n = 0; return nullptr; }\n'
+    library = shared_library(tmp_path, "entry", 'extern "C" void* getCreators(int& n) { n = 0; return nullptr; }\n'
                                                  'extern "C" void setLoggerFinder(void*) {}\n')
-    model = _one_node_model(onnx.TensorProto.FLOAT)  # one FusedAttention node, as the exporter writes it
+    model = one_node_model(onnx.TensorProto.FLOAT)  # one FusedAttention node, as the exporter writes it
     registry = Registry([Creator()])
     attn_trt.plugin_library._REGISTERED.clear()
     try:
