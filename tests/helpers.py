@@ -42,7 +42,9 @@ def assert_parity(actual, expected, rel: float, what: str = "", *, scale=None, n
     Where e has a real scale the first term rules and the bound is rel relative to e's largest
     magnitude. The second is the rounding error any float computation of that configuration
     makes (the reference's own included): a tensor that is zero up to rounding, or a nearly
-    cancelling one, is compared at that level, never against its own noise."""
+    cancelling one, is compared at that level, never against its own noise. Takes tensors or
+    numpy arrays (ONNX Runtime's outputs)."""
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     a, e = actual.detach().double(), expected.detach().double()
@@ -182,22 +184,27 @@ def masks_in(masks, dtype):
 HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
-def scaled_err(actual, expected):
-    """max |a - e| relative to max |e| (absolute when the reference is all zeros)."""
+def scaled_err(actual, expected, scale=None):
+    """max |a - e| relative to the configuration's scale: max |e|, or the larger ``scale`` (a number,
+    or reference tensors of the same kind whose parity_scale it is) so that a tensor that is zero up
+    to rounding is measured against its kind's magnitude, not its own noise; absolute where both
+    are zero."""
     actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max().clamp_min(1.0 if expected.abs().max() == 0 else 1e-30)
-    return float((actual - expected).abs().max() / scale)
+    own = float(expected.abs().max()) if expected.numel() else 0.0
+    config = own if scale is None else max(own, scale if isinstance(scale, (int, float)) else parity_scale(*scale))
+    return float((actual - expected).abs().max()) / (config or 1.0) if expected.numel() else 0.0
 
 
-def assert_within(fused, plain, exact, dtype, what, n=1, factor=2.0):
+def assert_within(fused, plain, exact, dtype, what, n=1, factor=2.0, *, scale=None):
     """Error of `fused` against `exact` at most `factor` x that of `plain`, plus a slack: one eps
     for float16/bfloat16 (whose error is dominated by roundings the plain computation shares),
     eps * sqrt(n) for float32/float64, whose tiny errors come from the order of summation over
-    the longest reduction (n terms), which no two implementations share."""
+    the longest reduction (n terms), which no two implementations share. Both errors are taken
+    relative to the same configuration scale (scaled_err's ``scale``)."""
     assert fused.shape == exact.shape, f"{what}: shape {tuple(fused.shape)} != {tuple(exact.shape)}"
     assert torch.isfinite(fused).all(), f"{what}: non-finite values"
     slack = EPS[dtype] * (1.0 if dtype in HALF_TYPES else math.sqrt(n))
-    err, bound = scaled_err(fused, exact), factor * scaled_err(plain, exact) + slack
+    err, bound = scaled_err(fused, exact, scale), factor * scaled_err(plain, exact, scale) + slack
     assert err <= bound, f"{what}: error {err:.2e} > bound {bound:.2e} ({factor}x the plain {dtype} computation's + {slack:.1e})"
 
 
@@ -233,7 +240,7 @@ def check_core(device, dtype, B, H, Lq, Lk, D, masks, Dv=None, scale=None, backw
         if p is None:
             assert_rel_close(g, w, CPU_REL[dtype][1], f"grad {name}", scale=want, n=n)
         else:
-            assert_within(g, p, w, dtype, f"grad {name}", n)
+            assert_within(g, p, w, dtype, f"grad {name}", n, scale=want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_softcap_exports_as_the_node_attribute_and_onnx_runtime_matches_float64(
                                           softcap=softcap)
         assert np.isfinite(out).all()
         # float32 scores of magnitude ~20 carry ~2e-6 absolute rounding into the softmax.
-        np.testing.assert_allclose(out, expected.numpy(), atol=5e-5, rtol=0)
+        assert_parity(out, expected.numpy(), 5e-5)
         uncapped, _ = reference_attention(other["q"], other["k"], other["v"], attn_mask=other["attn_mask"],
                                           key_padding_mask=other["key_padding_mask"], is_causal=True, scale=0.7)
         if softcap < 10:  # the cap changes the result: the body does apply it
@@ -184,7 +184,7 @@ def test_the_core_op_alone_exports_as_one_node(tmp_path):
     other = resize(inputs, axes, {"batch": 3, "lq": 9, "lk": 4}, seed=2)
     (out,) = ort_run(result.path, other)
     expected = CoreModel()(**other)
-    np.testing.assert_allclose(out, expected.numpy(), atol=2e-6)
+    assert_parity(out, expected.numpy(), 2e-6)
 
 
 class WeightsModel(nn.Module):
@@ -207,7 +207,7 @@ def test_unused_attention_weights_cost_nothing(tmp_path):
     nodes, onnx_model = fused_nodes(result.path)
     assert len(nodes) == 1 and not [n for n in onnx_model.graph.node if n.op_type == "Softmax"]
     (out,) = ort_run(result.path, inputs)
-    np.testing.assert_allclose(out, model(**inputs).detach().numpy(), atol=2e-6)
+    assert_parity(out, model(**inputs).detach().numpy(), 2e-6)
 
 
 @pytest.mark.parametrize("average", [True, False])
@@ -221,8 +221,8 @@ def test_used_attention_weights_are_exported_too(tmp_path, average):
     other = resize(inputs, axes, {"lq": 3, "lk": 9, "batch": 3}, seed=3)
     out, weights = ort_run(result.path, other)
     ref_out, ref_w = model(**other)
-    np.testing.assert_allclose(out, ref_out.detach().numpy(), atol=2e-6)
-    np.testing.assert_allclose(weights, ref_w.detach().numpy(), atol=2e-6)
+    assert_parity(out, ref_out.detach().numpy(), 2e-6)
+    assert_parity(weights, ref_w.detach().numpy(), 2e-6)
 
 
 def test_unbatched_and_float_masks(tmp_path):
@@ -243,7 +243,7 @@ def test_unbatched_and_float_masks(tmp_path):
     assert attrs(node)["has_attn_mask"] == 1 and attrs(node)["has_key_padding_mask"] == 0
     other = resize(inputs, axes, {"seq": 11}, seed=4)
     (out,) = ort_run(result.path, other)
-    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+    assert_parity(out, model(**other).detach().numpy(), 2e-6)
 
 
 def test_per_head_boolean_mask(tmp_path):
@@ -262,7 +262,7 @@ def test_per_head_boolean_mask(tmp_path):
     result = export_onnx(model, {"x": torch.randn(2, 5, 16), "mask": mask}, tmp_path / "h.onnx", dynamic_axes={})
     x = torch.randn(2, 5, 16)
     (out,) = ort_run(result.path, {"x": x, "mask": mask})
-    np.testing.assert_allclose(out, model(x, mask).detach().numpy(), atol=2e-6)
+    assert_parity(out, model(x, mask).detach().numpy(), 2e-6)
 
 
 def test_size_one_example_is_traced_at_two_and_stays_dynamic(tmp_path):
@@ -278,7 +278,7 @@ def test_size_one_example_is_traced_at_two_and_stays_dynamic(tmp_path):
         expected = model(x).detach().numpy()
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
-    np.testing.assert_allclose(out, expected, atol=5e-6)
+    assert_parity(out, expected, 5e-6)
 
 
 def test_static_export_and_fp16_export(tmp_path):
@@ -361,7 +361,7 @@ def test_separate_query_key_value_with_and_without_bias(tmp_path, bias):
     assert len(nodes) == 1 and sum(n.op_type == "MatMul" for n in onnx_model.graph.node) == 4
     other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
     (out,) = ort_run(result.path, other)
-    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+    assert_parity(out, model(**other).detach().numpy(), 2e-6)
 
 
 class CoreOperatorLayers(nn.Module):
@@ -393,7 +393,7 @@ def test_core_operator_configurations_export_and_validate(tmp_path):
     assert len(nodes) == 2 and not [n for n in onnx_model.graph.node if n.op_type == "Softmax"]
     other = resize(inputs, axes, {"batch": 3, "lq": 2, "lk": 11}, seed=5)
     (out,) = ort_run(result.path, other)
-    np.testing.assert_allclose(out, model(**other).detach().numpy(), atol=2e-6)
+    assert_parity(out, model(**other).detach().numpy(), 2e-6)
     report = validate(model, result.path, inputs, dynamic_axes=axes)
     assert report.passed, report
 

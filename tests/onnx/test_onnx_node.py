@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from attn_export import spec
 
 from attn_export.onnx import node as onnx_node
-from helpers import reference_attention
+from helpers import assert_parity, reference_attention
 
 S = spec.load()
 OPSET = 20
@@ -100,7 +100,7 @@ def test_function_body_matches_the_definition(causal, masks, lengths, body):
     ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=scale)
     expected = ref.transpose(1, 2).reshape(B, Lq, H * Dv).numpy()
     assert not np.isnan(out).any()
-    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)
+    assert_parity(out, expected, 2e-6)
 
 
 @pytest.mark.parametrize("body", BODIES)
@@ -130,7 +130,7 @@ def test_half_precision_inputs_accumulate_in_float32(elem, dtype, tol, body):
     out = run(one_node_model(onnx_node.node_attributes(H, 0.25, True, False, False), elem, body=body), feeds)
     assert out.dtype == dtype
     ref, _ = reference_attention(q, k, v, is_causal=True, scale=0.25)
-    np.testing.assert_allclose(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=tol)
+    assert_parity(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), tol)
 
 
 @pytest.mark.parametrize("body", BODIES)
@@ -187,7 +187,7 @@ def test_function_body_soft_caps_before_the_masks(softcap, causal, body):
     ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.6,
                                  softcap=softcap)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=2e-6, rtol=0)
+    assert_parity(out, ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), 2e-6)
 
 
 def test_a_node_without_the_softcap_attribute_is_uncapped():
@@ -200,7 +200,7 @@ def test_a_node_without_the_softcap_attribute_is_uncapped():
              "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
     out = run(one_node_model(attrs), feeds)
     ref, _ = reference_attention(q, k, v, scale=0.5)
-    np.testing.assert_allclose(out, ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6, rtol=0)
+    assert_parity(out, ref.transpose(1, 2).reshape(B, L, -1).numpy(), 2e-6)
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
@@ -319,7 +319,7 @@ def test_rows_one_mask_alone_empties_are_zero(mask, causal, body):
     ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.5)
     expected = ref.transpose(1, 2).reshape(B, L, -1).numpy()
     assert (expected[1] == 0).all() if mask == "padding" else (expected[:, 1] == 0).all()
-    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)
+    assert_parity(out, expected, 2e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -384,5 +384,5 @@ def test_rows_with_a_positive_infinite_score_are_nan_as_in_pytorch(body):
     out = run(one_node_model(onnx_node.node_attributes(H, scale, False, True, True), body=body), feeds)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     finite = ~np.isnan(expected)
-    np.testing.assert_allclose(out[finite], expected[finite], atol=2e-6, rtol=0)
+    assert_parity(out[finite], expected[finite], 2e-6)
 

@@ -15,7 +15,7 @@ from attn_export import spec
 from attn_export.onnx import node as onnx_node
 from attn_export.onnx import attention_flavor, export_onnx, to_standard_attention
 from attn_export.validation import validate
-from helpers import invoke, one_line_error, reference_attention
+from helpers import assert_parity, invoke, one_line_error, reference_attention
 from test_onnx_node import additive, definition_case, one_node_model, pack
 
 S = spec.load()
@@ -53,7 +53,7 @@ def test_one_standard_node_matches_the_definition(causal, masks, lengths):
     out = run(model, feeds)
     ref, _ = reference_attention(q, k, v, attn_mask=attn, key_padding_mask=padding, is_causal=causal, scale=0.37)
     expected = ref.transpose(1, 2).reshape(B, Lq, H * Dv).numpy()
-    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=0)  # the reference is 0 on rows the masks empty
+    assert_parity(out, expected, 2e-6)  # the reference is 0 on rows the masks empty
 
 
 @pytest.mark.parametrize("elem,dtype,tol", [(TensorProto.FLOAT16, np.float16, 3e-3), (TensorProto.BFLOAT16, None, 2e-2)])
@@ -81,7 +81,7 @@ def test_half_precision(elem, dtype, tol):
     else:
         out = run(model, feeds)
     ref, _ = reference_attention(q, k, v, key_padding_mask=padding, is_causal=True, scale=0.25)
-    np.testing.assert_allclose(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), atol=tol)
+    assert_parity(out.astype(np.float32), ref.transpose(1, 2).reshape(B, Lq, -1).numpy(), tol)
 
 
 def test_fully_masked_rows_are_zero():
@@ -115,7 +115,7 @@ def test_softcap_with_masks_keeps_the_custom_node_and_says_why(causal, kpm, mask
         feeds = {"query": pack(q), "key": pack(k), "value": pack(v),
                  "key_padding_mask": np.zeros((1, 1), np.float32), "attn_mask": np.zeros((1, 1, 1, 1), np.float32)}
         ref, _ = reference_attention(q, k, v, is_causal=causal, scale=0.5, softcap=5.0)
-        np.testing.assert_allclose(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6)
+        assert_parity(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), 2e-6)
 
 
 def test_opset_below_23_is_refused():
@@ -131,7 +131,7 @@ def test_opset_below_23_is_refused():
 
 def _hf_cases():
     transformers = pytest.importorskip("transformers")
-    from test_hf import HF5, padded_batch, tiny_bert, tiny_gpt2, tiny_vit
+    from hf_models import HF5, padded_batch, tiny_bert, tiny_gpt2, tiny_vit
 
     cases = {"gpt2": (tiny_gpt2(), padded_batch([12, 7], 12)), "vit": (tiny_vit(), {"pixel_values": torch.randn(2, 3, 16, 16)})}
     if HF5:
@@ -207,7 +207,7 @@ def test_layers_that_share_masks_and_lengths_share_one_mask_and_guard(causal, ma
         attention = [n for n in model.graph.node if n.op_type == "Attention"]
         assert len({n.input[3] for n in attention}) == masks_built
         assert [n.op_type for n in model.graph.node].count("ReduceMax") == masks_built
-        np.testing.assert_allclose(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), atol=2e-6, rtol=0)
+        assert_parity(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), 2e-6)
 
 
 def test_fully_padded_source_rows_stay_finite_in_the_exported_seq2seq(standard_seq2seq):
@@ -230,5 +230,5 @@ def test_fully_padded_source_rows_stay_finite_in_the_exported_seq2seq(standard_s
     with torch.no_grad():
         want, want_fused = model(src, tgt, padding), fused(src, tgt, padding)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, want_fused.numpy(), atol=1e-5)
-    np.testing.assert_allclose(out[[0, 2]], want[[0, 2]].numpy(), atol=1e-5)
+    assert_parity(out, want_fused.numpy(), 1e-5)
+    assert_parity(out[[0, 2]], want[[0, 2]].numpy(), 1e-5)
