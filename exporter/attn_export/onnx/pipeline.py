@@ -189,7 +189,6 @@ def export_onnx(
     is_hf = _hf.contains_hf_model(work)
     if is_hf:
         _hf.prepare_for_export(work)  # no key/value cache among the outputs
-    report = replace_attention(work) if replace else None
     target = EXPORT_DTYPES.get(dtype) if dtype else None
     if target is not None:
         work = work.to(target)
@@ -197,6 +196,8 @@ def export_onnx(
     if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
         raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
     axes = _resolve_axes(inputs, dynamic_axes, is_hf)
+    # A sample forward with the export's inputs finds where SDPA calls run (the plan = the run).
+    report = replace_attention(work, inputs) if replace else None
 
     with torch.no_grad():
         try:
@@ -204,7 +205,7 @@ def export_onnx(
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs)
-    # SDPA sites were found in the source; this run says which calls really were fused.
+    # This run, on the routed model, says which calls really were fused.
     confirmed = report.confirm_sdpa_calls(work) if report is not None else []
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
     notes.extend(f"not fused: {line}" for line in confirmed)

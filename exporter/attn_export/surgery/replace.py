@@ -19,9 +19,10 @@ function up by name in transformers' ``AttentionInterface``, so the model's
 checked to dispatch there; such layers are reported as ``routed``. Attention layers that compute
 attention themselves cannot be reached this way and are listed as skipped, with the reason.
 
-Modules whose ``forward`` calls ``F.scaled_dot_product_attention`` (timm, Whisper-style and
-nanoGPT-style code, most research models) get an instance ``forward`` that runs those calls on the
-operator (:mod:`attn_export.surgery.sdpa_route`); they are reported with ``found="sdpa"``.
+Modules in which ``F.scaled_dot_product_attention`` calls run (timm, diffusers' processors,
+torchtune, Whisper-style and nanoGPT-style code, most research models) get an instance ``forward``
+that runs those calls on the operator (:mod:`attn_export.surgery.sdpa_route`); they are reported
+with ``found="sdpa"``. With example inputs a sample forward finds them, as they run.
 
 PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
 
@@ -77,11 +78,13 @@ def _sdpa_notes(module: nn.Module) -> List[str]:
     return []
 
 
-def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optional[list] = None):
+def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optional[list] = None,
+          observed: Optional[Dict[int, _sdpa.ObservedSite]] = None):
     """Every attention layer (by first path) and, per module id, every (path, parent, attr).
     Attention layers of transformers models that dispatch through its AttentionInterface are
-    appended to ``hf_layers`` as (layer, module), modules whose forward calls
-    F.scaled_dot_product_attention to ``sdpa_layers``."""
+    appended to ``hf_layers`` as (layer, module), modules in which F.scaled_dot_product_attention
+    calls run to ``sdpa_layers``: those a sample forward saw calling it (``observed``, from
+    sdpa_route.observe_calls), or without one those whose source calls it."""
     layers: List[AttentionLayer] = []
     by_id: Dict[int, AttentionLayer] = {}
     sites: Dict[int, List[tuple[str, nn.Module, str]]] = {}
@@ -102,12 +105,12 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
             return
         hf_layer = _hf.classify(module) if in_hf and not (is_mha or is_fused) else None
         heads, embed = _geometry(module)
-        if hf_layer is None and not (is_mha or is_fused) and _sdpa.calls_sdpa(module):
-            # A module whose forward calls F.scaled_dot_product_attention: its calls are routed
-            # to the operator (attn_export.surgery.sdpa_route); its children are visited too.
-            routed = _sdpa.is_routed(module)
-            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED if routed else WILL_ROUTE,
-                                   notes=_sdpa_notes(module), found="sdpa")
+        seen = None if observed is None else observed.get(id(module))
+        if hf_layer is None and not (is_mha or is_fused) and (
+                seen is not None if observed is not None else _sdpa.calls_sdpa(module)):
+            # A module in which F.scaled_dot_product_attention calls run: they are routed to the
+            # operator (attn_export.surgery.sdpa_route); its children are visited too.
+            layer = _sdpa_layer(module, path, heads, embed, seen)
             layers.append(layer)
             hf_by_id[id(module)] = layer
             sdpa_layers.append((layer, module))
@@ -132,13 +135,17 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
             for name, child in module.named_children():
                 visit(module, name, child, f"{path}.{name}" if path else name)
             if parent is not None and _is_attention_like(module) and len(layers) == count:
-                reason = (
-                    "does not dispatch through transformers' AttentionInterface (it computes attention "
-                    "itself), so attn_implementation cannot route it"
-                    if in_hf else
-                    "not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
-                    "(hand-written softmax(q k^T) v is rewritten in the export only, when it matches exactly)"
-                )
+                if in_hf:
+                    reason = ("does not dispatch through transformers' AttentionInterface (it computes attention "
+                              "itself), so attn_implementation cannot route it")
+                elif observed is not None and _sdpa.calls_sdpa(module):
+                    reason = ("its source calls F.scaled_dot_product_attention, but the sample forward made no such "
+                              "call in it (it took another path, e.g. a switch such as timm's fused_attn=False)")
+                else:
+                    reason = ("not a torch.nn.MultiheadAttention and "
+                              + ("no F.scaled_dot_product_attention call ran in it in the sample forward"
+                                 if observed is not None else "its forward calls no F.scaled_dot_product_attention")
+                              + " (hand-written softmax(q k^T) v is rewritten in the export, where it matches)")
                 layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason, found=""))
             return
         layers.append(layer)
@@ -157,6 +164,24 @@ def _geometry(module: nn.Module) -> tuple[Optional[int], Optional[int]]:
     heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
     embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
     return (heads if isinstance(heads, int) else None), (embed if isinstance(embed, int) else None)
+
+
+def _sdpa_layer(module: nn.Module, path: str, heads, embed, seen: Optional[_sdpa.ObservedSite]) -> AttentionLayer:
+    """A module in which SDPA calls run: to be routed, unless every call it made in the sample
+    forward (``seen``) is one the operator cannot express. Heads and embed dim from its calls
+    where the module does not name them."""
+    if seen is not None and seen.heads is not None:
+        heads = heads if heads is not None else seen.heads
+        embed = embed if embed is not None else seen.heads * seen.head_dim
+    if _sdpa.is_routed(module):
+        status, reason = ALREADY_FUSED, None
+    elif seen is not None and seen.refusals:
+        status = SKIPPED
+        reason = "its F.scaled_dot_product_attention call(s) would run on PyTorch's SDPA: " + "; ".join(seen.refusals)
+    else:
+        status, reason = WILL_ROUTE, None
+    return AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
+                          notes=_sdpa_notes(module) if status != SKIPPED else [], found="sdpa")
 
 
 def _mha_layer(module: nn.MultiheadAttention, parent, path: str, heads, embed) -> AttentionLayer:
@@ -179,6 +204,14 @@ def _sdpa_note(sdpa_layers, applied: bool) -> List[str]:
             "(attn_export.surgery.sdpa_route.calls(module) counts both)"]
 
 
+def _source_note(layers: List[AttentionLayer], inputs) -> List[str]:
+    # Not needed where every layer found is a module or a transformers layer: those are found by type.
+    if inputs is not None or (layers and all(layer.found in ("module", "routed") for layer in layers)):
+        return []
+    return ["no sample forward ran, so F.scaled_dot_product_attention calls were looked for in the modules' source, "
+            "which misses calls through processors, dispatch functions and stored callables: pass example inputs"]
+
+
 def _routing_note(hf_layers, applied: bool) -> List[str]:
     if not any(layer.status in (ROUTED, WILL_ROUTE) for layer, _ in hf_layers):
         return []
@@ -187,17 +220,34 @@ def _routing_note(hf_layers, applied: bool) -> List[str]:
             f"(attn_implementation='{_hf.IMPLEMENTATION}'); the modules themselves stay in place"]
 
 
-def inspect_attention(model: nn.Module) -> ReplacementReport:
-    """What :func:`replace_attention` would do, without changing the model."""
+def _observe(model: nn.Module, inputs) -> Optional[Dict[int, _sdpa.ObservedSite]]:
+    if inputs is None:
+        return None
+    from attn_export.errors import InputError
+
+    try:
+        return _sdpa.observe_calls(model, inputs)
+    except Exception as exc:  # noqa: BLE001 - the model's own error, in one line
+        shapes = ([list(t.shape) for t in inputs] if isinstance(inputs, (tuple, list))
+                  else {n: list(getattr(t, "shape", ())) for n, t in inputs.items()})
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"the model rejected the example inputs {shapes} (in the sample forward that finds the "
+                         f"attention calls): {first}") from exc
+
+
+def inspect_attention(model: nn.Module, inputs=None) -> ReplacementReport:
+    """What :func:`replace_attention` would do, without changing the model. With ``inputs`` (a
+    name -> tensor mapping, or a tuple of positional inputs) a sample forward finds the modules in
+    which F.scaled_dot_product_attention calls run; without, their source is read (a hint)."""
     hf_layers: list = []
     sdpa_layers: list = []
-    layers, _ = _plan(model, hf_layers, sdpa_layers)
-    notes = _routing_note(hf_layers, applied=False) + _sdpa_note(sdpa_layers, applied=False)
+    layers, _ = _plan(model, hf_layers, sdpa_layers, _observe(model, inputs))
+    notes = _routing_note(hf_layers, applied=False) + _sdpa_note(sdpa_layers, applied=False) + _source_note(layers, inputs)
     return ReplacementReport(layers, notes=notes, applied=False)
 
 
 def replace_attention(
-    model: nn.Module, *, min_replaced: Optional[int] = None, require_all: bool = False
+    model: nn.Module, inputs=None, *, min_replaced: Optional[int] = None, require_all: bool = False
 ) -> ReplacementReport:
     """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
     :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
@@ -209,14 +259,17 @@ def replace_attention(
         model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /
             ``nn.TransformerDecoderLayer`` (self- and cross-attention) included, and
             transformers ``PreTrainedModel``s (the model itself or nested ones).
+        inputs: example inputs (name -> tensor, or a tuple): a sample forward (without gradients)
+            finds the modules in which F.scaled_dot_product_attention calls run, however they are
+            reached; without, modules whose source calls it are routed.
         min_replaced: raise :class:`CoverageError` (before changing anything) when fewer than
             this many layers would end up fused.
         require_all: raise :class:`CoverageError` when any attention layer cannot be fused.
     """
     hf_layers: list = []
     sdpa_layers: list = []
-    layers, sites = _plan(model, hf_layers, sdpa_layers)
-    report = ReplacementReport(layers)
+    layers, sites = _plan(model, hf_layers, sdpa_layers, _observe(model, inputs))
+    report = ReplacementReport(layers, notes=_source_note(layers, inputs))
     problem = report.coverage_error(min_replaced, require_all)
     if problem:
         raise CoverageError(problem)

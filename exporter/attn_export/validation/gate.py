@@ -175,7 +175,7 @@ def _prepare(model, onnx_path: Path, onnx_model, example_inputs, *, dynamic_axes
     plan = _Plan(
         onnx_path=onnx_path, onnx_model=onnx_model, dtype_name=dtype_name, dtype=dtype, graph_inputs=graph_inputs,
         reference=reference, inputs=inputs, output_names=output_names, axes=axes, checks=checks,
-        replaced=replaced, replacement=replace_attention(replaced), is_hf=_hf.contains_hf_model(model),
+        replaced=replaced, replacement=replace_attention(replaced, inputs), is_hf=_hf.contains_hf_model(model),
         baseline=TorchRunner(f"pytorch-{dtype_name}", _prepared(model).to(dtype), dtype, fast_paths=False)
         if dtype in (torch.float16, torch.bfloat16) else None)
     plan.notes = _notes(plan)

@@ -1,0 +1,140 @@
+"""Where F.scaled_dot_product_attention calls run, found by a sample forward: calls reached through
+a processor object, a dispatch function, a closure or a callable stored on the instance are
+attributed to the innermost module running, routed there, and the plan equals what ran."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attn_export
+from attn_export import inspect_attention, replace_attention
+from attn_export.surgery import sdpa_route
+from helpers import assert_parity
+
+_BACKENDS = {"sdpa": lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, **kw)}
+
+
+def _dispatch(name, q, k, v, **kwargs):  # diffusers' dispatch_attention_fn, in miniature
+    return _BACKENDS[name](q, k, v, **kwargs)
+
+
+class Processor:  # not a module: diffusers' AttnProcessor2_0, in miniature
+    def __call__(self, attn, x):
+        q, k, v = attn.qkv(x).unflatten(-1, (3, attn.heads, -1)).permute(2, 0, 3, 1, 4)
+        out = _dispatch("sdpa", q, k, v, is_causal=attn.causal)
+        return attn.out(out.transpose(1, 2).flatten(2))
+
+
+class ViaProcessor(nn.Module):
+    def __init__(self, dim=16, heads=2, causal=False):
+        super().__init__()
+        self.qkv, self.out, self.causal = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), causal
+        self.head_count = heads  # under a name the report does not know: heads come from the calls
+        self.processor = Processor()
+
+    @property
+    def heads(self):
+        return self.head_count
+
+    def forward(self, x):
+        return self.processor(self, x)
+
+
+class ViaStoredCallable(nn.Module):  # torchtune's self._attention_call
+    def __init__(self, dim=16, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(dim, 3 * dim), heads
+        self._attention_call = self._make_call()
+
+    @staticmethod
+    def _make_call():
+        def call(q, k, v):  # a closure over nothing the class names
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return call
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return self._attention_call(q, k, v).transpose(1, 2).flatten(2)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = ViaProcessor(), nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.inner = ViaStoredCallable()
+
+    def forward(self, x):
+        return self.inner(self.mlp(self.attn(x)))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block()).eval()
+
+
+def test_a_sample_forward_finds_calls_the_source_does_not_show():
+    model, x = _model(), torch.randn(2, 7, 16)
+    hint = inspect_attention(model)  # the source: the processor's and the stored callable's calls are missed
+    assert not any(layer.found == "sdpa" for layer in hint.layers)
+    assert any(note.startswith("no sample forward ran") for note in hint.notes)
+    plan = inspect_attention(model, (x,))
+    rows = [(layer.path, layer.status, layer.found, layer.num_heads, layer.embed_dim) for layer in plan.layers]
+    assert rows == [("0.attn", "will be routed", "sdpa", 2, 16), ("0.inner", "will be routed", "sdpa", 4, 16),
+                    ("1.attn", "will be routed", "sdpa", 2, 16), ("1.inner", "will be routed", "sdpa", 4, 16)]
+    assert not any(note.startswith("no sample forward ran") for note in plan.notes)
+
+
+def test_the_calls_found_are_routed_and_the_plan_is_what_ran():
+    model, x = _model(), torch.randn(2, 7, 16)
+    expected = model(x)
+    plan = inspect_attention(model, (x,))
+    report = replace_attention(model, (x,))
+    assert [layer.path for layer in report.layers] == [layer.path for layer in plan.layers]
+    assert all(layer.status == "routed" for layer in report.layers)
+    with torch.no_grad():
+        out = model(x)
+    assert_parity(out, expected, 2e-6, "output", n=16)
+    assert report.confirm_sdpa_calls(model) == []  # every routed site made fused calls, no stock ones
+    for path in ("0.attn", "0.inner", "1.attn", "1.inner"):
+        assert sdpa_route.calls(model.get_submodule(path)) == {"fused": 1}, path
+
+
+def test_the_routed_calls_are_one_operator_node_each_under_torch_export():
+    model, x = _model(), torch.randn(2, 7, 16)
+    replace_attention(model, (x,))
+    exported = torch.export.export(model, (x,), strict=False)
+    ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.attn_export.attention.default) == 4
+    assert torch.ops.aten.scaled_dot_product_attention.default not in ops
+
+
+def test_calls_the_operator_cannot_express_are_planned_as_skipped_with_the_reason():
+    class Dropping(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+
+    model = nn.Sequential(Dropping()).eval()
+    plan = inspect_attention(model, (torch.randn(1, 2, 3, 4),))
+    (layer,) = plan.layers
+    assert layer.status == "skipped" and "dropout_p=0.5 (attention dropout is not fused)" in layer.reason
+    replace_attention(model, (torch.randn(1, 2, 3, 4),))
+    assert not sdpa_route.is_routed(model[0])
+
+
+def test_a_module_whose_source_calls_sdpa_but_took_another_path_says_so():
+    class SwitchedAttention(nn.Module):
+        fused_attn = False
+
+        def forward(self, x):
+            if self.fused_attn:
+                return F.scaled_dot_product_attention(x, x, x)
+            return (x @ x.transpose(-2, -1)).softmax(-1) @ x
+
+    model = nn.Sequential(SwitchedAttention())
+    (layer,) = inspect_attention(model, (torch.randn(1, 2, 3, 4),)).layers
+    assert layer.status == "skipped" and "the sample forward made no such call" in layer.reason
+
+
+def test_a_failing_sample_forward_is_one_clear_error():
+    with pytest.raises(attn_export.errors.InputError, match=r"the model rejected the example inputs \[\[2, 7, 5\]\] \(in the sample forward"):
+        inspect_attention(_model(), (torch.randn(2, 7, 5),))
