@@ -340,6 +340,51 @@ class SwinStage(nn.Module):
         return x
 
 
+class SoftmaxChildAttention(nn.Module):
+    """vit-pytorch's Attention: hand-written, the softmax an ``nn.Softmax`` child named ``attend``."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.attend = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        q, k, v = self.to_qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        attn = self.attend(torch.matmul(q, k.transpose(-1, -2)) * self.scale)
+        return self.to_out(torch.matmul(attn, v).transpose(1, 2).flatten(2))
+
+
+class _Processor:
+    """diffusers' attention processors, in miniature: an object (not a module) that calls SDPA."""
+
+    def __call__(self, attn, x):
+        q, k, v = attn.to_qkv(x).unflatten(-1, (3, attn.heads, -1)).permute(2, 0, 3, 1, 4)
+        return attn.to_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class ProcessorAttention(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.processor = _Processor()
+
+    def forward(self, x):
+        return self.processor(self, x)
+
+
+class TwoKinds(nn.Module):
+    """One hand-written attention with an nn.Softmax child, one called through a processor."""
+
+    def __init__(self):
+        super().__init__()
+        self.hand, self.proc = SoftmaxChildAttention(), ProcessorAttention()
+
+    def forward(self, x):
+        return self.proc(self.hand(x))
+
+
 # -- factories (also for `attn-export --model sdpa_models:<factory>`) ----------------------------
 
 def _build(cls, make_inputs, **kwargs):
@@ -380,3 +425,7 @@ def bert_style():
 
 def swin_stage():
     return _build(SwinStage, lambda: {"x": torch.randn(2, 8, 8, 32)})
+
+
+def two_kinds():
+    return _build(TwoKinds, lambda: {"x": torch.randn(2, 9, 32)})

@@ -148,7 +148,7 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
 
     from attn_export.surgery.replace import inspect_attention
 
-    result = ConvertResult(onnx_path=onnx_path, engine_path=engine_path, plan=inspect_attention(model))
+    result = ConvertResult(onnx_path=onnx_path, engine_path=engine_path, plan=inspect_attention(model, inputs))
     if options.replace:
         progress.plan(result.plan, after_export=False)
         # Modules of no known form may hold hand-written attention that the export rewrites: then

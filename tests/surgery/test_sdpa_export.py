@@ -3,6 +3,7 @@ FusedAttention node per SDPA site, dynamic batch/sequence, parity in ONNX Runtim
 untouched model (attn_export.validate), and the command line on a --model factory. timm's
 VisionTransformer is a real model class (skipped when timm is not installed)."""
 import copy
+import json
 from pathlib import Path
 
 import onnx
@@ -152,3 +153,24 @@ def test_cli_convert_gates_on_the_exports_report(tmp_path):
                "--require-all", cwd=TESTS, expect=0)
     text = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
     assert "2 fused attention node(s)" in text and "2 rewritten in the export" in text and "PASSED" in text
+
+
+def test_inspect_plans_what_the_export_does_and_require_all_counts_the_export(tmp_path):
+    """A hand-written attention whose softmax is an nn.Softmax child (vit-pytorch) and one whose
+    SDPA call goes through a processor object (diffusers): inspect's plan, from a sample forward
+    and the captured graph, names the attention modules as the sites; the export fuses both and
+    --require-all passes on it."""
+    proc = run("inspect", "--model", "sdpa_models:two_kinds", "--json", tmp_path / "plan.json", "--require-all",
+               cwd=TESTS, expect=0)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rows = [(layer["path"], layer["found"], layer["status"], layer["num_heads"], layer["embed_dim"])
+            for layer in plan["layers"]]
+    assert rows == [("hand", "pattern", "rewritten in the export", None, None),
+                    ("proc", "sdpa", "will be routed", 4, 32)], proc.stdout
+    out = tmp_path / "two.onnx"
+    run("--model", "sdpa_models:two_kinds", "--to", "onnx", "-o", out, "--require-all", "--json",
+        tmp_path / "run.json", cwd=TESTS, expect=0)
+    assert len(fused_nodes(out)) == 2
+    ran = json.loads((tmp_path / "run.json").read_text())["export"]["replacement"]["layers"]
+    assert [(layer["path"], layer["status"]) for layer in ran] == [("hand", "rewritten in the export"),
+                                                                 ("proc", "routed")]

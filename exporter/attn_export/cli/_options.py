@@ -81,6 +81,28 @@ class InputArgs:
 
 
 @dataclass(frozen=True)
+class SampleArgs:
+    """Example inputs for the sample forward that finds the attention calls (--input,
+    --example-inputs, --seed); inspect runs it when inputs can be had."""
+
+    input_specs: Tuple[str, ...]
+    example_file: Optional[str]
+    seed: int
+
+    def example_inputs(self, model):
+        """The inputs, or None where none were given and the model has none of its own."""
+        from attn_export.cli._common import example_inputs
+        from attn_export.errors import InputError
+
+        try:
+            return example_inputs(model, self.input_specs, self.example_file, self.seed)
+        except InputError:
+            if self.input_specs or self.example_file:
+                raise
+            return None
+
+
+@dataclass(frozen=True)
 class CoverageArgs:
     """The replacement-coverage gate (--min-replaced, --require-all)."""
 
@@ -171,13 +193,25 @@ def model_options(f):
     ])(f)
 
 
+_INPUT_HELP = ("An example input, trtexec style (repeatable): src:2x16x64, ids:1x32:int64, "
+               "mask:2x16:bool. NAME is a parameter of the model's forward; random values "
+               "(integers below the smallest embedding table, boolean masks as padding masks).")
+
+
+def sample_input_options(f):
+    """Example inputs for inspect's sample forward: ``sample: SampleArgs``."""
+    return _grouped(SampleArgs, "sample", [
+        click.option("--input", "input_specs", multiple=True, metavar="NAME:DIMS[:DTYPE]", help=_INPUT_HELP),
+        click.option("--example-inputs", "example_file", metavar="FILE.pt", type=click.Path(dir_okay=False),
+                     help="A torch.save-d dict name -> tensor (loaded weights-only)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated inputs."),
+    ])(f)
+
+
 def input_options(f):
     """Example inputs and dynamic axes: ``input_args: InputArgs``."""
     return _grouped(InputArgs, "input_args", [
-        click.option("--input", "input_specs", multiple=True, metavar="NAME:DIMS[:DTYPE]",
-                     help="An example input, trtexec style (repeatable): src:2x16x64, ids:1x32:int64, "
-                          "mask:2x16:bool. NAME is a parameter of the model's forward; random values "
-                          "(integers below the smallest embedding table, boolean masks as padding masks)."),
+        click.option("--input", "input_specs", multiple=True, metavar="NAME:DIMS[:DTYPE]", help=_INPUT_HELP),
         click.option("--example-inputs", "example_file", metavar="FILE.pt", type=click.Path(dir_okay=False),
                      help="A torch.save-d dict name -> tensor (loaded weights-only). The names become the "
                           "ONNX input names."),

@@ -274,7 +274,7 @@ def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: 
             raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
         if report is not None:
             # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
-            report.add_pattern_sites(rewrite_patterns(exported))
+            report.add_pattern_sites(rewrite_patterns(exported), work)
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,

@@ -3,5 +3,6 @@
 ``replace`` swaps ``nn.MultiheadAttention`` modules and plans the other routes; ``sdpa_route``
 reroutes ``F.scaled_dot_product_attention`` calls; ``transformers`` registers with Hugging Face's
 attention interface; ``patterns`` rewrites hand-written softmax attention in exported graphs;
-``site_report`` is the per-site report all of them fill in.
+``plan`` is the export's plan without exporting; ``site_report`` is the per-site report all of them
+fill in.
 """

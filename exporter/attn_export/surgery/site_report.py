@@ -115,21 +115,27 @@ class ReplacementReport:
             changed.append(f"{layer.path or '(model)'}: {layer.reason}")
         return changed
 
-    def add_pattern_sites(self, sites) -> None:
+    def add_pattern_sites(self, sites, model: Optional[nn.Module] = None) -> None:
         """Records the hand-written attention found in a captured graph
         (attn_export.surgery.patterns.PatternSite rows), one row per module: rewritten when
-        every match in it was, else skipped with the first reason."""
+        every match in it was, else skipped with the first reason. A match is owned by the
+        attention module around it: the nearest enclosing module the report lists, else (with
+        ``model``) the nearest one that is not one of torch.nn's own (an ``nn.Softmax`` child
+        named ``attend`` is not the site)."""
         by_path = {layer.path: layer for layer in self.layers}
         grouped: Dict[str, list] = {}
         for site in sites:
-            grouped.setdefault(site.path, []).append(site)
+            grouped.setdefault(_owner(site.path, by_path, model), []).append(site)
         for path, group in grouped.items():
             layer = by_path.get(path)
             if layer is not None and layer.found not in ("", "pattern") and layer.status != SKIPPED:
                 continue  # a softmax inside a site fused otherwise: reported there
             if layer is None:
-                layer = AttentionLayer(path, group[0].cls, None, None, SKIPPED)
+                cls = _qualname(model.get_submodule(path)) if model is not None and path != group[0].path \
+                    else group[0].cls
+                layer = AttentionLayer(path, cls, None, None, SKIPPED)
                 self.layers.append(layer)
+                by_path[path] = layer
             refused = [site.reason for site in group if not site.rewritten]
             layer.found = "pattern"
             layer.status = SKIPPED if refused else REWRITTEN
@@ -197,6 +203,26 @@ class ReplacementReport:
             how = f" [{layer.found}]" if layer.found else ""
             lines.append(f"  {layer.path or '(model)'}: {layer.cls}{how}, {layer.status}{extra}")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _owner(path: str, listed: Dict[str, AttentionLayer], model: Optional[nn.Module]) -> str:
+    """The module that owns a match found in the forward of the module at ``path``."""
+    candidates = [path]
+    while candidates[-1]:
+        candidates.append(candidates[-1].rpartition(".")[0])
+    for candidate in candidates:
+        if candidate in listed:
+            return candidate
+    if model is None:
+        return path
+    for candidate in candidates:
+        try:
+            module = model.get_submodule(candidate)
+        except AttributeError:
+            return path
+        if not (type(module).__module__ or "").startswith("torch.nn."):
+            return candidate
+    return path
 
 
 def _short_class(qualified: str) -> str:
