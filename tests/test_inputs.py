@@ -128,6 +128,9 @@ def test_default_axes():
                                       "tgt": {0: "batch", 1: "tgt_seq"}}
     assert I.default_axes({"x": torch.zeros(4), "y": torch.zeros(4, 5)}) == \
         {"x": {0: "batch"}, "y": {0: "batch", 1: "y_seq"}}
+    # a 4-D floating input is an image batch [B, C, H, W]: dim 1 is channels
+    assert I.default_axes({"img": torch.zeros(2, 3, 8, 8), "ids": torch.zeros(2, 3, 8, 8, dtype=torch.long)}) == \
+        {"img": {0: "batch"}, "ids": {0: "batch", 1: "ids_seq"}}
 
 
 def test_resolve_axes_applies_overrides_per_input():

@@ -199,14 +199,15 @@ def _mask_convention(mask: torch.Tensor) -> Optional[bool]:
 def default_axes(inputs: Mapping[str, torch.Tensor]) -> Axes:
     """Dim 0 of every input is the batch and dim 1 its sequence: ``batch`` and ``seq`` for the
     first input, ``<name>_seq`` for the others (axes the model ties together end up as one
-    symbol after export; independent ones stay independent)."""
+    symbol after export; independent ones stay independent). A 4-D floating input is an image
+    batch (``[B, C, H, W]``): its batch only, dim 1 being channels."""
     axes: Axes = {}
     first = True
     for name, t in inputs.items():
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             continue
         axes[name] = {0: "batch"}
-        if t.dim() >= 2:
+        if t.dim() >= 2 and not (t.dim() == 4 and t.is_floating_point()):
             axes[name][1] = "seq" if first else f"{name}_seq"
         first = False
     return axes

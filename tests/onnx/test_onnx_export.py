@@ -1,5 +1,6 @@
 """export_onnx: one custom node per fused layer, the function attached, check_model passes, the
 graph's dynamic axes are symbolic, and ONNX Runtime agrees with the ORIGINAL PyTorch model."""
+import json
 import math
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from attn_export import spec
 from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
 from attn_export.onnx import export_onnx, read_metadata
+from attn_export.validation import validate
 from helpers import assert_parity
 
 S = spec.load()
@@ -322,13 +324,68 @@ def test_an_axis_the_model_specializes_is_reported(tmp_path):
         def forward(self, x):
             return x * 2 if x.shape[1] == 5 else x  # torch.export specializes the length to 5
 
+    declared = {"x": {0: "batch", 1: "seq"}}
     for model in (FixedLength(), Branch()):
         with pytest.raises(ExportError, match=r"came out static: x:1 \(seq"):
-            export_onnx(model, {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx")
+            export_onnx(model, {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx", dynamic_axes=declared)
     assert not (tmp_path / "f.onnx").exists()
     # Declared static, the same model exports.
     result = export_onnx(Branch(), {"x": torch.randn(2, 5, 16)}, tmp_path / "f.onnx", dynamic_axes={"x": {0: "batch"}})
     assert result.dynamic_axes == {"x": {0: "batch"}}
+
+
+def test_a_default_axis_the_model_specializes_stays_static_with_a_note(tmp_path):
+    """No axes declared: the defaults that come out static are dropped (with a note), not an error;
+    the file records only the dynamic ones, and the gate sweeps those."""
+    class Channels(nn.Module):  # a 3-D [B, C, L] signal whose channel count is fixed
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Conv1d(3, 4, 1)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    path, model = tmp_path / "c.onnx", Channels().eval()
+    result = export_onnx(model, {"x": torch.randn(2, 3, 7)}, path)
+    assert result.dynamic_axes == {"x": {0: "batch"}}
+    assert any("default dynamic axes the model specializes stay static: x:1 (seq, came out as 3)" in note
+               for note in result.notes)
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert json.loads(meta["attn_export.dynamic_axes"]) == {"x": {"0": "batch"}}
+    report = validate(model, path, {"x": torch.randn(2, 3, 7)})
+    assert report.passed, report.failures
+
+
+def test_output_names_never_collide_with_input_names(tmp_path):
+    """diffusers' UNet returns its output under the name of its input (``sample``): an ONNX graph
+    names every value once."""
+    class Same(nn.Module):
+        def forward(self, sample):
+            return {"sample": sample * 2, "sample_output": sample + 1}
+
+    path = tmp_path / "s.onnx"
+    result = export_onnx(Same(), {"sample": torch.randn(2, 5, 4)}, path)
+    assert result.output_names == ["sample_output_output", "sample_output"] or \
+        result.output_names == ["sample_output", "sample_output_output"]
+    graph = onnx.load(str(path)).graph
+    assert [v.name for v in graph.input] == ["sample"]
+    assert len({v.name for v in graph.output} | {"sample"}) == 3
+    x = torch.randn(3, 6, 4)
+    assert validate(Same(), path, {"sample": x}).passed
+
+
+def test_a_symbolic_bool_failure_says_what_to_try(tmp_path):
+    class CausalWhenLong(nn.Module):  # whisper: is_causal=q.shape[2] > 1 on SDPA
+        def forward(self, x):
+            q = x.unsqueeze(1)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=q.shape[2] > 1)
+
+    with pytest.raises(ExportError) as info:
+        export_onnx(CausalWhenLong(), {"x": torch.randn(2, 5, 4)}, tmp_path / "b.onnx", replace=False)
+    message = str(info.value)
+    if "SymBool" not in message:
+        pytest.skip(f"this torch exports it: {message[:80]}")
+    assert "keep that input's sequence static" in message
 
 
 def _padded_cross_inputs(query: str, kdim: int, vdim: int):

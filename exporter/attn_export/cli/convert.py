@@ -134,7 +134,9 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         model, source = model_args.load(model_path, seed=input_args.seed)
         torch.manual_seed(input_args.seed)
         inputs = input_args.example_inputs(model)
-        options = dataclasses.replace(options, dynamic_axes=input_args.axes(inputs, model=model))
+        # Declared axes must come out dynamic; the defaults (None) may stay static where the model says so.
+        options = dataclasses.replace(
+            options, dynamic_axes=input_args.axes(inputs, model=model) if input_args.axes_given else None)
 
     progress.source = source
     result = run_conversion(model, inputs, options, progress=progress, target=target)

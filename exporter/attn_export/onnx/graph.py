@@ -14,9 +14,10 @@ from attn_export import spec as _spec
 META_PREFIX = "attn_export."
 
 
-def output_names_for(outputs) -> List[str]:
+def output_names_for(outputs, taken=()) -> List[str]:
     """Names of the flattened outputs: ``output`` for one tensor, ``output_0``... for a tuple,
-    the keys for a dict (nested containers joined with ``_``)."""
+    the keys for a dict (nested containers joined with ``_``); a name in ``taken`` (the input
+    names: an ONNX graph names every value once) gets ``_output`` appended."""
     from torch.utils import _pytree as pytree
 
     leaves, _ = pytree.tree_flatten_with_path(_plain(outputs))
@@ -32,7 +33,14 @@ def output_names_for(outputs) -> List[str]:
                     break
         name = "_".join(parts)
         names.append(name if re.match(r"^[A-Za-z_]", name) else f"output_{name}")
-    return names
+    taken = set(taken)
+    unique = []
+    for name in names:
+        while name in taken:
+            name = f"{name}_output"
+        taken.add(name)
+        unique.append(name)
+    return unique
 
 
 def flatten_outputs(outputs) -> List[torch.Tensor]:

@@ -169,10 +169,11 @@ def export_onnx(
         path: the .onnx file to write (atomically).
         opset: default-domain ONNX opset (>= 18; default 20, 23 with ``attention="standard"``).
         dtype: "fp32" (default: the model's own), "fp16" or "bf16": exports in that precision.
-        dynamic_axes: input -> {axis: label}; default: dim 0 "batch" and dim 1 a sequence label
-            for every input (see attn_export.inputs.default_axes; for transformers models
-            attn_export.surgery.transformers.default_axes: batch and sequence of the token inputs, the batch of
-            the others); ``{}`` exports static shapes.
+        dynamic_axes: input -> {axis: label}, each of which must come out dynamic; ``{}`` exports
+            static shapes. Default: dim 0 "batch" and dim 1 a sequence label for every input of
+            rank 2 or 3, the batch of 4-D images (see attn_export.inputs.default_axes; for transformers
+            models attn_export.surgery.transformers.default_axes), where a default axis the model
+            specializes stays static with a note.
         replace: run :func:`attn_export.replace_attention` on the copy first.
         quiet: silence torch's exporter output.
         attention: "custom" (default): one FusedAttention node per layer, with its model-local
@@ -204,14 +205,16 @@ def export_onnx(
             outputs = work(**inputs)
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
-    output_names = output_names_for(outputs)
+    output_names = output_names_for(outputs, taken=inputs)
     # This run, on the routed model, says which calls really were fused.
     confirmed = report.confirm_sdpa_calls(work) if report is not None else []
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
     notes.extend(f"not fused: {line}" for line in confirmed)
 
     proto = _capture(work, trace_inputs, axes, opset, output_names, report, quiet)
-    labels, rewrite = _finish_graph(proto, axes, opset, attention, notes)
+    labels, rewrite = _finish_graph(proto, axes, opset, attention, notes, required=dynamic_axes is not None)
+    axes = {n: {a: lbl for a, lbl in d.items() if a in labels.get(n, {})} for n, d in axes.items()}
+    axes = {n: d for n, d in axes.items() if d}  # what came out dynamic: the metadata's, the gate's
     meta = _write_metadata(proto, {
         "version": _package_version(),
         "dtype": dtype or _dtype_name(inputs),
@@ -271,7 +274,7 @@ def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: 
                 dynamic_shapes=_dynamic_shapes(trace_inputs, axes) if axes else None,
             )
         except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
-            raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}") from exc
+            raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}{_hint(exc)}") from exc
         if report is not None:
             # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
             report.add_pattern_sites(rewrite_patterns(exported), work)
@@ -286,16 +289,27 @@ def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: 
     return program.model_proto
 
 
-def _finish_graph(proto, axes, opset: int, attention: str, notes: List[str]):
-    """Axis labels (an axis declared dynamic that came out static is an error), the runtime-safe
-    rewrites, the standard flavor, the function bodies. Returns (labels, the standard rewrite)."""
+def _hint(exc: BaseException) -> str:
+    """What to try for the capture failures whose fix is known."""
+    if "SymBool" in str(exc):
+        return (" (a bool computed from a dynamic size, such as is_causal=q.shape[2] > 1: keep that input's "
+                "sequence static, e.g. --dynamic NAME:0=batch for it, or --static)")
+    return ""
+
+
+def _finish_graph(proto, axes, opset: int, attention: str, notes: List[str], required: bool):
+    """Axis labels (an axis declared dynamic, ``required``, that came out static is an error; a
+    default one is dropped with a note), the runtime-safe rewrites, the standard flavor, the
+    function bodies. Returns (labels, the standard rewrite)."""
     labels, static = apply_axis_labels(proto, axes)
     if static:
         listed = ", ".join(f"{n}:{a} ({lbl}, came out as {v})" for n, a, lbl, v in static)
-        raise ExportError(
-            f"axes declared dynamic came out static: {listed}. The model specializes them (a shape-dependent "
-            "branch or a constant size inside); give --dynamic to declare the right axes or --static"
-        )
+        if required:
+            raise ExportError(
+                f"axes declared dynamic came out static: {listed}. The model specializes them (a shape-dependent "
+                "branch or a constant size inside); give --dynamic to declare the right axes or --static"
+            )
+        notes.append(f"default dynamic axes the model specializes stay static: {listed} (--dynamic declares others)")
     if project_before_transposing_inputs(proto):
         notes.append("an fp16 projection of a transposed graph input now runs before the transpose (the other "
                      "order crashes ONNX Runtime 1.32 at its default optimization level; docs/onnx_node.md)")
