@@ -56,16 +56,24 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def import_timm():
-    """``import timm`` (with torchvision placeholders when torchvision does not import), or skip."""
-    if importlib.util.find_spec("timm") is None:
-        pytest.skip("timm is not installed (make install adds it)")
+def stub_torchvision_if_broken() -> None:
+    """Placeholders for torchvision when it does not import (once per process): timm,
+    vit-pytorch and segment-anything import it at import time for features these tests do not use."""
+    if any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        return
     try:
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 - missing, or the CUDA wheel failing against the CPU torch
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
         sys.meta_path.insert(0, _StubFinder())
+
+
+def import_timm():
+    """``import timm`` (with torchvision placeholders when torchvision does not import), or skip."""
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (make install adds it)")
+    stub_torchvision_if_broken()
     import timm
     import timm.models.vision_transformer  # noqa: F401
 

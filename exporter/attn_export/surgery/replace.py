@@ -159,11 +159,21 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
     return layers, sites
 
 
+def _own_attribute(module: nn.Module, *names: str):
+    """The first of ``names`` the module has as an instance or class attribute. Not getattr
+    alone: diffusers' models answer unknown names from their config with a FutureWarning."""
+    for name in names:
+        if name in vars(module) or hasattr(type(module), name):
+            value = getattr(module, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
 def _geometry(module: nn.Module) -> tuple[Optional[int], Optional[int]]:
     """(heads, embed dim) where the module says them under a common name, else None."""
-    heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))
-    embed = getattr(module, "embed_dim", getattr(module, "hidden_size", None))
-    return (heads if isinstance(heads, int) else None), (embed if isinstance(embed, int) else None)
+    return (_own_attribute(module, "num_heads", "num_attention_heads", "heads", "n_head"),
+            _own_attribute(module, "embed_dim", "hidden_size", "inner_dim"))
 
 
 def _sdpa_layer(module: nn.Module, path: str, heads, embed, seen: Optional[_sdpa.ObservedSite]) -> AttentionLayer:

@@ -34,6 +34,7 @@ copy, and ``torch.export`` (non-strict) traces through the mode: each routed cal
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import types
 from dataclasses import dataclass, field
@@ -176,6 +177,24 @@ def is_routed(module: nn.Module) -> bool:
 
 # -- the route ---------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def routing(site):
+    """SDPA calls made inside the block run on the operator and are counted on ``site`` (anything
+    with a ``calls`` Counter), or on the innermost site when routed sites nest."""
+    stack = getattr(_state, "sites", None)
+    if stack is None:
+        stack = _state.sites = []
+    stack.append(site)
+    try:
+        if len(stack) == 1:
+            with SdpaMode():
+                yield
+        else:
+            yield
+    finally:
+        stack.pop()
+
+
 class RoutedForward:
     """The instance ``forward`` of a routed module: the class's forward under :class:`SdpaMode`.
     ``calls`` counts the SDPA calls seen since routing: ``"fused"`` and ``"stock: <reason>"``."""
@@ -185,17 +204,8 @@ class RoutedForward:
         self.calls: collections.Counter = collections.Counter()
 
     def __call__(self, *args, **kwargs):
-        stack = getattr(_state, "sites", None)
-        if stack is None:
-            stack = _state.sites = []
-        stack.append(self)
-        try:
-            if len(stack) == 1:
-                with SdpaMode():
-                    return type(self.module).forward(self.module, *args, **kwargs)
+        with routing(self):
             return type(self.module).forward(self.module, *args, **kwargs)
-        finally:
-            stack.pop()
 
     @property
     def __signature__(self):  # the class forward's, without self (torch.export binds inputs by it)
