@@ -22,11 +22,12 @@ $(VENV)/.deps: pyproject.toml
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
-	$(PIP) install --no-build-isolation -e ".[test,bench,hf]"
-	# timm's model classes for the SDPA-route tests. --no-deps: timm requires torchvision, whose wheel on
-	# the package index is a CUDA build that does not import with the CPU torch; its other dependencies
-	# (pyyaml, huggingface_hub, safetensors) come with the hf extra. The tests skip without timm.
-	$(PIP) install --no-deps "timm>=1.0"
+	$(PIP) install --no-build-isolation -e ".[test,bench,hf,zoo]"
+	# Model libraries for the SDPA-route tests and the library zoo, --no-deps: timm and vit-pytorch require
+	# torchvision, whose wheel on the package index is a CUDA build that does not import with the CPU torch
+	# (the tests stand in for it); openai-whisper requires triton; torchtune a torchao that does not import.
+	# Their other dependencies come with the hf and zoo extras. The tests skip a library that is missing.
+	$(PIP) install --no-deps "timm>=1.0" "vit-pytorch>=1.6" "openai-whisper>=20240930" "torchtune>=0.6"
 	touch $@
 
 install: $(VENV)/.built

@@ -174,7 +174,7 @@ class _SentenceEmbedding(torch.nn.Module):
 
 
 CASES = {
-    "diffusers-unet": ZooCase("diffusers", unet, nodes=4),
+    "diffusers-unet": ZooCase("diffusers", unet, nodes=8),
     "diffusers-sd3": ZooCase("diffusers", sd3, nodes=1),
     "diffusers-flux": ZooCase("diffusers", flux, nodes=2),
     "torchtune-llama3": ZooCase("torchtune", llama3, nodes=2),
