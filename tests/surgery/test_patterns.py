@@ -53,6 +53,68 @@ class Written(nn.Module):
             return p @ v, p
         elif f == "masked_fill -1e9":
             s = (q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(mask, -1e9)
+        elif f == "masked_fill -100":
+            s = (q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(mask, -100.0)
+        elif f == "einsum, -finfo.max, softmax in float32":  # x-transformers' Attend
+            s = torch.einsum("b h i d, b h j d -> b h i j", q, k) * d ** -0.5
+            s = s.masked_fill(mask, -torch.finfo(s.dtype).max)
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).type(q.dtype)
+            return torch.einsum("b h i j, b h j d -> b h i d", self.drop(p), v)
+        elif f == "einsum, token-major operands and output":
+            s = torch.einsum("bihd,bjhd->bhij", q.transpose(1, 2), k.transpose(1, 2)) / math.sqrt(d)
+            return torch.einsum("bhij,bjhd->bihd", torch.softmax(s + bias, -1), v.transpose(1, 2))
+        elif f == "scale on q and k, float() around the softmax":  # Whisper without SDPA
+            scale = d ** -0.25
+            s = (q * scale) @ (k * scale).transpose(-1, -2) + bias
+            w = torch.softmax(s.float(), dim=-1).to(q.dtype)
+            return w @ v
+        elif f == "where keep, finfo.min":  # GPT-2's eager attention
+            s = torch.matmul(q, k.permute(0, 1, 3, 2)) / torch.full([], math.sqrt(d))
+            s = torch.where(~mask, s, torch.full([], torch.finfo(s.dtype).min))
+        elif f == "3-D bmm":
+            b, h, l, _ = q.shape
+            q3, k3, v3 = q.reshape(b * h, l, d), k.reshape(b * h, -1, d), v.reshape(b * h, k.size(2), -1)
+            s = torch.bmm(q3, k3.transpose(1, 2)) * d ** -0.5
+            p = torch.softmax(s.view(b, h, l, -1) + bias, -1).view(b * h, l, -1)
+            return torch.bmm(p, v3).view(b, h, l, -1)
+        elif f == "baddbmm beta=0 alpha=scale":  # diffusers' get_attention_scores
+            b, h, l, _ = q.shape
+            q3, k3, v3 = q.reshape(b * h, l, d), k.reshape(b * h, -1, d), v.reshape(b * h, k.size(2), -1)
+            s = torch.baddbmm(torch.empty(b * h, l, k.size(2)), q3, k3.transpose(-1, -2), beta=0, alpha=d ** -0.5)
+            return torch.bmm(torch.softmax(s, -1), v3).view(b, h, l, -1)
+        elif f == "baddbmm with a bias":  # Bloom's ALiBi
+            b, h, l, _ = q.shape
+            q3, k3, v3 = q.reshape(b * h, l, d), k.reshape(b * h, -1, d), v.reshape(b * h, k.size(2), -1)
+            alibi = bias.repeat(b, 1, 1)
+            s = torch.baddbmm(alibi, q3, k3.transpose(-1, -2), beta=1.0, alpha=d ** -0.5)
+            return torch.bmm(torch.softmax(s, -1), v3).view(b, h, l, -1)
+        elif f == "grouped heads by repeat_interleave":
+            kk, vv = k[:, :2].repeat_interleave(2, dim=1), v[:, :2].repeat_interleave(2, dim=1)
+            return torch.softmax(q @ kk.transpose(-2, -1) / math.sqrt(d), -1) @ vv
+        elif f == "grouped heads by expand and reshape":  # Llama's repeat_kv
+            b, _, lk, _ = k.shape
+            kk = k[:, :2, None].expand(b, 2, 2, lk, d).reshape(b, 4, lk, d)
+            vv = v[:, :2, None].expand(b, 2, 2, lk, v.size(-1)).reshape(b, 4, lk, -1)
+            return torch.softmax(q @ kk.transpose(-2, -1) / math.sqrt(d), -1) @ vv
+        elif f == "one key head broadcast by matmul":
+            return torch.softmax(q @ k[:, :1].transpose(-2, -1) / math.sqrt(d), -1) @ v[:, :1]
+        elif f == "one key head in einsum":
+            s = torch.einsum("bhid,bjd->bhij", q, k[:, 0]) / math.sqrt(d)
+            return torch.einsum("bhij,bjd->bhid", torch.softmax(s, -1), v[:, 0])
+        elif f == "two masks and a bias":
+            s = (q @ k.transpose(-2, -1) / math.sqrt(d)) + bias
+            s = s.masked_fill(mask, float("-inf")).masked_fill(mask.transpose(0, 1) & mask, -1e9)
+        elif f == "scores scaled by a tensor":
+            s = (q @ k.transpose(-2, -1)) * bias.sigmoid()
+        elif f == "pre-softmax talking heads":
+            s = q @ k.transpose(-2, -1) / math.sqrt(d)
+            s = s + torch.einsum("bhij,hg->bgij", s, torch.eye(4) * 0.5)
+        elif f == "post-softmax talking heads":
+            p = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), -1)
+            return torch.einsum("bhij,hg->bgij", p, torch.eye(4) * 0.5) @ v
+        elif f == "float64 softmax":
+            s = q @ k.transpose(-2, -1)
+            return torch.softmax(s.double(), -1).float() @ v
         elif f == "scale after bias":
             s = (q @ k.transpose(-2, -1) + bias) * 0.3
         elif f == "float64 inside":
@@ -64,13 +126,23 @@ class Written(nn.Module):
 
 
 EXACT = ["mul right, bias, masked_fill", "div, bias on the left", "scale on q, permute",
-         "mul left, masked_fill then bias", "no scale, two biases"]
+         "mul left, masked_fill then bias", "no scale, two biases", "masked_fill -1e9",
+         "einsum, -finfo.max, softmax in float32", "einsum, token-major operands and output",
+         "scale on q and k, float() around the softmax", "where keep, finfo.min", "3-D bmm",
+         "baddbmm beta=0 alpha=scale", "baddbmm with a bias", "grouped heads by repeat_interleave",
+         "grouped heads by expand and reshape", "one key head broadcast by matmul", "one key head in einsum",
+         "two masks and a bias"]
 LEFT_ALONE = {
-    "softmax on axis -2": "not the last",
-    "weights also returned": "users",
-    "masked_fill -1e9": "only -inf is exact",
-    "scale after bias": "between the scores and the softmax",
+    "softmax on axis -2": "softmax along axis -2, not the last",
+    "weights also returned": "has 2 users",
+    "masked_fill -100": "masked_fill of the scores with -100.0",
+    "scale after bias": "aten.mul.Tensor by a constant after a bias or mask was added",
     "float64 inside": "dtype torch.float64",
+    "scores scaled by a tensor": "aten.mul.Tensor by a tensor that is not a constant between the scores and the softmax",
+    "pre-softmax talking heads": "aten.einsum.default of the scores is added to them (talking-heads attention",
+    "post-softmax talking heads": "aten.einsum.default of the probabilities between the softmax and the values mixes "
+                                  "them across heads (talking-heads attention",
+    "float64 softmax": "a cast of the scores or probabilities to torch.float64",
 }
 
 

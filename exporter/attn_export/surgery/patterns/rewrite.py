@@ -1,0 +1,49 @@
+"""The pass: every softmax that feeds a product with values is a site; exact matches are
+rewritten, the others reported with the idiom that stopped them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from attn_export.surgery.patterns.emit import emit, erase
+from attn_export.surgery.patterns.graph import Constants, NoMatch, site, val
+from attn_export.surgery.patterns.match import SOFTMAXES, is_site, match
+
+
+@dataclass
+class PatternSite:
+    path: str  # the module whose forward holds the pattern (from the node's nn_module_stack)
+    cls: str
+    rewritten: bool
+    reason: Optional[str] = None
+
+
+def rewrite(exported) -> List[PatternSite]:
+    """Rewrites every exact match in ``exported`` (a ``torch.export.ExportedProgram``, changed in
+    place). Returns one :class:`PatternSite` per softmax whose result is multiplied by values."""
+    from torch._guards import detect_fake_mode
+
+    graph = exported.graph_module.graph
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
+    constants = Constants(exported)
+    sites: List[PatternSite] = []
+    for softmax in [n for n in graph.nodes if n.op == "call_function" and n.target in SOFTMAXES]:
+        if not is_site(softmax):
+            continue  # a softmax that is no attention
+        path, cls = site(softmax)
+        if val(softmax) is None:
+            sites.append(PatternSite(path, cls, False, "no shape information"))
+            continue
+        try:
+            found = match(softmax, constants)
+        except NoMatch as exc:
+            sites.append(PatternSite(path, cls, False, str(exc)))
+            continue
+        fused = emit(graph, fake_mode, found)
+        found.out.replace_all_uses_with(fused)
+        erase(graph, found.erase)
+        sites.append(PatternSite(path, cls, True))
+    if any(s.rewritten for s in sites):
+        graph.lint()
+        exported.graph_module.recompile()
+    return sites
