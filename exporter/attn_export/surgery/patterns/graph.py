@@ -16,6 +16,8 @@ Node = torch.fx.Node
 _CHECKS = (aten._assert_tensor_metadata.default,)
 # Nodes that hold a 0-d constant: torch.full([], c), torch.scalar_tensor(c).
 _SCALAR_MAKERS = (aten.full.default, aten.scalar_tensor.default)
+_DEAD_IF_UNREAD = (aten.clone.default, aten.detach.default, aten.alias.default, aten.view.default,
+                   aten.reshape.default)
 CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default)
 
 
@@ -27,13 +29,19 @@ def val(node):
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
+def _dead(user) -> bool:
+    """A copy nothing reads (x-transformers keeps ``sim.clone()`` for intermediates it may drop)."""
+    return not user.users and user.target in _DEAD_IF_UNREAD
+
+
 def users(node) -> List[Node]:
-    """The users that compute with ``node`` (not export's metadata assertions)."""
-    return [u for u in node.users if u.target not in _CHECKS]
+    """The users that compute with ``node`` (not export's metadata assertions, not unread copies)."""
+    return [u for u in node.users if u.target not in _CHECKS and not _dead(u)]
 
 
 def checks(node) -> List[Node]:
-    return [u for u in node.users if u.target in _CHECKS]
+    """Users that go when ``node`` goes: metadata assertions and unread copies."""
+    return [u for u in node.users if u.target in _CHECKS or _dead(u)]
 
 
 def shape_users(node) -> List[Node]:
