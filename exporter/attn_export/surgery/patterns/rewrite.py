@@ -3,10 +3,11 @@ rewritten, the others reported with the idiom that stopped them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Collection, List, Optional
 
 from attn_export.surgery.patterns.emit import emit, erase
 from attn_export.surgery.patterns.graph import Constants, NoMatch, site, val
+from attn_export.surgery.patterns.scores import reaches
 from attn_export.surgery.patterns.match import SOFTMAXES, is_site, match
 
 
@@ -18,9 +19,13 @@ class PatternSite:
     reason: Optional[str] = None
 
 
-def rewrite(exported) -> List[PatternSite]:
+def rewrite(exported, needs_grad: Collection[str] = ()) -> List[PatternSite]:
     """Rewrites every exact match in ``exported`` (a ``torch.export.ExportedProgram``, changed in
-    place). Returns one :class:`PatternSite` per softmax whose result is multiplied by values."""
+    place). Returns one :class:`PatternSite` per softmax whose result is multiplied by values.
+
+    ``needs_grad``: names of placeholders whose gradients will be wanted (a graph that is run
+    for training). A site whose floating bias is computed from one stays as written, since the
+    operator treats masks as constants; without it (an export) biases are detached."""
     from torch._guards import detect_fake_mode
 
     graph = exported.graph_module.graph
@@ -36,6 +41,7 @@ def rewrite(exported) -> List[PatternSite]:
             continue
         try:
             found = match(softmax, constants)
+            _grad_free(found, [n for n in graph.nodes if n.op == "placeholder" and n.name in needs_grad])
         except NoMatch as exc:
             sites.append(PatternSite(path, cls, False, str(exc)))
             continue
@@ -47,3 +53,13 @@ def rewrite(exported) -> List[PatternSite]:
         graph.lint()
         exported.graph_module.recompile()
     return sites
+
+
+def _grad_free(found, sources) -> None:
+    """NoMatch when a floating term depends on a placeholder that needs gradients."""
+    for term in found.chain.biases + ([] if found.scores.bias is None else [found.scores.bias]):
+        node = getattr(term, "node", term)
+        for source in sources:
+            if reaches(node, source, True, limit=1 << 30):  # the whole graph: a miss would drop gradients
+                raise NoMatch(f"a bias computed from {source.name}, which needs gradients (the operator "
+                              "treats masks as constants)")

@@ -75,7 +75,7 @@ def products(node, depth: int = 40) -> List[Node]:
     return found
 
 
-def _reaches(node, target: Node, through_any: bool, limit: int = 400) -> bool:
+def reaches(node, target: Node, through_any: bool, limit: int = 400) -> bool:
     """Whether ``target`` is upstream of ``node`` (along score ops only, or along any op)."""
     stack, seen = [node], set()
     while stack and len(seen) < limit:
@@ -148,7 +148,7 @@ def _added(node, chain: Chain, product: Node):
     a, b = node.args[:2]
     if node.kwargs.get("alpha", 1) != 1 or len(node.args) > 2:
         raise NoMatch(f"{node.target} with alpha (a scaled bias)")
-    on_a, on_b = _reaches(a, product, False), _reaches(b, product, False)
+    on_a, on_b = reaches(a, product, False), reaches(b, product, False)
     if on_a and on_b:
         raise NoMatch(f"{node.target} of the scores and a term computed from them between the scores and the softmax")
     if node.target == aten.sub.Tensor and not on_a:
@@ -156,7 +156,7 @@ def _added(node, chain: Chain, product: Node):
     scores, bias = (a, b) if on_a else (b, a)
     if not isinstance(bias, Node):
         raise NoMatch(f"{node.target} of the number {bias} to the scores")
-    if _reaches(bias, product, True):
+    if reaches(bias, product, True):
         mixing = _mixing_op(bias, product)
         if mixing is not None:
             raise NoMatch(f"{mixing} of the scores is added to them (talking-heads attention mixes the scores "
@@ -179,7 +179,7 @@ def _mixing_op(bias, product):
         if not isinstance(n, Node) or n in seen or n is product:
             continue
         seen.add(n)
-        if n.target in _MIXING and any(_reaches(a, product, True) for a in n.all_input_nodes):
+        if n.target in _MIXING and any(reaches(a, product, True) for a in n.all_input_nodes):
             return n.target
         stack.extend(n.all_input_nodes)
     return None
@@ -188,9 +188,9 @@ def _mixing_op(bias, product):
 def _where(node, chain: Chain, product: Node, constants: Constants):
     """``where(keep, scores, fill)`` or ``where(masked, fill, scores)``."""
     cond, a, b = node.args[:3]
-    on_a = _reaches(a, product, False) if isinstance(a, Node) else False
+    on_a = reaches(a, product, False) if isinstance(a, Node) else False
     scores, fill = (a, b) if on_a else (b, a)
-    if not isinstance(scores, Node) or not _reaches(scores, product, False):
+    if not isinstance(scores, Node) or not reaches(scores, product, False):
         raise NoMatch("aten.where between the scores and the softmax whose branches are not the scores and a fill")
     _check_fill(node, constants.number(fill), "where")
     _check_mask(cond, node)
