@@ -50,6 +50,19 @@ def test_x_transformers_vit_wrapper():
     assert [s.rewritten for s in sites] == [True, True], [s.reason for s in sites]
 
 
+def test_x_transformers_vit_exports_with_a_dynamic_batch(tmp_path):
+    """The einsum operands' permutes and the output's, with the batch symbolic, in ONNX Runtime."""
+    xt = pytest.importorskip("x_transformers", reason="pip install x-transformers")
+    torch.manual_seed(0)
+    model = xt.ViTransformerWrapper(image_size=32, patch_size=8, num_classes=10,
+                                    attn_layers=xt.Encoder(dim=32, depth=2, heads=4)).eval()
+    inputs, axes = {"img": torch.randn(2, 3, 32, 32)}, {"img": {0: "batch"}}
+    result = export_onnx(model, inputs, tmp_path / "vit.onnx", dynamic_axes=axes)
+    assert result.num_attention_nodes == 2
+    check = attn_export.validate(model, result.path, inputs, dynamic_axes=axes)
+    assert check.passed, check.failures
+
+
 def test_x_transformers_masked_decoder():
     """A causal decoder with a key-padding mask: two masked_fill with -finfo.max."""
     xt = pytest.importorskip("x_transformers", reason="pip install x-transformers")
@@ -107,7 +120,6 @@ def test_segment_anything_image_encoder():
     assert [s.rewritten for s in sites] == [True, True], [s.reason for s in sites]
 
 
-@pytest.mark.slow
 def test_segment_anything_exports_one_node_per_block(tmp_path):
     encoder = _sam_encoder().eval()
     x = {"x": torch.randn(1, 3, 64, 64)}
