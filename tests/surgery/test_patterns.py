@@ -104,6 +104,14 @@ class Written(nn.Module):
         elif f == "two masks and a bias":
             s = (q @ k.transpose(-2, -1) / math.sqrt(d)) + bias
             s = s.masked_fill(mask, float("-inf")).masked_fill(mask.transpose(0, 1) & mask, -1e9)
+        elif f == "row max subtracted by hand":  # the stable softmax some repositories write out
+            s = q @ k.transpose(-2, -1) * d ** -0.5 + bias
+            s = s - s.amax(dim=-1, keepdim=True).detach()
+        elif f == "values scaled":
+            return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), -1) @ (v * 0.5)
+        elif f == "scores minus the column max":
+            s = q @ k.transpose(-2, -1)
+            s = s - s.amax(dim=-2, keepdim=True)
         elif f == "scores scaled by a tensor":
             s = (q @ k.transpose(-2, -1)) * bias.sigmoid()
         elif f == "pre-softmax talking heads":
@@ -131,7 +139,7 @@ EXACT = ["mul right, bias, masked_fill", "div, bias on the left", "scale on q, p
          "scale on q and k, float() around the softmax", "where keep, finfo.min", "3-D bmm",
          "baddbmm beta=0 alpha=scale", "baddbmm with a bias", "grouped heads by repeat_interleave",
          "grouped heads by expand and reshape", "one key head broadcast by matmul", "one key head in einsum",
-         "two masks and a bias"]
+         "two masks and a bias", "row max subtracted by hand", "values scaled"]
 LEFT_ALONE = {
     "softmax on axis -2": "softmax along axis -2, not the last",
     "weights also returned": "has 2 users",
@@ -143,6 +151,7 @@ LEFT_ALONE = {
     "post-softmax talking heads": "aten.einsum.default of the probabilities between the softmax and the values mixes "
                                   "them across heads (talking-heads attention",
     "float64 softmax": "a cast of the scores or probabilities to torch.float64",
+    "scores minus the column max": "aten.sub.Tensor of a term computed from the scores themselves",
 }
 
 

@@ -24,12 +24,15 @@ rewritten only when it is exactly the operator's computation, up to rounding:
   with a boolean condition and ``c`` = ``-inf`` or at most ``-1e4`` (``-finfo.max``, ``-1e9``);
   their union masks the operator's pairs. A finite fill replaces a score by a value whose
   ``exp`` underflows to 0 beside any real score, which is what ``-inf`` gives;
+* ``scores - scores.amax(-1, keepdim=True)`` (also ``.detach()``-ed): the stabilizer written by
+  hand, which the softmax does itself (softmax is unchanged by a shift along its axis);
 * casts between the inputs' dtype and float32 on the scores and the probabilities
   (``.float()``, ``.to(q.dtype)``, ``softmax(dtype=float32)``): the operator accumulates half
   types in float32, so they change rounding only; the output keeps the inputs' dtype;
 * ``softmax``/``_softmax``/``_safe_softmax`` over the last axis, then copies, casts, views of the
   batch axes and dropout in eval mode (or ``p=0``), then ``p @ v`` (``matmul``, ``bmm``,
-  ``einsum``, whose output axis order is restored with a permute);
+  ``einsum``, whose output axis order is restored with a permute); values scaled or computed by
+  anything are values;
 * q, k, v of one dtype the operator takes (float32, float16, bfloat16), and every intermediate
   tensor has no other user (attention weights also returned or reused keep the graph as written).
 

@@ -50,11 +50,11 @@ def shape_users(node) -> List[Node]:
             and u.args[0] is not node]
 
 
-def only_user(node, shapes: Optional[List[Node]] = None) -> Node:
+def only_user(node, shapes: Optional[List[Node]] = None, ignore=()) -> Node:
     """The one user of an intermediate tensor; a second user (weights also returned, reused)
     means the graph must compute it as written. With ``shapes``, users that read only its
-    shape are collected there instead of counted."""
-    found = users(node)
+    shape are collected there instead of counted; users in ``ignore`` are part of the match."""
+    found = [u for u in users(node) if u not in ignore]
     if shapes is not None:
         readers = shape_users(node)
         shapes.extend(readers)

@@ -36,7 +36,8 @@ class Match:
 
 
 def is_site(softmax: Node, depth: int = 6) -> bool:
-    """A softmax whose result reaches the first operand of a product within a few ops."""
+    """A softmax whose result reaches the first operand of a product within a few ops that keep
+    it probabilities (copies, casts, views, dropout, a mixing across heads)."""
     frontier = [softmax]
     for _ in range(depth):
         nxt = []
@@ -45,7 +46,8 @@ def is_site(softmax: Node, depth: int = 6) -> bool:
                 if u.target in VALUE_PRODUCTS and (u.args[0] is n or (u.target == aten.einsum.default
                                                                         and u.args[1][0] is n)):
                     return True
-                nxt.append(u)
+                if u.target in _PASS_THROUGH + _MIXING + (aten.dropout.default, aten.mul.Tensor):
+                    nxt.append(u)
         frontier = nxt
     return False
 

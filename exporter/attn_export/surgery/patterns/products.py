@@ -172,7 +172,7 @@ def value_product(out, probs, constants: Constants) -> Values:
         if len(extra) != 1 or j not in vs or j in res or not set(vs) <= set(batch) | {j} | set(extra) \
                 or sorted(res) != sorted(batch + i + extra[0]):
             raise NoMatch(f"einsum {equation!r} is not p @ v over the key axis")
-        v, _ = scaled(b, constants, steps)
+        v = _values_tensor(b, constants, steps)
         letters = [c for c in batch if c in vs] + [j, extra[0]]
         canonical = batch + i + extra[0]
         return Values(Operand(v, _identity_none([vs.index(c) for c in letters]),
@@ -181,7 +181,16 @@ def value_product(out, probs, constants: Constants) -> Values:
     a, b = out.args[:2]
     if a is not probs:
         raise NoMatch("the probabilities are the second operand of the product with the values")
-    v, factor = scaled(b, constants, steps)
-    if factor != 1.0:
-        raise NoMatch(f"{steps[0].target} by a constant on the values")
+    v = _values_tensor(b, constants, steps)
     return Values(_broadcast(Operand(v), val(out).dim()), None, steps)
+
+
+def _values_tensor(node, constants: Constants, steps: List[Node]) -> Node:
+    """The values as the operator takes them: no-op casts dropped; a scaled ``v`` stays the
+    tensor it is (``p @ (c v)`` is attention over those values)."""
+    inner: List[Node] = []
+    v, factor = scaled(node, constants, inner)
+    if factor != 1.0:
+        return node
+    steps.extend(inner)
+    return v

@@ -49,6 +49,7 @@ class Chain:
     casts: List[torch.dtype] = field(default_factory=list)
     nodes: List[Node] = field(default_factory=list)  # outermost first, the product excluded
     shape_readers: List[Node] = field(default_factory=list)  # x.expand_as(scores) of a mask
+    row_max: List[Node] = field(default_factory=list)  # scores.amax(-1, keepdim=True)[.detach()]
 
 
 def _passes(node) -> bool:
@@ -98,7 +99,7 @@ def walk(softmax_input: Node, product: Node, constants: Constants) -> Chain:
     while node is not product:
         if not isinstance(node, Node):
             raise NoMatch("the scores are not computed in the graph")
-        only_user(node, chain.shape_readers)
+        only_user(node, chain.shape_readers, chain.row_max)
         chain.nodes.append(node)
         t = node.target
         if t in CASTS:
@@ -154,6 +155,8 @@ def _added(node, chain: Chain, product: Node):
     if node.target == aten.sub.Tensor and not on_a:
         raise NoMatch("aten.sub.Tensor of the scores from a tensor (the scores are negated)")
     scores, bias = (a, b) if on_a else (b, a)
+    if node.target == aten.sub.Tensor and _row_max(bias, scores, chain):
+        return scores  # softmax(s - max(s)) == softmax(s): the stabilizer written by hand
     if not isinstance(bias, Node):
         raise NoMatch(f"{node.target} of the number {bias} to the scores")
     if reaches(bias, product, True):
@@ -169,6 +172,25 @@ def _added(node, chain: Chain, product: Node):
     _same_shape(node, scores)
     chain.biases.append(Term(bias, node, negate=node.target == aten.sub.Tensor))
     return scores
+
+
+def _row_max(term, scores, chain: Chain) -> bool:
+    """``term`` is ``scores.amax(-1, keepdim=True)`` (or its ``.detach()``, or ``max(-1)[0]``
+    kept): records its nodes as part of the match."""
+    nodes = []
+    if isinstance(term, Node) and term.target in (aten.detach.default, aten.alias.default):
+        nodes.append(term)
+        term = term.args[0]
+    if not (isinstance(term, Node) and term.target == aten.amax.default and term.args[0] is scores):
+        return False
+    dims = list(term.args[1]) if len(term.args) > 1 else []
+    keep = term.args[2] if len(term.args) > 2 else term.kwargs.get("keepdim", False)
+    rank = val(scores).dim()
+    if [d % rank for d in dims] != [rank - 1] or not keep:
+        return False
+    chain.row_max.append(term)
+    chain.nodes.extend(nodes + [term])
+    return True
 
 
 def _mixing_op(bias, product):
