@@ -234,3 +234,29 @@ def test_left_alone_pattern_is_reported_and_exported_unchanged(tmp_path):
     check = attn_export.validate(model, result.path, {"q": q, "k": k, "v": v},
                                  dynamic_axes={"q": {0: "batch"}, "k": {0: "batch"}, "v": {0: "batch"}})
     assert check.passed, check.failures
+
+
+@pytest.mark.parametrize("fill, written_row", [(float("-inf"), "nan"), (-torch.finfo(torch.float32).max, "mean")])
+def test_a_query_with_every_key_masked_gets_zeros(fill, written_row):
+    """The one place a rewrite differs from the written graph: a row whose keys are all masked.
+    The operator gives zeros; the graph gives NaN (-inf) or the mean of the values (a finite fill)."""
+
+    class Masked(nn.Module):
+        def forward(self, q, k, v, mask):
+            s = (q @ k.transpose(-2, -1) * 0.3).masked_fill(mask, fill)
+            return torch.softmax(s, -1) @ v
+
+    q, k, v, _, mask = inputs()
+    mask = mask.clone()
+    mask[2] = True  # query 2 sees no key
+    expected = Masked()(q, k, v, mask)
+    exported = torch.export.export(Masked(), (q, k, v, mask), strict=False)
+    assert [s.rewritten for s in rewrite(exported)] == [True]
+    got = exported.module()(q, k, v, mask)
+    keep = torch.arange(5) != 2
+    assert_parity(got[:, :, keep], expected[:, :, keep], 2e-6, "the other rows")
+    assert torch.equal(got[:, :, 2], torch.zeros_like(got[:, :, 2]))
+    if written_row == "nan":
+        assert expected[:, :, 2].isnan().all()
+    else:
+        assert_parity(expected[:, :, 2], v.mean(-2), 2e-6, "the written graph's row")
