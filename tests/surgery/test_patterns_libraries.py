@@ -151,3 +151,28 @@ def test_timm_swin_by_hand():
             module.fused_attn = False
     sites = _fused(model, (torch.randn(1, 3, 56, 56),), 49)
     assert len(sites) == 4 and all(s.rewritten for s in sites), [s.reason for s in sites]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_diffusers_attention_with_the_classic_processor(masked):
+    """AttnProcessor (not the SDPA one): get_attention_scores' baddbmm, beta=0 over an empty
+    tensor without a mask, beta=1 over the additive mask with one; 3-D [B*H, L, D] operands."""
+    processors = pytest.importorskip("diffusers.models.attention_processor", reason="pip install diffusers")
+
+    class CrossAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = processors.Attention(query_dim=32, heads=4, dim_head=8, processor=processors.AttnProcessor())
+
+        def forward(self, x, context, mask):
+            return self.attn(x, encoder_hidden_states=context, attention_mask=mask)
+
+    torch.manual_seed(0)
+    x, context = torch.randn(2, 6, 32), torch.randn(2, 5, 32)
+    mask = None
+    if masked:
+        keep = torch.ones(2, 5)
+        keep[1, 3:] = 0
+        mask = ((1 - keep) * -10000.0)[:, None, :]
+    (site,) = _fused(CrossAttention(), (x, context if masked else x, mask), 6)
+    assert site.rewritten and site.path == "attn", site.reason
