@@ -1,7 +1,6 @@
 """Hand-written attention fused in PyTorch (attn_export.surgery.fuse): fuse_patterns' module and
 torch.compile(backend="attn_export") give the eager model's outputs and gradients, with one
 attn_export::attention call per matched site."""
-import pytest
 import torch
 
 import attn_export

@@ -6,7 +6,6 @@ import math
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import attn_export
@@ -107,6 +106,10 @@ class Written(nn.Module):
         elif f == "row max subtracted by hand":  # the stable softmax some repositories write out
             s = q @ k.transpose(-2, -1) * d ** -0.5 + bias
             s = s - s.amax(dim=-1, keepdim=True).detach()
+        elif f == "probabilities viewed to 3-D for bmm":
+            b, h, l, _ = q.shape
+            p = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), -1).reshape(b * h, l, -1)
+            return torch.bmm(p, v.reshape(b * h, k.size(2), -1)).view(b, h, l, -1)
         elif f == "values scaled":
             return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), -1) @ (v * 0.5)
         elif f == "scores minus the column max":
@@ -139,7 +142,8 @@ EXACT = ["mul right, bias, masked_fill", "div, bias on the left", "scale on q, p
          "scale on q and k, float() around the softmax", "where keep, finfo.min", "3-D bmm",
          "baddbmm beta=0 alpha=scale", "baddbmm with a bias", "grouped heads by repeat_interleave",
          "grouped heads by expand and reshape", "one key head broadcast by matmul", "one key head in einsum",
-         "two masks and a bias", "row max subtracted by hand", "values scaled"]
+         "two masks and a bias", "row max subtracted by hand", "values scaled",
+         "probabilities viewed to 3-D for bmm"]
 LEFT_ALONE = {
     "softmax on axis -2": "softmax along axis -2, not the last",
     "weights also returned": "has 2 users",
@@ -147,7 +151,8 @@ LEFT_ALONE = {
     "scale after bias": "aten.mul.Tensor by a constant after a bias or mask was added",
     "float64 inside": "dtype torch.float64",
     "scores scaled by a tensor": "aten.mul.Tensor by a tensor that is not a constant between the scores and the softmax",
-    "pre-softmax talking heads": "aten.einsum.default of the scores is added to them (talking-heads attention",
+    "pre-softmax talking heads":
+        "aten.einsum.default of the scores is added to them (talking-heads attention",
     "post-softmax talking heads": "aten.einsum.default of the probabilities between the softmax and the values mixes "
                                   "them across heads (talking-heads attention",
     "float64 softmax": "a cast of the scores or probabilities to torch.float64",
@@ -179,7 +184,8 @@ def test_rewrite_is_exact_or_not_done(form):
     else:
         assert not sites[0].rewritten and fused == 0
         assert LEFT_ALONE[form] in sites[0].reason, sites[0].reason
-    for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+    pairs = zip(got, expected) if isinstance(got, tuple) else [(got, expected)]
+    for g, e in pairs:
         assert_parity(g, e, 2e-6, form)
 
 

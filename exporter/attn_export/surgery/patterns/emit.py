@@ -82,7 +82,8 @@ def emit(graph, fake_mode, m: Match) -> Node:
     v_batch = _operand(b, m.values.v, None)
     viewed = not all(same(x, y) for x, y in zip(m.probs_batch, m.batch)) or len(m.probs_batch) != len(m.batch)
     if viewed:  # the probabilities were viewed to another batch: the values follow them back
-        v = b.call(aten.reshape.default, v_batch, [b.size(q, i) for i in range(len(m.batch))] + [-1, b.size(v_batch, -1)])
+        batch = [b.size(q, i) for i in range(len(m.batch))]
+        v = b.call(aten.reshape.default, v_batch, batch + [-1, b.size(v_batch, -1)])
     else:
         v = _expand_like(b, v_batch, q)
     _reshape_readers(b, m, q, k)

@@ -185,7 +185,8 @@ def _checked(scores: Scores, chain: Chain, values: Values, probs, out, softmax_i
         raise NoMatch(f"dtype {dtype} (the operator takes float32, float16, bfloat16, the same for q, k and v)")
     odd = [d for d in chain.casts + prob_casts if d not in (dtype, torch.float32)]
     if odd:
-        raise NoMatch(f"a cast of the scores or probabilities to {odd[0]} (casts between {dtype} and float32 change rounding only)")
+        raise NoMatch(f"a cast of the scores or probabilities to {odd[0]} (casts between {dtype} and float32 "
+                      "change rounding only)")
     if val(out).dtype != dtype:
         raise NoMatch(f"the output is {val(out).dtype} from {dtype} inputs (the operator returns the inputs' dtype)")
     return Match(scores, chain, values, out, scores.scale * chain.scale, batch, probs_batch)

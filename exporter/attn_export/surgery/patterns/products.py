@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-import torch
 
 from attn_export.surgery.patterns.graph import Constants, NoMatch, Node, aten, cast_dtype, finite_nonzero, val
 
