@@ -68,3 +68,15 @@ def test_fuse_patterns_for_training_leaves_learned_biases():
     fused = attn_export.fuse_patterns(model, (x,), for_training=True)
     assert [s.rewritten for s in fused.pattern_sites] == [False, False]
     assert all("needs gradients" in s.reason for s in fused.pattern_sites)
+
+
+def test_fuse_patterns_with_dynamic_batch_and_length():
+    """nanoGPT's causal buffer sliced to the symbolic length: the mask's expand takes symbolic sizes."""
+    model = M.nanogpt_manual()
+    dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("length", max=63)}
+    fused = attn_export.fuse_patterns(model, (torch.randint(0, 50, (2, 12)),), dynamic_shapes=(dims,))
+    assert [s.rewritten for s in fused.pattern_sites] == [True, True]
+    for batch, length in ((3, 20), (1, 7)):
+        idx = torch.randint(0, 50, (batch, length))
+        with torch.no_grad():
+            assert_parity(fused(idx), model(idx), 2e-6, f"[{batch}, {length}]", n=length)
