@@ -14,6 +14,7 @@ stay as written (the operator treats masks as constants), and so does dropout in
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -138,8 +139,16 @@ class _Compiled:
             return self.gm
         with torch.set_grad_enabled(self.grad_enabled):
             needs_grad = _needs_grad(exported, tensors)
-        self.owner.sites.append(rewrite(exported, needs_grad))
+        self.owner.sites.append([self._named(site) for site in rewrite(exported, needs_grad)])
         return exported.module()
+
+    def _named(self, site: PatternSite) -> PatternSite:
+        """Reasons name dynamo's inputs (``l_self_parameters_bias_``), not the wrapper's ``tensors_3``."""
+        if site.reason:
+            names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+            site.reason = re.sub(r"\btensors_(\d+)\b", lambda mt: names[self.positions[int(mt.group(1))]],
+                                 site.reason)
+        return site
 
 
 backend = Backend()
