@@ -83,8 +83,7 @@ def test_x_transformers_talking_heads_stay_unfused():
     assert not site.rewritten and "talking-heads attention" in site.reason, site.reason
 
 
-def test_whisper_without_sdpa(monkeypatch):
-    """q * scale and k * scale, qk.float(), softmax(...).to(q.dtype), qk also returned (unread)."""
+def _whisper(monkeypatch):
     pytest.importorskip("tiktoken", reason="openai-whisper imports tiktoken: pip install tiktoken")
     model_module = pytest.importorskip("whisper.model", reason="pip install --no-deps openai-whisper")
     monkeypatch.setattr(model_module.MultiHeadAttention, "use_sdpa", False)
@@ -92,9 +91,23 @@ def test_whisper_without_sdpa(monkeypatch):
                                         n_audio_layer=2, n_vocab=60, n_text_ctx=10, n_text_state=32,
                                         n_text_head=4, n_text_layer=2)
     torch.manual_seed(0)
-    model = model_module.Whisper(dims)
-    sites = _fused(model, (torch.randn(2, 16, 24), torch.randint(0, 60, (2, 7))), 12)
+    return model_module.Whisper(dims).eval(), {"mel": torch.randn(2, 16, 24), "tokens": torch.randint(0, 60, (2, 7))}
+
+
+def test_whisper_without_sdpa(monkeypatch):
+    """q * scale and k * scale, qk.float(), softmax(...).to(q.dtype), qk also returned (unread)."""
+    model, inputs = _whisper(monkeypatch)
+    sites = _fused(model, tuple(inputs.values()), 12)
     assert len(sites) == 6 and all(s.rewritten for s in sites), [s.reason for s in sites]
+
+
+def test_whisper_without_sdpa_exports_six_nodes(monkeypatch, tmp_path):
+    model, inputs = _whisper(monkeypatch)
+    result = export_onnx(model, inputs, tmp_path / "whisper.onnx", dynamic_axes={})
+    assert result.num_attention_nodes == 6
+    assert {(layer.found, layer.status) for layer in result.replacement.layers} == {("pattern", "rewritten in the export")}
+    check = attn_export.validate(model, result.path, inputs, dynamic_axes={})
+    assert check.passed, check.failures
 
 
 def _sam_encoder():
