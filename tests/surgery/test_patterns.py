@@ -285,3 +285,14 @@ def test_half_precision_rewrite_is_as_close_as_the_written_graph(form, dtype):
     own = float((written - reference).abs().max())
     err = float((fused - reference).abs().max())
     assert err <= 2 * own + 2 * torch.finfo(dtype).eps * float(reference.abs().max()), (err, own)
+
+
+def test_dry_run_reports_without_changing_the_graph():
+    model = Written("two masks and a bias").eval()
+    exported = torch.export.export(model, inputs(), strict=False)
+    before = [n.target for n in exported.graph.nodes]
+    assert [s.rewritten for s in rewrite(exported, dry_run=True)] == [True]
+    assert [n.target for n in exported.graph.nodes] == before
+    refused = torch.export.export(Written("masked_fill -100").eval(), inputs(), strict=False)
+    (site,) = rewrite(refused, dry_run=True)
+    assert not site.rewritten and "masked_fill of the scores with -100.0" in site.reason

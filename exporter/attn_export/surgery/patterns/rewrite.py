@@ -19,13 +19,15 @@ class PatternSite:
     reason: Optional[str] = None
 
 
-def rewrite(exported, needs_grad: Collection[str] = ()) -> List[PatternSite]:
+def rewrite(exported, needs_grad: Collection[str] = (), *, dry_run: bool = False) -> List[PatternSite]:
     """Rewrites every exact match in ``exported`` (a ``torch.export.ExportedProgram``, changed in
     place). Returns one :class:`PatternSite` per softmax whose result is multiplied by values.
 
     ``needs_grad``: names of placeholders whose gradients will be wanted (a graph that is run
     for training). A site whose floating bias is computed from one stays as written, since the
-    operator treats masks as constants; without it (an export) biases are detached."""
+    operator treats masks as constants; without it (an export) biases are detached.
+
+    ``dry_run``: nothing is changed; ``rewritten`` then says whether the site would be."""
     from torch._guards import detect_fake_mode
 
     graph = exported.graph_module.graph
@@ -44,6 +46,9 @@ def rewrite(exported, needs_grad: Collection[str] = ()) -> List[PatternSite]:
             _grad_free(found, [n for n in graph.nodes if n.op == "placeholder" and n.name in needs_grad])
         except NoMatch as exc:
             sites.append(PatternSite(path, cls, False, str(exc)))
+            continue
+        if dry_run:
+            sites.append(PatternSite(path, cls, True))
             continue
         fused = emit(graph, fake_mode, found)
         found.out.replace_all_uses_with(fused)
