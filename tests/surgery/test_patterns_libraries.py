@@ -50,6 +50,18 @@ def test_x_transformers_vit_wrapper():
     assert [s.rewritten for s in sites] == [True, True], [s.reason for s in sites]
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_x_transformers_grouped_and_multi_query_heads(kv_heads):
+    """attn_kv_heads=2: keys and values repeated by einops' repeat; 1: einsum('b h i d, b j d -> b h i j')
+    broadcasting one key head."""
+    xt = pytest.importorskip("x_transformers", reason="pip install x-transformers")
+    torch.manual_seed(0)
+    model = xt.ViTransformerWrapper(image_size=32, patch_size=8, num_classes=10,
+                                    attn_layers=xt.Encoder(dim=32, depth=1, heads=4, attn_kv_heads=kv_heads))
+    (site,) = _fused(model, (torch.randn(2, 3, 32, 32),), 17)
+    assert site.rewritten, site.reason
+
+
 def test_x_transformers_vit_exports_with_a_dynamic_batch(tmp_path):
     """The einsum operands' permutes and the output's, with the batch symbolic, in ONNX Runtime."""
     xt = pytest.importorskip("x_transformers", reason="pip install x-transformers")
