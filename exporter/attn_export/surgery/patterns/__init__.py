@@ -14,9 +14,11 @@ rewritten only when it is exactly the operator's computation, up to rounding:
   heads (``repeat``/``expand`` + ``reshape``, ``repeat_interleave``) are ordinary keys;
 * the scale: every constant multiplication or division (a number, ``torch.full([], c)``,
   ``torch.tensor(c)``) on ``q``, on ``k`` or ``k^T``, on the scores before any bias or mask, and
-  ``baddbmm``'s ``alpha``, multiplied together; none means 1;
+  ``baddbmm``'s ``alpha``, multiplied together; none means 1 (a scale after a bias or mask is
+  not the operator's order and is left alone);
 * biases: floating terms added (or subtracted) anywhere between the product and the softmax,
-  ``baddbmm``'s input with ``beta=1``; their sum is the operator's float mask. A term added in a
+  ``baddbmm``'s input with ``beta=1`` (``beta=0`` ignores it); their sum is the operator's float
+  mask. A term added in a
   viewed shape of the scores (``S.view(V) + b`` then viewed back: torchvision's shifted-window
   mask, segment-anything's decomposed relative position, a ``[B*H, L, L]`` product viewed as
   ``[B, H, L, L]``) is expanded to ``V`` and reshaped to the scores' shape, which is the same sum;
@@ -34,7 +36,11 @@ rewritten only when it is exactly the operator's computation, up to rounding:
   ``einsum``, whose output axis order is restored with a permute); values scaled or computed by
   anything are values;
 * q, k, v of one dtype the operator takes (float32, float16, bfloat16), and every intermediate
-  tensor has no other user (attention weights also returned or reused keep the graph as written).
+  tensor has no other user (attention weights also returned or reused keep the graph as written);
+  a copy nothing reads and ``mask.expand_as(scores)`` (read as the scores' shape) do not count.
+
+With ``needs_grad`` (a graph run for training), a site whose float bias is computed from a
+placeholder that needs gradients is left alone.
 
 Anything else is left alone, and the site is reported with the idiom that stopped the match
 (talking-heads attention, a convolution or product mixing the scores or the probabilities across
