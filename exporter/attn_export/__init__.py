@@ -38,6 +38,9 @@ _LAZY = {
     "convert": ("attn_export.conversion", "convert"),
     "ConvertOptions": ("attn_export.conversion", "ConvertOptions"),
     "ConvertResult": ("attn_export.conversion", "ConvertResult"),
+    # hand-written attention fused in PyTorch; importing it registers torch.compile(backend="attn_export")
+    "fuse_patterns": ("attn_export.surgery.fuse", "fuse_patterns"),
+    "compile_backend": ("attn_export.surgery.fuse", "backend"),
 }
 
 
@@ -54,6 +57,6 @@ __all__ = [
     "FusedMultiheadAttention", "attention", "multi_head_attention",
     "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
-    "convert", "ConvertOptions", "ConvertResult",
+    "convert", "ConvertOptions", "ConvertResult", "fuse_patterns", "compile_backend",
     "gemm_backend", "set_gemm_backend", "__version__",
 ]
