@@ -8,6 +8,7 @@ imported, placeholder modules stand in for it while timm is imported: any name t
 class that raises when it is used. timm missing altogether skips the test."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -56,25 +57,42 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def stub_torchvision_if_broken() -> None:
-    """Placeholders for torchvision when it does not import (once per process): timm,
-    vit-pytorch and segment-anything import it at import time for features these tests do not use."""
-    if any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
-        return
+@contextlib.contextmanager
+def torchvision_placeholders():
+    """Placeholders for torchvision, while the block runs, when it does not import: timm,
+    vit-pytorch and segment-anything import it at import time for features these tests do not
+    use. Removed afterwards (the libraries keep the placeholders they took), so that libraries
+    imported later (transformers asks whether torchvision is there and reads its version) see
+    no torchvision rather than one without a version."""
     try:
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 - missing, or the CUDA wheel failing against the CPU torch
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.meta_path.insert(0, _StubFinder())
+        pass
+    else:
+        yield
+        return
+    _forget_torchvision()
+    finder = _StubFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        _forget_torchvision()
+
+
+def _forget_torchvision() -> None:
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
 
 
 def import_timm():
     """``import timm`` (with torchvision placeholders when torchvision does not import), or skip."""
     if importlib.util.find_spec("timm") is None:
         pytest.skip("timm is not installed (make install adds it)")
-    stub_torchvision_if_broken()
-    import timm
-    import timm.models.vision_transformer  # noqa: F401
+    with torchvision_placeholders():
+        import timm
+        import timm.models.swin_transformer  # noqa: F401
+        import timm.models.vision_transformer  # noqa: F401
 
     return timm

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from _timm import stub_torchvision_if_broken
+from _timm import torchvision_placeholders
 
 
 @dataclass
@@ -84,15 +84,31 @@ def x_vit():
     return model, {"img": torch.randn(2, 3, 16, 16)}
 
 
+class _Whisper(torch.nn.Module):
+    """Whisper with its SDPA switch set while it runs: whisper reads the class attribute
+    ``MultiHeadAttention.use_sdpa`` at call time, and a test must not leave it changed."""
+
+    def __init__(self, model, use_sdpa: bool):
+        super().__init__()
+        self.model, self.use_sdpa = model, use_sdpa
+
+    def forward(self, mel, tokens):
+        import whisper.model as wm
+
+        previous, wm.MultiHeadAttention.use_sdpa = wm.MultiHeadAttention.use_sdpa, self.use_sdpa
+        try:
+            return self.model(mel, tokens)
+        finally:
+            wm.MultiHeadAttention.use_sdpa = previous
+
+
 def _whisper(use_sdpa: bool):
     import whisper.model as wm
 
     dims = wm.ModelDimensions(n_mels=8, n_audio_ctx=8, n_audio_state=16, n_audio_head=2, n_audio_layer=1,
                               n_vocab=40, n_text_ctx=8, n_text_state=16, n_text_head=2, n_text_layer=1)
     torch.manual_seed(0)
-    model = wm.Whisper(dims).eval()
-    previous, wm.MultiHeadAttention.use_sdpa = wm.MultiHeadAttention.use_sdpa, use_sdpa
-    model.restore_sdpa = previous
+    model = _Whisper(wm.Whisper(dims), use_sdpa).eval()
     return model, {"mel": torch.randn(2, 8, 16), "tokens": torch.randint(0, 40, (2, 5))}
 
 
@@ -106,8 +122,8 @@ def whisper_sdpa():
 
 @_seeded
 def sam_encoder():
-    stub_torchvision_if_broken()
-    from segment_anything.modeling import ImageEncoderViT
+    with torchvision_placeholders():
+        from segment_anything.modeling import ImageEncoderViT
 
     model = ImageEncoderViT(img_size=32, patch_size=8, in_chans=3, embed_dim=32, depth=2, num_heads=2,
                             out_chans=16, use_rel_pos=True, window_size=2, global_attn_indexes=(1,))
@@ -116,8 +132,8 @@ def sam_encoder():
 
 @_seeded
 def vit_pytorch():
-    stub_torchvision_if_broken()
-    from vit_pytorch import ViT
+    with torchvision_placeholders():
+        from vit_pytorch import ViT
 
     model = ViT(image_size=16, patch_size=4, num_classes=5, dim=32, depth=2, heads=4, mlp_dim=64, dim_head=8)
     return model, {"img": torch.randn(2, 3, 16, 16)}
@@ -125,8 +141,9 @@ def vit_pytorch():
 
 @_seeded
 def timm_swin():
-    stub_torchvision_if_broken()
-    import timm
+    with torchvision_placeholders():
+        import timm
+        import timm.models.swin_transformer  # noqa: F401
 
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, embed_dim=16,
                               depths=(1, 1), num_heads=(2, 4), window_size=7, num_classes=5)

@@ -1,6 +1,5 @@
 """Hand-written attention of real model libraries, built small with random weights, fused by the
 rewrite of the exported graph (attn_export.surgery.patterns) with the eager model's answer."""
-import sys
 
 import pytest
 import torch
@@ -27,16 +26,6 @@ def _fused(model, args, length, **kwargs):
     nodes = [n for n in exported.graph.nodes if n.target == torch.ops.attn_export.attention.default]
     assert len(nodes) == sum(s.rewritten for s in sites)
     return sites
-
-
-def _without_torchvision():
-    """segment-anything imports torchvision's transforms at import time; its models use none."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing, or the CUDA wheel failing against the CPU torch
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        sys.meta_path.insert(0, _timm._StubFinder())
 
 
 def test_x_transformers_vit_wrapper():
@@ -123,9 +112,9 @@ def test_whisper_without_sdpa_exports_six_nodes(monkeypatch, tmp_path):
 
 
 def _sam_encoder():
-    _without_torchvision()
-    pytest.importorskip("segment_anything", reason="pip install segment-anything")
-    from segment_anything.modeling import ImageEncoderViT
+    with _timm.torchvision_placeholders():  # imported at import time; its models use none
+        pytest.importorskip("segment_anything", reason="pip install segment-anything")
+        from segment_anything.modeling import ImageEncoderViT
 
     torch.manual_seed(0)
     return ImageEncoderViT(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=4, out_chans=16,
@@ -157,7 +146,8 @@ def test_segment_anything_exports_one_node_per_block(tmp_path):
 
 
 def test_vit_pytorch():
-    vit = pytest.importorskip("vit_pytorch", reason="pip install --no-deps vit-pytorch einops")
+    with _timm.torchvision_placeholders():  # vit_pytorch imports it at import time; ViT uses none of it
+        vit = pytest.importorskip("vit_pytorch", reason="pip install --no-deps vit-pytorch einops")
     torch.manual_seed(0)
     model = vit.ViT(image_size=32, patch_size=8, num_classes=10, dim=32, depth=2, heads=4, mlp_dim=64)
     sites = _fused(model, (torch.randn(2, 3, 32, 32),), 17)

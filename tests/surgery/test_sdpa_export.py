@@ -165,7 +165,7 @@ def test_inspect_plans_what_the_export_does_and_require_all_counts_the_export(tm
     plan = json.loads((tmp_path / "plan.json").read_text())
     rows = [(layer["path"], layer["found"], layer["status"], layer["num_heads"], layer["embed_dim"])
             for layer in plan["layers"]]
-    assert rows == [("hand", "pattern", "rewritten in the export", None, None),
+    assert rows == [("hand", "pattern", "rewritten in the export", 4, 32),  # heads from the graph
                     ("proc", "sdpa", "will be routed", 4, 32)], proc.stdout
     out = tmp_path / "two.onnx"
     run("--model", "sdpa_models:two_kinds", "--to", "onnx", "-o", out, "--require-all", "--json",

@@ -137,6 +137,12 @@ class ReplacementReport:
                 self.layers.append(layer)
                 by_path[path] = layer
             refused = [site.reason for site in group if not site.rewritten]
+            heads = next((site.heads for site in group if getattr(site, "heads", None)), None)
+            head_dim = next((site.head_dim for site in group if getattr(site, "head_dim", None)), None)
+            if layer.num_heads is None:
+                layer.num_heads = heads
+            if layer.embed_dim is None and layer.num_heads and head_dim:
+                layer.embed_dim = layer.num_heads * head_dim
             layer.found = "pattern"
             layer.status = SKIPPED if refused else REWRITTEN
             layer.reason = f"hand-written attention not rewritten: {refused[0]}" if refused else None

@@ -17,6 +17,8 @@ class PatternSite:
     cls: str
     rewritten: bool
     reason: Optional[str] = None
+    heads: Optional[int] = None  # of a match, where the graph says them (4-D [B, H, L, D] scores)
+    head_dim: Optional[int] = None
 
 
 def rewrite(exported, needs_grad: Collection[str] = (), *, dry_run: bool = False) -> List[PatternSite]:
@@ -47,17 +49,29 @@ def rewrite(exported, needs_grad: Collection[str] = (), *, dry_run: bool = False
         except NoMatch as exc:
             sites.append(PatternSite(path, cls, False, str(exc)))
             continue
-        if dry_run:
-            sites.append(PatternSite(path, cls, True))
-            continue
-        fused = emit(graph, fake_mode, found)
-        found.out.replace_all_uses_with(fused)
-        erase(graph, found.erase)
-        sites.append(PatternSite(path, cls, True))
+        heads, head_dim = _geometry(found)
+        if not dry_run:
+            fused = emit(graph, fake_mode, found)
+            found.out.replace_all_uses_with(fused)
+            erase(graph, found.erase)
+        sites.append(PatternSite(path, cls, True, heads=heads, head_dim=head_dim))
     if any(s.rewritten for s in sites):
         graph.lint()
         exported.graph_module.recompile()
     return sites
+
+
+def _geometry(found) -> tuple:
+    """(heads, head dim) of a match where they are known numbers: the heads from 4-D scores'
+    batch [B, H] (3-D [B*H, L, D] scores do not say), the head dim from the query."""
+    def known(size):
+        return size if isinstance(size, int) else None
+
+    heads = known(found.batch[1]) if len(found.batch) == 2 else None
+    q = val(found.scores.q.node)
+    perm = found.scores.q.perm
+    head_dim = None if q is None else known(q.shape[perm[-1]] if perm else q.shape[-1])
+    return heads, head_dim
 
 
 def _grad_free(found, sources) -> None:
