@@ -114,7 +114,7 @@ def count_attention_nodes(model: onnx.ModelProto) -> int:
 
 def attention_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
     s = _spec.load()
-    return [n for n in model.graph.node if n.op_type == s.op_type and n.domain == s.domain]
+    return [n for n in model.graph.node if n.op_type == s.op_type and onnx_node.is_attention_domain(n.domain)]
 
 
 def value_types(model: onnx.ModelProto) -> Dict[str, int]:
@@ -139,25 +139,31 @@ def value_dims(model: onnx.ModelProto) -> Dict[str, List[object]]:
 
 
 def attach_function(model: onnx.ModelProto, opset: int) -> None:
-    """Gives each FusedAttention node the lean body of its variant (static attributes and query
-    type; onnx_node.BodyVariant): the node's ``overload`` names it, and the model carries one
-    function per variant used. Nodes that already name an overload, and models that already
-    carry the functions, are left as they are."""
+    """Gives each FusedAttention node of the spec's domain the lean body of its variant (static
+    attributes and query type; onnx_node.BodyVariant): the node moves to the variant's domain,
+    and the model carries one function per variant used, imports each variant's domain and no
+    longer the spec's own when no node is left in it. Nodes already in a variant's domain, and
+    functions the model already carries, are left as they are."""
     s = _spec.load()
     types = value_types(model)
-    have = {f.overload for f in model.functions if f.domain == s.domain and f.name == s.op_type}
+    have = {f.domain for f in model.functions if f.name == s.op_type}
     for node in attention_nodes(model):
-        if node.overload:
+        if node.domain != s.domain:
             continue
         variant = onnx_node.BodyVariant.of_node(node, types.get(node.input[0]))
-        node.overload = variant.overload
-        if variant.overload not in have:
+        node.domain = variant.domain
+        if variant.domain not in have:
             model.functions.append(onnx_node.lean_function_proto(opset, variant))
-            have.add(variant.overload)
-    # Function overloads (node.overload) are ONNX IR version 10.
-    model.ir_version = max(model.ir_version, 10)
-    if not any(o.domain == s.domain for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(s.domain, s.domain_version))
+            have.add(variant.domain)
+    used = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
+    imports = [o for o in model.opset_import if o.domain != s.domain or o.domain in used]
+    imported = {o.domain for o in imports}
+    imports += [onnx.helper.make_opsetid(d, s.domain_version) for d in sorted(used - imported)
+                if onnx_node.is_attention_domain(d)]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+    # Model-local functions are ONNX IR version 8.
+    model.ir_version = max(model.ir_version, 8)
 
 
 def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:
