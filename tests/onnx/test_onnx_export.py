@@ -80,6 +80,21 @@ def test_dynamic_axes_are_symbolic_and_independent(exported_seq2seq):
     assert [i.name for i in model.graph.input] == ["src", "tgt", "src_key_padding_mask"]
 
 
+def test_every_intermediate_value_has_its_shape_in_the_file(exported_seq2seq):
+    """Shape inference ran before saving: each node output is in value_info with a shape whose
+    rank is known (tools such as Polygraphy read shapes from the file), the attention nodes'
+    outputs with their symbolic batch and length."""
+    model = onnx.load(str(exported_seq2seq.path))
+    recorded = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    produced = [o for n in model.graph.node for o in n.output if o]
+    assert produced and [o for o in produced if o not in recorded] == []
+    assert [o for o in produced if not recorded[o].type.tensor_type.HasField("shape")] == []
+    nodes, _ = fused_nodes(exported_seq2seq.path)
+    for node in nodes:
+        dims = [d.dim_param or d.dim_value for d in recorded[node.output[0]].type.tensor_type.shape.dim]
+        assert dims[0] == "batch" and dims[1] in ("seq", "tgt_seq") and dims[2] == 16, (node.name, dims)
+
+
 @pytest.mark.parametrize("sizes", [{}, {"batch": 1}, {"seq": 1, "tgt_seq": 1}, {"seq": 7, "tgt_seq": 13},
                                    {"batch": 3, "seq": 40, "tgt_seq": 3}])
 def test_onnx_runtime_matches_the_original_model(small_seq2seq, exported_seq2seq, sizes):

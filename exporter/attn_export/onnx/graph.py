@@ -166,6 +166,31 @@ def attach_function(model: onnx.ModelProto, opset: int) -> None:
     model.ir_version = max(model.ir_version, 8)
 
 
+def inline_functions(model: onnx.ModelProto) -> None:
+    """Writes the FusedAttention nodes' bodies into the graph (``onnx.inliner``) and drops the
+    functions and the domains they leave unused: a function-free model of standard ops."""
+    import onnx.inliner
+
+    model.CopyFrom(onnx.inliner.inline_local_functions(model))
+    used = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
+    imports = [o for o in model.opset_import if not onnx_node.is_attention_domain(o.domain) or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+
+
+def record_shapes(model: onnx.ModelProto) -> None:
+    """Runs ONNX shape inference (through the model-local functions, with data propagation) and
+    keeps what it finds in ``value_info``: every intermediate value gets its type and, where it
+    can be known, its shape, so tools that read shapes from the file (Polygraphy, quantizers,
+    TensorRT's parser) see them; torch's exporter leaves some values (the attention outputs, the
+    out-projections) with a type alone. Not strict: a value inference cannot type stays as the
+    exporter wrote it. Models over protobuf's 2 GB limit are left alone (saving refuses them)."""
+    if model.ByteSize() > 2**31 - 1:
+        return
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False, data_prop=True)
+    model.CopyFrom(inferred)
+
+
 def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:
     return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
 
