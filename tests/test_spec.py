@@ -158,8 +158,10 @@ def test_exported_node_carries_exactly_the_spec_names(exported_seq2seq):
         assert attrs[s.attr_plugin_version] == s.plugin_version.encode()
         assert attrs[s.attr_plugin_namespace] == s.plugin_namespace.encode()
     functions = [f for f in model.functions if f.name == s.op_type]
-    # One lean body per variant in use, in the variant's domain; no overloads.
-    assert sorted(f.domain for f in functions) == sorted({n.domain for n in nodes})
+    # The generic body first (in the spec's domain, called by no node), then one lean body per
+    # variant in use, in the variant's domain; no overloads.
+    assert functions[0].domain == s.domain
+    assert sorted(f.domain for f in functions[1:]) == sorted({n.domain for n in nodes})
     for function in functions:
         assert not function.overload and not any(n.overload for n in nodes)
         assert tuple(function.input) == s.input_names and tuple(function.output) == s.output_names

@@ -53,9 +53,13 @@ def test_one_node_per_replaced_layer_with_its_attributes(exported_seq2seq):
     assert exported_seq2seq.replacement.num_replaced == 3 == len(nodes) == exported_seq2seq.num_attention_nodes
     onnx.checker.check_model(model, full_check=True)
     # One lean function per variant in use (docs/onnx_node.md, "The lean bodies"), in the variant's domain.
-    functions = {f.domain[len(S.domain) + 1:]: f for f in model.functions}
+    # The first is the generic body in the spec's domain, which no node calls (for parsers that
+    # look functions up by name alone).
+    generic, *lean = model.functions
+    assert generic.domain == S.domain and not [n for n in nodes if n.domain == S.domain]
+    functions = {f.domain[len(S.domain) + 1:]: f for f in lean}
     assert all(f.name == S.op_type and not f.overload for f in model.functions)
-    assert {f.domain for f in model.functions} == {n.domain for n in nodes}
+    assert {f.domain for f in lean} == {n.domain for n in nodes}
     assert set(functions) == {"f32_kpm", "f32_causal_mask"}
     ops = {variant: [n.op_type for n in f.node] for variant, f in functions.items()}
     assert "Trilu" not in ops["f32_kpm"] and "Trilu" in ops["f32_causal_mask"]  # no causal work unless causal
@@ -78,6 +82,35 @@ def test_dynamic_axes_are_symbolic_and_independent(exported_seq2seq):
     assert dims(model, "src_key_padding_mask") == ["batch", "seq"]
     assert dims(model, "output")[:2] == ["batch", "tgt_seq"]
     assert [i.name for i in model.graph.input] == ["src", "tgt", "src_key_padding_mask"]
+
+
+def test_a_runtime_that_finds_functions_by_name_alone_gets_a_body_right_for_every_node(small_seq2seq,
+                                                                                     exported_seq2seq, tmp_path):
+    """TensorRT's parser keys model-local functions by name alone, the first one winning, when it
+    runs a node's function instead of the plugin. Emulated: every FusedAttention node calls the
+    model's first function of that name, the others removed; ONNX Runtime must still match."""
+    model = onnx.load(str(exported_seq2seq.path))
+    first = next(f for f in model.functions if f.name == S.op_type)
+    nodes = [n for n in model.graph.node if n.op_type == S.op_type]
+    assert len({n.domain for n in nodes}) == 2  # two variants: a wrong body would show
+    for node in nodes:
+        node.domain = first.domain
+    kept = [f for f in model.functions if f.name != S.op_type or f is first]
+    del model.functions[:]
+    model.functions.extend(kept)
+    path = tmp_path / "by_name.onnx"
+    onnx.save(model, str(path))
+    inputs = resize(small_seq2seq.example_inputs, {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "tgt_seq"},
+                                                   "src_key_padding_mask": {0: "batch", 1: "seq"}},
+                    {"batch": 2, "seq": 9, "tgt_seq": 6}, seed=3)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            expected = small_seq2seq(**inputs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    (out,) = ort_run(path, inputs)
+    assert_parity(torch.from_numpy(out), expected, 5e-6, "every node on the first function")
 
 
 def test_every_intermediate_value_has_its_shape_in_the_file(exported_seq2seq):

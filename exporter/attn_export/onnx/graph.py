@@ -141,9 +141,15 @@ def value_dims(model: onnx.ModelProto) -> Dict[str, List[object]]:
 def attach_function(model: onnx.ModelProto, opset: int) -> None:
     """Gives each FusedAttention node of the spec's domain the lean body of its variant (static
     attributes and query type; onnx_node.BodyVariant): the node moves to the variant's domain,
-    and the model carries one function per variant used, imports each variant's domain and no
-    longer the spec's own when no node is left in it. Nodes already in a variant's domain, and
-    functions the model already carries, are left as they are."""
+    and the model carries one function per variant used and imports each variant's domain.
+    Nodes already in a variant's domain, and functions the model already carries, are left as
+    they are.
+
+    The model's first function named FusedAttention is the generic body, in the spec's domain,
+    called by no node: TensorRT's ONNX parser keys model-local functions by name alone (the first
+    one wins), and when it runs a node's function rather than the plugin (parsers before 10.15
+    prefer the function; later ones fall back to it without the plugin) it must get a body that
+    is right for every node, whatever its variant (docs/onnx_node.md)."""
     s = _spec.load()
     types = value_types(model)
     have = {f.domain for f in model.functions if f.name == s.op_type}
@@ -155,15 +161,25 @@ def attach_function(model: onnx.ModelProto, opset: int) -> None:
         if variant.domain not in have:
             model.functions.append(onnx_node.lean_function_proto(opset, variant))
             have.add(variant.domain)
-    used = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
-    imports = [o for o in model.opset_import if o.domain != s.domain or o.domain in used]
-    imported = {o.domain for o in imports}
-    imports += [onnx.helper.make_opsetid(d, s.domain_version) for d in sorted(used - imported)
-                if onnx_node.is_attention_domain(d)]
-    del model.opset_import[:]
-    model.opset_import.extend(imports)
+    _generic_body_first(model, opset)
+    used = {n.domain for n in model.graph.node} | {f.domain for f in model.functions}
+    imported = {o.domain for o in model.opset_import}
+    model.opset_import.extend(onnx.helper.make_opsetid(d, s.domain_version) for d in sorted(used - imported)
+                              if onnx_node.is_attention_domain(d))
     # Model-local functions are ONNX IR version 8.
     model.ir_version = max(model.ir_version, 8)
+
+
+def _generic_body_first(model: onnx.ModelProto, opset: int) -> None:
+    """The generic body as the model's first function named FusedAttention (attach_function)."""
+    s = _spec.load()
+    named = [f for f in model.functions if f.name == s.op_type]
+    if named and named[0].domain == s.domain:
+        return
+    generic = [f for f in named if f.domain == s.domain] or [onnx_node.function_proto(opset)]
+    rest = [f for f in model.functions if f not in generic]
+    del model.functions[:]
+    model.functions.extend(generic + rest)
 
 
 def inline_functions(model: onnx.ModelProto) -> None:
