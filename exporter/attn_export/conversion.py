@@ -34,6 +34,7 @@ class ConvertOptions:
     onnx_output: Optional[str | Path] = None
     opset: Optional[int] = None
     attention: str = "custom"  # or "standard": the opset-23 Attention node
+    functions: str = "local"  # or "inline": the custom nodes' bodies written into the graph
     dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16"; default: the model's own
     replace: bool = True
     validate: bool = True
@@ -59,6 +60,8 @@ class ConvertOptions:
             raise InputError(f"unknown target {self.to!r}: one of {', '.join(TARGETS)}")
         if self.attention not in ("custom", "standard"):
             raise InputError(f"unknown ONNX attention flavor {self.attention!r}: custom or standard")
+        if self.functions not in ("local", "inline"):
+            raise InputError(f"unknown ONNX function mode {self.functions!r}: local or inline")
 
 
 class Progress(Protocol):
@@ -253,7 +256,8 @@ def _export(model, inputs, onnx_path: Path, options: ConvertOptions, progress: P
     with progress.step(f"exporting to {onnx_path}"):
         export = export_onnx(model, inputs, onnx_path, opset=options.opset, dtype=options.dtype,
                              dynamic_axes=options.dynamic_axes, replace=options.replace,
-                             quiet=not options.verbose, seed=options.seed, attention=options.attention)
+                             quiet=not options.verbose, seed=options.seed, attention=options.attention,
+                             functions=options.functions)
     for note in export.notes + (export.replacement.notes if export.replacement else []):
         progress.note(f"note: {note}")
     return export

@@ -27,7 +27,7 @@ def test_help_lists_verbs():
     ("convert", ["--to", "--input", "--example-inputs", "--dynamic", "--static", "--opset", "--dtype",
                  "--no-validate", "--trust-model-file", "EXECUTES CODE", "--allow-class", "--model", "--weights",
                  "--quiet", "--verbose", "--json", "--junit", "--min-replaced", "transformers:CLASS",
-                 "--config", "save_pretrained folder", "--onnx-attention", "--ort-provider", "--html"]),
+                 "--config", "save_pretrained folder", "--onnx-attention", "--onnx-functions", "--ort-provider", "--html"]),
     ("inspect", ["--allow-class", "--trust-model-file", "--require-all"]),
     ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes", "--ort-provider", "--html"]),
     ("heatmap", ["--layer", "--batch-index", "--format", "--max-layers", "--max-heads", "--input"]),

@@ -36,7 +36,7 @@ def ort_run(path, inputs):
 
 def fused_nodes(path):
     model = onnx.load(str(path))
-    return [n for n in model.graph.node if n.op_type == S.op_type and n.domain == S.domain], model
+    return [n for n in model.graph.node if n.op_type == S.op_type and n.domain.startswith(S.domain)], model
 
 
 def attrs(node):
@@ -54,11 +54,16 @@ def test_one_node_per_replaced_layer_with_its_attributes(exported_seq2seq):
     nodes, model = fused_nodes(exported_seq2seq.path)
     assert exported_seq2seq.replacement.num_replaced == 3 == len(nodes) == exported_seq2seq.num_attention_nodes
     onnx.checker.check_model(model, full_check=True)
-    # One lean function per variant in use (docs/onnx_node.md, "The lean bodies"), named by the nodes' overload.
-    functions = {f.overload: f for f in model.functions}
-    assert all(f.name == S.op_type and f.domain == S.domain for f in model.functions)
-    assert set(functions) == {n.overload for n in nodes} == {"f32_kpm", "f32_causal_mask"}
-    ops = {overload: [n.op_type for n in f.node] for overload, f in functions.items()}
+    # One lean function per variant in use (docs/onnx_node.md, "The lean bodies"), in the variant's domain.
+    # The first is the generic body in the spec's domain, which no node calls (for parsers that
+    # look functions up by name alone).
+    generic, *lean = model.functions
+    assert generic.domain == S.domain and not [n for n in nodes if n.domain == S.domain]
+    functions = {f.domain[len(S.domain) + 1:]: f for f in lean}
+    assert all(f.name == S.op_type and not f.overload for f in model.functions)
+    assert {f.domain for f in lean} == {n.domain for n in nodes}
+    assert set(functions) == {"f32_kpm", "f32_causal_mask"}
+    ops = {variant: [n.op_type for n in f.node] for variant, f in functions.items()}
     assert "Trilu" not in ops["f32_kpm"] and "Trilu" in ops["f32_causal_mask"]  # no causal work unless causal
     assert not [op for body in ops.values() for op in body if op in ("Cast", "CastLike", "Tanh")]  # float32, no cap
     by_flags = sorted((a["is_causal"], a["has_key_padding_mask"], a["has_attn_mask"]) for a in map(attrs, nodes))
@@ -79,6 +84,50 @@ def test_dynamic_axes_are_symbolic_and_independent(exported_seq2seq):
     assert dims(model, "src_key_padding_mask") == ["batch", "seq"]
     assert dims(model, "output")[:2] == ["batch", "tgt_seq"]
     assert [i.name for i in model.graph.input] == ["src", "tgt", "src_key_padding_mask"]
+
+
+def test_a_runtime_that_finds_functions_by_name_alone_gets_a_body_right_for_every_node(small_seq2seq,
+                                                                                     exported_seq2seq, tmp_path):
+    """TensorRT's parser keys model-local functions by name alone, the first one winning, when it
+    runs a node's function instead of the plugin. Emulated: every FusedAttention node calls the
+    model's first function of that name, the others removed; ONNX Runtime must still match."""
+    model = onnx.load(str(exported_seq2seq.path))
+    first = next(f for f in model.functions if f.name == S.op_type)
+    nodes = [n for n in model.graph.node if n.op_type == S.op_type]
+    assert len({n.domain for n in nodes}) == 2  # two variants: a wrong body would show
+    for node in nodes:
+        node.domain = first.domain
+    kept = [f for f in model.functions if f.name != S.op_type or f is first]
+    del model.functions[:]
+    model.functions.extend(kept)
+    path = tmp_path / "by_name.onnx"
+    onnx.save(model, str(path))
+    inputs = resize(small_seq2seq.example_inputs, {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "tgt_seq"},
+                                                   "src_key_padding_mask": {0: "batch", 1: "seq"}},
+                    {"batch": 2, "seq": 9, "tgt_seq": 6}, seed=3)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            expected = small_seq2seq(**inputs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    (out,) = ort_run(path, inputs)
+    assert_parity(torch.from_numpy(out), expected, 5e-6, "every node on the first function")
+
+
+def test_every_intermediate_value_has_its_shape_in_the_file(exported_seq2seq):
+    """Shape inference ran before saving: each node output is in value_info with a shape whose
+    rank is known (tools such as Polygraphy read shapes from the file), the attention nodes'
+    outputs with their symbolic batch and length."""
+    model = onnx.load(str(exported_seq2seq.path))
+    recorded = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output)}
+    produced = [o for n in model.graph.node for o in n.output if o]
+    assert produced and [o for o in produced if o not in recorded] == []
+    assert [o for o in produced if not recorded[o].type.tensor_type.HasField("shape")] == []
+    nodes, _ = fused_nodes(exported_seq2seq.path)
+    for node in nodes:
+        dims = [d.dim_param or d.dim_value for d in recorded[node.output[0]].type.tensor_type.shape.dim]
+        assert dims[0] == "batch" and dims[1] in ("seq", "tgt_seq") and dims[2] == 16, (node.name, dims)
 
 
 @pytest.mark.parametrize("sizes", [{}, {"batch": 1}, {"seq": 1, "tgt_seq": 1}, {"seq": 7, "tgt_seq": 13},
@@ -148,7 +197,7 @@ def test_softcap_exports_as_the_node_attribute_and_onnx_runtime_matches_float64(
     onnx.checker.check_model(model, full_check=True)
     assert len(nodes) == 1
     assert math.isclose(attrs(nodes[0])[S.attr_softcap], softcap, rel_tol=1e-6)
-    assert {o.domain: o.version for o in model.opset_import}[S.domain] == S.domain_version == 2
+    assert {o.domain: o.version for o in model.opset_import}[nodes[0].domain] == S.domain_version == 2
     assert attrs(nodes[0])[S.attr_plugin_version] == b"2"
     for shapes in ({"batch": 2, "lq": 5, "lk": 7}, {"batch": 3, "lq": 9, "lk": 4}):
         other = resize(inputs, axes, shapes, seed=3)

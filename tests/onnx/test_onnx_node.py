@@ -21,13 +21,14 @@ OPSET = 20
 
 
 def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET, body="generic"):
-    """One FusedAttention node with the generic function (``body="generic"``, what a node without
-    an overload runs) or the lean function of its variant (``"lean"``, what the exporter attaches)."""
+    """One FusedAttention node with the generic function (``body="generic"``, what a node of the
+    spec's domain runs) or the lean function of its variant (``"lean"``, what the exporter
+    attaches: the node in the variant's domain)."""
     node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
     function = onnx_node.function_proto(opset)
     if body == "lean":
         variant = onnx_node.BodyVariant.of_node(node, elem)
-        node.overload = variant.overload
+        node.domain = variant.domain
         function = onnx_node.lean_function_proto(opset, variant)
     inputs = [
         helper.make_tensor_value_info("query", elem, ["B", "Lq", "E"]),
@@ -38,7 +39,7 @@ def one_node_model(attrs, elem=TensorProto.FLOAT, opset=OPSET, body="generic"):
     ]
     graph = helper.make_graph([node], "one_node", inputs, [helper.make_tensor_value_info("out", elem, ["B", "Lq", "Ev"])])
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(S.domain, S.domain_version)],
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(node.domain, S.domain_version)],
         functions=[function],
     )
     return model
@@ -265,7 +266,7 @@ def test_the_minimum_opset_is_accepted_and_the_refusal_names_it():
                                    f"got {S.min_onnx_opset - 1}")
 
 
-@pytest.mark.parametrize("attrs,query_type,overload", [
+@pytest.mark.parametrize("attrs,query_type,name", [
     ({}, TensorProto.FLOAT, "f32"),
     ({"is_causal": 1}, TensorProto.FLOAT16, "cast_causal"),
     ({"has_key_padding_mask": 1, "softcap": 2.0}, None, "cast_kpm_softcap"),
@@ -273,16 +274,20 @@ def test_the_minimum_opset_is_accepted_and_the_refusal_names_it():
      "f32_causal_kpm_mask_softcap"),
     ({"has_attn_mask": 1, "softcap": 0.0}, TensorProto.BFLOAT16, "cast_mask"),
 ])
-def test_body_variants_are_read_from_the_node_and_named_by_their_work(attrs, query_type, overload):
+def test_body_variants_are_read_from_the_node_and_named_by_their_work(attrs, query_type, name):
     node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, num_heads=2, scale=0.5, **attrs)
     variant = onnx_node.BodyVariant.of_node(node, query_type)
-    assert variant.overload == overload
+    assert variant.name == name and variant.domain == f"{S.domain}.{name}"
     function = onnx_node.lean_function_proto(OPSET, variant)
-    assert (function.domain, function.name, function.overload) == (S.domain, S.op_type, overload)
+    # Its own (domain, name), no overload: tools that ignore overloads cannot mix variants up.
+    assert (function.domain, function.name, function.overload) == (f"{S.domain}.{name}", S.op_type, "")
     ops = [n.op_type for n in function.node]
-    assert ("Cast" in ops) == overload.startswith("cast") and ("Tanh" in ops) == ("softcap" in overload)
-    assert ("Trilu" in ops) == ("causal" in overload)
-    assert ("IsInf" in ops) == ("kpm" in overload or "mask" in overload)  # the dead-row guard: masks only
+    assert ("Cast" in ops) == name.startswith("cast") and ("Tanh" in ops) == ("softcap" in name)
+    assert ("Trilu" in ops) == ("causal" in name)
+    assert ("IsInf" in ops) == ("kpm" in name or "mask" in name)  # the dead-row guard: masks only
+    # Every declared input is read (an absent mask for an empty slice of its shape): tools that
+    # drop unread function inputs leave the node's arity alone.
+    assert set(function.input) <= {i for n in function.node for i in n.input}
 
 
 def test_both_bodies_declare_the_spec_attributes():

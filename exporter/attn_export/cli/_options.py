@@ -267,6 +267,18 @@ def onnx_attention_option(f):
     )(f)
 
 
+def onnx_functions_option(f):
+    """Where the custom nodes' bodies go (``onnx_functions: str``)."""
+    return click.option(
+        "--onnx-functions", "onnx_functions", type=click.Choice(["local", "inline"]), default="local",
+        show_default=True,
+        help="local: each custom node calls its model-local function (ONNX Runtime inlines it, TensorRT maps the "
+             "node to the plugin). inline: the bodies are written into the graph, no custom node and no function "
+             "left, for runtimes and tools that do not read model-local functions (OpenVINO, "
+             "onnx.version_converter); TensorRT then runs plain ops, not the plugin.",
+    )(f)
+
+
 def logging_options(f):
     return _apply([
         click.option("-q", "--quiet", is_flag=True, help="Print errors only (the exit code tells the verdict)."),

@@ -16,6 +16,7 @@ from attn_export.cli._options import (
     logging_options,
     model_options,
     onnx_attention_option,
+    onnx_functions_option,
     ort_options,
     plugin_option,
     profile_options,
@@ -51,7 +52,9 @@ a float16 engine) and has one optimization profile: every dynamic dimension from
 over the example size (opt) to 4 x the example size (max) unless --min-shapes/--opt-shapes/
 --max-shapes say otherwise. A <engine>.json beside the engine records the plugin library it
 needs (docs/tensorrt.md). With --onnx-attention standard the engine needs no plugin: TensorRT's
-parser (10.14+) maps the standard Attention nodes itself.
+parser (10.14+) maps the standard Attention nodes itself. --onnx-functions inline writes the
+custom nodes' bodies into the graph, for runtimes that do not read model-local functions
+(OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
 
 \b
 Examples:
@@ -91,6 +94,7 @@ def default_output(model_path, factory, to: str) -> Path:
 @click.option("--opset", type=int, default=None, metavar="N",
               help="ONNX opset (18 and up; default 20, with --onnx-attention standard 23 and up, default 23).")
 @onnx_attention_option
+@onnx_functions_option
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Export in this precision (default: the model's own).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
@@ -104,7 +108,7 @@ def default_output(model_path, factory, to: str) -> Path:
 @html_option
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, dtype,
+def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, onnx_functions, dtype,
             no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
     import torch
 
@@ -123,7 +127,7 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     shapes = profile_args.shape_specs() if to == "tensorrt" else {"min": {}, "opt": {}, "max": {}}
     options = ConvertOptions(
         output=output or default_output(model_path, model_args.factory, to), to=to, onnx_output=onnx_output,
-        opset=opset, attention=onnx_attention, dtype=dtype, replace=not no_replace, validate=not no_validate,
+        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, replace=not no_replace, validate=not no_validate,
         seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
         ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
         plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],

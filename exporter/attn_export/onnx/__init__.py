@@ -23,12 +23,19 @@ from attn_export.onnx.graph import (
     output_names_for,
     read_metadata,
 )
-from attn_export.onnx.pipeline import ATTENTION_FLAVORS, DEFAULT_OPSET, EXPORT_DTYPES, ExportResult, export_onnx
+from attn_export.onnx.pipeline import (
+    ATTENTION_FLAVORS,
+    DEFAULT_OPSET,
+    EXPORT_DTYPES,
+    FUNCTION_MODES,
+    ExportResult,
+    export_onnx,
+)
 from attn_export.onnx.standard import attention_flavor, to_standard_attention
 from attn_export.onnx.translation import translate_attention, translate_multi_head_attention, translation_table
 
 __all__ = [
-    "export_onnx", "ExportResult", "ATTENTION_FLAVORS", "attention_flavor", "to_standard_attention", "DEFAULT_OPSET", "EXPORT_DTYPES", "META_PREFIX", "read_metadata",
+    "export_onnx", "ExportResult", "ATTENTION_FLAVORS", "FUNCTION_MODES", "attention_flavor", "to_standard_attention", "DEFAULT_OPSET", "EXPORT_DTYPES", "META_PREFIX", "read_metadata",
     "count_attention_nodes", "attach_function", "apply_axis_labels", "output_names_for", "flatten_outputs",
     "translation_table", "translate_multi_head_attention", "translate_attention",
 ]

@@ -122,7 +122,7 @@ def count_attention_nodes(model: onnx.ModelProto) -> int:
 
 def attention_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
     s = _spec.load()
-    return [n for n in model.graph.node if n.op_type == s.op_type and n.domain == s.domain]
+    return [n for n in model.graph.node if n.op_type == s.op_type and onnx_node.is_attention_domain(n.domain)]
 
 
 def value_types(model: onnx.ModelProto) -> Dict[str, int]:
@@ -147,25 +147,72 @@ def value_dims(model: onnx.ModelProto) -> Dict[str, List[object]]:
 
 
 def attach_function(model: onnx.ModelProto, opset: int) -> None:
-    """Gives each FusedAttention node the lean body of its variant (static attributes and query
-    type; onnx_node.BodyVariant): the node's ``overload`` names it, and the model carries one
-    function per variant used. Nodes that already name an overload, and models that already
-    carry the functions, are left as they are."""
+    """Gives each FusedAttention node of the spec's domain the lean body of its variant (static
+    attributes and query type; onnx_node.BodyVariant): the node moves to the variant's domain,
+    and the model carries one function per variant used and imports each variant's domain.
+    Nodes already in a variant's domain, and functions the model already carries, are left as
+    they are.
+
+    The model's first function named FusedAttention is the generic body, in the spec's domain,
+    called by no node: TensorRT's ONNX parser keys model-local functions by name alone (the first
+    one wins), and when it runs a node's function rather than the plugin (parsers before 10.15
+    prefer the function; later ones fall back to it without the plugin) it must get a body that
+    is right for every node, whatever its variant (docs/onnx_node.md)."""
     s = _spec.load()
     types = value_types(model)
-    have = {f.overload for f in model.functions if f.domain == s.domain and f.name == s.op_type}
+    have = {f.domain for f in model.functions if f.name == s.op_type}
     for node in attention_nodes(model):
-        if node.overload:
+        if node.domain != s.domain:
             continue
         variant = onnx_node.BodyVariant.of_node(node, types.get(node.input[0]))
-        node.overload = variant.overload
-        if variant.overload not in have:
+        node.domain = variant.domain
+        if variant.domain not in have:
             model.functions.append(onnx_node.lean_function_proto(opset, variant))
-            have.add(variant.overload)
-    # Function overloads (node.overload) are ONNX IR version 10.
-    model.ir_version = max(model.ir_version, 10)
-    if not any(o.domain == s.domain for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(s.domain, s.domain_version))
+            have.add(variant.domain)
+    _generic_body_first(model, opset)
+    used = {n.domain for n in model.graph.node} | {f.domain for f in model.functions}
+    imported = {o.domain for o in model.opset_import}
+    model.opset_import.extend(onnx.helper.make_opsetid(d, s.domain_version) for d in sorted(used - imported)
+                              if onnx_node.is_attention_domain(d))
+    # Model-local functions are ONNX IR version 8.
+    model.ir_version = max(model.ir_version, 8)
+
+
+def _generic_body_first(model: onnx.ModelProto, opset: int) -> None:
+    """The generic body as the model's first function named FusedAttention (attach_function)."""
+    s = _spec.load()
+    named = [f for f in model.functions if f.name == s.op_type]
+    if named and named[0].domain == s.domain:
+        return
+    generic = [f for f in named if f.domain == s.domain] or [onnx_node.function_proto(opset)]
+    rest = [f for f in model.functions if f not in generic]
+    del model.functions[:]
+    model.functions.extend(generic + rest)
+
+
+def inline_functions(model: onnx.ModelProto) -> None:
+    """Writes the FusedAttention nodes' bodies into the graph (``onnx.inliner``) and drops the
+    functions and the domains they leave unused: a function-free model of standard ops."""
+    import onnx.inliner
+
+    model.CopyFrom(onnx.inliner.inline_local_functions(model))
+    used = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
+    imports = [o for o in model.opset_import if not onnx_node.is_attention_domain(o.domain) or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+
+
+def record_shapes(model: onnx.ModelProto) -> None:
+    """Runs ONNX shape inference (through the model-local functions, with data propagation) and
+    keeps what it finds in ``value_info``: every intermediate value gets its type and, where it
+    can be known, its shape, so tools that read shapes from the file (Polygraphy, quantizers,
+    TensorRT's parser) see them; torch's exporter leaves some values (the attention outputs, the
+    out-projections) with a type alone. Not strict: a value inference cannot type stays as the
+    exporter wrote it. Models over protobuf's 2 GB limit are left alone (saving refuses them)."""
+    if model.ByteSize() > 2**31 - 1:
+        return
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False, data_prop=True)
+    model.CopyFrom(inferred)
 
 
 def read_metadata(model: onnx.ModelProto) -> Dict[str, str]:

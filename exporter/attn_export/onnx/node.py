@@ -111,17 +111,20 @@ def _attr_const(name, attr_name, kind):
     return node
 
 
-def _head_split_nodes(query: str, key: str, value: str) -> list:
+def _head_split_nodes(query: str, key: str, value: str, unread: tuple = ()) -> list:
     """The head split [B, L, H*D] -> q [B, H, Lq, D], kt [B, H, D, Lk], v [B, H, Lk, Dv]
-    (Reshape to [0, 0, H, -1]: Reshape's 0 copies B and L)."""
+    (Reshape to [0, 0, H, -1]: Reshape's 0 copies B and L). Each of ``unread`` (inputs the body
+    has no use for) joins the split shape as the empty slice ``Shape(x, start=0, end=0)``."""
     n = helper.make_node
+    empty = [f"{name}_no_dims" for name in unread]
     return [
         _attr_const("heads", _spec.load().attr_num_heads, "value_int"),
         _const("axis0", [0]),
         _const("zero2", [0, 0]),
         _const("minus1", [-1]),
         n("Unsqueeze", ["heads", "axis0"], ["heads1"]),
-        n("Concat", ["zero2", "heads1", "minus1"], ["split_shape"], axis=0),
+        *[n("Shape", [name], [out], start=0, end=0) for name, out in zip(unread, empty)],
+        n("Concat", ["zero2", "heads1", "minus1", *empty], ["split_shape"], axis=0),
         n("Reshape", [query, "split_shape"], ["q4"]),
         n("Reshape", [key, "split_shape"], ["k4"]),
         n("Reshape", [value, "split_shape"], ["v4"]),
@@ -137,10 +140,18 @@ def _check_opset(opset: int) -> None:
         raise ValueError(f"the {s.op_type} function body needs ONNX opset >= {s.min_onnx_opset}; got {opset}")
 
 
-def _make_function(nodes, opset: int, overload: str = "") -> onnx.FunctionProto:
+def is_attention_domain(domain: str) -> bool:
+    """Whether a node or function of this domain is the FusedAttention node: the spec's domain
+    (hand-built nodes, the exporter before the bodies are attached) or one of its per-variant
+    domains ``<domain>.<variant>`` (docs/onnx_node.md, "The lean bodies")."""
+    base = _spec.load().domain
+    return domain == base or domain.startswith(base + ".")
+
+
+def _make_function(nodes, opset: int, domain: Optional[str] = None) -> onnx.FunctionProto:
     s = _spec.load()
     function = helper.make_function(
-        s.domain,
+        domain or s.domain,
         s.op_type,
         inputs=list(s.input_names),
         outputs=list(s.output_names),
@@ -153,7 +164,6 @@ def _make_function(nodes, opset: int, overload: str = "") -> onnx.FunctionProto:
         attribute_protos=[_default_attribute(a) for a in s.attributes if not a.required],
         doc_string="attn_export fused attention core; see docs/onnx_node.md",
     )
-    function.overload = overload
     return function
 
 
@@ -240,7 +250,10 @@ def function_proto(opset: int) -> onnx.FunctionProto:
 class BodyVariant:
     """What one node's body has to compute, from its static attributes and its query type: the
     lean function of docs/onnx_node.md ("The lean bodies"). Nodes that share a variant share one
-    function, told apart from the others by the ONNX function ``overload`` (IR version 10)."""
+    function, told apart from the others by its domain, ``<spec domain>.<name>``: a function's
+    identity is (domain, name[, overload]), and tools that ignore ``overload`` (onnx.reference,
+    onnx-graphsurgeon) would run one body for every variant. TensorRT's parser ignores the
+    domain, so every variant still maps to the one plugin."""
 
     is_causal: bool
     has_key_padding_mask: bool
@@ -249,12 +262,17 @@ class BodyVariant:
     float32: bool  # T is float32: no casts
 
     @property
-    def overload(self) -> str:
+    def name(self) -> str:
         """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``."""
         parts = ["f32" if self.float32 else "cast"]
         parts += [name for name, on in (("causal", self.is_causal), ("kpm", self.has_key_padding_mask),
                                         ("mask", self.has_attn_mask), ("softcap", self.softcap)) if on]
         return "_".join(parts)
+
+    @property
+    def domain(self) -> str:
+        """The domain of the variant's nodes and function, e.g. ``attn_export.f32_kpm``."""
+        return f"{_spec.load().domain}.{self.name}"
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
@@ -273,8 +291,8 @@ class BodyVariant:
 
 
 def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
-    """The node's function for the nodes of one :class:`BodyVariant` (overload
-    ``variant.overload``): the same result as :func:`function_proto`, with only the work the
+    """The node's function for the nodes of one :class:`BodyVariant` (in the domain
+    ``variant.domain``): the same result as :func:`function_proto`, with only the work the
     variant needs (docs/onnx_node.md, "The lean bodies"):
 
         q = Transpose(Reshape(query, [0, 0, H, -1]), [0, 2, 1, 3]) * scale   (the scale on q, not on the scores)
@@ -291,7 +309,13 @@ def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
     Causal masking alone never empties a row (query i always sees key 0), so the guard reads the
     bias, which is at most [B, H, Lq, Lk] and usually far smaller (a padding mask: [B, 1, 1, Lk]),
     and zeroes [.., Lq, Dv] outputs instead of [.., Lq, Lk] probabilities. T other than float32
-    is cast to float32 and the output back (accumulation in float32, as the plugin)."""
+    is cast to float32 and the output back (accumulation in float32, as the plugin).
+
+    The body reads every input it declares: an absent mask (its zero placeholder) only for an
+    empty slice of its shape, concatenated to the head-split shape (no change to it; ONNX Runtime
+    folds it away with the other shape constants). Tools that drop the function inputs a body
+    never reads (onnxslim) would otherwise leave the calling node with more inputs than the
+    function declares."""
     s = _spec.load()
     _check_opset(opset)
     q_in, k_in, v_in, kpm_in, mask_in = s.input_names
@@ -304,7 +328,9 @@ def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
         nodes += [n("Cast", [q_in], ["q32"], to=f32), n("Cast", [k_in], ["k32"], to=f32),
                   n("Cast", [v_in], ["v32"], to=f32)]
         q, k, v = "q32", "k32", "v32"
-    nodes += _head_split_nodes(q, k, v) + [
+    unread = tuple(name for name, used in ((kpm_in, variant.has_key_padding_mask), (mask_in, variant.has_attn_mask))
+                   if not used)
+    nodes += _head_split_nodes(q, k, v, unread) + [
         _attr_const("scale", s.attr_scale, "value_float"),
         n("Mul", ["q", "scale"], ["q_scaled"]),
         n("MatMul", ["q_scaled", "kt"], ["scaled"]),
@@ -365,4 +391,4 @@ def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:
         nodes.append(n("Reshape", ["ctx_t", "merge_shape"], [out_name]))
     else:
         nodes += [n("Reshape", ["ctx_t", "merge_shape"], ["ctx32"]), n("CastLike", ["ctx32", q_in], [out_name])]
-    return _make_function(nodes, opset, overload=variant.overload)
+    return _make_function(nodes, opset, domain=variant.domain)

@@ -27,8 +27,10 @@ from attn_export.onnx.graph import (
     apply_axis_labels,
     attach_function,
     count_attention_nodes,
+    inline_functions,
     output_names_for,
     project_before_transposing_inputs,
+    record_shapes,
 )
 from attn_export.surgery.patterns import rewrite as rewrite_patterns
 from attn_export.onnx.standard import MIN_OPSET as STANDARD_MIN_OPSET, to_standard_attention
@@ -39,6 +41,10 @@ DEFAULT_OPSET = 20
 # How each fused layer is written: the custom FusedAttention node (with its model-local function
 # and the TensorRT plugin), or the standard Attention operator (opset 23; docs/onnx_node.md).
 ATTENTION_FLAVORS = ("custom", "standard")
+# Where the custom nodes' bodies go: model-local functions called by the nodes (the TensorRT
+# plugin maps the nodes), or written inline into the graph for runtimes and tools that do not
+# read model-local functions (OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
+FUNCTION_MODES = ("local", "inline")
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -54,6 +60,7 @@ class ExportResult:
     replacement: Optional[object] = None  # ReplacementReport when export_onnx replaced layers
     notes: List[str] = field(default_factory=list)
     attention: str = "custom"  # the flavor asked for
+    functions: str = "local"  # or "inline": no model-local function, no custom node
     num_standard_attention_nodes: int = 0
     kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
 
@@ -69,6 +76,7 @@ class ExportResult:
             "replacement": self.replacement.to_dict() if self.replacement is not None else None,
             "notes": self.notes,
             "attention": self.attention,
+            "functions": self.functions,
             "num_standard_attention_nodes": self.num_standard_attention_nodes,
             "kept_custom": self.kept_custom,
         }
@@ -157,6 +165,7 @@ def export_onnx(
     quiet: bool = True,
     seed: int = 0,
     attention: str = "custom",
+    functions: str = "local",
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -179,10 +188,14 @@ def export_onnx(
         attention: "custom" (default): one FusedAttention node per layer, with its model-local
             function; "standard": one standard ``Attention`` node (opset >= 23) per layer where
             it can express the layer, the custom node where not (``kept_custom`` says why).
+        functions: "local" (default): each custom node calls its model-local function;
+            "inline": the bodies are written into the graph instead, no custom node is left
+            (for runtimes that do not read model-local functions; the TensorRT plugin then has
+            nothing to map).
     """
     from attn_export.surgery.replace import replace_attention
 
-    opset = _check_options(opset, dtype, attention)
+    opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
 
@@ -212,7 +225,7 @@ def export_onnx(
     notes.extend(f"not fused: {line}" for line in confirmed)
 
     proto = _capture(work, trace_inputs, axes, opset, output_names, report, quiet)
-    labels, rewrite = _finish_graph(proto, axes, opset, attention, notes, required=dynamic_axes is not None)
+    labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, notes, required=dynamic_axes is not None)
     axes = {n: {a: lbl for a, lbl in d.items() if a in labels.get(n, {})} for n, d in axes.items()}
     axes = {n: d for n, d in axes.items() if d}  # what came out dynamic: the metadata's, the gate's
     meta = _write_metadata(proto, {
@@ -223,21 +236,24 @@ def export_onnx(
         "output_names": json.dumps(output_names),
         "attention_nodes": str(count_attention_nodes(proto)),
         "attention": attention,
+        "functions": functions,
     })
     _save(proto, path)
     return ExportResult(
         path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
         dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
-        attention=attention, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
+        attention=attention, functions=functions, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
         kept_custom=rewrite.kept if rewrite else [],
     )
 
 
-def _check_options(opset: Optional[int], dtype: Optional[str], attention: str) -> int:
-    """The opset to export with, after the flavor, opset and dtype are checked."""
+def _check_options(opset: Optional[int], dtype: Optional[str], attention: str, functions: str) -> int:
+    """The opset to export with, after the flavor, function mode, opset and dtype are checked."""
     s = _spec.load()
     if attention not in ATTENTION_FLAVORS:
         raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
+    if functions not in FUNCTION_MODES:
+        raise InputError(f"--onnx-functions {functions}: one of {', '.join(FUNCTION_MODES)}")
     standard = attention == "standard"
     if opset is None:
         opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
@@ -297,10 +313,10 @@ def _hint(exc: BaseException) -> str:
     return ""
 
 
-def _finish_graph(proto, axes, opset: int, attention: str, notes: List[str], required: bool):
+def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes: List[str], required: bool):
     """Axis labels (an axis declared dynamic, ``required``, that came out static is an error; a
     default one is dropped with a note), the runtime-safe rewrites, the standard flavor, the
-    function bodies. Returns (labels, the standard rewrite)."""
+    function bodies, every value's shape. Returns (labels, the standard rewrite)."""
     labels, static = apply_axis_labels(proto, axes)
     if static:
         listed = ", ".join(f"{n}:{a} ({lbl}, came out as {v})" for n, a, lbl, v in static)
@@ -318,6 +334,9 @@ def _finish_graph(proto, axes, opset: int, attention: str, notes: List[str], req
         notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
     if count_attention_nodes(proto):
         attach_function(proto, opset)
+        if functions == "inline":
+            inline_functions(proto)
+    record_shapes(proto)
     return labels, rewrite
 
 

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 from attn_export import spec as _spec
 from attn_export.onnx.graph import attention_nodes, value_dims, value_types
+from attn_export.onnx.node import is_attention_domain
 
 MIN_OPSET = 23  # the first opset with the standard Attention operator
 
@@ -217,7 +218,7 @@ def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
     remove_unused(model)
     if not kept:  # no custom node left: no custom domain
         s = _spec.load()
-        imports = [o for o in model.opset_import if o.domain != s.domain]
+        imports = [o for o in model.opset_import if not is_attention_domain(o.domain)]
         del model.opset_import[:]
         model.opset_import.extend(imports)
     return StandardRewrite(converted, kept)

@@ -14,6 +14,7 @@ import torch
 from attn_export import spec as _spec
 from attn_export.errors import InputError
 from attn_export.atomic_io import atomic_output, write_text
+from attn_export.onnx.node import is_attention_domain
 from attn_export.tensorrt.preflight import PreflightReport, preflight
 from attn_export.tensorrt.profiles import ShapeProfile
 from attn_export.tensorrt.runtime import EngineError, collecting_logger, gpu_name, require_runtime
@@ -48,12 +49,12 @@ def _network_flags(trt) -> int:
 
 
 def _without_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with the FusedAttention function removed, so that every TensorRT parser maps
+    """The model with the FusedAttention functions (every variant's) removed, so that every TensorRT parser maps
     the nodes to the plugin (parsers before 10.15 prefer a model-local function of the same name)."""
     s = _spec.load()
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
-    keep = [f for f in stripped.functions if not (f.domain == s.domain and f.name == s.op_type)]
+    keep = [f for f in stripped.functions if not (is_attention_domain(f.domain) and f.name == s.op_type)]
     del stripped.functions[:]
     stripped.functions.extend(keep)
     return stripped

@@ -22,12 +22,14 @@ def attention_checks(onnx_model, metadata: Dict[str, str]) -> List[CheckResult]:
     """The FusedAttention nodes have their model-local function (the portable body), and as
     many as the exporter recorded."""
     from attn_export.onnx import count_attention_nodes
+    from attn_export.onnx.node import is_attention_domain
 
     s = _spec.load()
     nodes = count_attention_nodes(onnx_model)
     checks = []
     if nodes:
-        has_function = any(f.domain == s.domain and f.name == s.op_type for f in onnx_model.functions)
+        called = {n.domain for n in onnx_model.graph.node if n.op_type == s.op_type and is_attention_domain(n.domain)}
+        has_function = called <= {f.domain for f in onnx_model.functions if f.name == s.op_type}
         checks.append(CheckResult(
             "attention function", has_function,
             f"{nodes} {s.domain}.{s.op_type} node(s), model-local function "
