@@ -18,7 +18,8 @@
    exits 2 saying what is missing, and a faked build record of another torch gives the one-line
    mismatch message instead of loading _C.
 
-Exit 0 when every check passes, 1 otherwise. --keep leaves the temporary folder for inspection.
+Exit 0 when every check passes, 1 otherwise. --keep leaves the temporary folder for inspection;
+--venv DIR installs into an existing environment instead of a fresh one.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ GUARD = textwrap.dedent("""
 """)
 
 PROBE = GUARD + textwrap.dedent("""
-    import importlib, json, pkgutil, sys, traceback
+    import dataclasses, importlib, json, pkgutil, sys, traceback
     from pathlib import Path
 
     checkout, extras = sys.argv[1], json.loads(sys.argv[2])
@@ -101,12 +102,18 @@ PROBE = GUARD + textwrap.dedent("""
         result["data"][what] = str(path.relative_to(package) if path.is_relative_to(package) else path)
         if not (path.is_file() and path.is_relative_to(package)):
             problems.append(f"{what}: {path} is not a file of the installed package")
-    spec.load()  # parses the header: every constant the exporter needs is there
-    if torch.ops.attn_export.attention.default is None:
-        problems.append("torch.ops.attn_export.attention is not registered")
+    # The operators have kernels for every device the build says it has (CUDA: without a GPU too).
+    S = spec.load()
+    keys = ["CPU", "Autograd"] + (["CUDA"] if _build_info.CUDA_VERSION else [])
+    ops = [getattr(S, f.name) for f in dataclasses.fields(S) if f.name.startswith("torch_op_")]
+    missing = [f"{op}/{k}" for op in ops for k in keys if not torch._C._dispatch_has_kernel_for_dispatch_key(op, k)]
+    if missing:
+        problems.append(f"operators without a kernel: {missing}")
+    result["data"]["kernels"] = f"{len(ops)} operators x {'/'.join(keys)}"
     if _build_info.TORCH_VERSION != torch.__version__:
         problems.append(f"built against torch {_build_info.TORCH_VERSION}, running {torch.__version__}")
     result["built_against"] = {"torch": _build_info.TORCH_VERSION, "cuda": _build_info.CUDA_VERSION}
+    result["torch"] = torch.__version__
     # No source tree: the plugin is looked for nowhere by default, and the message says where to build it.
     if plugin_library.default_plugin_paths():
         problems.append(f"an installed package looks for the plugin in {plugin_library.default_plugin_paths()}")
@@ -182,12 +189,16 @@ def restricted_env(tmp: Path, venv: Path) -> dict:
     return env
 
 
-def check_mismatch(checks: Checks, venv: Path, env: dict, work: Path, package: Path, torch_version: str) -> None:
+def check_mismatch(checks: Checks, venv: Path, env: dict, work: Path, package: Path, built: str, torch_version: str) -> None:
     """A build record of another torch: import and the CLI stop with one line naming both."""
     record = package / "_build_info.py"
     original = record.read_text()
-    fake = "2.12.0+cpu" if not torch_version.startswith("2.12") else "2.11.0+cpu"
-    record.write_text(original.replace(f"TORCH_VERSION = {torch_version!r}", f"TORCH_VERSION = {fake!r}"))
+    label = built.partition("+")[2]
+    fake = ("2.12.0" if not torch_version.startswith("2.12") else "2.11.0") + (f"+{label}" if label else "")
+    faked = original.replace(f"TORCH_VERSION = {built!r}", f"TORCH_VERSION = {fake!r}")
+    if not checks.step("torch mismatch: build record faked", faked != original, f"{built} -> {fake}"):
+        return
+    record.write_text(faked)
     try:
         for what, cmd in (("import attn_export", [venv / "bin" / "python", "-I", "-c", "import attn_export"]),
                           ("attn-export --version", ["attn-export", "--version"])):
@@ -205,6 +216,8 @@ def main() -> int:
     parser.add_argument("wheel", type=Path, nargs="?")
     parser.add_argument("--torch-libs", action="store_true", help="print the libraries `make wheel` leaves out, and exit")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--venv", type=Path, help="install into this virtual environment instead of a fresh one "
+                        "(e.g. one kept by --keep: a CUDA torch is 5 GB to install again)")
     parser.add_argument("--no-auditwheel", action="store_true", help="skip `auditwheel show` (not installed)")
     args = parser.parse_args()
     if args.torch_libs:
@@ -225,14 +238,16 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="attn-export-wheel-"))
     try:
-        venv, work = tmp / "venv", tmp / "work"
+        venv, work = (args.venv.resolve() if args.venv else tmp / "venv"), tmp / "work"
         work.mkdir()
-        base = getattr(sys, "_base_executable", None) or sys.executable
-        proc = run([base, "-m", "venv", venv])
-        if not checks.step("fresh virtual environment", proc.returncode == 0, f"{venv}{tail(proc)}"):
-            return 1
+        if not args.venv:
+            base = getattr(sys, "_base_executable", None) or sys.executable
+            proc = run([base, "-m", "venv", venv])
+            if not checks.step("fresh virtual environment", proc.returncode == 0, f"{venv}{tail(proc)}"):
+                return 1
         # The wheel alone: torch and the rest come from its metadata, as in a pipeline.
-        proc = run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel])
+        # --no-compile: byte-compiling all of torch is half of the install's time, and no check needs it.
+        proc = run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", wheel])
         if not checks.step("pip install WHEEL", proc.returncode == 0, tail(proc, 5).strip() if proc.returncode else ""):
             print(tail(proc, 40))
             return 1
@@ -263,7 +278,7 @@ def main() -> int:
 
         allow = ["--allow-class", EXAMPLE_CLASS]
         proc = run(["attn-export", "inspect", "tiny_seq2seq.pt", *allow], env=env, cwd=work)
-        words = [line.strip() for line in proc.stdout.splitlines() if any(c.isalpha() for c in line)]
+        words = [line.strip() for line in proc.stdout.splitlines() if line.strip()[:1].isalnum()]  # not the table
         checks.step("attn-export inspect (bundled example)", proc.returncode == 0, tail(proc, 4) if proc.returncode else
                     (words[-1] if words else ""))
 
@@ -282,12 +297,15 @@ def main() -> int:
         checks.step("nothing compiled at run time", not extensions.exists() or not any(extensions.iterdir()),
                     f"{extensions} {'absent' if not extensions.exists() else 'empty'}")
 
-        check_mismatch(checks, venv, env, work, package, torch_version)
+        check_mismatch(checks, venv, env, work, package, probe["built_against"]["torch"], probe["torch"])
     finally:
         if args.keep:
             print(f"kept {tmp}")
         else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            # In the background: deleting a 1 GB environment took 1-3 minutes on these disks, and
+            # nothing waits for it.
+            subprocess.Popen(["rm", "-rf", str(tmp)], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     total = time.monotonic() - checks.start
     if checks.failures:
         print(f"FAILED: {len(checks.failures)} check(s): {', '.join(checks.failures)} ({total:.0f} s)")
