@@ -118,3 +118,13 @@ def test_the_plugin_is_looked_for_in_the_checkout_build_only():
     from attn_export.tensorrt import plugin_library
 
     assert plugin_library.default_plugin_paths() == [ROOT / "build" / "tensorrt" / plugin_library.PLUGIN_FILENAME]
+
+
+def test_ci_runs_the_wheel_test():
+    """.ci/run runs `make test`, whose first prerequisite after the install is the wheel test."""
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    test_rule = re.search(r"^test:(.*)$", makefile, re.M)
+    assert test_rule and "test-wheel" in test_rule.group(1).split()
+    wheel_rule = re.search(r"^test-wheel:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert wheel_rule and "scripts/wheel_check.py" in wheel_rule.group(1)
