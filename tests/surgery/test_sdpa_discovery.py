@@ -138,3 +138,108 @@ def test_a_module_whose_source_calls_sdpa_but_took_another_path_says_so():
 def test_a_failing_sample_forward_is_one_clear_error():
     with pytest.raises(attn_export.errors.InputError, match=r"the model rejected the example inputs \[\[2, 7, 5\]\] \(in the sample forward"):
         inspect_attention(_model(), (torch.randn(2, 7, 5),))
+
+
+class _Calls(nn.Module):
+    """One SDPA call on [B, 2, L, 8] heads (embed 16 from the call)."""
+
+    def forward(self, x):
+        q = x.unflatten(-1, (2, 8)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("name", ["num_heads", "num_attention_heads", "heads", "n_head"])
+def test_the_modules_own_head_count_wins_over_the_calls(name):
+    module = _Calls()
+    setattr(module, name, 7)
+    (layer,) = inspect_attention(nn.Sequential(module), (torch.randn(1, 3, 16),)).layers
+    assert (layer.num_heads, layer.embed_dim) == (7, 16), name  # the embed dim the calls computed on
+
+
+@pytest.mark.parametrize("name", ["embed_dim", "hidden_size", "inner_dim"])
+def test_the_modules_own_embed_dim_wins_over_the_calls(name):
+    module = _Calls()
+    setattr(module, name, 99)
+    (layer,) = inspect_attention(nn.Sequential(module), (torch.randn(1, 3, 16),)).layers
+    assert (layer.num_heads, layer.embed_dim) == (2, 99), name
+
+
+def test_names_answered_by_a_config_getattr_are_not_read():
+    class Configured(_Calls):  # diffusers' ConfigMixin answers unknown names from its config
+        def __getattr__(self, name):
+            if name in ("num_heads", "embed_dim"):
+                return 5
+            return super().__getattr__(name)
+
+    (layer,) = inspect_attention(nn.Sequential(Configured()), (torch.randn(1, 3, 16),)).layers
+    assert (layer.num_heads, layer.embed_dim) == (2, 16)
+
+
+def test_every_refusal_is_in_the_planned_reason_and_a_skipped_site_has_no_notes():
+    class TwoRefused(nn.Module):
+        attn_drop = 0.1  # a dropout note would be given to a site that is routed
+
+        def forward(self, x):
+            a = F.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+            a = a.unsqueeze(0)
+            return F.scaled_dot_product_attention(a, a, a)
+
+    (layer,) = inspect_attention(nn.Sequential(TwoRefused()), (torch.randn(1, 2, 3, 4),)).layers
+    assert layer.reason == ("its F.scaled_dot_product_attention call(s) would run on PyTorch's SDPA: "
+                            "dropout_p=0.5 (attention dropout is not fused); query/key/value of rank 5/5/5 (3-D or "
+                            "4-D are routed)")
+    assert layer.status == "skipped" and layer.notes == []
+
+
+SOURCE_NOTE = ("no sample forward ran, so F.scaled_dot_product_attention calls were looked for in the modules' "
+               "source, which misses calls through processors, dispatch functions and stored callables: pass "
+               "example inputs")
+
+
+def test_the_source_note_is_given_where_the_source_was_read_and_only_there():
+    assert inspect_attention(_model()).notes == [SOURCE_NOTE]
+    assert replace_attention(_model()).notes == [SOURCE_NOTE]
+    assert SOURCE_NOTE not in replace_attention(_model(), (torch.randn(2, 7, 16),)).notes
+    # Layers found by their type need no sample forward.
+    assert inspect_attention(nn.Sequential(nn.MultiheadAttention(8, 2))).notes == []
+
+
+def test_the_reasons_of_attention_modules_no_call_ran_in():
+    class HandAttention(nn.Module):
+        def forward(self, x):
+            return (x @ x.transpose(-2, -1)).softmax(-1) @ x
+
+    (layer,) = inspect_attention(nn.Sequential(HandAttention()), (torch.randn(1, 2, 3, 4),)).layers
+    assert layer.reason == ("not a torch.nn.MultiheadAttention and no F.scaled_dot_product_attention call ran in it "
+                            "in the sample forward (hand-written softmax(q k^T) v is rewritten in the export, where "
+                            "it matches)")
+
+    class SwitchedAttention(HandAttention):
+        fused_attn = False
+
+        def forward(self, x):
+            if self.fused_attn:
+                return F.scaled_dot_product_attention(x, x, x)
+            return super().forward(x)
+
+    (layer,) = inspect_attention(nn.Sequential(SwitchedAttention()), (torch.randn(1, 2, 3, 4),)).layers
+    assert layer.reason == ("its source calls F.scaled_dot_product_attention, but the sample forward made no such "
+                            "call in it (it took another path, e.g. a switch such as timm's fused_attn=False)")
+
+
+@pytest.mark.parametrize("inputs, shown", [((torch.randn(2, 7, 5),), "[[2, 7, 5]]"),
+                                           ({"x": torch.randn(2, 7, 5)}, "{'x': [2, 7, 5]}")])
+def test_the_rejected_inputs_are_named_with_their_shapes(inputs, shown):
+    with pytest.raises(attn_export.errors.InputError) as info:
+        inspect_attention(_model(), inputs)
+    assert str(info.value).startswith(f"the model rejected the example inputs {shown} (in the sample forward that "
+                                      "finds the attention calls): ")
+
+
+def test_an_error_without_a_message_is_named_by_its_type():
+    class Silent(nn.Module):
+        def forward(self, x):
+            raise KeyError()
+
+    with pytest.raises(attn_export.errors.InputError, match=r"attention calls\): KeyError$"):
+        inspect_attention(Silent(), (torch.randn(1),))
