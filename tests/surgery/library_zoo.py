@@ -108,7 +108,10 @@ def _whisper(use_sdpa: bool):
     dims = wm.ModelDimensions(n_mels=8, n_audio_ctx=8, n_audio_state=16, n_audio_head=2, n_audio_layer=1,
                               n_vocab=40, n_text_ctx=8, n_text_state=16, n_text_head=2, n_text_layer=1)
     torch.manual_seed(0)
-    model = _Whisper(wm.Whisper(dims), use_sdpa).eval()
+    whisper = wm.Whisper(dims)
+    # whisper leaves the decoder's positional embedding uninitialized (torch.empty: NaN at times)
+    torch.nn.init.normal_(whisper.decoder.positional_embedding, std=0.02)
+    model = _Whisper(whisper, use_sdpa).eval()
     return model, {"mel": torch.randn(2, 8, 16), "tokens": torch.randint(0, 40, (2, 5))}
 
 
