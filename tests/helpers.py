@@ -58,6 +58,17 @@ def assert_parity(actual, expected, rel: float, what: str = "", *, scale=None, n
                           f"> {rel:.1e} of max|expected| {own:.3e}; rounding floor {floor:.2e} at scale {config:.3e})")
 
 
+def slow_path_outputs(model, inputs):
+    """model(**inputs) without gradients on PyTorch's original MultiheadAttention path (no fast
+    path, which leaves padded positions undefined): every position is a reference."""
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            return model(**inputs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
 def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| relative to the expected tensor's largest magnitude: a measurement to print or
     to show that something differs (> bound); parity assertions go through assert_parity."""

@@ -9,7 +9,7 @@ import torch
 from attn_export import spec
 from attn_export.errors import InputError
 from attn_export.onnx import export_onnx, read_metadata
-from helpers import assert_parity, invoke
+from helpers import assert_parity, invoke, slow_path_outputs
 
 S = spec.load()
 
@@ -29,12 +29,7 @@ def test_inline_export_has_no_function_and_matches_the_model(small_seq2seq, tmp_
     assert read_metadata(model)["functions"] == "inline"
     assert sum(n.op_type == "Softmax" for n in model.graph.node) == 3  # the three layers' bodies
     inputs = small_seq2seq.example_inputs
-    torch.backends.mha.set_fastpath_enabled(False)  # the original, slow path: every position defined
-    try:
-        with torch.no_grad():
-            expected = small_seq2seq(**inputs)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+    expected = slow_path_outputs(small_seq2seq, inputs)
     session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
     (out,) = session.run(None, {k: v.numpy() for k, v in inputs.items()})
     assert_parity(torch.from_numpy(out), expected, 5e-6, "inline export")

@@ -18,7 +18,7 @@ from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
 from attn_export.onnx import export_onnx, read_metadata
 from attn_export.validation import validate
-from helpers import assert_parity
+from helpers import assert_parity, slow_path_outputs
 
 S = spec.load()
 
@@ -138,12 +138,7 @@ def test_onnx_runtime_matches_the_original_model(small_seq2seq, exported_seq2seq
             "src_key_padding_mask": {0: "batch", 1: "seq"}}
     base = {"batch": 2, "seq": 16, "tgt_seq": 12}
     inputs = resize(example, axes, {**base, **sizes}, seed=1)
-    torch.backends.mha.set_fastpath_enabled(False)  # the original, slow path: every position defined
-    try:
-        with torch.no_grad():
-            expected = small_seq2seq(**inputs)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+    expected = slow_path_outputs(small_seq2seq, inputs)
     (out,) = ort_run(exported_seq2seq.path, inputs)
     assert out.shape == tuple(expected.shape)
     assert_parity(torch.from_numpy(out), expected, 5e-6, "output")
