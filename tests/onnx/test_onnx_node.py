@@ -290,6 +290,16 @@ def test_body_variants_are_read_from_the_node_and_named_by_their_work(attrs, que
     assert set(function.input) <= {i for n in function.node for i in n.input}
 
 
+@pytest.mark.parametrize("domain, ours", [
+    (S.domain, True), (f"{S.domain}.f32_causal", True), (f"{S.domain}.cast_kpm_softcap", True),
+    (f"{S.domain}x", False), (f"{S.domain}_cast", False), ("", False), ("ai.onnx", False), ("com.microsoft", False),
+    (f"x.{S.domain}", False),
+])
+def test_the_attention_domains_are_the_spec_domain_and_its_variants(domain, ours):
+    # What the graph checks, the TensorRT build and the opset-23 rewrite read as our node.
+    assert onnx_node.is_attention_domain(domain) is ours
+
+
 def test_both_bodies_declare_the_spec_attributes():
     for function in (onnx_node.function_proto(OPSET),
                      onnx_node.lean_function_proto(OPSET, onnx_node.BodyVariant(False, False, False, False, True))):

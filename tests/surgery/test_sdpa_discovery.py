@@ -164,6 +164,18 @@ def test_the_modules_own_embed_dim_wins_over_the_calls(name):
     assert (layer.num_heads, layer.embed_dim) == (2, 99), name
 
 
+def test_a_geometry_the_class_defines_is_read():
+    class Declared(_Calls):  # a class attribute and a property, as diffusers' Attention has `heads`
+        num_heads = 7
+
+        @property
+        def embed_dim(self):
+            return 99
+
+    (layer,) = inspect_attention(nn.Sequential(Declared()), (torch.randn(1, 3, 16),)).layers
+    assert (layer.num_heads, layer.embed_dim) == (7, 99)
+
+
 def test_names_answered_by_a_config_getattr_are_not_read():
     class Configured(_Calls):  # diffusers' ConfigMixin answers unknown names from its config
         def __getattr__(self, name):
@@ -228,7 +240,8 @@ def test_the_reasons_of_attention_modules_no_call_ran_in():
 
 
 @pytest.mark.parametrize("inputs, shown", [((torch.randn(2, 7, 5),), "[[2, 7, 5]]"),
-                                           ({"x": torch.randn(2, 7, 5)}, "{'x': [2, 7, 5]}")])
+                                           ({"x": torch.randn(2, 7, 5)}, "{'x': [2, 7, 5]}"),
+                                           ({"x": torch.randn(2, 7, 5), "scale": 0.5}, "{'x': [2, 7, 5], 'scale': []}")])
 def test_the_rejected_inputs_are_named_with_their_shapes(inputs, shown):
     with pytest.raises(attn_export.errors.InputError) as info:
         inspect_attention(_model(), inputs)
