@@ -186,14 +186,14 @@ def run_benchmark(forward_seqs=FORWARD_SEQS, backward_seqs=BACKWARD_SEQS, *, thr
 
 
 def core_isa() -> str:
-    """The instruction set of the core's float32 kernels, as flash_cpu.cpp picks it."""
-    import os
+    """The instruction set of the core's float32 kernels, as flash_cpu.cpp picked it."""
+    import ctypes
 
-    flags = set(machine()["isa"].split())
-    best = "avx512" if {"avx512f", "avx2", "fma"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
-    forced = os.environ.get("ATTN_EXPORT_CPU_ISA")
-    order = ("generic", "avx2", "avx512")
-    return forced if forced in order and order.index(forced) < order.index(best) else best
+    from attn_export import _C
+
+    probe = ctypes.CDLL(_C.__file__).attn_export_flash_isa
+    probe.restype = ctypes.c_char_p
+    return probe().decode()
 
 
 def markdown_table(results: List[CoreResult]) -> str:

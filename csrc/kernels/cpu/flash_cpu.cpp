@@ -20,6 +20,7 @@
 // chosen once from the CPU's features (isa()). float64 (the reference/gradcheck path) runs the
 // same code with baseline vectors and exact exponentials.
 #include "flash_cpu.h"
+#include "isa_limit.h"
 
 #include <algorithm>
 #include <cmath>
@@ -717,16 +718,11 @@ Isa detect_isa() {
     best = Isa::kAvx512;
   }
 #endif
-  // A forced choice may only lower the level: code for an instruction set the CPU lacks would
-  // crash.
-  const char* forced = std::getenv("ATTN_EXPORT_CPU_ISA");
-  if (forced != nullptr) {
-    const std::string name(forced);
-    if (name == "generic") {
-      best = Isa::kGeneric;
-    } else if (name == "avx2" && best == Isa::kAvx512) {
-      best = Isa::kAvx2;
-    }
+  const IsaLevel limit = isa_limit();
+  if (limit == IsaLevel::generic) {
+    best = Isa::kGeneric;
+  } else if (limit == IsaLevel::avx2 && best == Isa::kAvx512) {
+    best = Isa::kAvx2;
   }
   return best;
 }
@@ -874,3 +870,8 @@ const char* isa() {
 }
 
 }  // namespace attn_export::cpu::flash
+
+// For Python (ctypes: benchmarks/core.py, tests/ops/test_instruction_sets.py): isa().
+extern "C" __attribute__((visibility("default"))) const char* attn_export_flash_isa() {
+  return attn_export::cpu::flash::isa();
+}

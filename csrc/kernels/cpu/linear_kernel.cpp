@@ -7,6 +7,7 @@
 #include "linear_kernel.h"
 
 #include "gemm_backend.h"
+#include "isa_limit.h"
 
 #include <algorithm>
 #include <cstring>
@@ -268,12 +269,13 @@ ATTN_EXPORT_AVX2 void rows_avx2(const LinearArgs& x, int64_t row_begin, int64_t 
 }
 
 LinearKernelIsa detect_isa() {
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+  const IsaLevel limit = isa_limit();
+  if (limit == IsaLevel::avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512cd")) {
     return LinearKernelIsa::avx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  if (limit != IsaLevel::generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return LinearKernelIsa::avx2;
   }
   return LinearKernelIsa::none;

@@ -22,7 +22,8 @@ constexpr int64_t kLinearPanelCols = 32;
 // that packs nothing (measured: at 32 rows packing is as fast).
 constexpr int64_t kLinearDotMaxRows = 16;
 
-// The tile loop this CPU runs: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), else AVX2 + FMA.
+// The tile loop this CPU runs: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL), else AVX2 + FMA, capped by
+// ATTN_EXPORT_CPU_ISA (isa_limit.h).
 enum class LinearKernelIsa { none, avx2, avx512 };
 LinearKernelIsa linear_kernel_isa();
 

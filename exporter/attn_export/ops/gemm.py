@@ -87,8 +87,14 @@ def available_backends() -> dict[str, str]:
     return {
         "aten": "",
         "openblas": _load_openblas(lib),
-        "microkernel": "" if lib.attn_export_linear_kernel_isa() else "the CPU has neither AVX-512 nor AVX2 with FMA",
+        "microkernel": "" if lib.attn_export_linear_kernel_isa() else _why_no_microkernels(),
     }
+
+
+def _why_no_microkernels() -> str:
+    if os.environ.get("ATTN_EXPORT_CPU_ISA") == "generic":
+        return "ATTN_EXPORT_CPU_ISA=generic keeps the CPU kernels to baseline x86-64 (unset it to use them)"
+    return "the CPU has neither AVX-512 nor AVX2 with FMA"
 
 
 def cpu_vendor() -> str:
