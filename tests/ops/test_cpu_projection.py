@@ -19,6 +19,8 @@ import attn_export
 from attn_export.ops import gemm as _gemm
 from helpers import assert_rel_close, make_pair
 
+pytestmark = pytest.mark.kernels  # the projections' micro-kernels, per instruction set
+
 REL = 2e-6
 
 
