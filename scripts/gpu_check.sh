@@ -6,11 +6,14 @@
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
 #      tests/validation/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
 #      if installed, else with tests/run_without_pytest.py),
-#   3. runs the GPU benchmark (benchmarks/gpu.py),
+#   3. runs every kernel path once under compute-sanitizer's memcheck and racecheck
+#      (scripts/gpu_sanitize.py; skipped with a line in the summary where the tool is missing),
+#   4. runs the GPU benchmark (benchmarks/gpu.py),
 # and writes everything under $OUT if set, else ./gpu_check_out:
-#   environment.txt  build.log  test_cuda.log  test_cuda.xml  bench_gpu.log  bench_gpu.md
-#   bench_gpu.json  summary.txt  gpu_check.log
-# Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed.
+#   environment.txt  build.log  test_cuda.log  test_cuda.xml  sanitize.log  bench_gpu.log
+#   bench_gpu.md  bench_gpu.json  summary.txt  gpu_check.log
+# Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed;
+# 4 the sanitizer reported an error.
 #
 #   scripts/gpu_check.sh                 # PYTHON=... to pick the interpreter
 set -uo pipefail
@@ -97,8 +100,38 @@ else
   STATUS=2
 fi
 
-# ---- 3. Benchmark, with what is left of the 8 minutes (minus a margin)
-BUDGET=$((450 - (SECONDS - START) - 40))
+# ---- 3. compute-sanitizer: out-of-bounds accesses and shared-memory races the tests cannot see
+SANITIZER=$(command -v compute-sanitizer || ls "${CUDA_HOME}"/bin/compute-sanitizer 2>/dev/null || true)
+if [ -z "$SANITIZER" ]; then
+  summary "SKIPPED sanitizer: compute-sanitizer not found"
+else
+  T0=$SECONDS
+  : > "$OUT_DIR/sanitize.log"
+  SAN_RC=0
+  # No caching allocator: every tensor its own allocation, so an overrun leaves it (gpu_sanitize.py).
+  for tool in memcheck racecheck; do
+    args=""; [ $tool = racecheck ] && args="--quick"
+    echo "== $tool" >> "$OUT_DIR/sanitize.log"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 "$SANITIZER" --tool $tool --error-exitcode 9 \
+      "$PY" scripts/gpu_sanitize.py $args >> "$OUT_DIR/sanitize.log" 2>&1
+    rc=$?
+    echo "== $tool exit $rc" >> "$OUT_DIR/sanitize.log"
+    if [ $rc -eq 124 ]; then
+      summary "INCONCLUSIVE sanitizer: $tool timed out after 120 s (see sanitize.log)"
+    elif [ $rc -ne 0 ]; then
+      SAN_RC=$rc; summary "FAILED sanitizer: $tool exit $rc (see sanitize.log)"
+    fi
+  done
+  tail -8 "$OUT_DIR/sanitize.log"
+  if [ $SAN_RC -eq 0 ]; then
+    summary "PASSED sanitizer (memcheck, racecheck; unless timed out above) in $((SECONDS - T0)) s"
+  elif [ $STATUS -eq 0 ]; then
+    STATUS=4
+  fi
+fi
+
+# ---- 4. Benchmark, with what is left of the 8 minutes (GPU_CHECK_BUDGET_S, minus a margin)
+BUDGET=$((${GPU_CHECK_BUDGET_S:-450} - (SECONDS - START) - 40))
 [ $BUDGET -lt 30 ] && BUDGET=30
 log "benchmark, budget ${BUDGET} s"
 T0=$SECONDS

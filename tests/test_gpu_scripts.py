@@ -32,3 +32,12 @@ def test_runner_without_pytest_finds_every_gpu_test():
     ran = subprocess.run([sys.executable, str(ROOT / "tests" / "run_without_pytest.py"), "ops/test_cuda"],
                          capture_output=True, text=True, cwd=ROOT)
     assert count > 0 and ran.stdout.count("test_cuda::test_") == count, ran.stdout[-2000:] + ran.stderr[-2000:]
+
+
+def test_sanitizer_cases_run_on_the_cpu():
+    """gpu_sanitize.py's cases (every kernel path on a GPU) run and come out finite here too."""
+    for extra in ([], ["--quick"]):
+        ran = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sanitize.py"), "--device", "cpu", *extra],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+        assert " 0 failed" in ran.stdout and "NON-FINITE" not in ran.stdout

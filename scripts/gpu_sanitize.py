@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Every CUDA kernel path of the attention core once, at small odd shapes, for NVIDIA's
+compute-sanitizer (scripts/gpu_check.sh runs it under memcheck and racecheck):
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/gpu_sanitize.py
+
+The sanitizer sees what a test cannot: a read past a buffer that lands in other live memory, a
+shared-memory race that happens to give the right numbers. PyTorch's caching allocator carves
+tensors out of larger blocks, where an overrun stays inside the block and memcheck sees nothing;
+without caching every tensor is its own allocation.
+
+Lengths 67 and 131 leave partial query and key tiles on every path; the cases cover the flash
+kernels (float16/bfloat16, head dims 32/64/128, causal or not, masks), the generic kernels
+(float32, float64, a head dim off the tensor-core list, a value head dim unlike the key's), the
+weights kernel and the backward of each. Only the kernels' memory behaviour is checked here;
+the numbers are the tests' job.
+
+    python scripts/gpu_sanitize.py [--device cpu] [--quick]   # --device cpu checks the script itself
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import attn_export
+
+# (dtype, head dim, value head dim, causal, masks): masks is "" or a '+'-joined subset of
+# padding, bool, float.
+CASES = [
+    *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 128)
+      for causal in (False, True)],
+    (torch.float16, 64, 64, True, "padding+float"),
+    (torch.bfloat16, 128, 128, False, "bool"),
+    (torch.float32, 64, 64, True, "padding+bool"),
+    (torch.float64, 40, 24, False, "float"),
+    (torch.float16, 40, 40, False, ""),
+]
+# racecheck is slow on shared-memory-heavy kernels: the flash kernels at head dims 64 and 128 with
+# and without masks, and the generic kernels in float32 and at an odd head dim.
+QUICK = [
+    (torch.float16, 64, 64, False, ""),
+    (torch.float16, 64, 64, True, "padding+float"),
+    (torch.bfloat16, 128, 128, False, "bool"),
+    (torch.float32, 64, 64, True, "padding+bool"),
+    (torch.float16, 40, 40, False, ""),
+]
+assert all(case in CASES for case in QUICK)
+
+
+def masks_for(spec, B, Lq, Lk, dtype, device):
+    masks = {}
+    if "padding" in spec:
+        padding = torch.zeros(B, Lk, dtype=torch.bool, device=device)
+        padding[0, Lk // 2:] = True
+        masks["key_padding_mask"] = padding
+    if "bool" in spec:
+        masks["attn_mask"] = torch.rand(Lq, Lk, device=device) < 0.2
+    if "float" in spec:
+        masks["attn_mask"] = torch.randn(1, 1, Lq, Lk, dtype=dtype, device=device)
+    return masks
+
+
+def run_case(dtype, d, dv, causal, spec, device, Lq=67, Lk=131):
+    B, H = 2, 3
+    q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(B, H, Lk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(B, H, Lk, dv, dtype=dtype, device=device, requires_grad=True)
+    masks = masks_for(spec, B, Lq, Lk, dtype, device)
+    out = attn_export.attention(q, k, v, is_causal=causal, **masks)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    # The weights kernel and its backward, through the layer that returns them.
+    layer = attn_export.FusedMultiheadAttention(H * dv, H, batch_first=True, device=device, dtype=dtype)
+    x = torch.randn(B, Lq, H * dv, dtype=dtype, device=device, requires_grad=True)
+    y, w = layer(x, x, x, need_weights=True, average_attn_weights=False)
+    (y.float().sum() + w.float().sum()).backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    bad = [name for name, t in (("out", out), *zip(("dq", "dk", "dv"), grads), ("weights", w)) if not t.isfinite().all()]
+    return bad
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="one case per kernel family (for racecheck)")
+    args = parser.parse_args(argv)
+    failures = 0
+    for case in QUICK if args.quick else CASES:
+        dtype, d, dv, causal, spec = case
+        label = f"{str(dtype).replace('torch.', '')} d={d} dv={dv} causal={causal} masks={spec or '-'}"
+        bad = run_case(*case, device=args.device)
+        print(f"{'ok' if not bad else 'NON-FINITE ' + ','.join(bad)}: {label}", flush=True)
+        failures += bool(bad)
+    print(f"{len(QUICK if args.quick else CASES) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
