@@ -112,12 +112,12 @@ else
   for tool in memcheck racecheck; do
     args=""; [ $tool = racecheck ] && args="--quick"
     echo "== $tool" >> "$OUT_DIR/sanitize.log"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 "$SANITIZER" --tool $tool --error-exitcode 9 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$SANITIZER" --tool $tool --error-exitcode 9 \
       "$PY" scripts/gpu_sanitize.py $args >> "$OUT_DIR/sanitize.log" 2>&1
     rc=$?
     echo "== $tool exit $rc" >> "$OUT_DIR/sanitize.log"
     if [ $rc -eq 124 ]; then
-      summary "INCONCLUSIVE sanitizer: $tool timed out after 120 s (see sanitize.log)"
+      summary "INCONCLUSIVE sanitizer: $tool timed out after ${SANITIZE_TIMEOUT_S:-120} s (see sanitize.log)"
     elif [ $rc -ne 0 ]; then
       SAN_RC=$rc; summary "FAILED sanitizer: $tool exit $rc (see sanitize.log)"
     fi
