@@ -6,8 +6,9 @@
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
 #      tests/validation/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
 #      if installed, else with tests/run_without_pytest.py),
-#   3. runs every kernel path once under compute-sanitizer's memcheck and racecheck
-#      (scripts/gpu_sanitize.py; skipped with a line in the summary where the tool is missing),
+#   3. runs every kernel path once under compute-sanitizer (scripts/gpu_sanitize.py: memcheck;
+#      racecheck, initcheck and synccheck on attn_export's kernels; skipped with a line in the
+#      summary where the tool is missing),
 #   4. runs the GPU benchmark (benchmarks/gpu.py),
 # and writes everything under $OUT if set, else ./gpu_check_out:
 #   environment.txt  build.log  test_cuda.log  test_cuda.xml  sanitize.log  bench_gpu.log
@@ -109,11 +110,13 @@ else
   : > "$OUT_DIR/sanitize.log"
   SAN_RC=0
   # No caching allocator: every tensor its own allocation, so an overrun leaves it (gpu_sanitize.py).
-  for tool in memcheck racecheck; do
-    args=""; [ $tool = racecheck ] && args="--quick"
+  # memcheck watches every kernel of the run; the shared-memory and initialization checks only
+  # ours: cuBLAS's own GEMM kernels (the layer's projections) show racecheck hazards it cannot model.
+  for tool in memcheck racecheck initcheck synccheck; do
+    if [ $tool = memcheck ]; then args=(); filter=(); else args=(--quick); filter=(--kernel-name kns=attn_export); fi
     echo "== $tool" >> "$OUT_DIR/sanitize.log"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$SANITIZER" --tool $tool --error-exitcode 9 \
-      "$PY" scripts/gpu_sanitize.py $args >> "$OUT_DIR/sanitize.log" 2>&1
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$SANITIZER" --tool $tool "${filter[@]}" \
+      --error-exitcode 9 "$PY" scripts/gpu_sanitize.py "${args[@]}" >> "$OUT_DIR/sanitize.log" 2>&1
     rc=$?
     echo "== $tool exit $rc" >> "$OUT_DIR/sanitize.log"
     if [ $rc -eq 124 ]; then
@@ -124,7 +127,7 @@ else
   done
   tail -8 "$OUT_DIR/sanitize.log"
   if [ $SAN_RC -eq 0 ]; then
-    summary "PASSED sanitizer (memcheck, racecheck; unless timed out above) in $((SECONDS - T0)) s"
+    summary "PASSED sanitizer (memcheck, racecheck, initcheck, synccheck; unless timed out above) in $((SECONDS - T0)) s"
   elif [ $STATUS -eq 0 ]; then
     STATUS=4
   fi
