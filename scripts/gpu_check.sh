@@ -105,9 +105,10 @@ tests_step() {
 
 # ---- 3. compute-sanitizer: out-of-bounds accesses, uninitialized reads and shared-memory races the
 # tests cannot see. Every kernel of the run is instrumented: with --kernel-name the uninstrumented
-# kernels' writes (torch.randn's, cuBLAS's) are invisible to initcheck, whose reports are then false.
-# A report counts against attn_export only where it names one of its kernels: cuBLAS's TMA GEMMs
-# (nvjet_*, the layer's projections) show racecheck hazards the tool cannot model.
+# kernels' writes (torch.randn's) are invisible to initcheck, whose reports are then false, and
+# racecheck failed inside the sanitizer. A report counts against attn_export only where it names one
+# of its kernels: cuBLAS's Hopper GEMMs (nvjet_*, the layer's projections) show racecheck hazards,
+# and initcheck does not see their writes, so it runs without the layer (gpu_sanitize.py).
 sanitize_step() {
   local sanitizer tool rc log ours crashed T0=$SECONDS failed=0
   sanitizer=$(command -v compute-sanitizer || ls "${CUDA_HOME}"/bin/compute-sanitizer 2>/dev/null || true)
@@ -119,7 +120,8 @@ sanitize_step() {
     log="$OUT_DIR/sanitize_$tool.log"
     # No caching allocator: every tensor its own allocation, so an overrun leaves it.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$sanitizer" --tool $tool \
-      --print-limit 1000 --error-exitcode 9 "$PY" scripts/gpu_sanitize.py $([ $tool = memcheck ] || echo --quick) > "$log" 2>&1
+      --print-limit 1000 --error-exitcode 9 "$PY" scripts/gpu_sanitize.py $([ $tool = memcheck ] || echo --quick) \
+      $([ $tool = initcheck ] && echo --no-layer) > "$log" 2>&1
     rc=$?
     ours=$(grep -E "^=========.* at .*attn_export::" "$log" | grep -vc "Host Frame")
     crashed=$(grep -c "Target application returned an error" "$log")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Every CUDA kernel path of the attention core once, at small odd shapes, for NVIDIA's
-compute-sanitizer (scripts/gpu_check.sh runs it under memcheck and racecheck):
+compute-sanitizer (scripts/gpu_check.sh runs it under memcheck, racecheck, initcheck and synccheck):
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/gpu_sanitize.py
 
@@ -15,7 +15,11 @@ kernels (float16/bfloat16, head dims 32/64/128, causal or not, masks), the gener
 weights kernel and the backward of each. Only the kernels' memory behaviour is checked here;
 the numbers are the tests' job.
 
-    python scripts/gpu_sanitize.py [--device cpu] [--quick]   # --device cpu checks the script itself
+initcheck follows the writes of plain kernels (torch.randn's) but not those of cuBLAS's Hopper
+GEMMs: on an H200 it reported every read of the layer's projected q and k, exactly the valid
+rows, and nothing in the same kernels fed by torch.randn. `--no-layer` leaves the layer out.
+
+    python scripts/gpu_sanitize.py [--device cpu] [--quick] [--no-layer]   # --device cpu checks the script itself
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import sys
 import torch
 
 import attn_export
+
+ops = torch.ops.attn_export
 
 # (dtype, head dim, value head dim, causal, masks): masks is "" or a '+'-joined subset of
 # padding, bool, float.
@@ -62,35 +68,47 @@ def masks_for(spec, B, Lq, Lk, dtype, device):
     return masks
 
 
-def run_case(dtype, d, dv, causal, spec, device, Lq=67, Lk=131):
+def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
+    """Forward and backward of the core (autograd), the weights and their gradient (the operator
+    pair, as autograd calls it for the layer), and, with ``layer``, the layer returning weights.
+    The names of the results that are not finite."""
     B, H = 2, 3
     q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(B, H, Lk, d, dtype=dtype, device=device, requires_grad=True)
     v = torch.randn(B, H, Lk, dv, dtype=dtype, device=device, requires_grad=True)
     masks = masks_for(spec, B, Lq, Lk, dtype, device)
     out = attn_export.attention(q, k, v, is_causal=causal, **masks)
-    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-    # The weights kernel and its backward, through the layer that returns them.
-    layer = attn_export.FusedMultiheadAttention(H * dv, H, batch_first=True, device=device, dtype=dtype)
-    x = torch.randn(B, Lq, H * dv, dtype=dtype, device=device, requires_grad=True)
-    y, w = layer(x, x, x, need_weights=True, average_attn_weights=False)
-    (y.float().sum() + w.float().sum()).backward()
+    results = {"out": out, **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), torch.randn_like(out))))}
+    mask, padding = masks.get("attn_mask"), masks.get("key_padding_mask")
+    with torch.no_grad():
+        _, lse, weights = ops._attention_forward(q, k, v, mask, padding, causal, None, True)
+        grads = ops._attention_backward(torch.randn_like(out), torch.randn_like(weights), q, k, v, lse, mask, padding,
+                                        causal, None)
+    results.update(weights=weights, **dict(zip(("dq(weights)", "dk(weights)", "dv(weights)"), grads)))
+    if layer:
+        # The in-projection is a cuBLAS GEMM: initcheck does not see its writes (gpu_check.sh).
+        module = attn_export.FusedMultiheadAttention(H * dv, H, batch_first=True, device=device, dtype=dtype)
+        x = torch.randn(B, Lq, H * dv, dtype=dtype, device=device, requires_grad=True)
+        y, w = module(x, x, x, need_weights=True, average_attn_weights=False)
+        (y.float().sum() + w.float().sum()).backward()
+        results.update({"layer out": y, "layer weights": w, "layer dx": x.grad})
     if device == "cuda":
         torch.cuda.synchronize()
-    bad = [name for name, t in (("out", out), *zip(("dq", "dk", "dv"), grads), ("weights", w)) if not t.isfinite().all()]
-    return bad
+    return [name for name, t in results.items() if not t.isfinite().all()]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="one case per kernel family (for racecheck)")
+    parser.add_argument("--quick", action="store_true", help="a few cases, every kernel family (for the slower tools)")
+    parser.add_argument("--no-layer", dest="layer", action="store_false",
+                        help="leave out the layer, whose cuBLAS projections initcheck cannot follow")
     args = parser.parse_args(argv)
     failures = 0
     for case in QUICK if args.quick else CASES:
         dtype, d, dv, causal, spec = case
         label = f"{str(dtype).replace('torch.', '')} d={d} dv={dv} causal={causal} masks={spec or '-'}"
-        bad = run_case(*case, device=args.device)
+        bad = run_case(*case, device=args.device, layer=args.layer)
         print(f"{'ok' if not bad else 'NON-FINITE ' + ','.join(bad)}: {label}", flush=True)
         failures += bool(bad)
     print(f"{len(QUICK if args.quick else CASES) - failures} passed, {failures} failed")

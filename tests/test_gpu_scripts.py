@@ -36,7 +36,7 @@ def test_runner_without_pytest_finds_every_gpu_test():
 
 def test_sanitizer_cases_run_on_the_cpu():
     """gpu_sanitize.py's cases (every kernel path on a GPU) run and come out finite here too."""
-    for extra in ([], ["--quick"]):
+    for extra in ([], ["--quick"], ["--quick", "--no-layer"]):
         ran = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sanitize.py"), "--device", "cpu", *extra],
                              capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
