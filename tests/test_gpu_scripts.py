@@ -41,3 +41,47 @@ def test_sanitizer_cases_run_on_the_cpu():
                              capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
         assert " 0 failed" in ran.stdout and "NON-FINITE" not in ran.stdout
+
+
+FAKE_SANITIZER = r"""#!/bin/bash
+# compute-sanitizer as seen on an H200, per tool: clean; a hazard in cuBLAS's kernel only; a report
+# in one of ours; the program failing under the tool.
+case $2 in
+  memcheck) echo "========= ERROR SUMMARY: 0 errors"; exit 0 ;;
+  racecheck) echo "========= Error: Race reported between Read access at nvjet_sm90_tst+0xb00"
+             echo "=========     and Write access at nvjet_sm90_tst+0x2820 [480 hazards]"; exit 9 ;;
+  initcheck) echo "========= Uninitialized __global__ memory read of size 16 bytes"
+             echo "=========     at void attn_export::cuda::device::flash_fwd_kernel<T>(P)+0xb10"
+             echo "=========         Host Frame: attn_export::cuda::run_flash_fwd_ at launch"; exit 9 ;;
+  synccheck) echo "========= Target application returned an error"; exit 9 ;;
+esac
+"""
+
+
+def test_gpu_check_counts_only_reports_in_attn_exports_kernels(tmp_path):
+    """gpu_check.sh's sanitizer step, with a stand-in compute-sanitizer: a report that names
+    another library's kernel passes, one that names ours or a program that failed does not."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    step = script[script.index("sanitize_step() {"):]
+    step = step[:step.index("\n}\n") + 3]
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY=true; STATUS=0; CUDA_HOME=/nonexistent
+{step}
+sanitize_step; echo "STATUS=$STATUS"
+"""
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
+                         env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}, timeout=60)
+    lines = ran.stdout.splitlines()
+    assert lines == [
+        "PASSED sanitizer: memcheck, no report",
+        "PASSED sanitizer: racecheck, no report in attn_export's kernels (others' kernels reported: see sanitize.log)",
+        "FAILED sanitizer: initcheck exit 9, 1 reports in attn_export's kernels (see sanitize.log)",
+        "FAILED sanitizer: synccheck exit 9, 0 reports in attn_export's kernels, the program failed (see sanitize.log)",
+        "STATUS=4",
+    ], ran.stdout + ran.stderr
+    log = (tmp_path / "sanitize.log").read_text()
+    assert "== racecheck: exit 9, reports naming attn_export's kernels: 0" in log and "nvjet_sm90_tst" in log
