@@ -43,8 +43,8 @@ CASES = [
     (torch.float64, 40, 24, False, "float"),
     (torch.float16, 40, 40, False, ""),
 ]
-# racecheck is slow on shared-memory-heavy kernels: the flash kernels at head dims 64 and 128 with
-# and without masks, and the generic kernels in float32 and at an odd head dim.
+# For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
+# with and without masks, and the generic kernels in float32 and at an odd head dim.
 QUICK = [
     (torch.float16, 64, 64, False, ""),
     (torch.float16, 64, 64, True, "padding+float"),
@@ -70,8 +70,8 @@ def masks_for(spec, B, Lq, Lk, dtype, device):
 
 def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     """Forward and backward of the core (autograd), the weights and their gradient (the operator
-    pair, as autograd calls it for the layer), and, with ``layer``, the layer returning weights.
-    The names of the results that are not finite."""
+    pair, its backward without the saved output, so the binding's recomputing forward runs too),
+    and, with ``layer``, the layer returning weights. The names of the results that are not finite."""
     B, H = 2, 3
     q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(B, H, Lk, d, dtype=dtype, device=device, requires_grad=True)
