@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from attn_export.ops.module import FusedMultiheadAttention, masked_softmax
+from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention, masked_softmax
 
 # nn.MultiheadAttention.forward's parameters after (query, key, value), in order.
 _MHA_PARAMETERS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
@@ -118,7 +118,7 @@ class AttentionCapture:
         for path, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._enter_module(path)))
             self._handles.append(module.register_forward_hook(self._leave_module))
-            if isinstance(module, (nn.MultiheadAttention, FusedMultiheadAttention)):
+            if isinstance(module, (StockMultiheadAttention, FusedMultiheadAttention)):
                 self._handles.append(module.register_forward_pre_hook(self._ask_for_weights, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._take_weights(path), with_kwargs=True))
         self._fast_path = torch.backends.mha.get_fastpath_enabled()

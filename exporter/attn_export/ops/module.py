@@ -15,6 +15,13 @@ from attn_export.ops.module_checks import forward_call as _forward_call, stock_e
 
 _MULTI_HEAD_ATTENTION = torch.ops.attn_export.multi_head_attention.default
 
+# torch.nn's own class, held from import on. Code bases adopt a drop-in by rebinding the name
+# (``torch.nn.MultiheadAttention = FusedMultiheadAttention``); "stock" here must stay the real
+# class under that patch: to_module builds it, the failure path asks it for its error (through
+# the name, that built another fused layer, which asked again, without end), and surgery tells
+# stock layers from fused ones by it.
+StockMultiheadAttention = nn.modules.activation.MultiheadAttention
+
 
 def _keep_native_fast_paths_off(module, args):
     """A forward pre-hook that does nothing. Its presence is the point: torch.nn's
@@ -231,7 +238,7 @@ class FusedMultiheadAttention(nn.Module):
     def to_module(self) -> nn.MultiheadAttention:
         """The stock ``nn.MultiheadAttention`` of this configuration, sharing this layer's
         parameters (the same Parameter objects) and its train/eval mode."""
-        stock = nn.MultiheadAttention(self.embed_dim, self.num_heads, **self._config(), device="meta")
+        stock = StockMultiheadAttention(self.embed_dim, self.num_heads, **self._config(), device="meta")
         _share_parameters(self, stock)
         stock.train(self.training)
         return stock

@@ -41,7 +41,7 @@ from torch import nn
 
 from attn_export.surgery import transformers as _hf
 from attn_export.surgery import sdpa_route as _sdpa
-from attn_export.ops.module import FusedMultiheadAttention, fusion_notes
+from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention, fusion_notes
 from attn_export.surgery.site_report import (  # noqa: F401 - re-exported: the statuses belong to the report
     ALREADY_FUSED,
     REPLACED,
@@ -94,7 +94,7 @@ def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optio
     in_hf = _hf.contains_hf_model(model)
 
     def visit(parent: Optional[nn.Module], attr: str, module: nn.Module, path: str) -> None:
-        is_mha = isinstance(module, nn.MultiheadAttention)
+        is_mha = isinstance(module, StockMultiheadAttention)  # the real class, whatever the name is bound to
         is_fused = isinstance(module, FusedMultiheadAttention)
         if id(module) in by_id and (is_mha or is_fused):
             by_id[id(module)].also_at.append(path)
@@ -197,7 +197,7 @@ def _sdpa_layer(module: nn.Module, path: str, heads, embed, seen: Optional[_sdpa
 def _mha_layer(module: nn.MultiheadAttention, parent, path: str, heads, embed) -> AttentionLayer:
     """An nn.MultiheadAttention: replaced, unless its forward is overridden or it is the model."""
     reasons = []
-    if type(module).forward is not nn.MultiheadAttention.forward:
+    if type(module).forward is not StockMultiheadAttention.forward:
         reasons.append(f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
     if parent is None:
         reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
