@@ -104,6 +104,7 @@ def extension():
     if _want_cuda():
         cuda_sources = sorted(
             glob.glob(os.path.join(CSRC, "kernels", "cuda", "*.cu"))
+            + glob.glob(os.path.join(CSRC, "kernels", "cuda", "instantiations", "*.cu"))
             + glob.glob(os.path.join(CSRC, "ops", "cuda", "*.cu"))
             + glob.glob(os.path.join(CSRC, "ops", "cuda", "*.cpp"))
         )

@@ -43,11 +43,17 @@ def test_generated_instantiations_are_current():
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
     expected = generate.all_files()
+    folder = KERNELS / "cuda" / "instantiations"
+    assert generate.OUT == folder
     for name, text in expected.items():
-        path = KERNELS / "cuda" / name
+        path = folder / name
         assert path.exists() and path.read_text() == text, f"{name} differs from what {script.name} writes: rerun it"
-    generated_on_disk = {p.name for p in (KERNELS / "cuda").glob("*.cu") if "Auto-generated" in p.read_text()[:200]}
+    generated_on_disk = {p.name for p in (KERNELS / "cuda").rglob("*.cu") if "Auto-generated" in p.read_text()[:200]}
     assert generated_on_disk == set(expected), f"stale generated files: {sorted(generated_on_disk - set(expected))}"
+    hand_written = {p.name for p in folder.iterdir()} - set(expected)
+    assert not hand_written, f"{folder.name}/ holds only generated files; move these out: {sorted(hand_written)}"
+    misplaced = {p.name for p in (KERNELS / "cuda").glob("*.cu") if "Auto-generated" in p.read_text()[:200]}
+    assert not misplaced, f"generated files outside {folder.name}/: {sorted(misplaced)}"
 
 
 @pytest.mark.slow

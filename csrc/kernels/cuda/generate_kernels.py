@@ -2,7 +2,7 @@
 """Writes one .cu file per kernel instantiation, FlashAttention style, so that the build
 compiles them in parallel and a build can leave some out.
 
-    python csrc/kernels/cuda/generate_kernels.py      # rewrites the files next to this script
+    python csrc/kernels/cuda/generate_kernels.py      # rewrites instantiations/
 
 The files it writes start with an "auto-generated" line: edit this script, not them.
 tests/ops/test_cuda_build.py checks that the files on disk are what this script writes.
@@ -13,6 +13,7 @@ import argparse
 import pathlib
 
 HERE = pathlib.Path(__file__).resolve().parent
+OUT = HERE / "instantiations"  # generated files only, apart from the sources written by hand
 
 # (file-name suffix, C++ type)
 FLASH_DTYPES = [("fp16", "__half"), ("bf16", "__nv_bfloat16")]
@@ -39,7 +40,7 @@ def flash_files() -> dict[str, str]:
                     what = f"Flash {word} kernel for {suffix}, head dim {head_dim}, {'causal' if causal else 'not causal'}."
                     files[name] = (
                         HEADER.format(what=what)
-                        + f'#include "{header}"\n\n'
+                        + f'#include "../{header}"\n\n'
                         + "namespace attn_export::cuda {\n\n"
                         + f"template cudaError_t run_flash_{direction}_<{ctype}, {head_dim}, {'true' if causal else 'false'}>({signature});\n\n"
                         + "}  // namespace attn_export::cuda\n"
@@ -54,7 +55,7 @@ def generic_files() -> dict[str, str]:
     types = ", ".join(suffix for suffix, _ in GENERIC_DTYPES)
     return {"generic_kernels.cu": (
         HEADER.format(what=f"Generic (CUDA-core) kernels for {types}, head dims up to {32 * GENERIC_REGS[-1]}.")
-        + '#include "generic_kernels.cuh"\n\n'
+        + '#include "../generic_kernels.cuh"\n\n'
         + "namespace attn_export::cuda {\n\n"
         + "\n".join(lines)
         + "\n\n}  // namespace attn_export::cuda\n"
@@ -67,7 +68,7 @@ def all_files() -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="directory to write into (default: next to this script)")
+    parser.add_argument("--out", type=pathlib.Path, default=OUT, help="directory to write into (default: instantiations/)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in sorted(all_files().items()):

@@ -4,7 +4,7 @@
     emu = load()          # registers torch.ops.attn_export_emu.*
 
 The kernel sources are compiled as C++ by the host compiler: a few unity files, each including
-a share of csrc/kernels/cuda/*.cu after simt_emulator.h. The extension's name carries a hash
+a share of csrc/kernels/cuda/*.cu and instantiations/*.cu after simt_emulator.h. The extension's name carries a hash
 of every source it is built from, so an edit anywhere rebuilds it.
 
     ATTN_EXPORT_EMU_TSAN=1     build with ThreadSanitizer (data races between emulated threads
@@ -79,7 +79,7 @@ def load(verbose: bool = False):
     include = cuda_include_dir()
     if include is None:
         raise RuntimeError("no CUDA headers (cuda_fp16.h) found: set CUDA_HOME")
-    kernel_units = sorted(KERNELS.glob("*.cu"))
+    kernel_units = sorted(KERNELS.glob("*.cu")) + sorted((KERNELS / "instantiations").glob("*.cu"))
     inputs = (
         kernel_units
         + sorted(KERNELS.glob("*.cuh"))
