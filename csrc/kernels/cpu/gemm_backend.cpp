@@ -130,7 +130,7 @@ void openblas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, 
 
 }  // namespace attn_export::cpu
 
-// The switch as attn_export/_gemm.py drives it, through ctypes on the loaded _C library: a C
+// The switch as attn_export/ops/gemm.py drives it, through ctypes on the loaded _C library: a C
 // interface keeps these controls out of the operator schemas (torch.ops), which describe math.
 extern "C" {
 
@@ -144,14 +144,6 @@ __attribute__((visibility("default"))) int attn_export_gemm_set(int backend, int
   }
   attn_export::cpu::set_gemm_backend(b, microkernels != 0);
   return 0;
-}
-
-__attribute__((visibility("default"))) int attn_export_gemm_get() {
-  return static_cast<int>(attn_export::cpu::gemm_backend());
-}
-
-__attribute__((visibility("default"))) int attn_export_gemm_microkernels() {
-  return attn_export::cpu::gemm_microkernels_enabled() ? 1 : 0;
 }
 
 // Returns 0, or -1 with the reason in error[0:error_size).

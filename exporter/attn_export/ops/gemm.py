@@ -97,10 +97,6 @@ def _why_no_microkernels() -> str:
     return "the CPU has neither AVX-512 nor AVX2 with FMA"
 
 
-def cpu_vendor() -> str:
-    return _VENDORS.get(_lib().attn_export_cpu_vendor(), "other")
-
-
 def openblas_config() -> str:
     """OpenBLAS's own description (version, kernel set picked for this CPU); "" when not loaded."""
     buffer = ctypes.create_string_buffer(512)
