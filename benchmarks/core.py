@@ -18,7 +18,7 @@ per-round median, and ratios are taken of those medians. Ratios below 1.00 mean 
 Each row also says how far the core is from this CPU's own limit: its GFLOP/s (the algorithm's
 multiply-adds, 2 products forward and 5 backward with the recomputation of Q K^T, as FlashAttention
 counts them; causal: the visible pairs only) against the float32 FMA peak of the same threads,
-measured by csrc/kernels/cpu/fma_peak.cpp in the vector width the core runs with.
+measured by benchmarks/csrc/fma_peak.cpp in the vector width the core runs with.
 """
 from __future__ import annotations
 
@@ -145,14 +145,11 @@ def core_flops(mode: str, seq: int, causal: bool) -> float:
 
 
 def fma_peak_gflops(threads: int, seconds: float = 0.5) -> float:
-    """The float32 multiply-add ceiling of `threads` threads in GFLOP/s (fma_peak.cpp, best of
-    repeated blocks over `seconds`); 0.0 where the core runs its generic kernels."""
-    import ctypes
+    """The float32 multiply-add ceiling of `threads` threads in GFLOP/s (benchmarks/csrc/fma_peak.cpp,
+    best of repeated blocks over `seconds`); 0.0 where the core runs its generic kernels."""
+    from benchmarks import probes
 
-    from attn_export import _C
-
-    probe = ctypes.CDLL(_C.__file__).attn_export_fma_peak_gflops
-    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_double]
+    probe = probes.library().attn_export_fma_peak_gflops
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -2,15 +2,14 @@
 backend (attn_export.ops.gemm), against ONNX Runtime's ``MatMul`` on the same shapes.
 
 Each projection x[m, k] W[n, k]^T runs through the extension's own projection path
-(``attn_export_project_f32``: what the layer calls, micro-kernels included where the backend
-allows them), with the backend switched before each measurement; ONNX Runtime runs a one-node
+(``attn_export_project_f32``, benchmarks/csrc/projection.cpp: what the layer calls,
+micro-kernels included where the backend allows them), with the backend switched before each measurement; ONNX Runtime runs a one-node
 ``MatMul`` model with W^T as an initializer (MLAS prepacks it, as it does in an exported
 model). Everything is timed in one process, interleaved in rounds; the minimum of the
 per-round medians is kept (noise only ever inflates a time), as in benchmarks/layers.py.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import time
 from typing import Callable, Dict, Iterable, List, Optional
@@ -64,10 +63,9 @@ class GemmRate:
 
 
 def _project_statement(gemm: Gemm) -> Callable[[], None]:
-    from attn_export import _C
+    from benchmarks import probes
 
-    fn = ctypes.CDLL(_C.__file__).attn_export_project_f32
-    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+    fn = probes.library().attn_export_project_f32
     g = torch.Generator().manual_seed(0)
     x = torch.randn(gemm.m, gemm.k, generator=g)
     w = torch.randn(gemm.n, gemm.k, generator=g)

@@ -1,6 +1,8 @@
-// The machine's float32 multiply-add ceiling, measured: what `attn-export bench --core` divides
-// the core's achieved GFLOP/s by, so that a run says how far from this CPU's limit the kernels
-// are rather than only how they compare with other libraries (docs/benchmarks.md).
+// The machine's float32 multiply-add ceiling, measured: what `python -m benchmarks.run --core`
+// divides the core's achieved GFLOP/s by, so that a run says how far from this CPU's limit the
+// kernels are rather than only how they compare with other libraries (docs/benchmarks.md).
+// Built by benchmarks/probes.py beside the installed _C, which it links: the shipped library
+// carries no measurement code.
 //
 // Each thread runs a loop of independent fused multiply-adds on registers only, 12 accumulators
 // (more than the FMA units x their latency on every x86 core since Haswell, so the loop is bound
@@ -12,8 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "flash_cpu.h"
-#include "runtime.h"
+#include "kernels/cpu/flash_cpu.h"  // flash::isa(), from _C
+#include "kernels/cpu/runtime.h"    // parallel_for, from _C
 
 namespace attn_export::cpu {
 namespace {
@@ -104,7 +106,7 @@ double fma_peak_gflops(int64_t threads, double seconds) {
 }  // namespace
 }  // namespace attn_export::cpu
 
-// For attn_export/bench_core.py (ctypes): the peak over `threads` threads of the host's pool.
+// For benchmarks/core.py (ctypes): the peak over `threads` threads of the host's pool.
 extern "C" __attribute__((visibility("default"))) double attn_export_fma_peak_gflops(int64_t threads,
                                                                                      double seconds) {
   return attn_export::cpu::fma_peak_gflops(threads, seconds);

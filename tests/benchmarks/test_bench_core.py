@@ -1,7 +1,7 @@
 """benchmarks.run --core: the share of the machine's FMA peak that each row reports.
 
 The rate is the algorithm's floating-point operations over the core's median time, against the
-float32 multiply-add ceiling that csrc/kernels/cpu/fma_peak.cpp measures on the same threads."""
+float32 multiply-add ceiling that benchmarks/csrc/fma_peak.cpp measures on the same threads."""
 
 import json
 import os
