@@ -163,3 +163,18 @@ def test_attention_maps_capture_stock_and_fused_layers_with_the_name_patched():
     expected = stock(src, src, src, average_attn_weights=False)[1][0]
     assert sorted(capture.weights) == ["fused", "stock"]
     assert_rel_close(capture.weights["stock"], expected, 5e-6, "stock layer's weights")
+
+
+def test_transformer_encoder_built_after_the_patch_takes_its_nested_fast_path():
+    """In eval without grad, with a padding mask, nn.TransformerEncoder turns its input into
+    nested tensors when its layers look fusable to it, as fused ones do; they still run."""
+    torch.manual_seed(0)
+    reference = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).eval()
+    with stock_name_patched():
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).eval()
+    assert encoder.use_nested_tensor and type(encoder.layers[0].self_attn) is FusedMultiheadAttention
+    encoder.load_state_dict(reference.state_dict())
+    src, _, padding = _inputs()
+    with torch.no_grad():
+        assert_rel_close(encoder(src, src_key_padding_mask=padding), reference(src, src_key_padding_mask=padding),
+                         5e-6, "encoder")

@@ -11,7 +11,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from attn_export.ops.functional import attention as _attention
 from attn_export.ops.module_checks import check_inputs as _check_inputs
-from attn_export.ops.module_checks import forward_call as _forward_call, stock_error as _stock_error
+from attn_export.ops.module_checks import forward_call as _forward_call, nested_forward as _nested_forward
+from attn_export.ops.module_checks import stock_error as _stock_error
 
 _MULTI_HEAD_ATTENTION = torch.ops.attn_export.multi_head_attention.default
 
@@ -123,8 +124,10 @@ class FusedMultiheadAttention(nn.Module):
     * ``is_causal=True`` without an ``attn_mask`` applies a causal mask by itself, where
       ``nn.MultiheadAttention`` raises. With a mask, the packed configuration applies both (the
       same result for a causal mask); the others follow ``nn.MultiheadAttention`` exactly.
-    * Nested tensors are refused with an AssertionError naming the fix (pad them), as the stock
-      module does outside its inference fast path.
+    * Nested tensors run on the stock module (unfused, parameters shared) where its inference
+      fast path takes them: self-attention in eval without grad, as ``nn.TransformerEncoder``
+      sends them with a padding mask. Elsewhere they are refused with an AssertionError naming
+      the fix (pad them), as the stock module does outside that fast path.
     * Its ``out_proj`` carries a no-op forward pre-hook so that an enclosing
       ``nn.TransformerEncoderLayer`` in eval mode cannot bypass it through PyTorch's native
       fast path.
@@ -281,6 +284,8 @@ class FusedMultiheadAttention(nn.Module):
         except RuntimeError as refused:  # NotImplementedError (nested tensors) included
             call = _forward_call(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                                  is_causal)
+            if query.is_nested:
+                return _nested_forward(self, call)
             _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                           is_causal)
             if not _mixed_dtypes(query, key, value, in_proj_weight, self.in_proj_bias, out_proj.weight, out_proj.bias):

@@ -19,6 +19,19 @@ def stock_error(module, call: dict) -> Optional[Exception]:
     return None
 
 
+def nested_forward(module, call: dict):
+    """Nested tensors, which the fused operators do not take: stock's result where its inference
+    fast path takes them (self-attention in eval without grad: nn.TransformerEncoder sends them
+    in eval with a padding mask when its layers look fusable to it), else the AssertionError of
+    check_inputs, which names the fix."""
+    try:
+        return module.to_module()(**call)
+    except Exception:  # noqa: BLE001 (stock refuses them too: our message says what to do)
+        pass
+    check_inputs(module, **call)
+    raise AssertionError("unreachable: check_inputs refuses nested tensors")
+
+
 def forward_call(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
     """A forward call's arguments by name (for stock_error; built on failure paths only)."""
     return dict(query=query, key=key, value=value, key_padding_mask=key_padding_mask, need_weights=need_weights,
