@@ -3,7 +3,7 @@
 //
 //   aten         the BLAS PyTorch was built with (MKL on x86 wheels), through at::addmm / at::mm
 //   openblas     OpenBLAS from the `scipy-openblas32` wheel, loaded with dlopen from the path
-//                attn_export/_gemm.py finds: the build needs neither its headers nor its
+//                attn_export/ops/gemm.py finds: the build needs neither its headers nor its
 //                library, and a machine without the wheel still runs (on `aten`)
 //   microkernel  the project's register-tiled kernels (linear_kernel.h) for every float32
 //                product they cover, `aten` for the rest (float64, odd strides)

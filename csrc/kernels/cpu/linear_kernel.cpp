@@ -332,12 +332,12 @@ void linear_rows(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*) 
 
 }  // namespace attn_export::cpu
 
-// For attn_export/_gemm.py (ctypes): 0 none, 1 AVX2 + FMA, 2 AVX-512.
+// For attn_export/ops/gemm.py (ctypes): 0 none, 1 AVX2 + FMA, 2 AVX-512.
 extern "C" __attribute__((visibility("default"))) int attn_export_linear_kernel_isa() {
   return static_cast<int>(attn_export::cpu::linear_kernel_isa());
 }
 
-// For attn_export/_gemm.py: log2 of linear_kernel_max_work() (0 without the kernel).
+// For attn_export/ops/gemm.py: log2 of linear_kernel_max_work() (0 without the kernel).
 extern "C" __attribute__((visibility("default"))) int attn_export_linear_kernel_max_work_log2() {
   const int64_t max_work = attn_export::cpu::linear_kernel_max_work();
   return max_work > 0 ? 63 - __builtin_clzll(static_cast<unsigned long long>(max_work)) : 0;
