@@ -47,6 +47,7 @@ MUTATED = {
     "exporter/attn_export/surgery/replace.py": ["tests/surgery/test_replace.py", "tests/surgery/test_sdpa_discovery.py"],
     "exporter/attn_export/loading.py": ["tests/test_loading.py"],
     "exporter/attn_export/onnx/node.py": ["tests/onnx/test_onnx_node.py"],
+    "exporter/attn_export/onnx/body.py": ["tests/onnx/test_onnx_node.py", "tests/onnx/test_onnx_body.py"],
 }
 
 
