@@ -193,58 +193,74 @@ def export_onnx(
             (for runtimes that do not read model-local functions; the TensorRT plugin then has
             nothing to map).
     """
-    from attn_export.surgery.replace import replace_attention
-
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
+    work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
+    sample = _sample_run(work, inputs, axes, replace, seed)
+    proto = _capture(work, sample.trace_inputs, axes, opset, sample.output_names, sample.report, quiet)
+    labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, sample.notes,
+                                    required=dynamic_axes is not None)
+    result = ExportResult(
+        path=path, opset=opset, dtype=dtype or _dtype_name(inputs), input_names=list(inputs),
+        output_names=sample.output_names, dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto),
+        replacement=sample.report, notes=sample.notes, attention=attention, functions=functions,
+        num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
+    )
+    _write_metadata(proto, result, _came_out_dynamic(axes, labels))
+    _save(proto, path)
+    return result
 
+
+def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
+                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
+    """What is exported: a copy of ``model`` in eval mode and in ``dtype`` (a transformers model
+    without its key/value cache among the outputs), its inputs in ``forward``'s order and in that
+    dtype, and the axes to export dynamic."""
     work = copy.deepcopy(model).eval()
     is_hf = _hf.contains_hf_model(work)
     if is_hf:
-        _hf.prepare_for_export(work)  # no key/value cache among the outputs
+        _hf.prepare_for_export(work)
     target = EXPORT_DTYPES.get(dtype) if dtype else None
     if target is not None:
         work = work.to(target)
     inputs = _inputs.cast_floats(_inputs.order_for_model(work, example_inputs), target)
     if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
         raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
-    axes = _resolve_axes(inputs, dynamic_axes, is_hf)
-    # A sample forward with the export's inputs finds where SDPA calls run (the plan = the run).
-    report = replace_attention(work, inputs) if replace else None
+    return work, inputs, _resolve_axes(inputs, dynamic_axes, is_hf)
 
+
+@dataclass
+class _SampleRun:
+    report: Optional[object]  # the ReplacementReport; None without replacement
+    output_names: List[str]
+    trace_inputs: Dict[str, torch.Tensor]  # the inputs, resized where torch.export would specialize
+    notes: List[str]
+
+
+def _sample_run(work: nn.Module, inputs, axes, replace: bool, seed: int) -> _SampleRun:
+    """Replaces the attention of ``work`` (optionally), runs it on the inputs and names its
+    outputs. The replacement's plan is a sample forward with the export's inputs (it finds where
+    SDPA calls run), and the run after it, on the routed model, says which calls were fused."""
+    from attn_export.surgery.replace import replace_attention
+
+    report = replace_attention(work, inputs) if replace else None
     with torch.no_grad():
         try:
             outputs = work(**inputs)
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs, taken=inputs)
-    # This run, on the routed model, says which calls really were fused.
     confirmed = report.confirm_sdpa_calls(work) if report is not None else []
     trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
     notes.extend(f"not fused: {line}" for line in confirmed)
+    return _SampleRun(report, output_names, trace_inputs, notes)
 
-    proto = _capture(work, trace_inputs, axes, opset, output_names, report, quiet)
-    labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, notes, required=dynamic_axes is not None)
+
+def _came_out_dynamic(axes, labels) -> Dict[str, Dict[int, str]]:
+    """The declared axes that came out dynamic: the metadata's, the gate's."""
     axes = {n: {a: lbl for a, lbl in d.items() if a in labels.get(n, {})} for n, d in axes.items()}
-    axes = {n: d for n, d in axes.items() if d}  # what came out dynamic: the metadata's, the gate's
-    meta = _write_metadata(proto, {
-        "version": _package_version(),
-        "dtype": dtype or _dtype_name(inputs),
-        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in axes.items()}),
-        "input_names": json.dumps(list(inputs)),
-        "output_names": json.dumps(output_names),
-        "attention_nodes": str(count_attention_nodes(proto)),
-        "attention": attention,
-        "functions": functions,
-    })
-    _save(proto, path)
-    return ExportResult(
-        path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
-        dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
-        attention=attention, functions=functions, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
-        kept_custom=rewrite.kept if rewrite else [],
-    )
+    return {n: d for n, d in axes.items() if d}
 
 
 def _check_options(opset: Optional[int], dtype: Optional[str], attention: str, functions: str) -> int:
@@ -340,13 +356,23 @@ def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes
     return labels, rewrite
 
 
-def _write_metadata(proto, meta: Dict[str, str]) -> Dict[str, str]:
+def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[int, str]]) -> None:
+    """The export's facts as ``attn_export.*`` metadata (read_metadata), and the producer."""
+    meta = {
+        "version": _package_version(),
+        "dtype": result.dtype,
+        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in dynamic_axes.items()}),
+        "input_names": json.dumps(result.input_names),
+        "output_names": json.dumps(result.output_names),
+        "attention_nodes": str(result.num_attention_nodes),
+        "attention": result.attention,
+        "functions": result.functions,
+    }
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + key, value
     proto.producer_name = "attn-export"
     proto.producer_version = _package_version()
-    return meta
 
 
 def _save(proto, path: Path) -> None:
