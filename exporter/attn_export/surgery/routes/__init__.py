@@ -18,14 +18,17 @@ from typing import List
 from torch import nn
 
 from attn_export.surgery.routes.base import CallCount, Route
+from attn_export.surgery.routes.diffusers import DiffusersProcessors
 from attn_export.surgery.routes.module_swap import ModuleSwap
 from attn_export.surgery.routes.sdpa import SdpaCalls
 from attn_export.surgery.routes.transformers import TransformersLayers
 
 # Precedence: a transformers layer may also call SDPA (attn_implementation="sdpa"): it is routed
-# through transformers' interface, not intercepted.
+# through transformers' interface, not intercepted; a diffusers attention module's calls run
+# through its processor (diffusers' own API), not through an instance forward.
 ROUTES: List[Route] = [
     TransformersLayers(),
+    DiffusersProcessors(),
     SdpaCalls(),
     ModuleSwap(),
 ]
