@@ -134,6 +134,11 @@ def test_restore_refuses_a_plan_another_model_and_a_second_undo():
     model, _ = _transformer()
     with pytest.raises(ValueError, match="nothing to restore"):
         attn_export.restore_attention(model, attn_export.inspect_attention(model))
+    from attn_export.surgery.plan import plan_export
+
+    with pytest.raises(ValueError, match="nothing to restore"):
+        attn_export.restore_attention(model, plan_export(model, {"src": torch.randn(2, 5, 16),
+                                                                  "tgt": torch.randn(2, 4, 16)}))
     report = attn_export.replace_attention(model)
     with pytest.raises(ValueError, match="another model"):
         attn_export.restore_attention(_transformer()[0], report)

@@ -175,8 +175,10 @@ def replace_attention(
     """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
     :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
     Hugging Face transformers models to the operator (``attn_implementation="attn_export"``,
-    see :mod:`attn_export.surgery.transformers`), routes the ``F.scaled_dot_product_attention`` calls of modules
-    whose forward makes them (:mod:`attn_export.surgery.sdpa_route`), and returns the report.
+    see :mod:`attn_export.surgery.transformers`), gives diffusers' attention modules fused
+    processors (:mod:`attn_export.surgery.diffusers`), routes the ``F.scaled_dot_product_attention``
+    calls of other modules whose forward makes them (:mod:`attn_export.surgery.sdpa_route`), and
+    returns the report: the routes of :data:`attn_export.surgery.routes.ROUTES`, in order.
 
     Args:
         model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /

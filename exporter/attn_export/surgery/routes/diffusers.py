@@ -16,7 +16,7 @@ from torch import nn
 
 from attn_export.surgery.diffusers import fused_processor, is_fused_processor
 from attn_export.surgery.routes.base import CallCount, Route, Scan, Site
-from attn_export.surgery.routes.sdpa import sdpa_layer, sdpa_note
+from attn_export.surgery.routes.sdpa import sdpa_note, sdpa_site
 from attn_export.surgery.sdpa.source import _calls_sdpa
 from attn_export.surgery.site_report import ROUTED, WILL_ROUTE, AttentionLayer
 
@@ -37,12 +37,9 @@ class DiffusersProcessors(Route):
         processor = processor_of(module)
         if processor is None:
             return None
-        if scan.observed is None:
-            call = type(processor).__call__
-            return sdpa_layer(module, path, None, is_fused_processor(processor)) \
-                if _calls_sdpa(call, type(processor), 2, set()) else None
-        seen = scan.observed.get(id(module))
-        return None if seen is None else sdpa_layer(module, path, seen, is_fused_processor(processor))
+        cls = type(processor)
+        return sdpa_site(scan, module, path, lambda: _calls_sdpa(cls.__call__, cls, 2, set()),
+                         is_fused_processor(processor))
 
     def notes(self, sites: List[Site], applied: bool) -> List[str]:
         return sdpa_note(sites, applied)

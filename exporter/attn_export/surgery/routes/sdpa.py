@@ -9,7 +9,7 @@ one the module had before); the calls are counted on it.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from torch import nn
 
@@ -51,6 +51,16 @@ def sdpa_layer(module: nn.Module, path: str, seen, routed: bool) -> AttentionLay
                           notes=sdpa_notes(module) if status != SKIPPED else [], found="sdpa")
 
 
+def sdpa_site(scan: Scan, module: nn.Module, path: str, calls_in_source: Callable[[], bool],
+              routed: bool) -> Optional[AttentionLayer]:
+    """The row of a module in which SDPA calls run (seen by the sample forward, or without one,
+    where ``calls_in_source()`` says so), else None."""
+    if scan.observed is None:
+        return sdpa_layer(module, path, None, routed) if calls_in_source() else None
+    seen = scan.observed.get(id(module))
+    return None if seen is None else sdpa_layer(module, path, seen, routed)
+
+
 def sdpa_note(sites: List[Site], applied: bool) -> List[str]:
     """The report's note on SDPA sites routed (or to be routed)."""
     if not any(site.layer.status in (ROUTED, WILL_ROUTE) for site in sites):
@@ -68,10 +78,7 @@ class SdpaCalls(Route):
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         if isinstance(module, (nn.MultiheadAttention, FusedMultiheadAttention)):
             return None
-        if scan.observed is None:
-            return sdpa_layer(module, path, None, is_routed(module)) if calls_sdpa(module) else None
-        seen = scan.observed.get(id(module))
-        return None if seen is None else sdpa_layer(module, path, seen, is_routed(module))
+        return sdpa_site(scan, module, path, lambda: calls_sdpa(module), is_routed(module))
 
     def decline(self, scan: Scan, module: nn.Module) -> Optional[str]:
         if scan.observed is not None and calls_sdpa(module):
