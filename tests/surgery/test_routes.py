@@ -251,3 +251,18 @@ def test_the_report_keeps_its_record_out_of_comparisons_and_copies():
     report = attn_export.replace_attention(model)
     assert "surgery" not in repr(report) and "surgery" not in report.to_dict()
     assert copy.deepcopy(report) == report
+
+
+def test_the_sdpa_route_puts_back_an_instance_forward_the_module_had():
+    model, inputs = _whisper()
+    site = model.get_submodule(attn_export.inspect_attention(model, inputs).layers[0].path)
+
+    def wrapped(*args, **kwargs):  # e.g. a hook wrapper some library installs per instance
+        return type(site).forward(site, *args, **kwargs)
+
+    site.forward = wrapped
+    before = _snapshot(model)
+    report = attn_export.replace_attention(model, inputs)
+    assert site.forward is not wrapped
+    attn_export.restore_attention(model, report)
+    assert site.forward is wrapped and _differences(before, _snapshot(model)) == []

@@ -88,6 +88,8 @@ def route_module(module: nn.Module) -> None:
 
 
 def unroute_module(module: nn.Module) -> None:
+    """Removes the route (the instance ``forward``); the SDPA route's undo also puts back an
+    instance ``forward`` the module had before."""
     if is_routed(module):
         del module.__dict__["forward"]
 
