@@ -61,16 +61,25 @@ def unfused_reason(module: nn.Module, kwargs, attention_mask=None) -> Optional[s
 
 def unfused_calls(module: nn.Module) -> Dict[str, int]:
     """The calls of ``module`` that ran transformers' attention instead of the operator since
-    it was built: reason -> count (empty when every call was fused)."""
-    return dict(getattr(module, _UNFUSED_CALLS, {}))
+    it was built: reason -> count (empty when every call was fused). The unfused part of
+    :func:`attn_export.surgery.fused_calls`."""
+    from attn_export.surgery.routes import fused_calls
+
+    return dict(fused_calls(module).unfused)
 
 
-_UNFUSED_CALLS = "_attn_export_unfused_calls"
+_FUSED_CALLS, _UNFUSED_CALLS = "_attn_export_fused_calls", "_attn_export_unfused_calls"
+COUNTS = (_FUSED_CALLS, _UNFUSED_CALLS)  # the instance attributes a layer's calls are counted in
 
 
 def _count_unfused(module: nn.Module, reason: str) -> None:
     counts = module.__dict__.setdefault(_UNFUSED_CALLS, {})
     counts[reason] = counts.get(reason, 0) + 1
+
+
+def _count_fused(module: nn.Module) -> None:
+    if not torch.compiler.is_compiling():  # a count is no part of a compiled graph
+        module.__dict__[_FUSED_CALLS] = module.__dict__.get(_FUSED_CALLS, 0) + 1
 
 
 def _eager_attention(module: nn.Module):
@@ -181,6 +190,7 @@ def attention_forward(
     extra = {"softcap": float(softcap)} if softcap else {}
     out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=causal, scale=scaling, **extra)
+    _count_fused(module)
     # [B, H, Lq, D] laid out [B, Lq, H, D]: the transpose is free.
     return out.transpose(1, 2), None
 
