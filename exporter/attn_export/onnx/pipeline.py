@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Set
 
 import onnx
 import torch
@@ -22,6 +22,7 @@ from attn_export import inputs as _inputs
 from attn_export import spec as _spec
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 from attn_export.atomic_io import atomic_output
+from attn_export.onnx import dims as _dims
 from attn_export.onnx.graph import (
     META_PREFIX,
     apply_axis_labels,
@@ -101,36 +102,6 @@ def _quiet_exporter(enabled: bool):
             lg.setLevel(level)
 
 
-def _dynamic_shapes(inputs: Mapping[str, torch.Tensor], axes: Mapping[str, Mapping[int, str]]):
-    """torch.export dynamic_shapes: Dim.AUTO per declared axis (the model decides which axes
-    are tied), except labels the user put on several axes, which share one named Dim."""
-    from torch.export import Dim
-
-    counts: Dict[str, int] = {}
-    for dims in axes.values():
-        for label in dims.values():
-            counts[label] = counts.get(label, 0) + 1
-    default_labels = set()
-    for name, dims in _inputs.default_axes(inputs).items():
-        default_labels.update(dims.values())
-    named: Dict[str, object] = {}
-    shapes = {}
-    for name in inputs:
-        dims = axes.get(name)
-        if not dims:
-            shapes[name] = None
-            continue
-        spec = {}
-        for axis, label in dims.items():
-            if counts[label] > 1 and label not in default_labels:
-                named.setdefault(label, Dim(label))
-                spec[axis] = named[label]
-            else:
-                spec[axis] = Dim.AUTO
-        shapes[name] = spec
-    return shapes
-
-
 def _check_trace_sizes(inputs, axes, seed):
     """Example sizes below 2 on a dynamic axis would be specialized by torch.export (0/1
     specialization); trace at size 2 instead."""
@@ -182,7 +153,9 @@ def export_onnx(
             static shapes. Default: dim 0 "batch" and dim 1 a sequence label for every input of
             rank 2 or 3, the batch of 4-D images (see attn_export.inputs.default_axes; for transformers
             models attn_export.surgery.transformers.default_axes), where a default axis the model
-            specializes stays static with a note.
+            specializes stays static with a note. The inputs' batch axes come out as one symbol
+            ``batch`` where the example's sizes agree, and so does a label given to several axes
+            (attn_export.onnx.dims).
         replace: run :func:`attn_export.replace_attention` on the copy first.
         quiet: silence torch's exporter output.
         attention: "custom" (default): one FusedAttention node per layer, with its model-local
@@ -198,7 +171,7 @@ def export_onnx(
     _check_writable(path)
     work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
     sample = _sample_run(work, inputs, axes, replace, seed)
-    proto = _capture(work, sample.trace_inputs, axes, opset, sample.output_names, sample.report, quiet)
+    proto = _capture(work, sample, axes, opset, quiet)
     labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, sample.notes,
                                     required=dynamic_axes is not None)
     result = ExportResult(
@@ -236,6 +209,7 @@ class _SampleRun:
     output_names: List[str]
     trace_inputs: Dict[str, torch.Tensor]  # the inputs, resized where torch.export would specialize
     notes: List[str]
+    shared: Set[str]  # the axis labels traced as one named Dim (onnx/dims.py)
 
 
 def _sample_run(work: nn.Module, inputs, axes, replace: bool, seed: int) -> _SampleRun:
@@ -252,9 +226,12 @@ def _sample_run(work: nn.Module, inputs, axes, replace: bool, seed: int) -> _Sam
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs, taken=inputs)
     confirmed = report.confirm_sdpa_calls(work) if report is not None else []
-    trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
+    # Decided on the example as given: resizing an axis of size 1 to 2 can make sizes agree.
+    shared, notes = _dims.shared_labels(inputs, axes)
+    trace_inputs, resized = _check_trace_sizes(inputs, axes, seed)
+    notes.extend(resized)
     notes.extend(f"not fused: {line}" for line in confirmed)
-    return _SampleRun(report, output_names, trace_inputs, notes)
+    return _SampleRun(report, output_names, trace_inputs, notes, shared)
 
 
 def _came_out_dynamic(axes, labels) -> Dict[str, Dict[int, str]]:
@@ -294,31 +271,52 @@ def _resolve_axes(inputs, dynamic_axes, is_hf: bool) -> Dict[str, Dict[int, str]
     return axes
 
 
-def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: bool):
+def _capture(work, sample: _SampleRun, axes, opset: int, quiet: bool):
     """torch.export, the pattern rewrite, then torch.onnx.export: the ModelProto."""
-    # torch.export first, by hand: given a module, torch.onnx.export falls back to
-    # torch.export.draft_export when export proper fails, which ignores shape guards and can
-    # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
     with _quiet_exporter(quiet):
-        try:
-            exported = torch.export.export(
-                work, (), kwargs=trace_inputs, strict=False,
-                dynamic_shapes=_dynamic_shapes(trace_inputs, axes) if axes else None,
-            )
-        except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
-            raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}{_hint(exc)}") from exc
-        if report is not None:
+        exported = _trace(work, sample, axes)
+        if sample.report is not None:
             # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
-            report.add_pattern_sites(rewrite_patterns(exported), work)
+            sample.report.add_pattern_sites(rewrite_patterns(exported), work)
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,
-                custom_translation_table=_translations(work), output_names=output_names,
+                custom_translation_table=_translations(work), output_names=sample.output_names,
                 optimize=True, verbose=False, external_data=False,
             )
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"torch.onnx.export failed: {_first_line(exc)}") from exc
     return program.model_proto
+
+
+def _trace(work, sample: _SampleRun, axes):
+    """torch.export with the shared Dims (onnx/dims.py). Where torch.export refuses the one
+    batch Dim, or ties it to an axis declared otherwise, the model is traced again with a batch
+    symbol per input (a note says why)."""
+    shared = sample.shared
+    if _dims.BATCH in shared:
+        try:
+            exported = _export(work, sample.trace_inputs, axes, shared)
+            absorbed = _dims.absorbed(exported, axes, {_dims.BATCH})
+            if not absorbed:
+                return exported
+            why = f"the trace tied it to {', '.join(absorbed)}"
+        except Exception as exc:  # noqa: BLE001 - traced again below
+            why = f"torch.export refused it: {_first_line(exc)}"
+        sample.notes.append(f"the inputs' batch axes are separate symbols, not one {_dims.BATCH!r} ({why})")
+        shared = shared - {_dims.BATCH}
+    try:
+        return _export(work, sample.trace_inputs, axes, shared)
+    except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
+        raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}{_hint(exc)}") from exc
+
+
+def _export(work, trace_inputs, axes, shared: Set[str]):
+    # torch.export first, by hand: given a module, torch.onnx.export falls back to
+    # torch.export.draft_export when export proper fails, which ignores shape guards and can
+    # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
+    return torch.export.export(work, (), kwargs=trace_inputs, strict=False,
+                               dynamic_shapes=_dims.dynamic_shapes(trace_inputs, axes, shared) if axes else None)
 
 
 def _hint(exc: BaseException) -> str:
