@@ -158,7 +158,7 @@ inline constexpr const char* kOpMultiHeadAttentionForward = "attn_export::_multi
 inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_multi_head_attention_backward";
 
 // The operators' signatures (TorchScript schema syntax, each after its kOp* name), said once:
-// csrc/ops/attention.cpp registers them; exporter/attn_export/signatures.py parses them with
+// csrc/ops/attention.cpp registers them; exporter/attn_export/ops/signatures.py parses them with
 // torch's own parser for the fake kernels, the ONNX translation and the Python entry points
 // (tests/test_spec.py holds every Python signature to them); the C++ adapters are checked
 // against them by torch when the library loads (csrc/ops/core_args.h).
