@@ -2,8 +2,10 @@
 torch operators' names, read from the one spec, ``csrc/attention_spec.h``.
 
 The C++ header is the single source of truth (the TensorRT plugin includes it); this module
-parses its ``inline constexpr`` constants (scalars, arrays and arrays of plain structs) with
-regular expressions, so the exporter can never drift from the plugin. tests/test_spec.py compiles the header and checks both agree, and that
+parses its ``inline constexpr`` constants (scalars, strings spelled as adjacent literals, arrays
+and arrays of plain structs) with regular expressions, so the exporter can never drift from the
+plugin. The operators' schema strings (``torch_schemas``) are parsed further, with torch's own
+parser, by ops/signatures.py. tests/test_spec.py compiles the header and checks both agree, and that
 exported models carry exactly these names. See docs/onnx_node.md.
 """
 from __future__ import annotations
