@@ -2,18 +2,21 @@
 // CUDA, the CUDA emulator's test ops) takes one of these structs. The operators' flat
 // signatures (csrc/attention_spec.h, kSchemaAttention*) are expanded here, in the adapters
 // TORCH_LIBRARY registers, from the fixed leading arguments and the trailing attributes of
-// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES); torch checks each adapter against its
-// schema when the library loads, and dispatch.h calls the operators through the same lists,
-// so a new attribute needs no edit here (docs/architecture.md lists what it touches).
+// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES). The static_asserts below hold the
+// schemas to that list by name at compile time (torch checks the types when the library loads),
+// and dispatch.h calls the operators through the same lists, so a new attribute needs no edit
+// here (docs/architecture.md lists what it touches).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
 #include <optional>
+#include <string_view>
 #include <tuple>
 
 #include "../attention_params.h"
+#include "../attention_spec.h"
 
 // Expansions of ATTN_EXPORT_TRAILING_ATTRIBUTES: `, type name` (a parameter) and `, name` (an
 // argument).
@@ -107,5 +110,54 @@ CoreGrads attention_backward_kernel(const at::Tensor& grad_output, const std::op
                             scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
   return Impl({grad_output, grad_weights, query, key, value, logsumexp, output, options});
 }
+
+// The schemas against the adapters above: each core schema is its leading arguments (7, 8 and
+// 11, as the adapters spell them) followed by exactly the trailing attributes, by name.
+namespace schema_check {
+
+// The argument list of a schema "(type name[=default], ...) -> results" (no argument has
+// parentheses), its length and the name of argument `index`.
+constexpr std::string_view argument_list(std::string_view schema) { return schema.substr(1, schema.find(')') - 1); }
+
+constexpr int count_arguments(std::string_view schema) {
+  const std::string_view list = argument_list(schema);
+  int count = list.empty() ? 0 : 1;
+  for (const char c : list) count += c == ',';
+  return count;
+}
+
+constexpr std::string_view argument_name(std::string_view schema, int index) {
+  std::string_view rest = argument_list(schema);
+  for (int i = 0; i < index; ++i) rest = rest.substr(rest.find(',') + 1);
+  std::string_view argument = rest.substr(0, rest.find(','));
+  argument = argument.substr(0, argument.find('='));
+  while (!argument.empty() && argument.back() == ' ') argument.remove_suffix(1);
+  return argument.substr(argument.rfind(' ') + 1);
+}
+
+#define ATTN_EXPORT_ATTRIBUTE_NAME(type, name, default_value) #name,
+inline constexpr std::string_view kTrailingNames[] = {ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_NAME)};
+#undef ATTN_EXPORT_ATTRIBUTE_NAME
+inline constexpr int kNumTrailing = static_cast<int>(sizeof(kTrailingNames) / sizeof(kTrailingNames[0]));
+
+constexpr bool ends_with_trailing_attributes(std::string_view schema, int leading) {
+  if (count_arguments(schema) != leading + kNumTrailing) return false;
+  for (int i = 0; i < kNumTrailing; ++i) {
+    if (argument_name(schema, leading + i) != kTrailingNames[i]) return false;
+  }
+  return true;
+}
+
+static_assert(ends_with_trailing_attributes(spec::kSchemaAttention, 7),
+              "kSchemaAttention (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
+              "(csrc/attention_params.h): the same names in the same order");
+static_assert(ends_with_trailing_attributes(spec::kSchemaAttentionForward, 8),
+              "kSchemaAttentionForward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
+              "(csrc/attention_params.h): the same names in the same order");
+static_assert(ends_with_trailing_attributes(spec::kSchemaAttentionBackward, 11),
+              "kSchemaAttentionBackward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
+              "(csrc/attention_params.h): the same names in the same order");
+
+}  // namespace schema_check
 
 }  // namespace attn_export::ops
