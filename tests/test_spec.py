@@ -315,11 +315,19 @@ def test_signatures_bind_a_call_as_the_operator_does():
     from attn_export.ops import signatures
 
     op = spec_mod.load().torch_op_attention
+    args = signatures.arguments(op)
     bound = signatures.bind(op, ("q", "k", "v"), {"softcap": 2.0})
-    assert bound == {"query": "q", "key": "k", "value": "v", "attn_mask": None, "key_padding_mask": None,
-                     "is_causal": False, "scale": None, "softcap": 2.0}
+    assert list(bound) == [a.name for a in args]
+    assert {n: bound[n] for n in ("query", "key", "value", "attn_mask", "key_padding_mask", "is_causal", "scale",
+                                  "softcap")} == {"query": "q", "key": "k", "value": "v", "attn_mask": None,
+                                                  "key_padding_mask": None, "is_causal": False, "scale": None,
+                                                  "softcap": 2.0}
+    assert all(bound[a.name] == a.default for a in args[8:])  # attributes added after softcap: their defaults
     with pytest.raises(TypeError):
         signatures.bind(op, ("q", "k"), {})
     sig = inspect.signature(translation.translate_attention)
-    assert list(sig.parameters) == [a.name for a in signatures.arguments(op)]
-    assert translation.translate_attention.__annotations__ == {"is_causal": bool, "scale": float, "softcap": float}
+    assert list(sig.parameters) == [a.name for a in args]
+    annotations = translation.translate_attention.__annotations__
+    assert {n: annotations[n] for n in ("is_causal", "scale", "softcap")} == {"is_causal": bool, "scale": float,
+                                                                              "softcap": float}
+    assert set(annotations) == {a.name for a in args if not a.is_tensor}
