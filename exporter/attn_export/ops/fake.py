@@ -18,19 +18,6 @@ from attn_export.ops import signatures
 
 _OPS = _spec.load()  # the operators' names (csrc/attention_spec.h)
 
-# Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
-FAKE_KERNELS = {}
-
-
-def _fake(op: str):
-    """Registers the decorated function as `op`'s fake kernel, called with every argument by
-    name (the schema's defaults filled in)."""
-    def register(kernel):
-        torch.library.register_fake(op)(signatures.with_signature(op, kernel))
-        FAKE_KERNELS[op] = kernel
-        return kernel
-    return register
-
 _SCALAR_TYPE_NAMES = {
     torch.float32: "Float",
     torch.float64: "Double",
@@ -264,6 +251,20 @@ def check_softcap(softcap) -> None:
         # :g prints a double as the C++ message's ostream does (-2, nan, 1e-30).
         lambda: f"attention: softcap must be finite and >= 0 (0 = off); got {softcap:g}",
     )
+
+
+# Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
+FAKE_KERNELS = {}
+
+
+def _fake(op: str):
+    """Registers the decorated function as `op`'s fake kernel, called with every argument by
+    name (the schema's defaults filled in)."""
+    def register(kernel):
+        torch.library.register_fake(op)(signatures.with_signature(op, kernel))
+        FAKE_KERNELS[op] = kernel
+        return kernel
+    return register
 
 
 @_fake(_OPS.torch_op_attention)
