@@ -37,7 +37,7 @@
 #define ATTN_EXPORT_TRAILING_ATTRIBUTES(X) \
   X(double, softcap, 0.0)
 
-// Expansions of the list: a member with its default, and the type and name as a parameter.
+// The list expanded into members with their defaults (AttentionParams, ops/core_args.h's CoreOptions).
 #define ATTN_EXPORT_ATTRIBUTE_FIELD(type, name, default_value) type name = default_value;
 
 namespace attn_export {
