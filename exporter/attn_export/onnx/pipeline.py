@@ -19,7 +19,6 @@ from torch import nn
 
 from attn_export.surgery import transformers as _hf
 from attn_export import inputs as _inputs
-from attn_export import spec as _spec
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 from attn_export.atomic_io import atomic_output
 from attn_export.onnx import dims as _dims
@@ -34,18 +33,17 @@ from attn_export.onnx.graph import (
     record_shapes,
 )
 from attn_export.surgery.patterns import rewrite as rewrite_patterns
-from attn_export.onnx.standard import MIN_OPSET as STANDARD_MIN_OPSET, to_standard_attention
-from attn_export.onnx.standard import check_opset as check_standard_opset
+from attn_export.onnx.standard import to_standard_attention
 from attn_export.onnx.translation import translation_table
-
-DEFAULT_OPSET = 20
-# How each fused layer is written: the custom FusedAttention node (with its model-local function
-# and the TensorRT plugin), or the standard Attention operator (opset 23; docs/onnx_node.md).
-ATTENTION_FLAVORS = ("custom", "standard")
-# Where the custom nodes' bodies go: model-local functions called by the nodes (the TensorRT
-# plugin maps the nodes), or written inline into the graph for runtimes and tools that do not
-# read model-local functions (OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
-FUNCTION_MODES = ("local", "inline")
+from attn_export.onnx_options import (  # noqa: F401 - ATTENTION_FLAVORS, FUNCTION_MODES, DEFAULT_OPSET: public here
+    ATTENTION_FLAVORS,
+    DEFAULT_ATTENTION,
+    DEFAULT_FUNCTIONS,
+    DEFAULT_OPSET,
+    FUNCTION_MODES,
+    check_choices,
+    export_opset,
+)
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -135,8 +133,8 @@ def export_onnx(
     replace: bool = True,
     quiet: bool = True,
     seed: int = 0,
-    attention: str = "custom",
-    functions: str = "local",
+    attention: str = DEFAULT_ATTENTION,
+    functions: str = DEFAULT_FUNCTIONS,
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -242,19 +240,8 @@ def _came_out_dynamic(axes, labels) -> Dict[str, Dict[int, str]]:
 
 def _check_options(opset: Optional[int], dtype: Optional[str], attention: str, functions: str) -> int:
     """The opset to export with, after the flavor, function mode, opset and dtype are checked."""
-    s = _spec.load()
-    if attention not in ATTENTION_FLAVORS:
-        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
-    if functions not in FUNCTION_MODES:
-        raise InputError(f"--onnx-functions {functions}: one of {', '.join(FUNCTION_MODES)}")
-    standard = attention == "standard"
-    if opset is None:
-        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
-    opset = int(opset)
-    if standard:
-        check_standard_opset(opset)
-    if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
-        raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
+    check_choices(attention, functions)
+    opset = export_opset(opset, attention)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise InputError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
     return opset
