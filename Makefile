@@ -2,9 +2,10 @@
 # missing, installs what it needs and builds the C++ operators. A third for release pipelines:
 # `make wheel` builds the binary wheel in dist/ (docs/packaging.md).
 #
-# CPU-only by default: TORCH_SPEC pins the CPU build of PyTorch. With an NVIDIA GPU, pass a
-# CUDA build instead, e.g.
-#   make test TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
+# CPU-only by default: TORCH_SPEC pins the CPU build of PyTorch, the one CI tests. With an NVIDIA
+# GPU, pass a CUDA build instead; the operators compile against whatever torch is installed
+# (docs/install.md, "Which PyTorch"), e.g.
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -43,7 +44,8 @@ test: install test-wheel
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The everyday loop: every package's tests without the slow ones (the CUDA emulator, the model
-# zoo, the fuzzers, the other instruction sets, end-to-end CLI runs); a few minutes on 2 cores.
+# zoo, the fuzzers, the other instruction sets, end-to-end runs); under 3 minutes on 2 cores once
+# installed (docs/testing.md, "Tiers").
 test-fast: install
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
@@ -56,7 +58,7 @@ demo: install
 # package imports torch first), and a second copy of libgomp or of the CUDA runtime in one process
 # would be a second OpenMP thread pool or CUDA context. With a CUDA torch and nvcc the wheel has
 # the CUDA kernels for CUDA_ARCHS, e.g.
-#   make wheel VENV=.venv-cu130 TORCH_SPEC="torch==2.14.1 --index-url https://download.pytorch.org/whl/cu130"
+#   make wheel VENV=.venv-cu130 TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 CUDA_ARCHS ?= 8.0;9.0
 WHEEL_BUILD := build/wheel
 # The list lives in scripts/wheel_check.py, which checks that auditwheel wants nothing else.

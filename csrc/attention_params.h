@@ -24,6 +24,22 @@
 
 #include <cstdint>
 
+// The core's trailing attributes: the scalars after its masks, causality and scale, one line
+// each, X(C++ type, name, default), in the order the core operators' schemas end with them
+// (csrc/attention_spec.h, kSchemaAttention*). AttentionParams carries each as a field of that
+// name; the torch bindings take them as the operators' last arguments and copy them here
+// (csrc/ops/core_args.h expands this list), so a new attribute of the core is a line here, its
+// schema text and the kernels' use of it. Types: double (schema float), int64_t (int), bool.
+//
+//   softcap: logit soft-capping (Gemma 2, Grok): when > 0, the scaled score x = scale * q.k
+//     becomes softcap * tanh(x / softcap) BEFORE the masks are added; 0 = off. Bounds the scores
+//     to (-softcap, softcap); the backward multiplies dS by 1 - tanh^2(x / softcap).
+#define ATTN_EXPORT_TRAILING_ATTRIBUTES(X) \
+  X(double, softcap, 0.0)
+
+// The list expanded into members with their defaults (AttentionParams, ops/core_args.h's CoreOptions).
+#define ATTN_EXPORT_ATTRIBUTE_FIELD(type, name, default_value) type name = default_value;
+
 namespace attn_export {
 
 enum class DataType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
@@ -71,11 +87,8 @@ struct AttentionParams {
   AttentionMask key_padding_mask;
 
   double scale = 1.0;  // multiplies q.k before the masks are added
-  // Logit soft-capping (Gemma 2, Grok): when > 0, the scaled score x = scale * q.k becomes
-  // softcap * tanh(x / softcap) BEFORE the masks are added; 0 = off. Bounds the scores to
-  // (-softcap, softcap); the backward multiplies dS by 1 - tanh^2(x / softcap).
-  double softcap = 0.0;
   bool is_causal = false;
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, ...
 };
 
 // The backward pass reads everything the forward read (it recomputes the probabilities from

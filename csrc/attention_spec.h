@@ -145,9 +145,10 @@ inline constexpr const char* kOutputNames[kNumOutputs] = {"output"};
 inline constexpr int kInputRanks[kNumInputs] = {3, 3, 3, 2, 4};
 inline constexpr int kOutputRank = 3;
 
-// The PyTorch operators (torch.ops.attn_export.*), by qualified name: the schemas
-// (csrc/ops/attention.cpp, whose TORCH_LIBRARY block must name kTorchNamespace), every
-// backend's registrations, the C++ callers through the dispatcher and the Python fake kernels.
+// The PyTorch operators (torch.ops.attn_export.*), by qualified name (csrc/ops/attention.cpp,
+// whose TORCH_LIBRARY block must name kTorchNamespace, defines each from its kSchema* below),
+// every backend's registrations, the C++ callers through the dispatcher and the Python fake
+// kernels.
 inline constexpr const char* kTorchNamespace = "attn_export";
 inline constexpr const char* kOpAttention = "attn_export::attention";
 inline constexpr const char* kOpAttentionForward = "attn_export::_attention_forward";
@@ -155,6 +156,71 @@ inline constexpr const char* kOpAttentionBackward = "attn_export::_attention_bac
 inline constexpr const char* kOpMultiHeadAttention = "attn_export::multi_head_attention";
 inline constexpr const char* kOpMultiHeadAttentionForward = "attn_export::_multi_head_attention_forward";
 inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_multi_head_attention_backward";
+
+// The operators' signatures (TorchScript schema syntax, each after its kOp* name), said once:
+// csrc/ops/attention.cpp registers them; exporter/attn_export/ops/signatures.py parses them with
+// torch's own parser for the fake kernels, the ONNX translation and the Python entry points
+// (tests/test_spec.py holds every Python signature to them); the C++ adapters are checked
+// against them by torch when the library loads (csrc/ops/core_args.h).
+//
+// The core's attributes follow the tensors: attn_mask, key_padding_mask, is_causal, scale, then
+// (after the internal operators' own need_weights / output) the trailing attributes of
+// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES), each with a default so that callers
+// written before it existed keep working. A node attribute of the same name (kAttributes) is
+// written from the operator's argument by the ONNX translation.
+
+// The attention core: softmax(cap(scale * q k^T) + masks) v for q [B, H, Lq, D],
+// k [B, H, Lk, D], v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true =
+// masked out). cap(x) = softcap * tanh(x / softcap) when softcap > 0 (logit soft-capping,
+// Gemma 2 / Grok), the identity when softcap = 0.
+inline constexpr const char* kSchemaAttention =
+    "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
+    "bool is_causal=False, float? scale=None, float softcap=0.0) -> Tensor";
+
+// The core's kernels. The forward also returns the row log-sum-exp the backward needs, and the
+// attention probabilities when need_weights is set (an empty tensor otherwise). The backward
+// may be given the forward's output (the flash-style CUDA backward needs rowsum(dO * O));
+// kernels ignore what they do not need and recompute what is not given.
+inline constexpr const char* kSchemaAttentionForward =
+    "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
+    "bool is_causal, float? scale, bool need_weights, float softcap=0.0) "
+    "-> (Tensor output, Tensor logsumexp, Tensor weights)";
+inline constexpr const char* kSchemaAttentionBackward =
+    "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
+    "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
+    "Tensor? output=None, float softcap=0.0) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
+
+// The whole torch.nn.MultiheadAttention layer in one call: input projection, attention, output
+// projection. Arguments and results mirror F.multi_head_attention_forward; `weights` is an
+// empty tensor when need_weights is false.
+inline constexpr const char* kSchemaMultiHeadAttention =
+    "(Tensor query, Tensor key, Tensor value, int num_heads, Tensor in_proj_weight, "
+    "Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? attn_mask=None, "
+    "Tensor? key_padding_mask=None, bool need_weights=True, bool average_attn_weights=True, "
+    "bool is_causal=False, bool batch_first=False) -> (Tensor output, Tensor weights)";
+
+// The layer's forward kernel, returning what its backward needs: the input projections
+// (packed_qkv: one [Nq, 3E] tensor, key and value ignored; else q [Nq, E] and k|v [Nk, 2E]),
+// the attention output before the output projection and the row log-sum-exp.
+inline constexpr const char* kSchemaMultiHeadAttentionForward =
+    "(Tensor query, Tensor key, Tensor value, int num_heads, Tensor in_proj_weight, "
+    "Tensor? in_proj_bias, Tensor out_proj_weight, Tensor? out_proj_bias, Tensor? attn_mask, "
+    "Tensor? key_padding_mask, bool need_weights, bool average_attn_weights, bool is_causal, "
+    "bool batch_first, bool packed_qkv) -> (Tensor output, Tensor weights, Tensor q_proj, "
+    "Tensor kv_proj, Tensor attn, Tensor logsumexp)";
+
+// The layer's backward from what _multi_head_attention_forward saved. Gradients for query, key,
+// value, in_proj_weight, in_proj_bias, out_proj_weight and out_proj_bias; an entry is an empty
+// tensor where output_mask is false or where the gradient flows through another argument
+// (packed_qkv: all of it to query; shared_kv: key and value are one tensor, to key).
+inline constexpr const char* kSchemaMultiHeadAttentionBackward =
+    "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
+    "int num_heads, Tensor in_proj_weight, Tensor? in_proj_bias, Tensor out_proj_weight, "
+    "Tensor? out_proj_bias, Tensor? attn_mask, Tensor? key_padding_mask, bool need_weights, "
+    "bool average_attn_weights, bool is_causal, bool batch_first, bool packed_qkv, bool shared_kv, "
+    "Tensor q_proj, Tensor kv_proj, Tensor attn, Tensor logsumexp, bool[7] output_mask) "
+    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_in_proj_weight, "
+    "Tensor grad_in_proj_bias, Tensor grad_out_proj_weight, Tensor grad_out_proj_bias)";
 
 // The smallest default-domain ONNX opset the function body is written for (ReduceMax with axes
 // as an input, Shape with start/end).

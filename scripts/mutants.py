@@ -44,9 +44,13 @@ MUTATED = {
     "exporter/attn_export/validation/tolerances.py": ["tests/validation/test_tolerances.py"],
     "exporter/attn_export/shapes.py": ["tests/test_shapes.py"],
     "exporter/attn_export/inputs.py": ["tests/test_inputs.py"],
-    "exporter/attn_export/surgery/replace.py": ["tests/surgery/test_replace.py", "tests/surgery/test_sdpa_discovery.py"],
+    "exporter/attn_export/surgery/replace.py": ["tests/surgery/test_replace.py", "tests/surgery/test_sdpa_discovery.py",
+                                                "tests/surgery/test_routes.py"],
+    **{f"exporter/attn_export/surgery/routes/{name}.py": ["tests/surgery/test_replace.py", "tests/surgery/test_routes.py"]
+       for name in ("base", "undo", "module_swap", "sdpa")},
     "exporter/attn_export/loading.py": ["tests/test_loading.py"],
     "exporter/attn_export/onnx/node.py": ["tests/onnx/test_onnx_node.py"],
+    "exporter/attn_export/onnx/body.py": ["tests/onnx/test_onnx_node.py", "tests/onnx/test_onnx_body.py"],
 }
 
 

@@ -13,6 +13,7 @@ from attn_export import spec as spec_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "csrc" / "attention_spec.h"
+PARAMS_HEADER = ROOT / "csrc" / "attention_params.h"
 
 _PRINTER = r"""
 #include <cstdio>
@@ -56,6 +57,11 @@ int main() {
   s("torch_op_multi_head_attention", kOpMultiHeadAttention);
   s("torch_op_multi_head_attention_forward", kOpMultiHeadAttentionForward);
   s("torch_op_multi_head_attention_backward", kOpMultiHeadAttentionBackward);
+  s("torch_schema_attention", kSchemaAttention); s("torch_schema_attention_forward", kSchemaAttentionForward);
+  s("torch_schema_attention_backward", kSchemaAttentionBackward);
+  s("torch_schema_multi_head_attention", kSchemaMultiHeadAttention);
+  s("torch_schema_multi_head_attention_forward", kSchemaMultiHeadAttentionForward);
+  s("torch_schema_multi_head_attention_backward", kSchemaMultiHeadAttentionBackward);
   std::printf("\"positions\": [%d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
               kInputKeyPaddingMask, kInputAttnMask);
 }
@@ -168,3 +174,160 @@ def test_exported_node_carries_exactly_the_spec_names(exported_seq2seq):
         assert set(function.attribute) | {a.name for a in function.attribute_proto} == set(s.attribute_names)
     imports = {o.domain: o.version for o in model.opset_import}
     assert all(imports[n.domain] == s.domain_version for n in nodes)
+
+
+# ----- The operators' signatures: said once, in the spec's kSchema* strings -----------------------
+
+def test_the_library_registers_the_spec_schemas():
+    """csrc/ops/attention.cpp defines each operator from its kSchema*: the loaded library's schemas
+    are the spec's (a stale _C.so fails here: rebuild it)."""
+    import torch
+
+    import attn_export  # noqa: F401 - loads the operators
+
+    for op, text in spec_mod.load().torch_schemas.items():
+        namespace, name = op.split("::")
+        registered = getattr(getattr(torch.ops, namespace), name).default._schema
+        assert registered == torch._C.parse_schema(text), (op, str(registered))
+
+
+def _cpp_to_schema_type(cpp: str) -> str:
+    return {"double": "float", "int64_t": "int", "bool": "bool"}[cpp]
+
+
+def _trailing_attributes():
+    """ATTN_EXPORT_TRAILING_ATTRIBUTES of attention_params.h: [(schema type, name, default)]."""
+    text = PARAMS_HEADER.read_text()
+    body = re.search(r"#define ATTN_EXPORT_TRAILING_ATTRIBUTES\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)[1]
+    entries = re.findall(r"X\(\s*(\w+)\s*,\s*(\w+)\s*,\s*([^)]*?)\s*\)", body)
+    literal = {"true": True, "false": False}
+    return [(_cpp_to_schema_type(t), n, literal.get(d, None) if d in literal else float(d) if "." in d else int(d))
+            for t, n, d in entries]
+
+
+@pytest.mark.parametrize("op_field, before", [("torch_op_attention", "scale"), ("torch_op_attention_forward", "need_weights"),
+                                              ("torch_op_attention_backward", "output")])
+def test_trailing_attributes_end_every_core_schema(op_field, before):
+    """The C++ adapters (csrc/ops/core_args.h) take the core's last arguments from
+    ATTN_EXPORT_TRAILING_ATTRIBUTES (csrc/attention_params.h): the list must be what each core
+    schema (csrc/attention_spec.h) ends with, in order, types and defaults. torch checks the types
+    when the library loads; this names the place and checks names and defaults too."""
+    from attn_export.ops import signatures
+
+    op = getattr(spec_mod.load(), op_field)
+    args = signatures.arguments(op)
+    names = [a.name for a in args]
+    tail = [(a.type, a.name, a.default) for a in args[names.index(before) + 1:]]
+    listed = _trailing_attributes()
+    assert listed, "ATTN_EXPORT_TRAILING_ATTRIBUTES lists nothing (csrc/attention_params.h)"
+    assert tail == listed, (f"{op} (csrc/attention_spec.h) ends with {tail} after {before!r}; "
+                            f"ATTN_EXPORT_TRAILING_ATTRIBUTES (csrc/attention_params.h) lists {listed}")
+
+
+def test_the_attention_operators_scalars_are_node_attributes():
+    """The ONNX translation writes each scalar argument of attn_export::attention on the node under
+    the same name (onnx/translation.py): each must be a node attribute (kAttributes) of the same
+    kind, with the same default where the node has one."""
+    from attn_export.ops import signatures
+
+    s = spec_mod.load()
+    kinds = {"bool": onnx.AttributeProto.INT, "int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
+             "Optional[float]": onnx.AttributeProto.FLOAT}
+    scalars = [a for a in signatures.arguments(s.torch_op_attention) if not a.is_tensor]
+    assert [a.name for a in scalars][:2] == [s.attr_is_causal, s.attr_scale]
+    for a in scalars:
+        assert a.name in s.attribute, f"{s.torch_op_attention}'s {a.name!r} is not in kAttributes (csrc/attention_spec.h)"
+        node = s.attribute[a.name]
+        assert node.type == kinds[a.type], f"kAttributes {a.name!r}: type {node.type_name}, the schema says {a.type}"
+        if not node.required:
+            assert node.default == a.default, f"kAttributes {a.name!r}: default {node.default!r}, the schema {a.default!r}"
+
+
+def _python_signatures():
+    """(place to fix, function, operator) for every signature still spelled in Python."""
+    from attn_export.onnx import translation
+    from attn_export.ops import functional
+
+    s = spec_mod.load()
+    return [
+        ("exporter/attn_export/ops/functional.py: attention", functional.attention, s.torch_op_attention),
+        ("exporter/attn_export/ops/functional.py: multi_head_attention", functional.multi_head_attention,
+         s.torch_op_multi_head_attention),
+        ("exporter/attn_export/onnx/translation.py: translate_attention", translation.translate_attention,
+         s.torch_op_attention),
+        ("exporter/attn_export/onnx/translation.py: translate_multi_head_attention",
+         translation.translate_multi_head_attention, s.torch_op_multi_head_attention),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_python_entry_points_follow_the_schemas(index):
+    """Names, order and defaults of each Python function that takes an operator's arguments equal
+    the operator's schema in csrc/attention_spec.h; the error names the function to fix."""
+    from attn_export.ops import signatures
+
+    where, function, op = _python_signatures()[index]
+    signatures.check_parameters(function, op, where)
+
+
+def test_fake_kernels_name_only_their_operators_arguments():
+    """ops/fake.py's kernels receive their operator's arguments by name: each parameter they name
+    must be an argument of the schema (the rest arrive in **_)."""
+    import inspect
+
+    from attn_export.ops import fake, signatures
+
+    assert set(fake.FAKE_KERNELS) == set(spec_mod.load().torch_schemas)
+    for op, kernel in fake.FAKE_KERNELS.items():
+        names = {a.name for a in signatures.arguments(op)}
+        params = inspect.signature(kernel).parameters.values()
+        named = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+        assert set(named) <= names, f"exporter/attn_export/ops/fake.py: {kernel.__name__} names {set(named) - names}, not arguments of {op}"
+        assert any(p.kind is p.VAR_KEYWORD for p in params), f"ops/fake.py: {kernel.__name__} must take **_"
+
+
+def test_signature_check_names_the_place_to_fix():
+    """check_parameters fails on a missing, reordered or wrongly defaulted parameter, naming the place."""
+    from attn_export.ops import signatures
+
+    op = spec_mod.load().torch_op_attention
+
+    def missing(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
+        pass
+
+    def reordered(query, key, value, key_padding_mask=None, attn_mask=None, is_causal=False, scale=None, softcap=0.0):
+        pass
+
+    def wrong_default(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=True, scale=None, softcap=0.0):
+        pass
+
+    for function in (missing, reordered, wrong_default):
+        with pytest.raises(TypeError, match="here.py: f"):
+            signatures.check_parameters(function, op, "here.py: f")
+
+
+def test_signatures_bind_a_call_as_the_operator_does():
+    """A call bound by the schema gets every argument by name with the schema's defaults; the
+    generated translation has the operator's signature and onnxscript's attribute annotations."""
+    import inspect
+
+    from attn_export.onnx import translation
+    from attn_export.ops import signatures
+
+    op = spec_mod.load().torch_op_attention
+    args = signatures.arguments(op)
+    bound = signatures.bind(op, ("q", "k", "v"), {"softcap": 2.0})
+    assert list(bound) == [a.name for a in args]
+    assert {n: bound[n] for n in ("query", "key", "value", "attn_mask", "key_padding_mask", "is_causal", "scale",
+                                  "softcap")} == {"query": "q", "key": "k", "value": "v", "attn_mask": None,
+                                                  "key_padding_mask": None, "is_causal": False, "scale": None,
+                                                  "softcap": 2.0}
+    assert all(bound[a.name] == a.default for a in args[8:])  # attributes added after softcap: their defaults
+    with pytest.raises(TypeError):
+        signatures.bind(op, ("q", "k"), {})
+    sig = inspect.signature(translation.translate_attention)
+    assert list(sig.parameters) == [a.name for a in args]
+    annotations = translation.translate_attention.__annotations__
+    assert {n: annotations[n] for n in ("is_causal", "scale", "softcap")} == {"is_causal": bool, "scale": float,
+                                                                              "softcap": float}
+    assert set(annotations) == {a.name for a in args if not a.is_tensor}

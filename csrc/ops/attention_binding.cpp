@@ -277,7 +277,6 @@ AttentionParams make_attention_params(
     const CoreOptions& options) {
   const double scale = resolve_scale(options.scale, q.size(3));
   const bool is_causal = options.is_causal;
-  const double softcap = options.softcap;
   for (const at::Tensor* t : {&q, &k, &v, &out}) {
     TORCH_INTERNAL_ASSERT(t->numel() == 0 || t->size(3) <= 1 || t->stride(3) == 1, "last dim must be contiguous");
   }
@@ -308,8 +307,10 @@ AttentionParams make_attention_params(
     p.key_padding_mask = mask_params(*key_padding_mask, /*is_key_padding=*/true);
   }
   p.scale = scale;
-  p.softcap = softcap;
   p.is_causal = is_causal;
+#define ATTN_EXPORT_COPY_ATTRIBUTE(type, name, default_value) p.name = options.name;
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_COPY_ATTRIBUTE)
+#undef ATTN_EXPORT_COPY_ATTRIBUTE
   return p;
 }
 

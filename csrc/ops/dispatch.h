@@ -22,7 +22,9 @@ c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
 }
 
 // The core's operators take their arguments as the structs of core_args.h; the handles are
-// typed by the adapters' flat signatures, which match the schemas.
+// typed by the adapters' flat signatures, which match the schemas, and the calls spell the
+// leading arguments and expand the trailing attributes (attention_params.h) as they do.
+#define ATTN_EXPORT_OPTION_ARGUMENT(type, name, default_value) , o.name
 inline std::tuple<at::Tensor, at::Tensor> call_multi_head_attention(const MultiHeadAttentionArgs& a) {
   static auto op = typed_op<decltype(layer_kernel<nullptr>)>(spec::kOpMultiHeadAttention);
   return op.call(a.query, a.key, a.value, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj_weight,
@@ -33,21 +35,23 @@ inline std::tuple<at::Tensor, at::Tensor> call_multi_head_attention(const MultiH
 inline at::Tensor call_attention(const ForwardArgs& a) {
   static auto op = typed_op<decltype(attention_kernel<nullptr>)>(spec::kOpAttention);
   const CoreOptions& o = a.options;
-  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale, o.softcap);
+  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal,
+                 o.scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline ForwardResults call_attention_forward(const ForwardArgs& a) {
   static auto op = typed_op<decltype(attention_forward_kernel<nullptr>)>(spec::kOpAttentionForward);
   const CoreOptions& o = a.options;
-  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale, a.need_weights,
-                 o.softcap);
+  return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale,
+                 a.need_weights ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline CoreGrads call_attention_backward(const BackwardArgs& a) {
   static auto op = typed_op<decltype(attention_backward_kernel<nullptr>)>(spec::kOpAttentionBackward);
   const CoreOptions& o = a.options;
   return op.call(a.grad_output, a.grad_weights, a.query, a.key, a.value, a.logsumexp, o.attn_mask,
-                 o.key_padding_mask, o.is_causal, o.scale, a.output, o.softcap);
+                 o.key_padding_mask, o.is_causal, o.scale,
+                 a.output ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

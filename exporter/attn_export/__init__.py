@@ -5,6 +5,7 @@ ONNX export and parity validation built around it.
     >>> layer = attn_export.FusedMultiheadAttention(embed_dim=64, num_heads=4, batch_first=True)
     >>> out, weights = layer(x, x, x)
     >>> report = attn_export.replace_attention(model)            # in place
+    >>> attn_export.restore_attention(model, report)             # undone
     >>> attn_export.export_onnx(model, {"src": x}, "model.onnx")
     >>> attn_export.validate(original, "model.onnx", {"src": x}).passed
     >>> attn_export.convert(model, {"src": x}, attn_export.ConvertOptions("model.onnx")).passed
@@ -24,6 +25,7 @@ from attn_export.surgery.replace import (
     ReplacementReport,
     inspect_attention,
     replace_attention,
+    restore_attention,
 )
 
 from attn_export._version import __version__
@@ -55,7 +57,7 @@ def __getattr__(name):
 
 __all__ = [
     "FusedMultiheadAttention", "attention", "multi_head_attention",
-    "replace_attention", "inspect_attention", "ReplacementReport", "CoverageError",
+    "replace_attention", "inspect_attention", "restore_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
     "convert", "ConvertOptions", "ConvertResult", "fuse_patterns", "compile_backend",
     "gemm_backend", "set_gemm_backend", "__version__",

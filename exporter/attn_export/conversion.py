@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from attn_export.errors import EXIT_MISMATCH, EXIT_OK, InputError
+from attn_export.onnx_options import DEFAULT_ATTENTION, DEFAULT_FUNCTIONS, check_choices, check_standard_opset
 
 TARGETS = ("onnx", "tensorrt")
 
@@ -33,8 +34,8 @@ class ConvertOptions:
     to: str = "onnx"
     onnx_output: Optional[str | Path] = None
     opset: Optional[int] = None
-    attention: str = "custom"  # or "standard": the opset-23 Attention node
-    functions: str = "local"  # or "inline": the custom nodes' bodies written into the graph
+    attention: str = DEFAULT_ATTENTION  # or "standard": the standard Attention node (onnx_options.py)
+    functions: str = DEFAULT_FUNCTIONS  # or "inline": the custom nodes' bodies written into the graph
     dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16"; default: the model's own
     replace: bool = True
     validate: bool = True
@@ -58,10 +59,7 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.to not in TARGETS:
             raise InputError(f"unknown target {self.to!r}: one of {', '.join(TARGETS)}")
-        if self.attention not in ("custom", "standard"):
-            raise InputError(f"unknown ONNX attention flavor {self.attention!r}: custom or standard")
-        if self.functions not in ("local", "inline"):
-            raise InputError(f"unknown ONNX function mode {self.functions!r}: local or inline")
+        check_choices(self.attention, self.functions)
 
 
 class Progress(Protocol):
@@ -205,9 +203,7 @@ def preflight(options: ConvertOptions, progress: Optional[Progress] = None) -> T
     _paths(options)
     plugin = str(options.plugin) if options.plugin else None
     if options.attention == "standard":
-        from attn_export.onnx.standard import check_opset
-
-        check_opset(options.opset)
+        check_standard_opset(options.opset)
     if options.to == "tensorrt":
         from attn_export import tensorrt as attn_trt
 

@@ -198,9 +198,10 @@ def _mask_convention(mask: torch.Tensor) -> Optional[bool]:
 
 def default_axes(inputs: Mapping[str, torch.Tensor]) -> Axes:
     """Dim 0 of every input is the batch and dim 1 its sequence: ``batch`` and ``seq`` for the
-    first input, ``<name>_seq`` for the others (axes the model ties together end up as one
-    symbol after export; independent ones stay independent). A 4-D floating input is an image
-    batch (``[B, C, H, W]``): its batch only, dim 1 being channels."""
+    first input, ``<name>_seq`` for the others (sequences the model ties together end up as one
+    symbol after export, independent ones stay independent; the batches are one symbol where
+    the example's sizes agree, attn_export.onnx.dims). A 4-D floating input is an image batch
+    (``[B, C, H, W]``): its batch only, dim 1 being channels."""
     axes: Axes = {}
     first = True
     for name, t in inputs.items():

@@ -2,8 +2,10 @@
 torch operators' names, read from the one spec, ``csrc/attention_spec.h``.
 
 The C++ header is the single source of truth (the TensorRT plugin includes it); this module
-parses its ``inline constexpr`` constants (scalars, arrays and arrays of plain structs) with
-regular expressions, so the exporter can never drift from the plugin. tests/test_spec.py compiles the header and checks both agree, and that
+parses its ``inline constexpr`` constants (scalars, strings spelled as adjacent literals, arrays
+and arrays of plain structs) with regular expressions, so the exporter can never drift from the
+plugin. The operators' schema strings (``torch_schemas``) are parsed further, with torch's own
+parser, by ops/signatures.py. tests/test_spec.py compiles the header and checks both agree, and that
 exported models carry exactly these names. See docs/onnx_node.md.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ _HEADER = "attention_spec.h"
 
 _TYPE = r"(?P<type>const\s+char\s*\*|int|bool|double|[A-Z]\w*)"
 _NUMBER = r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
-_VALUE = rf"\"[^\"]*\"|{_NUMBER}|true|false|k\w+"
+# A string may be spelled as adjacent literals ("a" "b" is "ab"), as C++ joins them.
+_STRING = r'(?:"[^"]*"\s*)+'
+_VALUE = rf"{_STRING}|{_NUMBER}|true|false|k\w+"
 _SCALAR = re.compile(
     rf"inline\s+constexpr\s+{_TYPE}\s+(?P<name>k\w+)\s*=\s*(?P<value>{_VALUE})\s*;"
 )
@@ -51,7 +55,7 @@ def _literal(text: str, values: Dict[str, object]):
     """A C++ literal, or the name of a constant defined earlier in the header."""
     text = text.strip()
     if text.startswith('"'):
-        return text[1:-1]
+        return "".join(re.findall(r'"([^"]*)"', text))
     if text in ("true", "false"):
         return text == "true"
     if re.fullmatch(r"k\w+", text):
@@ -146,6 +150,13 @@ class AttentionSpec:
     torch_op_multi_head_attention: str
     torch_op_multi_head_attention_forward: str
     torch_op_multi_head_attention_backward: str
+    # Each operator's signature, "(Tensor query, ...) -> Tensor" (kSchema*), in torch_op_* order.
+    torch_schema_attention: str
+    torch_schema_attention_forward: str
+    torch_schema_attention_backward: str
+    torch_schema_multi_head_attention: str
+    torch_schema_multi_head_attention_forward: str
+    torch_schema_multi_head_attention_backward: str
     min_onnx_opset: int
 
     @property
@@ -171,6 +182,13 @@ class AttentionSpec:
     @property
     def mask_type_name(self) -> str:
         return self.tensor_type_map[self.mask_type]
+
+    @property
+    def torch_schemas(self) -> Dict[str, str]:
+        """Each operator's qualified name -> its whole schema, "attn_export::attention(...) -> Tensor",
+        as csrc/ops/attention.cpp registers it (attn_export/signatures.py parses them)."""
+        return {getattr(self, f"torch_op_{op}"): getattr(self, f"torch_op_{op}") + getattr(self, f"torch_schema_{op}")
+                for op in _OPERATORS}
 
 
 _FIELDS = {
@@ -204,8 +222,17 @@ _FIELDS = {
     "torch_op_multi_head_attention": "kOpMultiHeadAttention",
     "torch_op_multi_head_attention_forward": "kOpMultiHeadAttentionForward",
     "torch_op_multi_head_attention_backward": "kOpMultiHeadAttentionBackward",
+    "torch_schema_attention": "kSchemaAttention",
+    "torch_schema_attention_forward": "kSchemaAttentionForward",
+    "torch_schema_attention_backward": "kSchemaAttentionBackward",
+    "torch_schema_multi_head_attention": "kSchemaMultiHeadAttention",
+    "torch_schema_multi_head_attention_forward": "kSchemaMultiHeadAttentionForward",
+    "torch_schema_multi_head_attention_backward": "kSchemaMultiHeadAttentionBackward",
     "min_onnx_opset": "kMinOnnxOpset",
 }
+# The operators, as the suffixes of their torch_op_* / torch_schema_* fields.
+_OPERATORS = ("attention", "attention_forward", "attention_backward", "multi_head_attention",
+              "multi_head_attention_forward", "multi_head_attention_backward")
 
 
 def _attribute(entry: Dict[str, object]) -> Attribute:
@@ -241,6 +268,9 @@ def spec_from_header(text: str) -> AttentionSpec:
     ops = [v for k, v in fields.items() if k.startswith("torch_op_")]
     if any(not op.startswith(spec.torch_namespace + "::") for op in ops):
         raise SpecError(f"{_HEADER}: every kOp* must be in the {spec.torch_namespace}:: namespace; got {ops}")
+    signatures = [v for k, v in fields.items() if k.startswith("torch_schema_")]
+    if any(not (sig.startswith("(") and ") -> " in sig) for sig in signatures):
+        raise SpecError(f"{_HEADER}: every kSchema* must be a signature \"(arguments) -> results\"; got {signatures}")
     return spec
 
 

@@ -23,6 +23,7 @@ def test_help_lists_verbs():
     assert "attn-export MODEL --to onnx" in out
 
 
+@pytest.mark.slow  # a console-script process per verb; one runs in test_help_lists_verbs
 @pytest.mark.parametrize("verb,words", [
     ("convert", ["--to", "--input", "--example-inputs", "--dynamic", "--static", "--opset", "--dtype",
                  "--no-validate", "--trust-model-file", "EXECUTES CODE", "--allow-class", "--model", "--weights",

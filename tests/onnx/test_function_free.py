@@ -40,6 +40,7 @@ def test_unknown_function_mode_is_refused(small_seq2seq, tmp_path):
         export_onnx(small_seq2seq, small_seq2seq.example_inputs, tmp_path / "x.onnx", functions="nested")
 
 
+@pytest.mark.slow  # a whole convert and gate; the export: test_inline_export_has_no_function_and_matches_the_model
 def test_cli_writes_and_validates_the_function_free_export(tmp_path):
     out = tmp_path / "inline.onnx"
     proc = invoke("--model", "attn_export.examples:tiny_seq2seq", "--onnx-functions", "inline", "-o", str(out))

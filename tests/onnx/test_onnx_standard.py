@@ -118,6 +118,18 @@ def test_softcap_with_masks_keeps_the_custom_node_and_says_why(causal, kpm, mask
         assert_parity(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), 2e-6)
 
 
+def test_an_attribute_the_rewrite_does_not_express_keeps_the_custom_node():
+    """An attribute the rewrite does not carry over (one added to the spec after it was written),
+    set off its default, keeps the custom node: dropping it would change what the node computes."""
+    from attn_export.onnx.standard import why_not_standard
+
+    attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
+    plain = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
+    assert why_not_standard(plain) is None
+    extra = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs, window=3)
+    assert why_not_standard(extra) == "attribute window has no counterpart in the standard Attention operator"
+
+
 def test_opset_below_23_is_refused():
     with pytest.raises(ValueError, match="opset >= 23"):
         to_standard_attention(one_node_model(onnx_node.node_attributes(2, 0.5, False, False, False), opset=22))

@@ -51,6 +51,7 @@ def test_x_transformers_grouped_and_multi_query_heads(kv_heads):
     assert site.rewritten, site.reason
 
 
+@pytest.mark.slow  # the ONNX export too; the rewrite: test_x_transformers_vit_wrapper
 def test_x_transformers_vit_exports_with_a_dynamic_batch(tmp_path):
     """The einsum operands' permutes and the output's, with the batch symbolic, in ONNX Runtime."""
     xt = pytest.importorskip("x_transformers", reason="pip install x-transformers")
@@ -105,6 +106,7 @@ def test_whisper_without_sdpa(monkeypatch):
     assert len(sites) == 6 and all(s.rewritten for s in sites), [s.reason for s in sites]
 
 
+@pytest.mark.slow  # the ONNX export too; the rewrite: test_whisper_without_sdpa
 def test_whisper_without_sdpa_exports_six_nodes(monkeypatch, tmp_path):
     model, inputs = _whisper(monkeypatch)
     result = export_onnx(model, inputs, tmp_path / "whisper.onnx", dynamic_axes={})
@@ -137,6 +139,7 @@ def test_segment_anything_image_encoder():
     assert [s.rewritten for s in sites] == [True, True], [s.reason for s in sites]
 
 
+@pytest.mark.slow  # the ONNX export too; the rewrite: test_segment_anything_image_encoder
 def test_segment_anything_exports_one_node_per_block(tmp_path):
     encoder = _sam_encoder().eval()
     x = {"x": torch.randn(1, 3, 64, 64)}

@@ -292,6 +292,7 @@ def cli_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # two console-script runs; in process: test_missing_tensorrt_says_what_to_install
 @pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed here")
 def test_cli_to_tensorrt_without_tensorrt_exits_2_before_exporting(cli_dir):
     proc = run("model.pt", "--to", "tensorrt", cwd=cli_dir)

@@ -203,6 +203,7 @@ def test_validate_turns_the_crash_into_a_failed_case_with_a_diagnosis(tmp_path):
     assert any(c.backend == "pytorch-replaced" and c.status == "passed" for c in report.cases)
 
 
+@pytest.mark.slow  # a console-script run; in process: test_validate_turns_the_crash_into_a_failed_case_with_a_diagnosis
 def test_cli_exits_1_with_reports_when_onnxruntime_crashes(tmp_path):
     path = tmp_path / "repro.onnx"
     transpose_matmul_graph(path)
@@ -222,6 +223,7 @@ def test_cli_exits_1_with_reports_when_onnxruntime_crashes(tmp_path):
     assert errors and "SIGSEGV" in errors[0].get("message")
 
 
+@pytest.mark.slow  # an end-to-end fp16 console-script run; the pattern: test_export_never_writes_the_crashing_pattern
 def test_the_reported_model_converts_and_validates(tmp_path):
     """The reproduction of a crash as first reported: a sequence-first fp16 encoder with a key-padding
     mask used to segfault ONNX Runtime at its default level (exit 139, no report)."""

@@ -48,9 +48,9 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const at::Tensor &grad_output = a.grad_output, &query = a.query, &key = a.key, &value = a.value;
   const at::Tensor& logsumexp = a.logsumexp;
   const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;
-  const auto& [attn_mask, key_padding_mask, is_causal, scale, softcap] = a.options;
+  const std::optional<at::Tensor>&attn_mask = a.options.attn_mask, &key_padding_mask = a.options.key_padding_mask;
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_softcap(softcap);
+  check_softcap(a.options.softcap);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = current_stream(query);

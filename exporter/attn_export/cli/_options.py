@@ -13,6 +13,10 @@ from typing import Optional, Tuple
 
 import click
 
+from attn_export.onnx_options import (
+    ATTENTION_FLAVORS, DEFAULT_ATTENTION, DEFAULT_FUNCTIONS, FUNCTION_MODES, STANDARD_MIN_OPSET,
+)
+
 
 def _apply(options):
     def decorator(f):
@@ -258,10 +262,11 @@ def runtime_timeout_option(f):
 def onnx_attention_option(f):
     """How the fused layers are written in ONNX (``onnx_attention: str``)."""
     return click.option(
-        "--onnx-attention", "onnx_attention", type=click.Choice(["custom", "standard"]), default="custom",
+        "--onnx-attention", "onnx_attention", type=click.Choice(ATTENTION_FLAVORS), default=DEFAULT_ATTENTION,
         show_default=True,
         help="custom: one attn_export.FusedAttention node per layer (with its model-local function; TensorRT runs "
-             "it as the plugin). standard: one standard ONNX Attention node (opset 23; --opset defaults to 23) "
+             f"it as the plugin). standard: one standard ONNX Attention node (opset {STANDARD_MIN_OPSET}; --opset "
+             f"defaults to {STANDARD_MIN_OPSET}) "
              "that ONNX Runtime and TensorRT implement themselves, no plugin; a layer it cannot express keeps the "
              "custom node and the output says why.",
     )(f)
@@ -270,7 +275,7 @@ def onnx_attention_option(f):
 def onnx_functions_option(f):
     """Where the custom nodes' bodies go (``onnx_functions: str``)."""
     return click.option(
-        "--onnx-functions", "onnx_functions", type=click.Choice(["local", "inline"]), default="local",
+        "--onnx-functions", "onnx_functions", type=click.Choice(FUNCTION_MODES), default=DEFAULT_FUNCTIONS,
         show_default=True,
         help="local: each custom node calls its model-local function (ONNX Runtime inlines it, TensorRT maps the "
              "node to the plugin). inline: the bodies are written into the graph, no custom node and no function "

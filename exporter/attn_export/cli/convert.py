@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from attn_export.errors import EXIT_MISMATCH
+from attn_export.onnx_options import DEFAULT_OPSET, MIN_OPSET, STANDARD_MIN_OPSET
 from attn_export.cli._common import common_verb, finish_validation
 from attn_export.cli._html import check_html, html_option, write_html
 from attn_export.cli._options import (
@@ -92,7 +93,8 @@ def default_output(model_path, factory, to: str) -> Path:
 @model_options
 @input_options
 @click.option("--opset", type=int, default=None, metavar="N",
-              help="ONNX opset (18 and up; default 20, with --onnx-attention standard 23 and up, default 23).")
+              help=f"ONNX opset ({MIN_OPSET} and up; default {DEFAULT_OPSET}, with --onnx-attention standard "
+                   f"{STANDARD_MIN_OPSET} and up, default {STANDARD_MIN_OPSET}).")
 @onnx_attention_option
 @onnx_functions_option
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,

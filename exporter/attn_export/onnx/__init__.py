@@ -11,8 +11,9 @@ model-local function (standard ONNX ops) is attached, the symbolic dimensions ar
 the requested labels and ``onnx.checker.check_model(full_check=True)`` runs; the file is
 written whole or not at all.
 
-Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx), ``graph``
-(helpers on the exported graph), ``standard`` (the standard-Attention flavor).
+Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx), ``dims`` (the
+torch.export Dims: which axes share a symbol), ``graph`` (helpers on the exported graph),
+``standard`` (the standard-Attention flavor).
 """
 from attn_export.onnx.graph import (
     META_PREFIX,

@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Set
 
 import onnx
 import torch
@@ -19,9 +19,9 @@ from torch import nn
 
 from attn_export.surgery import transformers as _hf
 from attn_export import inputs as _inputs
-from attn_export import spec as _spec
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 from attn_export.atomic_io import atomic_output
+from attn_export.onnx import dims as _dims
 from attn_export.onnx.graph import (
     META_PREFIX,
     apply_axis_labels,
@@ -33,18 +33,17 @@ from attn_export.onnx.graph import (
     record_shapes,
 )
 from attn_export.surgery.patterns import rewrite as rewrite_patterns
-from attn_export.onnx.standard import MIN_OPSET as STANDARD_MIN_OPSET, to_standard_attention
-from attn_export.onnx.standard import check_opset as check_standard_opset
+from attn_export.onnx.standard import to_standard_attention
 from attn_export.onnx.translation import translation_table
-
-DEFAULT_OPSET = 20
-# How each fused layer is written: the custom FusedAttention node (with its model-local function
-# and the TensorRT plugin), or the standard Attention operator (opset 23; docs/onnx_node.md).
-ATTENTION_FLAVORS = ("custom", "standard")
-# Where the custom nodes' bodies go: model-local functions called by the nodes (the TensorRT
-# plugin maps the nodes), or written inline into the graph for runtimes and tools that do not
-# read model-local functions (OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
-FUNCTION_MODES = ("local", "inline")
+from attn_export.onnx_options import (  # noqa: F401 - ATTENTION_FLAVORS, FUNCTION_MODES, DEFAULT_OPSET: public here
+    ATTENTION_FLAVORS,
+    DEFAULT_ATTENTION,
+    DEFAULT_FUNCTIONS,
+    DEFAULT_OPSET,
+    FUNCTION_MODES,
+    check_choices,
+    export_opset,
+)
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -101,36 +100,6 @@ def _quiet_exporter(enabled: bool):
             lg.setLevel(level)
 
 
-def _dynamic_shapes(inputs: Mapping[str, torch.Tensor], axes: Mapping[str, Mapping[int, str]]):
-    """torch.export dynamic_shapes: Dim.AUTO per declared axis (the model decides which axes
-    are tied), except labels the user put on several axes, which share one named Dim."""
-    from torch.export import Dim
-
-    counts: Dict[str, int] = {}
-    for dims in axes.values():
-        for label in dims.values():
-            counts[label] = counts.get(label, 0) + 1
-    default_labels = set()
-    for name, dims in _inputs.default_axes(inputs).items():
-        default_labels.update(dims.values())
-    named: Dict[str, object] = {}
-    shapes = {}
-    for name in inputs:
-        dims = axes.get(name)
-        if not dims:
-            shapes[name] = None
-            continue
-        spec = {}
-        for axis, label in dims.items():
-            if counts[label] > 1 and label not in default_labels:
-                named.setdefault(label, Dim(label))
-                spec[axis] = named[label]
-            else:
-                spec[axis] = Dim.AUTO
-        shapes[name] = spec
-    return shapes
-
-
 def _check_trace_sizes(inputs, axes, seed):
     """Example sizes below 2 on a dynamic axis would be specialized by torch.export (0/1
     specialization); trace at size 2 instead."""
@@ -164,8 +133,8 @@ def export_onnx(
     replace: bool = True,
     quiet: bool = True,
     seed: int = 0,
-    attention: str = "custom",
-    functions: str = "local",
+    attention: str = DEFAULT_ATTENTION,
+    functions: str = DEFAULT_FUNCTIONS,
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -182,7 +151,9 @@ def export_onnx(
             static shapes. Default: dim 0 "batch" and dim 1 a sequence label for every input of
             rank 2 or 3, the batch of 4-D images (see attn_export.inputs.default_axes; for transformers
             models attn_export.surgery.transformers.default_axes), where a default axis the model
-            specializes stays static with a note.
+            specializes stays static with a note. The inputs' batch axes come out as one symbol
+            ``batch`` where the example's sizes agree, and so does a label given to several axes
+            (attn_export.onnx.dims).
         replace: run :func:`attn_export.replace_attention` on the copy first.
         quiet: silence torch's exporter output.
         attention: "custom" (default): one FusedAttention node per layer, with its model-local
@@ -193,75 +164,84 @@ def export_onnx(
             (for runtimes that do not read model-local functions; the TensorRT plugin then has
             nothing to map).
     """
-    from attn_export.surgery.replace import replace_attention
-
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
+    work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
+    sample = _sample_run(work, inputs, axes, replace, seed)
+    proto = _capture(work, sample, axes, opset, quiet)
+    labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, sample.notes,
+                                    required=dynamic_axes is not None)
+    result = ExportResult(
+        path=path, opset=opset, dtype=dtype or _dtype_name(inputs), input_names=list(inputs),
+        output_names=sample.output_names, dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto),
+        replacement=sample.report, notes=sample.notes, attention=attention, functions=functions,
+        num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
+    )
+    _write_metadata(proto, result, _came_out_dynamic(axes, labels))
+    _save(proto, path)
+    return result
 
+
+def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
+                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
+    """What is exported: a copy of ``model`` in eval mode and in ``dtype`` (a transformers model
+    without its key/value cache among the outputs), its inputs in ``forward``'s order and in that
+    dtype, and the axes to export dynamic."""
     work = copy.deepcopy(model).eval()
     is_hf = _hf.contains_hf_model(work)
     if is_hf:
-        _hf.prepare_for_export(work)  # no key/value cache among the outputs
+        _hf.prepare_for_export(work)
     target = EXPORT_DTYPES.get(dtype) if dtype else None
     if target is not None:
         work = work.to(target)
     inputs = _inputs.cast_floats(_inputs.order_for_model(work, example_inputs), target)
     if target is None and any(t.dtype == torch.float64 for t in inputs.values()):
         raise InputError("float64 inputs: the fused node supports float32/float16/bfloat16; export with --dtype fp32")
-    axes = _resolve_axes(inputs, dynamic_axes, is_hf)
-    # A sample forward with the export's inputs finds where SDPA calls run (the plan = the run).
-    report = replace_attention(work, inputs) if replace else None
+    return work, inputs, _resolve_axes(inputs, dynamic_axes, is_hf)
 
+
+@dataclass
+class _SampleRun:
+    report: Optional[object]  # the ReplacementReport; None without replacement
+    output_names: List[str]
+    trace_inputs: Dict[str, torch.Tensor]  # the inputs, resized where torch.export would specialize
+    notes: List[str]
+    shared: Set[str]  # the axis labels traced as one named Dim (onnx/dims.py)
+
+
+def _sample_run(work: nn.Module, inputs, axes, replace: bool, seed: int) -> _SampleRun:
+    """Replaces the attention of ``work`` (optionally), runs it on the inputs and names its
+    outputs. The replacement's plan is a sample forward with the export's inputs (it finds where
+    SDPA calls run), and the run after it, on the routed model, says which calls were fused."""
+    from attn_export.surgery.replace import replace_attention
+
+    report = replace_attention(work, inputs) if replace else None
     with torch.no_grad():
         try:
             outputs = work(**inputs)
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs, taken=inputs)
-    # This run, on the routed model, says which calls really were fused.
     confirmed = report.confirm_sdpa_calls(work) if report is not None else []
-    trace_inputs, notes = _check_trace_sizes(inputs, axes, seed)
+    # Decided on the example as given: resizing an axis of size 1 to 2 can make sizes agree.
+    shared, notes = _dims.shared_labels(inputs, axes)
+    trace_inputs, resized = _check_trace_sizes(inputs, axes, seed)
+    notes.extend(resized)
     notes.extend(f"not fused: {line}" for line in confirmed)
+    return _SampleRun(report, output_names, trace_inputs, notes, shared)
 
-    proto = _capture(work, trace_inputs, axes, opset, output_names, report, quiet)
-    labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, notes, required=dynamic_axes is not None)
+
+def _came_out_dynamic(axes, labels) -> Dict[str, Dict[int, str]]:
+    """The declared axes that came out dynamic: the metadata's, the gate's."""
     axes = {n: {a: lbl for a, lbl in d.items() if a in labels.get(n, {})} for n, d in axes.items()}
-    axes = {n: d for n, d in axes.items() if d}  # what came out dynamic: the metadata's, the gate's
-    meta = _write_metadata(proto, {
-        "version": _package_version(),
-        "dtype": dtype or _dtype_name(inputs),
-        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in axes.items()}),
-        "input_names": json.dumps(list(inputs)),
-        "output_names": json.dumps(output_names),
-        "attention_nodes": str(count_attention_nodes(proto)),
-        "attention": attention,
-        "functions": functions,
-    })
-    _save(proto, path)
-    return ExportResult(
-        path=path, opset=opset, dtype=meta["dtype"], input_names=list(inputs), output_names=output_names,
-        dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto), replacement=report, notes=notes,
-        attention=attention, functions=functions, num_standard_attention_nodes=rewrite.converted if rewrite else 0,
-        kept_custom=rewrite.kept if rewrite else [],
-    )
+    return {n: d for n, d in axes.items() if d}
 
 
 def _check_options(opset: Optional[int], dtype: Optional[str], attention: str, functions: str) -> int:
     """The opset to export with, after the flavor, function mode, opset and dtype are checked."""
-    s = _spec.load()
-    if attention not in ATTENTION_FLAVORS:
-        raise InputError(f"--onnx-attention {attention}: one of {', '.join(ATTENTION_FLAVORS)}")
-    if functions not in FUNCTION_MODES:
-        raise InputError(f"--onnx-functions {functions}: one of {', '.join(FUNCTION_MODES)}")
-    standard = attention == "standard"
-    if opset is None:
-        opset = STANDARD_MIN_OPSET if standard else DEFAULT_OPSET
-    opset = int(opset)
-    if standard:
-        check_standard_opset(opset)
-    if opset < s.min_onnx_opset or opset > onnx.defs.onnx_opset_version():
-        raise InputError(f"--opset {opset}: supported are {s.min_onnx_opset}..{onnx.defs.onnx_opset_version()}")
+    check_choices(attention, functions)
+    opset = export_opset(opset, attention)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise InputError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
     return opset
@@ -278,31 +258,52 @@ def _resolve_axes(inputs, dynamic_axes, is_hf: bool) -> Dict[str, Dict[int, str]
     return axes
 
 
-def _capture(work, trace_inputs, axes, opset: int, output_names, report, quiet: bool):
+def _capture(work, sample: _SampleRun, axes, opset: int, quiet: bool):
     """torch.export, the pattern rewrite, then torch.onnx.export: the ModelProto."""
-    # torch.export first, by hand: given a module, torch.onnx.export falls back to
-    # torch.export.draft_export when export proper fails, which ignores shape guards and can
-    # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
     with _quiet_exporter(quiet):
-        try:
-            exported = torch.export.export(
-                work, (), kwargs=trace_inputs, strict=False,
-                dynamic_shapes=_dynamic_shapes(trace_inputs, axes) if axes else None,
-            )
-        except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
-            raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}{_hint(exc)}") from exc
-        if report is not None:
+        exported = _trace(work, sample, axes)
+        if sample.report is not None:
             # Hand-written softmax(q k^T) v in the captured graph -> the operator (exact matches only).
-            report.add_pattern_sites(rewrite_patterns(exported), work)
+            sample.report.add_pattern_sites(rewrite_patterns(exported), work)
         try:
             program = torch.onnx.export(
                 exported, (), dynamo=True, opset_version=opset,
-                custom_translation_table=_translations(work), output_names=output_names,
+                custom_translation_table=_translations(work), output_names=sample.output_names,
                 optimize=True, verbose=False, external_data=False,
             )
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"torch.onnx.export failed: {_first_line(exc)}") from exc
     return program.model_proto
+
+
+def _trace(work, sample: _SampleRun, axes):
+    """torch.export with the shared Dims (onnx/dims.py). Where torch.export refuses the one
+    batch Dim, or ties it to an axis declared otherwise, the model is traced again with a batch
+    symbol per input (a note says why)."""
+    shared = sample.shared
+    if _dims.BATCH in shared:
+        try:
+            exported = _export(work, sample.trace_inputs, axes, shared)
+            absorbed = _dims.absorbed(exported, axes, {_dims.BATCH})
+            if not absorbed:
+                return exported
+            why = f"the trace tied it to {', '.join(absorbed)}"
+        except Exception as exc:  # noqa: BLE001 - traced again below
+            why = f"torch.export refused it: {_first_line(exc)}"
+        sample.notes.append(f"the inputs' batch axes are separate symbols, not one {_dims.BATCH!r} ({why})")
+        shared = shared - {_dims.BATCH}
+    try:
+        return _export(work, sample.trace_inputs, axes, shared)
+    except Exception as exc:  # noqa: BLE001 - surfaced as one line (traceback with --verbose)
+        raise ExportError(f"torch.export could not capture the model: {_first_line(exc)}{_hint(exc)}") from exc
+
+
+def _export(work, trace_inputs, axes, shared: Set[str]):
+    # torch.export first, by hand: given a module, torch.onnx.export falls back to
+    # torch.export.draft_export when export proper fails, which ignores shape guards and can
+    # label an axis dynamic that the model specializes. An ExportedProgram is taken as it is.
+    return torch.export.export(work, (), kwargs=trace_inputs, strict=False,
+                               dynamic_shapes=_dims.dynamic_shapes(trace_inputs, axes, shared) if axes else None)
 
 
 def _hint(exc: BaseException) -> str:
@@ -340,13 +341,23 @@ def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes
     return labels, rewrite
 
 
-def _write_metadata(proto, meta: Dict[str, str]) -> Dict[str, str]:
+def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[int, str]]) -> None:
+    """The export's facts as ``attn_export.*`` metadata (read_metadata), and the producer."""
+    meta = {
+        "version": _package_version(),
+        "dtype": result.dtype,
+        "dynamic_axes": json.dumps({n: {str(a): lbl for a, lbl in d.items()} for n, d in dynamic_axes.items()}),
+        "input_names": json.dumps(result.input_names),
+        "output_names": json.dumps(result.output_names),
+        "attention_nodes": str(result.num_attention_nodes),
+        "attention": result.attention,
+        "functions": result.functions,
+    }
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + key, value
     proto.producer_name = "attn-export"
     proto.producer_version = _package_version()
-    return meta
 
 
 def _save(proto, path: Path) -> None:

@@ -30,17 +30,8 @@ from onnx import TensorProto, helper
 from attn_export import spec as _spec
 from attn_export.onnx.graph import attention_nodes, value_dims, value_types
 from attn_export.onnx.node import is_attention_domain
-
-MIN_OPSET = 23  # the first opset with the standard Attention operator
-
-
-def check_opset(opset: int | None) -> None:
-    """InputError (exit 2) for an opset the standard operator does not exist in; None: the default (23)."""
-    from attn_export.errors import InputError
-
-    if opset is not None and opset < MIN_OPSET:
-        raise InputError(f"--onnx-attention standard needs --opset {MIN_OPSET} or later (the standard Attention "
-                         f"operator is opset {MIN_OPSET}); got {opset}")
+from attn_export.onnx_options import STANDARD_MIN_OPSET as MIN_OPSET
+from attn_export.onnx_options import check_standard_opset as check_opset  # noqa: F401 - public here
 
 
 @dataclass
@@ -56,10 +47,22 @@ def _attrs(node: onnx.NodeProto) -> Dict[str, object]:
     return values
 
 
+def _expressed(s) -> set:
+    """The node attributes the rewrite below carries over to the standard operator."""
+    return {s.attr_num_heads, s.attr_scale, s.attr_is_causal, s.attr_has_key_padding_mask, s.attr_has_attn_mask,
+            s.attr_softcap, s.attr_plugin_namespace, s.attr_plugin_version}
+
+
 def why_not_standard(node: onnx.NodeProto) -> str | None:
     """Why the standard operator cannot compute this node, or None."""
     s = _spec.load()
     a = _attrs(node)
+    # An attribute added to the spec since this rewrite was written keeps the custom node unless
+    # it is at its default (what the node computed before the attribute existed).
+    unknown = sorted(name for name in a if name not in _expressed(s)
+                     and (name not in s.attribute or a[name] != s.attribute[name].default))
+    if unknown:
+        return f"attribute {', '.join(unknown)} has no counterpart in the standard Attention operator"
     if float(a[s.attr_softcap]) > 0 and (a[s.attr_is_causal] or a[s.attr_has_key_padding_mask] or a[s.attr_has_attn_mask]):
         return ("soft-capping with a mask or causal masking: opset 23 Attention caps after adding the mask (a "
                 "masked key would come back), attn-export caps before")

@@ -19,11 +19,15 @@ import torch
 from attn_export.onnx import node as onnx_node
 from attn_export import spec as _spec
 from attn_export.errors import ExportError
+from attn_export.ops import signatures
 
 def _ops():
     import onnxscript
 
-    return onnxscript.opset18, onnxscript.values.Opset(_spec.load().domain, _spec.load().domain_version)
+    s = _spec.load()
+    # The default-domain ops of the smallest opset the bodies are written for (the exported
+    # model's own opset may be higher).
+    return getattr(onnxscript, f"opset{s.min_onnx_opset}"), onnxscript.values.Opset(s.domain, s.domain_version)
 
 
 def _const(op, values, dtype=np.int64):
@@ -81,8 +85,8 @@ def _mask_inputs(op, key_padding_mask, attn_mask, num_heads: int):
     return kpm, mask, key_padding_mask is not None, attn_mask is not None
 
 
-def _fused_node(custom, q, k, v, kpm, mask, *, num_heads, scale, is_causal, has_kpm, has_mask, softcap=0.0):
-    attrs = onnx_node.node_attributes(num_heads, scale, is_causal, has_kpm, has_mask, softcap)
+def _fused_node(custom, q, k, v, kpm, mask, *, num_heads, scale, is_causal, has_kpm, has_mask, **attributes):
+    attrs = onnx_node.node_attributes(num_heads, scale, is_causal, has_kpm, has_mask, **attributes)
     return getattr(custom, _spec.load().op_type)(q, k, v, kpm, mask, **attrs)
 
 
@@ -174,10 +178,11 @@ def translate_multi_head_attention(
     return out, weights
 
 
-def translate_attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal: bool = False,
-                        scale: float = None, softcap: float = 0.0):
+@signatures.follows_schema(_spec.load().torch_op_attention)
+def translate_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, **attributes):
     """``attn_export::attention`` (q, k, v ``[B, H, L, D]``) -> one FusedAttention node
-    between a head merge and a head split; a soft-cap becomes the node's ``softcap``."""
+    between a head merge and a head split. Takes the operator's arguments as its schema orders
+    them; each of its trailing attributes (softcap, ...) is the node attribute of the same name."""
     op, custom = _ops()
     heads = _static_dim(query, 1, "the number of heads (query.shape[1])")
     head_dim = _static_dim(query, 3, "the head dimension (query.shape[3])")
@@ -193,7 +198,7 @@ def translate_attention(query, key, value, attn_mask=None, key_padding_mask=None
     else:
         kpm, mask, has_kpm, has_mask = _mask_inputs(op, key_padding_mask, attn_mask, heads)
     out = _fused_node(custom, pack(query), pack(key), pack(value), kpm, mask, num_heads=heads, scale=scale,
-                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask, softcap=float(softcap))
+                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask, **attributes)
     split = _const(op, [0, 0, heads, -1])
     return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
 

@@ -3,6 +3,9 @@ torch.export, torch.compile and FakeTensor can trace the operators.
 
 Each fake repeats the input checks of the C++ binding (csrc/ops/attention_binding.cpp,
 csrc/ops/multi_head_attention.cpp) with the same words; tests/ops/test_fake.py holds them to it.
+A fake takes its operator's arguments as the schema in csrc/attention_spec.h orders them
+(``_fake`` binds them, ops/signatures.py): it names the ones it reads and takes the others as
+``**_``, so an attribute that does not change the outputs' shapes needs no edit here.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import math
 import torch
 
 from attn_export import spec as _spec
+from attn_export.ops import signatures
 
 _OPS = _spec.load()  # the operators' names (csrc/attention_spec.h)
 
@@ -249,17 +253,29 @@ def check_softcap(softcap) -> None:
     )
 
 
-@torch.library.register_fake(_OPS.torch_op_attention)
-def _attention_fake(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                    softcap=0.0):
+# Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
+FAKE_KERNELS = {}
+
+
+def _fake(op: str):
+    """Registers the decorated function as `op`'s fake kernel, called with every argument by
+    name (the schema's defaults filled in)."""
+    def register(kernel):
+        torch.library.register_fake(op)(signatures.with_signature(op, kernel))
+        FAKE_KERNELS[op] = kernel
+        return kernel
+    return register
+
+
+@_fake(_OPS.torch_op_attention)
+def _attention_fake(query, key, value, attn_mask, key_padding_mask, softcap, **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_softcap(softcap)
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
-@torch.library.register_fake(_OPS.torch_op_attention_forward)
-def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, need_weights,
-                            softcap=0.0):
+@_fake(_OPS.torch_op_attention_forward)
+def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, softcap, **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_softcap(softcap)
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
@@ -269,11 +285,8 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, is_c
     return out, lse, weights
 
 
-@torch.library.register_fake(_OPS.torch_op_attention_backward)
-def _attention_backward_fake(
-    grad_output, grad_weights, query, key, value, logsumexp, attn_mask, key_padding_mask, is_causal, scale,
-    output=None, softcap=0.0,
-):
+@_fake(_OPS.torch_op_attention_backward)
+def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, softcap, **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_softcap(softcap)
     batch, heads = query.size(0), query.size(1)
@@ -307,11 +320,10 @@ def _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, ba
     return output, query.new_empty((*batch_shape, *heads_shape, seqlen_q, seqlen_k))
 
 
-@torch.library.register_fake(_OPS.torch_op_multi_head_attention)
+@_fake(_OPS.torch_op_multi_head_attention)
 def _multi_head_attention_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-    attn_mask=None, key_padding_mask=None, need_weights=True, average_attn_weights=True,
-    is_causal=False, batch_first=False,
+    attn_mask, key_padding_mask, need_weights, average_attn_weights, batch_first, **_,
 ):
     check_multi_head_attention_inputs(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
@@ -320,10 +332,10 @@ def _multi_head_attention_fake(
     return _layer_outputs(query, key, num_heads, need_weights, average_attn_weights, batch_first)
 
 
-@torch.library.register_fake(_OPS.torch_op_multi_head_attention_forward)
+@_fake(_OPS.torch_op_multi_head_attention_forward)
 def _multi_head_attention_forward_fake(
     query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-    attn_mask, key_padding_mask, need_weights, average_attn_weights, is_causal, batch_first, packed_qkv,
+    attn_mask, key_padding_mask, need_weights, average_attn_weights, batch_first, packed_qkv, **_,
 ):
     check_multi_head_attention_inputs(
         query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
@@ -345,11 +357,10 @@ def _multi_head_attention_forward_fake(
     return output, weights, q_proj, kv_proj, attn, lse
 
 
-@torch.library.register_fake(_OPS.torch_op_multi_head_attention_backward)
+@_fake(_OPS.torch_op_multi_head_attention_backward)
 def _multi_head_attention_backward_fake(
-    grad_output, grad_weights, query, key, value, num_heads, in_proj_weight, in_proj_bias,
-    out_proj_weight, out_proj_bias, attn_mask, key_padding_mask, need_weights, average_attn_weights,
-    is_causal, batch_first, packed_qkv, shared_kv, q_proj, kv_proj, attn, logsumexp, output_mask,
+    grad_output, query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+    packed_qkv, shared_kv, output_mask, **_,
 ):
     # A gradient is an empty tensor where it is not asked for, or where it flows through
     # another argument that is the same tensor (packed: all to query; shared_kv: to key).

@@ -1,9 +1,21 @@
 """Model surgery: find every attention in a model and run it on the fused operator.
 
-``replace`` swaps ``nn.MultiheadAttention`` modules and plans the other routes; ``sdpa_route``
-reroutes ``F.scaled_dot_product_attention`` calls; ``transformers`` registers with Hugging Face's
-attention interface; ``diffusers`` sets attention processors through diffusers' own API; ``patterns``
-rewrites hand-written softmax attention in exported graphs, and ``fuse`` runs that rewrite in
-PyTorch (``fuse_patterns``, ``torch.compile(backend="attn_export")``); ``plan`` is the export's
-plan without exporting; ``site_report`` is the per-site report all of them fill in.
+``routes`` is the table of the ways a site is reached, one module each: ``module_swap``
+(``nn.MultiheadAttention`` swapped), ``transformers`` (Hugging Face's attention interface),
+``sdpa`` (``F.scaled_dot_product_attention`` calls, parts in ``sdpa/``, public face
+``sdpa_route``); ``replace`` walks a model and applies them (``replace_attention``,
+``inspect_attention``, ``restore_attention``); ``diffusers`` sets attention processors through
+diffusers' own API; ``patterns`` rewrites hand-written softmax attention in exported graphs, and
+``fuse`` runs that rewrite in PyTorch (``fuse_patterns``, ``torch.compile(backend="attn_export")``);
+``plan`` is the export's plan without exporting; ``site_report`` is the per-site report all of them
+fill in. ``fused_calls(module)`` says what ran at a site, whichever route reached it.
 """
+_LAZY = {"fused_calls", "CallCount", "ROUTES"}  # from .routes, imported on first use (it imports the operator)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from attn_export.surgery import routes
+
+        return getattr(routes, name)
+    raise AttributeError(f"module 'attn_export.surgery' has no attribute {name!r}")

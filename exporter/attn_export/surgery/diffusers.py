@@ -9,9 +9,9 @@ gives every attention module of a model a processor of its own kind (``AttnProce
 its class's ``__call__`` signature (diffusers reads it to pass ``cross_attention_kwargs``) and
 counts its calls (``processor.calls``: ``"fused"`` and ``"stock: <reason>"``).
 
-:func:`attn_export.replace_attention` does not need this (its sample forward finds the calls in
-the attention modules and routes their forward, for any library); this is for code that manages
-diffusers' processors itself, e.g. a pipeline's ``pipe.unet``.
+:func:`attn_export.replace_attention` sets these processors module by module (the diffusers route,
+:mod:`attn_export.surgery.routes.diffusers`); :func:`use_fused_processors` does it for code that
+manages diffusers' processors itself, e.g. a pipeline's ``pipe.unet``.
 """
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ from typing import Dict
 
 from torch import nn
 
-from attn_export.surgery import sdpa_route
+from attn_export.surgery.sdpa.intercept import routing
 
 _classes: Dict[type, type] = {}
+
+
+def is_fused_processor(processor) -> bool:
+    return bool(getattr(type(processor), "_attn_export_fused", False))
 
 
 def fused_processor_class(processor_cls: type) -> type:
@@ -35,7 +39,7 @@ def fused_processor_class(processor_cls: type) -> type:
 
         @functools.wraps(original)  # keeps the signature diffusers inspects
         def __call__(self, *args, **kwargs):
-            with sdpa_route.routing(self):
+            with routing(self):
                 return original(self, *args, **kwargs)
 
         _classes[processor_cls] = type(f"Fused{processor_cls.__name__}", (processor_cls,), {
@@ -69,8 +73,14 @@ def use_fused_processors(model: nn.Module) -> int:
 
 
 def processor_calls(model: nn.Module) -> Dict[str, int]:
-    """The SDPA calls the fused processors of ``model`` have made, summed over them."""
-    total: collections.Counter = collections.Counter()
-    for processor in getattr(model, "attn_processors", {}).values():
-        total.update(getattr(processor, "calls", {}))
-    return dict(total)
+    """The SDPA calls the fused processors of ``model`` have made, summed over them
+    (:func:`attn_export.surgery.fused_calls` of their attention modules, in SDPA's terms)."""
+    from attn_export.surgery.routes import CallCount, fused_calls
+
+    if not hasattr(model, "attn_processors"):
+        return {}
+    total = CallCount()
+    for module in model.modules():
+        if is_fused_processor(module.__dict__.get("processor")):
+            total = total + fused_calls(module)
+    return total.as_counter()

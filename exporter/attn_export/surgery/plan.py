@@ -38,5 +38,5 @@ def plan_export(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Replace
         report.add_pattern_sites(rewrite(exported), work)
     for layer in report.layers:
         layer.status = _FUTURE.get(layer.status, layer.status)
-    report.applied = False
+    report.applied, report.surgery = False, None  # a plan: the copy's surgery is not the model's
     return report

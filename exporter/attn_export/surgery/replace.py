@@ -24,6 +24,10 @@ torchtune, Whisper-style and nanoGPT-style code, most research models) get an in
 that runs those calls on the operator (:mod:`attn_export.surgery.sdpa_route`); they are reported
 with ``found="sdpa"``. With example inputs a sample forward finds them, as they run.
 
+Each of these ways is a route (:mod:`attn_export.surgery.routes`): this module walks the model
+and asks the routes of the registry, in order, which of them reaches each module, then applies
+them. :func:`restore_attention` undoes what :func:`replace_attention` did.
+
 PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
 
 * ``nn.TransformerEncoderLayer`` in eval mode calls ``torch._transformer_encoder_layer_fwd``
@@ -39,9 +43,11 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from attn_export.surgery import transformers as _hf
-from attn_export.surgery import sdpa_route as _sdpa
-from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention, fusion_notes
+from attn_export.surgery import routes as _routes
+from attn_export.surgery.routes.base import Scan, Site
+from attn_export.surgery.routes.geometry import geometry as _geometry
+from attn_export.surgery.routes.transformers import routing_note as _site_routing_note
+from attn_export.surgery.routes.undo import Surgery
 from attn_export.surgery.site_report import (  # noqa: F401 - re-exported: the statuses belong to the report
     ALREADY_FUSED,
     REPLACED,
@@ -57,161 +63,75 @@ from attn_export.surgery.site_report import (  # noqa: F401 - re-exported: the s
 )
 
 
-def _layer_notes(module: nn.Module) -> List[str]:
-    notes = fusion_notes(module)
-    if getattr(module, "dropout", 0.0) > 0.0:
-        notes.append(f"dropout={module.dropout}: unfused in training mode (dropout is not fused); fused in eval")
-    return notes
-
-
 def _is_attention_like(module: nn.Module) -> bool:
     return "attention" in type(module).__name__.lower()
 
 
-def _sdpa_notes(module: nn.Module) -> List[str]:
-    for name in ("attn_drop", "attn_dropout", "attention_dropout", "dropout", "dropout_p", "attn_pdrop"):
-        value = getattr(module, name, None)
-        value = value.p if isinstance(value, nn.Dropout) else value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return [f"{name}={value}: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout is not "
-                    "fused); fused otherwise"]
-    return []
-
-
-def _plan(model: nn.Module, hf_layers: Optional[list] = None, sdpa_layers: Optional[list] = None,
-          observed: Optional[Dict[int, _sdpa.ObservedSite]] = None):
-    """Every attention layer (by first path) and, per module id, every (path, parent, attr).
-    Attention layers of transformers models that dispatch through its AttentionInterface are
-    appended to ``hf_layers`` as (layer, module), modules in which F.scaled_dot_product_attention
-    calls run to ``sdpa_layers``: those a sample forward saw calling it (``observed``, from
-    sdpa_route.observe_calls), or without one those whose source calls it."""
+def _plan(model: nn.Module, observed: Optional[Dict[int, object]] = None):
+    """Every attention site (by first path): the report rows, and the sites the routes claimed.
+    ``observed``: the SDPA calls a sample forward saw per module id (sdpa_route.observe_calls),
+    None without one."""
+    scan = Scan(model, observed)
+    routes = list(_routes.ROUTES)
     layers: List[AttentionLayer] = []
-    by_id: Dict[int, AttentionLayer] = {}
-    sites: Dict[int, List[tuple[str, nn.Module, str]]] = {}
-    hf_layers = [] if hf_layers is None else hf_layers
-    hf_by_id: Dict[int, AttentionLayer] = {}
-    sdpa_layers = [] if sdpa_layers is None else sdpa_layers
-    in_hf = _hf.contains_hf_model(model)
+    sites: List[Site] = []
+    by_id: Dict[int, Site] = {}
+
+    def visit_children(module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            visit(module, name, child, f"{path}.{name}" if path else name)
 
     def visit(parent: Optional[nn.Module], attr: str, module: nn.Module, path: str) -> None:
-        is_mha = isinstance(module, StockMultiheadAttention)  # the real class, whatever the name is bound to
-        is_fused = isinstance(module, FusedMultiheadAttention)
-        if id(module) in by_id and (is_mha or is_fused):
-            by_id[id(module)].also_at.append(path)
-            sites[id(module)].append((path, parent, attr))
+        if id(module) in by_id:  # the same module reached by another path
+            by_id[id(module)].layer.also_at.append(path)
+            by_id[id(module)].places.append((path, parent, attr))
             return
-        if id(module) in hf_by_id:
-            hf_by_id[id(module)].also_at.append(path)
-            return
-        hf_layer = _hf.classify(module) if in_hf and not (is_mha or is_fused) else None
-        heads, embed = _geometry(module)
-        seen = None if observed is None else observed.get(id(module))
-        if hf_layer is None and not (is_mha or is_fused) and (
-                seen is not None if observed is not None else _sdpa.calls_sdpa(module)):
-            # A module in which F.scaled_dot_product_attention calls run: they are routed to the
-            # operator (attn_export.surgery.sdpa_route); its children are visited too.
-            layer = _sdpa_layer(module, path, heads, embed, seen)
-            layers.append(layer)
-            hf_by_id[id(module)] = layer
-            sdpa_layers.append((layer, module))
-            for name, child in module.named_children():
-                visit(module, name, child, f"{path}.{name}" if path else name)
-            return
-        if is_fused:
-            layer = AttentionLayer(path, _qualname(module), heads, embed, ALREADY_FUSED, notes=fusion_notes(module))
-        elif is_mha:
-            layer = _mha_layer(module, parent, path, heads, embed)
-        elif hf_layer is not None:
-            state, reason, notes = hf_layer
-            heads, embed = _hf.layer_geometry(module)
-            status = {"routed": ALREADY_FUSED, "routable": WILL_ROUTE}.get(state, SKIPPED)
-            layer = AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
-                                   notes=notes if status != SKIPPED else [], found="routed")
-            hf_layers.append((layer, module))
-        else:
-            # Some other module named like an attention layer: listed (so that a model whose
-            # attention cannot be fused says so) unless an nn.MultiheadAttention sits inside it.
-            count = len(layers)
-            for name, child in module.named_children():
-                visit(module, name, child, f"{path}.{name}" if path else name)
-            if parent is not None and _is_attention_like(module) and len(layers) == count:
-                if in_hf:
-                    reason = ("does not dispatch through transformers' AttentionInterface (it computes attention "
-                              "itself), so attn_implementation cannot route it")
-                elif observed is not None and _sdpa.calls_sdpa(module):
-                    reason = ("its source calls F.scaled_dot_product_attention, but the sample forward made no such "
-                              "call in it (it took another path, e.g. a switch such as timm's fused_attn=False)")
-                else:
-                    reason = ("not a torch.nn.MultiheadAttention and "
-                              + ("no F.scaled_dot_product_attention call ran in it in the sample forward"
-                                 if observed is not None else "its forward calls no F.scaled_dot_product_attention")
-                              + " (hand-written softmax(q k^T) v is rewritten in the export, where it matches)")
-                layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED, reason=reason, found=""))
-            return
-        layers.append(layer)
-        if hf_layer is not None:
-            hf_by_id[id(module)] = layer
-            return
-        by_id[id(module)] = layer
-        sites[id(module)] = [(path, parent, attr)]
+        for route in routes:
+            layer = route.claim(scan, module, parent, path)
+            if layer is not None:
+                layers.append(layer)
+                by_id[id(module)] = Site(layer, module, [(path, parent, attr)], route)
+                sites.append(by_id[id(module)])
+                if route.descend:
+                    visit_children(module, path)
+                return
+        # No route reaches it: listed (so that a model whose attention cannot be fused says so)
+        # when named like an attention layer and no site was found inside it.
+        count = len(layers)
+        visit_children(module, path)
+        if parent is not None and _is_attention_like(module) and len(layers) == count:
+            heads, embed = _geometry(module)
+            layers.append(AttentionLayer(path, _qualname(module), heads, embed, SKIPPED,
+                                         reason=_unreached(scan, routes, module), found=""))
 
     visit(None, "", model, "")
     return layers, sites
 
 
-def _own_attribute(module: nn.Module, *names: str):
-    """The first of ``names`` the module has as an instance or class attribute. Not getattr
-    alone: diffusers' models answer unknown names from their config with a FutureWarning."""
-    for name in names:
-        if name in vars(module) or hasattr(type(module), name):
-            value = getattr(module, name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+def _unreached(scan: Scan, routes, module: nn.Module) -> str:
+    """Why no route reaches ``module``: the most specific route's reason, else the general one."""
+    for route in routes:
+        reason = route.decline(scan, module)
+        if reason is not None:
+            return reason
+    return ("not a torch.nn.MultiheadAttention and "
+            + ("no F.scaled_dot_product_attention call ran in it in the sample forward"
+               if scan.observed is not None else "its forward calls no F.scaled_dot_product_attention")
+            + " (hand-written softmax(q k^T) v is rewritten in the export, where it matches)")
 
 
-def _geometry(module: nn.Module) -> tuple[Optional[int], Optional[int]]:
-    """(heads, embed dim) where the module says them under a common name, else None."""
-    return (_own_attribute(module, "num_heads", "num_attention_heads", "heads", "n_head"),
-            _own_attribute(module, "embed_dim", "hidden_size", "inner_dim"))
+def _by_route(sites: List[Site], route) -> List[Site]:
+    return [site for site in sites if site.route is route]
 
 
-def _sdpa_layer(module: nn.Module, path: str, heads, embed, seen: Optional[_sdpa.ObservedSite]) -> AttentionLayer:
-    """A module in which SDPA calls run: to be routed, unless every call it made in the sample
-    forward (``seen``) is one the operator cannot express. Heads and embed dim from its calls
-    where the module does not name them."""
-    if seen is not None and seen.heads is not None:
-        heads = heads if heads is not None else seen.heads
-        embed = embed if embed is not None else seen.heads * seen.head_dim
-    if _sdpa.is_routed(module):
-        status, reason = ALREADY_FUSED, None
-    elif seen is not None and seen.refusals:
-        status = SKIPPED
-        reason = "its F.scaled_dot_product_attention call(s) would run on PyTorch's SDPA: " + "; ".join(seen.refusals)
-    else:
-        status, reason = WILL_ROUTE, None
-    return AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
-                          notes=_sdpa_notes(module) if status != SKIPPED else [], found="sdpa")
+def _add_notes(notes: List[str], new: List[str]) -> None:
+    # Two routes may note the same thing (sites found by SDPA calls, whichever route runs them).
+    notes.extend(note for note in new if note not in notes)
 
 
-def _mha_layer(module: nn.MultiheadAttention, parent, path: str, heads, embed) -> AttentionLayer:
-    """An nn.MultiheadAttention: replaced, unless its forward is overridden or it is the model."""
-    reasons = []
-    if type(module).forward is not StockMultiheadAttention.forward:
-        reasons.append(f"{type(module).__qualname__} overrides nn.MultiheadAttention.forward")
-    if parent is None:
-        reasons.append("the model itself is the attention layer: use FusedMultiheadAttention.from_module")
-    return AttentionLayer(path, _qualname(module), heads, embed, SKIPPED if reasons else WILL_REPLACE,
-                          reason="; ".join(reasons) or None, notes=[] if reasons else _layer_notes(module))
-
-
-def _sdpa_note(sdpa_layers, applied: bool) -> List[str]:
-    if not any(layer.status in (ROUTED, WILL_ROUTE) for layer, _ in sdpa_layers):
-        return []
-    verb = "run" if applied else "will run"
-    return [f"F.scaled_dot_product_attention calls of the 'sdpa' sites {verb} on the fused operator; calls it "
-            "cannot express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
-            "(attn_export.surgery.sdpa_route.calls(module) counts both)"]
+def _routing_note(hf_layers, applied: bool) -> List[str]:
+    """The transformers route's note, from (layer, module) pairs."""
+    return _site_routing_note([Site(layer, module, [], None) for layer, module in hf_layers], applied)
 
 
 def _source_note(layers: List[AttentionLayer], inputs) -> List[str]:
@@ -222,21 +142,14 @@ def _source_note(layers: List[AttentionLayer], inputs) -> List[str]:
             "which misses calls through processors, dispatch functions and stored callables: pass example inputs"]
 
 
-def _routing_note(hf_layers, applied: bool) -> List[str]:
-    if not any(layer.status in (ROUTED, WILL_ROUTE) for layer, _ in hf_layers):
-        return []
-    verb = "are routed" if applied else "will be routed"
-    return [f"transformers attention layers {verb} through transformers' AttentionInterface "
-            f"(attn_implementation='{_hf.IMPLEMENTATION}'); the modules themselves stay in place"]
-
-
-def _observe(model: nn.Module, inputs) -> Optional[Dict[int, _sdpa.ObservedSite]]:
+def _observe(model: nn.Module, inputs) -> Optional[Dict[int, object]]:
     if inputs is None:
         return None
     from attn_export.errors import InputError
+    from attn_export.surgery.sdpa.observe import observe_calls
 
     try:
-        return _sdpa.observe_calls(model, inputs)
+        return observe_calls(model, inputs)
     except Exception as exc:  # noqa: BLE001 - the model's own error, in one line
         shapes = ([list(t.shape) for t in inputs] if isinstance(inputs, (tuple, list))
                   else {n: list(getattr(t, "shape", ())) for n, t in inputs.items()})
@@ -249,11 +162,11 @@ def inspect_attention(model: nn.Module, inputs=None) -> ReplacementReport:
     """What :func:`replace_attention` would do, without changing the model. With ``inputs`` (a
     name -> tensor mapping, or a tuple of positional inputs) a sample forward finds the modules in
     which F.scaled_dot_product_attention calls run; without, their source is read (a hint)."""
-    hf_layers: list = []
-    sdpa_layers: list = []
-    layers, _ = _plan(model, hf_layers, sdpa_layers, _observe(model, inputs))
-    notes = _routing_note(hf_layers, applied=False) + _sdpa_note(sdpa_layers, applied=False) + _source_note(layers, inputs)
-    return ReplacementReport(layers, notes=notes, applied=False)
+    layers, sites = _plan(model, _observe(model, inputs))
+    notes: List[str] = []
+    for route in _routes.ROUTES:
+        _add_notes(notes, route.notes(_by_route(sites, route), applied=False))
+    return ReplacementReport(layers, notes=notes + _source_note(layers, inputs), applied=False)
 
 
 def replace_attention(
@@ -262,8 +175,10 @@ def replace_attention(
     """Replaces every supported ``nn.MultiheadAttention`` in ``model`` (in place) by a
     :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
     Hugging Face transformers models to the operator (``attn_implementation="attn_export"``,
-    see :mod:`attn_export.surgery.transformers`), routes the ``F.scaled_dot_product_attention`` calls of modules
-    whose forward makes them (:mod:`attn_export.surgery.sdpa_route`), and returns the report.
+    see :mod:`attn_export.surgery.transformers`), gives diffusers' attention modules fused
+    processors (:mod:`attn_export.surgery.diffusers`), routes the ``F.scaled_dot_product_attention``
+    calls of other modules whose forward makes them (:mod:`attn_export.surgery.sdpa_route`), and
+    returns the report: the routes of :data:`attn_export.surgery.routes.ROUTES`, in order.
 
     Args:
         model: any ``nn.Module``; nested ``nn.TransformerEncoderLayer`` /
@@ -275,66 +190,29 @@ def replace_attention(
         min_replaced: raise :class:`CoverageError` (before changing anything) when fewer than
             this many layers would end up fused.
         require_all: raise :class:`CoverageError` when any attention layer cannot be fused.
+
+    The report keeps what was done: :func:`restore_attention` undoes it.
     """
-    hf_layers: list = []
-    sdpa_layers: list = []
-    layers, sites = _plan(model, hf_layers, sdpa_layers, _observe(model, inputs))
+    layers, sites = _plan(model, _observe(model, inputs))
     report = ReplacementReport(layers, notes=_source_note(layers, inputs))
     problem = report.coverage_error(min_replaced, require_all)
     if problem:
         raise CoverageError(problem)
-
-    # Attention layers of transformers models: routed, not swapped (their attention function is
-    # looked up by name in transformers' AttentionInterface), then checked one by one.
-    if any(layer.status == WILL_ROUTE for layer, _ in hf_layers):
-        refusals = _hf.route(model)
-        for layer, module in hf_layers:
-            if layer.status != WILL_ROUTE:
-                continue
-            config = _hf.module_config(module)
-            if config is not None and config._attn_implementation == _hf.IMPLEMENTATION:
-                layer.status = ROUTED
-            else:
-                layer.status = SKIPPED
-                layer.notes = []
-                now = None if config is None else config._attn_implementation
-                layer.reason = (
-                    f"transformers did not set attn_implementation='{_hf.IMPLEMENTATION}' on it (it stays "
-                    f"{now!r}; the model class may not support changing it after loading: load it with "
-                    f"attn_implementation='{_hf.IMPLEMENTATION}')"
-                    + (f"; {'; '.join(refusals)}" if refusals else "")
-                )
-        report.notes.extend(_routing_note(hf_layers, applied=True))
-
-    # Modules calling F.scaled_dot_product_attention: an instance forward routes their calls.
-    for layer, module in sdpa_layers:
-        if layer.status == WILL_ROUTE:
-            _sdpa.route_module(module)
-            layer.status = ROUTED
-    report.notes.extend(_sdpa_note(sdpa_layers, applied=True))
-
-    by_path = {layer.path: layer for layer in layers}
-    fused_paths: List[str] = []
-    for module_id, where in sites.items():
-        layer = by_path[where[0][0]]
-        if layer.status != WILL_REPLACE:
-            continue
-        original = where[0][1]._modules[where[0][2]]
-        fused = FusedMultiheadAttention.from_module(original)
-        for path, parent, attr in where:
-            setattr(parent, attr, fused)
-            fused_paths.append(path)
-        layer.status = REPLACED
-
-    # nn.TransformerEncoder's nested-tensor fast path would feed nested tensors to the fused
-    # layers; switch it off on the encoders that now hold fused layers (instance attribute).
-    for path, module in model.named_modules():
-        if isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
-            prefix = f"{path}." if path else ""
-            if any(p.startswith(prefix) for p in fused_paths):
-                module.use_nested_tensor = False
-                report.notes.append(
-                    f"{path or '(model)'}: use_nested_tensor set to False (its nested-tensor fast path "
-                    "would bypass the fused layers)"
-                )
+    steps = []
+    for route in _routes.ROUTES:
+        own = _by_route(sites, route)
+        notes, state = route.apply(model, own)
+        steps.append((route, state))
+        _add_notes(report.notes, route.notes(own, applied=True) + notes)
+    report.surgery = Surgery(model, steps)
     return report
+
+
+def restore_attention(model: nn.Module, report: ReplacementReport) -> None:
+    """Undoes :func:`replace_attention` on ``model``, whose report this is: the original modules
+    back in the same places (the same objects), instance attributes it added removed, those it
+    changed (``use_nested_tensor``, transformers' ``attn_implementation``) set back. Raises
+    ValueError for the report of another model, a plan (nothing was changed) or a second undo."""
+    if report.surgery is None:
+        raise ValueError("this report changed nothing (a plan, or the report of inspect_attention): nothing to restore")
+    report.surgery.restore(model)

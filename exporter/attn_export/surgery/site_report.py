@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from torch import nn
-
-from attn_export.surgery import sdpa_route as _sdpa
 
 REPLACED = "replaced"
 WILL_REPLACE = "will be replaced"
@@ -55,6 +53,8 @@ class ReplacementReport:
     layers: List[AttentionLayer]
     notes: List[str] = field(default_factory=list)
     applied: bool = True  # False for inspect_attention (nothing changed)
+    # what replace_attention did, for restore_attention (routes.undo.Surgery); None for a plan
+    surgery: Optional[Any] = field(default=None, repr=False, compare=False)
 
     @property
     def replaced(self) -> List[AttentionLayer]:
@@ -94,6 +94,8 @@ class ReplacementReport:
         """After ``model`` (the one :func:`replace_attention` changed) has run: every routed
         ``sdpa`` site that made no SDPA call, or whose calls ran on PyTorch's SDPA, becomes
         skipped with the reason. Returns one line per site changed."""
+        from attn_export.surgery.routes import fused_calls
+
         changed = []
         for layer in self.layers:
             if layer.found != "sdpa" or layer.status not in (ROUTED, ALREADY_FUSED):
@@ -102,9 +104,9 @@ class ReplacementReport:
                 module = model.get_submodule(layer.path) if layer.path else model
             except AttributeError:
                 continue
-            counts = _sdpa.calls(module)
-            stock = sorted(key[len("stock: "):] for key in counts if key.startswith("stock: "))
-            if counts.get("fused", 0) and not stock:
+            counts = fused_calls(module)
+            stock = sorted(counts.unfused)
+            if counts.fused and not stock:
                 continue
             layer.status = SKIPPED
             if stock:

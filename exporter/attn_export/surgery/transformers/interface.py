@@ -61,16 +61,25 @@ def unfused_reason(module: nn.Module, kwargs, attention_mask=None) -> Optional[s
 
 def unfused_calls(module: nn.Module) -> Dict[str, int]:
     """The calls of ``module`` that ran transformers' attention instead of the operator since
-    it was built: reason -> count (empty when every call was fused)."""
-    return dict(getattr(module, _UNFUSED_CALLS, {}))
+    it was built: reason -> count (empty when every call was fused). The unfused part of
+    :func:`attn_export.surgery.fused_calls`."""
+    from attn_export.surgery.routes import fused_calls
+
+    return dict(fused_calls(module).unfused)
 
 
-_UNFUSED_CALLS = "_attn_export_unfused_calls"
+_FUSED_CALLS, _UNFUSED_CALLS = "_attn_export_fused_calls", "_attn_export_unfused_calls"
+COUNTS = (_FUSED_CALLS, _UNFUSED_CALLS)  # the instance attributes a layer's calls are counted in
 
 
 def _count_unfused(module: nn.Module, reason: str) -> None:
     counts = module.__dict__.setdefault(_UNFUSED_CALLS, {})
     counts[reason] = counts.get(reason, 0) + 1
+
+
+def _count_fused(module: nn.Module) -> None:
+    if not torch.compiler.is_compiling():  # a count is no part of a compiled graph
+        module.__dict__[_FUSED_CALLS] = module.__dict__.get(_FUSED_CALLS, 0) + 1
 
 
 def _eager_attention(module: nn.Module):
@@ -166,23 +175,31 @@ def attention_forward(
     groups = getattr(module, "num_key_value_groups", 1)
     if isinstance(groups, int) and groups > 1:
         key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    attn_mask, key_padding_mask, causal = _operator_masks(query, k_length, attention_mask, causal, kwargs)
+    softcap = kwargs.get("softcap")
+    extra = {"softcap": float(softcap)} if softcap else {}
+    out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                    is_causal=causal, scale=scaling, **extra)
+    _count_fused(module)
+    # [B, H, Lq, D] laid out [B, Lq, H, D]: the transpose is free.
+    return out.transpose(1, 2), None
+
+
+def _operator_masks(query: torch.Tensor, k_length, attention_mask, causal: bool, kwargs: dict):
+    """(attn_mask, key_padding_mask, is_causal) for the operator from what the layer was given:
+    transformers' mask, a sliding window and T5's position bias."""
     window = kwargs.get("sliding_window")
     if causal and isinstance(window, int):
         # transformers builds the window into the mask; should it skip the mask, the window must
         # still apply (explicitly, and without comparing lengths: no guard on a symbolic length).
-        attention_mask, causal = _causal_bool(q_length, k_length, query.device, window), False
+        attention_mask, causal = _causal_bool(query.shape[2], k_length, query.device, window), False
     attn_mask, key_padding_mask = to_operator_masks(attention_mask, query.shape[0], k_length)
     bias = kwargs.get("position_bias")
     if bias is not None:
         attn_mask = bias if attn_mask is None else _additive(attn_mask, query.dtype) + bias
     if attn_mask is not None and attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
         attn_mask = attn_mask.to(query.dtype)
-    softcap = kwargs.get("softcap")
-    extra = {"softcap": float(softcap)} if softcap else {}
-    out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                    is_causal=causal, scale=scaling, **extra)
-    # [B, H, Lq, D] laid out [B, Lq, H, D]: the transpose is free.
-    return out.transpose(1, 2), None
+    return attn_mask, key_padding_mask, causal
 
 
 def attention_mask(*args, **kwargs):

@@ -1,0 +1,248 @@
+"""The FusedAttention node's model-local function bodies, from one definition.
+
+Every body the exporter writes is :func:`body_nodes` of a :class:`BodyPlan`: the generic body
+(:data:`GENERIC`, right for every node, docs/onnx_node.md "How ONNX Runtime runs it") and the
+lean body of each node variant (``attn_export.onnx.node.BodyVariant``, "The lean bodies") differ
+only in their plan. The plan says, for each step a node attribute switches, whether the body
+always does it, never does it, or selects it at run time from the calling node's attribute
+(:class:`When`); the masks a body adds; and whether ``T`` is float32 (no casts).
+
+The body, in the order it computes (each step one function below):
+
+    q, k, v = Cast(query/key/value, float32)             not float32
+    q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))
+    x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
+    x = softcap * Tanh(x / softcap)                      soft-capping
+    bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
+    ctx = MatMul(Softmax(x + bias), v)
+    ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      with a mask: rows it empties are 0
+    output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
+
+A new attribute is one step here (and, when lean bodies specialize on it, one field of the
+plan and of ``BodyVariant``).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import onnx
+from onnx import TensorProto, helper
+
+from attn_export import spec as _spec
+
+FLOAT, INT64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+
+
+class When(enum.Enum):
+    """When a body does a step that a node attribute switches."""
+
+    NEVER = "never"
+    ALWAYS = "always"
+    BY_ATTRIBUTE = "by attribute"  # selected at run time from the calling node's attribute
+
+    @classmethod
+    def of(cls, on: bool) -> "When":
+        return cls.ALWAYS if on else cls.NEVER
+
+
+@dataclass(frozen=True)
+class BodyPlan:
+    """What one function body computes."""
+
+    causal: When  # the is_causal attribute's mask
+    softcap: When  # the softcap attribute's soft-capping
+    key_padding_mask: bool  # adds the key_padding_mask input (False: reads only its shape)
+    attn_mask: bool  # adds the attn_mask input (False: reads only its shape)
+    float32: bool  # T is float32: no casts
+
+    @property
+    def guards_dead_rows(self) -> bool:
+        """Whether rows may lose every key: only a mask empties one (query i always sees key 0
+        under causal masking)."""
+        return self.key_padding_mask or self.attn_mask
+
+
+# Right for every node, whatever its attributes and T: a placeholder mask adds zeros.
+GENERIC = BodyPlan(causal=When.BY_ATTRIBUTE, softcap=When.BY_ATTRIBUTE, key_padding_mask=True, attn_mask=True,
+                   float32=False)
+
+
+class _Body:
+    """A function body's node list, written one op at a time; every op names its output."""
+
+    def __init__(self):
+        self.nodes: List[onnx.NodeProto] = []
+        self._outputs: set = set()
+        self._constants: Dict[tuple, str] = {}
+
+    def op(self, op_type: str, *inputs: str, out: str, **attributes) -> str:
+        if out in self._outputs:
+            raise ValueError(f"the body already has a value named {out!r}")
+        self._outputs.add(out)
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attributes))
+        return out
+
+    def const(self, name: str, value) -> str:
+        """A Constant: a list is 1-D, a number 0-D; ints are int64, floats float32. A value
+        asked for again is the first one's output."""
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        dims = [len(values)] if isinstance(value, (list, tuple)) else []
+        dtype = FLOAT if isinstance(values[0], float) else INT64
+        key = (dtype, tuple(dims), tuple(values))
+        if key not in self._constants:
+            tensor = helper.make_tensor(name, dtype, dims, values)
+            self._constants[key] = self.op("Constant", out=name, value=tensor)
+        return self._constants[key]
+
+    def attribute(self, name: str, dtype: int, out: str) -> str:
+        """A 0-D Constant whose value is the calling node's attribute ``name`` (INT64 or FLOAT)."""
+        kind, attr_type = ("value_int", onnx.AttributeProto.INT) if dtype == INT64 else (
+            "value_float", onnx.AttributeProto.FLOAT)
+        self.op("Constant", out=out)
+        ref = self.nodes[-1].attribute.add()
+        ref.name, ref.ref_attr_name, ref.type = kind, name, attr_type
+        return out
+
+
+def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
+    """The nodes of the body ``plan`` describes, reading the spec's input names and writing its
+    output name."""
+    s = _spec.load()
+    b = _Body()
+    query, key, value = _in_float32(b, plan.float32)
+    unread = [name for name, read in ((s.input_names[3], plan.key_padding_mask), (s.input_names[4], plan.attn_mask))
+              if not read]
+    q, kt, v = _split_heads(b, query, key, value, unread)
+    scores = b.op("MatMul", b.op("Mul", q, b.attribute(s.attr_scale, FLOAT, out="scale"), out="q_scaled"), kt,
+                  out="scaled")
+    scores = _soft_cap(b, scores, plan.softcap)
+    bias = _bias(b, plan)
+    if bias is not None:
+        scores = b.op("Add", scores, bias, out="scores")
+    ctx = b.op("MatMul", b.op("Softmax", scores, out="probs", axis=-1), v, out="ctx_raw")
+    if plan.guards_dead_rows:
+        ctx = _zero_dead_rows(b, ctx, bias)
+    _merge_heads(b, ctx, plan.float32)
+    return b.nodes
+
+
+def _in_float32(b: _Body, float32: bool) -> Tuple[str, str, str]:
+    """query, key and value in float32 (accumulation in float32 whatever T is, as the plugin)."""
+    names = _spec.load().input_names[:3]
+    if float32:
+        return names
+    return tuple(b.op("Cast", name, out=out, to=FLOAT) for name, out in zip(names, ("q32", "k32", "v32")))
+
+
+def _split_heads(b: _Body, query: str, key: str, value: str, unread: List[str]) -> Tuple[str, str, str]:
+    """[B, L, H*D] -> q [B, H, Lq, D], kt [B, H, D, Lk], v [B, H, Lk, Dv] (Reshape's 0 copies B
+    and L). Each of ``unread`` (an input the body has no other use for) joins the split shape as
+    the empty slice ``Shape(x, start=0, end=0)``: tools that drop the function inputs a body never
+    reads (onnxslim) would otherwise leave the calling node with more inputs than the function."""
+    heads = b.op("Unsqueeze", b.attribute(_spec.load().attr_num_heads, INT64, out="heads"), b.const("axis0", [0]),
+                 out="heads1")
+    empty = [b.op("Shape", name, out=f"{name}_no_dims", start=0, end=0) for name in unread]
+    shape = b.op("Concat", b.const("zero2", [0, 0]), heads, b.const("minus1", [-1]), *empty, out="split_shape",
+                 axis=0)
+    q4, k4, v4 = (b.op("Reshape", x, shape, out=out) for x, out in ((query, "q4"), (key, "k4"), (value, "v4")))
+    return (b.op("Transpose", q4, out="q", perm=[0, 2, 1, 3]), b.op("Transpose", k4, out="kt", perm=[0, 2, 3, 1]),
+            b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
+
+
+def _soft_cap(b: _Body, scores: str, when: When) -> str:
+    """softcap * tanh(scores / softcap), before the masks (so a -inf mask still removes a key)."""
+    if when is When.NEVER:
+        return scores
+    softcap = b.attribute(_spec.load().attr_softcap, FLOAT, out="softcap")
+    if when is When.ALWAYS:
+        return _capped(b, scores, softcap)
+    on = b.op("Greater", softcap, b.const("zero_f", 0.0), out="cap_on")
+    # Divided by 1 when the cap is off: the branch Where leaves out never computes x / 0.
+    cap = b.op("Where", on, softcap, b.const("one_f", 1.0), out="cap")
+    return b.op("Where", on, _capped(b, scores, cap), scores, out="scores_capped")
+
+
+def _capped(b: _Body, scores: str, cap: str) -> str:
+    over = b.op("Div", scores, cap, out="scaled_over_cap")
+    return b.op("Mul", b.op("Tanh", over, out="tanh_scaled"), cap, out="capped")
+
+
+def _bias(b: _Body, plan: BodyPlan) -> Optional[str]:
+    """The sum of the additive terms the plan has (None: no term, no Add at all)."""
+    s = _spec.load()
+    terms = []
+    if plan.key_padding_mask:
+        terms.append(b.op("Unsqueeze", s.input_names[3], b.const("axes12", [1, 2]), out="kpm4"))
+    if plan.attn_mask:
+        terms.append(s.input_names[4])
+    if plan.causal is not When.NEVER:
+        terms.append(_causal_bias(b, plan.causal))
+    bias = terms[0] if terms else None
+    for i, term in enumerate(terms[1:]):
+        bias = b.op("Add", bias, term, out=f"bias{i}")
+    return bias
+
+
+def _causal_bias(b: _Body, when: When) -> str:
+    """[Lq, Lk]: -inf strictly above the diagonal (key j > query i, top-left aligned), 0 elsewhere."""
+    s = _spec.load()
+    lq = b.op("Shape", s.input_names[0], out="lq", start=1, end=2)
+    lk = b.op("Shape", s.input_names[1], out="lk", start=1, end=2)
+    all_inf = b.op("ConstantOfShape", b.op("Concat", lq, lk, out="qk_shape", axis=0), out="all_inf",
+                   value=helper.make_tensor("neg_inf", FLOAT, [1], [-math.inf]))
+    # Trilu's k is a 0-D tensor in the operator's spec (ONNX Runtime also takes [1]; others need not).
+    causal = b.op("Trilu", all_inf, b.const("one", 1), out="causal_bias", upper=1)
+    if when is When.ALWAYS:
+        return causal
+    on = b.op("Cast", b.attribute(s.attr_is_causal, INT64, out="causal_i"), out="causal_on", to=BOOL)
+    return b.op("Where", on, causal, b.const("zero_f", 0.0), out="causal_add")
+
+
+def _zero_dead_rows(b: _Body, ctx: str, bias: str) -> str:
+    """Rows that see no key output 0, not NaN. The guard reads the bias, not the scores: a row of
+    -inf scores is exactly a row of -inf bias (the scaled, capped scores are finite), the bias is
+    usually far smaller (a padding mask: [B, 1, 1, Lk]), and the Where zeroes [.., Lq, Dv]
+    outputs instead of [.., Lq, Lk] probabilities."""
+    row_max = b.op("ReduceMax", bias, b.const("last_axis", [-1]), out="bias_max", keepdims=1)
+    dead = b.op("IsInf", row_max, out="dead_row", detect_positive=0, detect_negative=1)
+    return b.op("Where", dead, b.const("zero_f", 0.0), ctx, out="ctx")
+
+
+def _merge_heads(b: _Body, ctx: str, float32: bool) -> None:
+    """[B, H, Lq, Dv] -> the output [B, Lq, H*Dv], in T."""
+    s = _spec.load()
+    (output,) = s.output_names
+    merged = b.op("Reshape", b.op("Transpose", ctx, out="ctx_t", perm=[0, 2, 1, 3]),
+                  b.const("merge_shape", [0, 0, -1]), out=output if float32 else "ctx32")
+    if not float32:
+        b.op("CastLike", merged, s.input_names[0], out=output)
+
+
+def check_opset(opset: int) -> None:
+    s = _spec.load()
+    if opset < s.min_onnx_opset:
+        raise ValueError(f"the {s.op_type} function body needs ONNX opset >= {s.min_onnx_opset}; got {opset}")
+
+
+def function_proto(plan: BodyPlan, opset: int, domain: str) -> onnx.FunctionProto:
+    """The model-local function ``domain.FusedAttention`` whose body is ``plan``'s, for a model
+    of default-domain opset ``opset``: the spec's inputs, output and attributes."""
+    s = _spec.load()
+    check_opset(opset)
+    return helper.make_function(
+        domain,
+        s.op_type,
+        inputs=list(s.input_names),
+        outputs=list(s.output_names),
+        nodes=body_nodes(plan),
+        opset_imports=[helper.make_opsetid("", opset)],
+        # The required attributes are the function's; the others (is_causal, softcap, ...) have
+        # the spec's defaults. The has_* and plugin_* attributes are for the TensorRT plugin and
+        # unused by the body.
+        attributes=[a.name for a in s.attributes if a.required],
+        attribute_protos=[helper.make_attribute(a.name, a.default) for a in s.attributes if not a.required],
+        doc_string="attn_export fused attention core; see docs/onnx_node.md",
+    )

@@ -1,0 +1,49 @@
+"""The routes to the fused operator, in one table.
+
+Each route is one module implementing :class:`~attn_export.surgery.routes.base.Route`: find its
+sites (``claim``), say why a module it cannot reach is refused (``decline``), ``apply``, ``undo``,
+count what ran at a site (``calls``). :func:`attn_export.replace_attention`,
+:func:`attn_export.inspect_attention` and the export's plan walk the model and ask the routes of
+:data:`ROUTES` in this order: the first that claims a module owns it, and the routes apply in this
+order (undo runs in reverse). A new route is one module and one line here.
+
+Graph patterns (:mod:`attn_export.surgery.patterns`) are not a route: they rewrite a captured
+graph (a copy made by ``torch.export``), so they have nothing to apply to the model or undo; the
+export adds their rows to the report after capture (``ReplacementReport.add_pattern_sites``).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from torch import nn
+
+from attn_export.surgery.routes.base import CallCount, Route
+from attn_export.surgery.routes.diffusers import DiffusersProcessors
+from attn_export.surgery.routes.module_swap import ModuleSwap
+from attn_export.surgery.routes.sdpa import SdpaCalls
+from attn_export.surgery.routes.transformers import TransformersLayers
+
+# Precedence: a transformers layer may also call SDPA (attn_implementation="sdpa"): it is routed
+# through transformers' interface, not intercepted; a diffusers attention module's calls run
+# through its processor (diffusers' own API), not through an instance forward.
+ROUTES: List[Route] = [
+    TransformersLayers(),
+    DiffusersProcessors(),
+    SdpaCalls(),
+    ModuleSwap(),
+]
+
+
+def fused_calls(module: nn.Module) -> CallCount:
+    """Did the fused operator run at this site: the calls counted at ``module`` since it was
+    routed, by whichever route reached it (``CallCount(0, {})`` where none counts; the module route
+    does not count, see :mod:`attn_export.surgery.routes.module_swap`)."""
+    total = CallCount()
+    for route in ROUTES:
+        count = route.calls(module)
+        if count is not None:
+            total = total + count
+    return total
+
+
+__all__ = ["ROUTES", "Route", "CallCount", "fused_calls"]

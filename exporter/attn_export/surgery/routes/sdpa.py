@@ -1,0 +1,107 @@
+"""The SDPA route: modules in which ``F.scaled_dot_product_attention`` calls run get an instance
+``forward`` that runs their calls on the operator (:mod:`attn_export.surgery.sdpa_route`).
+
+Sites are the modules a sample forward saw calling SDPA (the innermost module running at each
+call), or without one those whose source calls it. A site whose every observed call is one the
+operator cannot express is skipped with the reasons. torch.nn's own modules and the fused module
+are never sites (the module route has them). Undo removes the instance ``forward`` (putting back
+one the module had before); the calls are counted on it.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from torch import nn
+
+from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention
+from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes
+from attn_export.surgery.routes.geometry import geometry
+from attn_export.surgery.sdpa.intercept import call_counter, is_routed, route_module
+from attn_export.surgery.sdpa.source import calls_sdpa
+from attn_export.surgery.site_report import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _qualname
+
+
+def sdpa_notes(module: nn.Module) -> List[str]:
+    """The note on a site's attention dropout, under the names the models in the wild use."""
+    for name in ("attn_drop", "attn_dropout", "attention_dropout", "dropout", "dropout_p", "attn_pdrop"):
+        value = getattr(module, name, None)
+        value = value.p if isinstance(value, nn.Dropout) else value
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return [f"{name}={value}: calls with dropout_p > 0 (training) run on PyTorch's SDPA (dropout is not "
+                    "fused); fused otherwise"]
+    return []
+
+
+def sdpa_layer(module: nn.Module, path: str, seen, routed: bool) -> AttentionLayer:
+    """A module in which SDPA calls run: to be routed, unless every call it made in the sample
+    forward (``seen``, an ObservedSite) is one the operator cannot express. Heads and embed dim
+    from its calls where the module does not name them."""
+    heads, embed = geometry(module)
+    if seen is not None and seen.heads is not None:
+        heads = heads if heads is not None else seen.heads
+        embed = embed if embed is not None else seen.heads * seen.head_dim
+    if routed:
+        status, reason = ALREADY_FUSED, None
+    elif seen is not None and seen.refusals:
+        status = SKIPPED
+        reason = "its F.scaled_dot_product_attention call(s) would run on PyTorch's SDPA: " + "; ".join(seen.refusals)
+    else:
+        status, reason = WILL_ROUTE, None
+    return AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
+                          notes=sdpa_notes(module) if status != SKIPPED else [], found="sdpa")
+
+
+def sdpa_site(scan: Scan, module: nn.Module, path: str, calls_in_source: Callable[[], bool],
+              routed: bool) -> Optional[AttentionLayer]:
+    """The row of a module in which SDPA calls run (seen by the sample forward, or without one,
+    where ``calls_in_source()`` says so), else None."""
+    if scan.observed is None:
+        return sdpa_layer(module, path, None, routed) if calls_in_source() else None
+    seen = scan.observed.get(id(module))
+    return None if seen is None else sdpa_layer(module, path, seen, routed)
+
+
+def sdpa_note(sites: List[Site], applied: bool) -> List[str]:
+    """The report's note on SDPA sites routed (or to be routed)."""
+    if not any(site.layer.status in (ROUTED, WILL_ROUTE) for site in sites):
+        return []
+    verb = "run" if applied else "will run"
+    return [f"F.scaled_dot_product_attention calls of the 'sdpa' sites {verb} on the fused operator; calls it "
+            "cannot express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
+            "(attn_export.surgery.sdpa_route.calls(module) counts both)"]
+
+
+class SdpaCalls(Route):
+    name = "sdpa"
+    descend = True  # attention inside attention (a block calling SDPA around an inner site) is its own site
+
+    def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
+        if isinstance(module, (StockMultiheadAttention, FusedMultiheadAttention)):
+            return None
+        return sdpa_site(scan, module, path, lambda: calls_sdpa(module), is_routed(module))
+
+    def decline(self, scan: Scan, module: nn.Module) -> Optional[str]:
+        if scan.observed is not None and calls_sdpa(module):
+            return ("its source calls F.scaled_dot_product_attention, but the sample forward made no such call in it "
+                    "(it took another path, e.g. a switch such as timm's fused_attn=False)")
+        return None
+
+    def notes(self, sites: List[Site], applied: bool) -> List[str]:
+        return sdpa_note(sites, applied)
+
+    def apply(self, model: nn.Module, sites: List[Site]):
+        routed = []
+        for site in sites:
+            if site.layer.status == WILL_ROUTE:
+                routed.append((site.layer.path, {"forward": site.module.__dict__.get("forward", MISSING)}))
+                route_module(site.module)
+                site.layer.status = ROUTED
+        return [], routed
+
+    def undo(self, model: nn.Module, applied) -> None:
+        for path, saved in applied:
+            restore_attributes(model.get_submodule(path), saved)
+
+    def calls(self, module: nn.Module) -> Optional[CallCount]:
+        counter = call_counter(module)
+        return None if counter is None else CallCount.from_counter(counter)
