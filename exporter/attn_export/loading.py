@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from attn_export.errors import InputError, first_line as _first_line
+from attn_export.ops.module import StockMultiheadAttention
 
 # The audited allowlist, as (module, qualified name). Each entry is a torch.nn class whose
 # unpickling only restores attributes (no __reduce__/__setstate__ that runs external code),
@@ -62,6 +63,9 @@ _FUNCTIONS = {
     "torch._C._nn": ["gelu", "softplus"],
 }
 _OWN = {"attn_export.ops.module": ["FusedMultiheadAttention", "_keep_native_fast_paths_off"]}
+# Names a code base may rebind to the drop-in (``torch.nn.MultiheadAttention =
+# FusedMultiheadAttention``) before this module is imported: the allowlist holds the real class.
+_PINNED = {("torch.nn.modules.activation", "MultiheadAttention"): StockMultiheadAttention}
 
 
 def _resolve(module: str, qualname: str):
@@ -77,7 +81,7 @@ def _allowlist() -> List[object]:
         for module, names in table.items():
             for name in names:
                 try:
-                    objects.append(_resolve(module, name))
+                    objects.append(_PINNED.get((module, name)) or _resolve(module, name))
                 except (ImportError, AttributeError):  # not in this torch version
                     continue
     return objects

@@ -4,9 +4,12 @@
 name patched, the package must still reach the real stock class where it needs it (the failure
 path asks stock for its error; ``to_module`` builds one; surgery tells stock from fused): the
 invalid inputs of test_module_errors.py give stock's exception, type and message; PyTorch's
-transformer layers built after the patch hold fused layers and match unpatched ones; the
-conversions, state_dicts and replace_attention work as without the patch."""
+transformer layers built after the patch hold fused layers and match unpatched ones (the
+encoder's nested-tensor path included); the conversions, state_dicts, replace_attention, the
+attention-map capture and load_model work as without the patch."""
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -178,3 +181,19 @@ def test_transformer_encoder_built_after_the_patch_takes_its_nested_fast_path():
     with torch.no_grad():
         assert_rel_close(encoder(src, src_key_padding_mask=padding), reference(src, src_key_padding_mask=padding),
                          5e-6, "encoder")
+
+
+def test_load_model_imported_after_the_patch_loads_a_stock_model(tmp_path):
+    """The loader's allowlist is built when attn_export.loading is first imported, which may be
+    after the patch: it still admits the real stock class, and the model loads as saved."""
+    torch.save(nn.Sequential(STOCK(8, 2)), tmp_path / "model.pt")
+    script = f"""
+import torch
+import attn_export
+stock = torch.nn.MultiheadAttention
+for owner in (torch.nn, torch.nn.modules.activation, torch.nn.modules.transformer):
+    owner.MultiheadAttention = attn_export.FusedMultiheadAttention
+from attn_export.loading import load_model
+assert type(load_model({str(tmp_path / "model.pt")!r})[0]) is stock
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
