@@ -17,10 +17,10 @@ from attn_export.ops.module_checks import stock_error as _stock_error
 _MULTI_HEAD_ATTENTION = torch.ops.attn_export.multi_head_attention.default
 
 # torch.nn's own class, held from import on. Code bases adopt a drop-in by rebinding the name
-# (``torch.nn.MultiheadAttention = FusedMultiheadAttention``); "stock" here must stay the real
-# class under that patch: to_module builds it, the failure path asks it for its error (through
-# the name, that built another fused layer, which asked again, without end), and surgery tells
-# stock layers from fused ones by it.
+# (``torch.nn.MultiheadAttention = FusedMultiheadAttention``); "stock" must stay the real class
+# under that patch: to_module builds it, the failure path asks it for its error (through the
+# name, that would build another fused layer, which would ask again, without end), and surgery,
+# the attention-map capture and the model loader's allowlist tell stock layers by it.
 StockMultiheadAttention = nn.modules.activation.MultiheadAttention
 
 
