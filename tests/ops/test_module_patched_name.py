@@ -194,6 +194,8 @@ stock = torch.nn.MultiheadAttention
 for owner in (torch.nn, torch.nn.modules.activation, torch.nn.modules.transformer):
     owner.MultiheadAttention = attn_export.FusedMultiheadAttention
 from attn_export.loading import load_model
-assert type(load_model({str(tmp_path / "model.pt")!r})[0]) is stock
+print(type(load_model({str(tmp_path / "model.pt")!r})[0]) is stock)
 """
-    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True"], run.stdout
