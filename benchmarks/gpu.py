@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-"""GPU benchmark of the fused attention: attn_export vs nn.MultiheadAttention vs
-F.scaled_dot_product_attention, side by side in one process (scripts/gpu_check.sh runs it).
+"""GPU benchmark of the fused attention against every backend of F.scaled_dot_product_attention
+(flash, cuDNN, efficient, and math where its L x L scores are cheap), each pinned with
+torch.nn.attention.sdpa_kernel, in one process; scripts/gpu_check.sh runs it. Issue 46's table:
 
-1. Latency of the whole layer at the seed's small shapes (batch 8, seq 10/16, embed 64/128,
-   4 heads), float32 and float16: inference (eval + inference_mode: nn.MultiheadAttention takes
-   PyTorch's native fast path), forward (training mode) and forward+backward.
-2. Throughput of the attention core at seq 1k-8k, head dims 64 and 128, float16, causal and
-   not, forward and forward+backward, in TFLOP/s (16k tokens per batch, 2048 / head_dim heads):
-   attn_export.attention vs F.scaled_dot_product_attention vs the unfused math that
-   nn.MultiheadAttention runs when it returns weights (softmax(Q K^T) V with the L x L matrix).
-   FLOPs counted as FlashAttention does: 4 B H L^2 D forward (halved when causal),
-   2.5x that for the backward.
+  prefill  head dims 32/64/128, seq 1k-16k, causal and not, fp16 and bf16, forward and
+           forward+backward, in TFLOP/s (16k tokens per batch, 2048 / head dim heads)
+  hdims    head dims 80/96/256, bf16 causal seq 4096
+  decode   1 and 4 queries against a 4k and a 32k KV cache, head dim 128, B16 H32, Hkv 32 and 8
+           (GQA), bf16, in GB/s of K and V read, against the GPU's HBM peak
+  padded   key_padding_mask with lengths 25-100% of 4096, fp16 head dim 64
+  layer    the layer at (B, L, E, H) = (4, 4096, 1024, 8) bf16 against nn.MultiheadAttention
+  small    the layer at the seed's small shapes (launch-bound; not in the default set)
 
-Timing: torch.utils.benchmark (it synchronizes the device around each block of runs),
-medians of blocked_autorange; implementations interleaved per configuration.
+FLOPs as FlashAttention counts them (benchmarks/gpu_cases.py); times by CUDA events, best of N
+blocks after warm-up (benchmarks/gpu_timing.py); a backend that refuses a case is "n/a" with its
+reason. Writes bench_gpu.json and bench_gpu.md under --out.
 
-    python -m benchmarks.gpu --out gpu_check_out [--budget-s 150] [--quick]
-    python -m benchmarks.gpu --dry-run     # tiny sizes on the CPU: checks the script itself
+    python -m benchmarks.gpu --out gpu_check_out [--budget-s 300] [--quick] [--cases decode,hdims]
+    python -m benchmarks.gpu --estimate            # the plan and its time, without running
+    python -m benchmarks.gpu --dry-run             # tiny sizes on the CPU: checks the script itself
 """
 from __future__ import annotations
 
@@ -24,166 +26,131 @@ import argparse
 import json
 import pathlib
 import platform
+import shlex
 import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch.utils.benchmark import Timer
+from benchmarks.gpu_cases import DEFAULT_GROUPS, GROUPS, dry_run_case, select_cases
 
-import attn_export
-from benchmarks.layers import SHAPE_SETS, layer_statement
 
-LAYER_IMPLS = ("fused", "nn.MultiheadAttention", "sdpa")
-CORE_IMPLS = ("fused", "sdpa", "unfused")
-DEVICE = "cuda"
+def parse_groups(text: str):
+    groups = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or not groups:
+        raise argparse.ArgumentTypeError(f"unknown case group(s) {unknown or text!r}: pick from {', '.join(GROUPS)}")
+    return groups
 
-def median_s(fn, min_run_time):
-    fn()  # warm-up (allocations, lazy init, autotuning)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
-# ---- 1. layer latency at small shapes -------------------------------------------------------
-
-def bench_layers(args, deadline):
-    rows = []
-    for dtype in (torch.float32, torch.float16):
-        for shape in SHAPE_SETS["small"]:
-            for mode in ("inference", "forward", "forward+backward"):
-                if time.monotonic() > deadline:
-                    rows.append(dict(part="layer", shape=str(shape), dtype=str(dtype), mode=mode, skipped="time budget"))
-                    continue
-                times = {impl: median_s(layer_statement(impl, mode, shape, DEVICE, dtype), args.min_run_time)
-                         for impl in LAYER_IMPLS}
-                ref = times["nn.MultiheadAttention"]
-                row = dict(part="layer", shape=str(shape), dtype=str(dtype).replace("torch.", ""), mode=mode,
-                           **{f"{i}_us": t * 1e6 for i, t in times.items()},
-                           **{f"{i}_vs_mha": t / ref for i, t in times.items() if i != "nn.MultiheadAttention"})
-                rows.append(row)
-                print(f"layer {row['shape']:>10} {row['dtype']:>8} {mode:>16}: "
-                      + "  ".join(f"{i} {t * 1e6:8.1f} us" for i, t in times.items()), flush=True)
-    return rows
-
-# ---- 2. core TFLOP/s at long sequences -----------------------------------------------------
-
-def core_fn(impl, q, k, v, causal):
-    if impl == "fused":
-        return lambda: attn_export.attention(q, k, v, is_causal=causal)
-    if impl == "sdpa":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    L = q.shape[2]
-    mask = torch.ones(L, L, dtype=torch.bool, device=DEVICE).triu(1) if causal else None
-    scale = q.shape[-1] ** -0.5
-
-    def unfused():
-        s = (q @ k.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(mask, float("-inf"))
-        return torch.softmax(s, dim=-1) @ v
-
-    return unfused
-
-def bench_core(args, deadline):
-    rows = []
-    seqlens = [64, 128] if args.dry_run else [1024, 2048] if args.quick else [1024, 2048, 4096, 8192]
-    for head_dim in (64, 128):
-        for causal in (False, True):
-            for seqlen in seqlens:
-                tokens, embed = (256, 256) if args.dry_run else (16384, 2048)
-                batch, heads = max(1, tokens // seqlen), embed // head_dim
-                flops_fwd = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-                for mode, flops in (("forward", flops_fwd), ("forward+backward", 3.5 * flops_fwd)):
-                    row = dict(part="core", dtype="float16", seqlen=seqlen, head_dim=head_dim, batch=batch,
-                               heads=heads, causal=causal, mode=mode)
-                    if time.monotonic() > deadline:
-                        row["skipped"] = "time budget"
-                        rows.append(row)
-                        continue
-                    torch.manual_seed(0)
-                    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device=DEVICE, dtype=torch.float16,
-                                           requires_grad=mode != "forward") for _ in range(3))
-                    for impl in CORE_IMPLS:
-                        try:
-                            fn = core_fn(impl, q, k, v, causal)
-                            if mode == "forward":
-                                with torch.no_grad():
-                                    t = median_s(fn, args.min_run_time)
-                            else:
-                                grad = torch.randn(batch, heads, seqlen, head_dim, device=DEVICE, dtype=torch.float16)
-                                t = median_s(lambda fn=fn, grad=grad: torch.autograd.grad(fn(), (q, k, v), grad), args.min_run_time)
-                            row[f"{impl}_ms"] = t * 1e3
-                            row[f"{impl}_tflops"] = flops / t / 1e12
-                        except torch.OutOfMemoryError:
-                            row[f"{impl}_ms"] = row[f"{impl}_tflops"] = None
-                            row[f"{impl}_note"] = "out of memory"
-                        if DEVICE == "cuda":
-                            torch.cuda.empty_cache()
-                    rows.append(row)
-                    print(f"core D={head_dim} causal={causal!s:5} L={seqlen:5} {mode:>16}: "
-                          + "  ".join(f"{i} {row.get(f'{i}_tflops') or 0:6.1f} TFLOP/s" for i in CORE_IMPLS), flush=True)
-    return rows
-
-def environment():
-    if DEVICE != "cuda":
-        return dict(device="cpu (dry run)", torch=torch.__version__)
-
-    def run(cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as e:  # noqa: BLE001
-            return f"unavailable ({e})"
-
-    return dict(
-        gpu=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-        torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-        attn_export=attn_export.__version__, commit=run(["git", "rev-parse", "--short", "HEAD"]),
-        driver=run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-    )
-
-def markdown(env, rows):
-    out = ["# GPU benchmark", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
-    out += ["## Layer latency (median, microseconds; ratio to nn.MultiheadAttention)", "",
-            "| shape (BxLxExH) | dtype | mode | fused | nn.MultiheadAttention | sdpa | fused / MHA | sdpa / MHA |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["part"] == "layer" and "skipped" not in r:
-            out.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['fused_us']:.1f} | {r['nn.MultiheadAttention_us']:.1f} "
-                       f"| {r['sdpa_us']:.1f} | {r['fused_vs_mha']:.2f}x | {r['sdpa_vs_mha']:.2f}x |")
-    out += ["", "## Attention core throughput (float16, TFLOP/s; FLOPs as FlashAttention counts them)", "",
-            "| head dim | causal | seq | batch x heads | mode | fused | sdpa | unfused (L x L) |", "|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x: "OOM" if x is None else f"{x:.1f}"  # noqa: E731
-    for r in rows:
-        if r["part"] == "core" and "skipped" not in r:
-            out.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['heads']} | {r['mode']} | "
-                       + " | ".join(fmt(r.get(f"{i}_tflops")) for i in CORE_IMPLS) + " |")
-    skipped = [r for r in rows if "skipped" in r]
-    if skipped:
-        out += ["", f"{len(skipped)} configurations skipped (time budget)."]
-    return "\n".join(out) + "\n"
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gpu_check_out"))
-    parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting new configurations after this")
-    parser.add_argument("--min-run-time", type=float, default=0.1, help="seconds per blocked_autorange")
-    parser.add_argument("--quick", action="store_true", help="seq 1k and 2k only")
+    parser.add_argument("--cases", type=parse_groups, default=list(DEFAULT_GROUPS),
+                        help=f"comma-separated groups, run in this order (default {','.join(DEFAULT_GROUPS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer rows (prefill seq 1k and 8k, hdims forward, decode one query) and 3 blocks")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="skip the cases whose estimated time no longer fits in this many seconds")
+    parser.add_argument("--blocks", type=int, default=None, help="best of this many blocks (default 5, --quick 3)")
+    parser.add_argument("--hbm-peak-tbs", type=float, default=None,
+                        help="HBM peak in TB/s for the decode rows (default: from the GPU's name)")
+    parser.add_argument("--estimate", action="store_true", help="print the plan and its estimated time, run nothing")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, to check the script")
-    args = parser.parse_args()
-    global DEVICE
+    return parser.parse_args(argv)
+
+
+def timing_for(args):
+    from benchmarks.gpu_timing import Timing
+    blocks = args.blocks or (3 if args.quick else 5)
     if args.dry_run:
-        DEVICE, args.min_run_time = "cpu", 0.01
-    elif not torch.cuda.is_available():
-        sys.exit("benchmarks.gpu needs a GPU (or --dry-run)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.budget_s
-    env = environment()
+        return Timing(blocks=2, block_s=0.002, max_s=0.05, warmup=1)
+    return Timing(blocks=blocks)
+
+
+def plan(args):
+    """(cases, timing, estimated seconds per case)."""
+    from benchmarks.gpu_impls import impls_for
+    from benchmarks.gpu_plan import case_s
+    cases = select_cases(args.cases, args.quick)
+    if args.dry_run:
+        cases = [dry_run_case(c) for c in cases]
+    timing = timing_for(args)
+    return cases, timing, [case_s(c, impls_for(c), timing) for c in cases]
+
+
+def print_plan(cases, estimates, budget_s):
+    for group in dict.fromkeys(c.group for c in cases):
+        sel = [e for c, e in zip(cases, estimates) if c.group == group]
+        print(f"  {group:8} {len(sel):4d} cases  ~{sum(sel):6.0f} s")
+    total = sum(estimates)
+    print(f"estimated run time ~{total:.0f} s for {len(cases)} cases (budget {budget_s:.0f} s"
+          + (": the cases that no longer fit are skipped)" if total > budget_s else ")"), flush=True)
+
+
+def environment(device: str) -> dict:
+    import torch
+    import attn_export
+    env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+               attn_export=attn_export.__version__, commit=_run(["git", "rev-parse", "--short", "HEAD"]))
+    if device != "cuda":
+        return dict(device="cpu (dry run)", **env)
+    return dict(gpu=torch.cuda.get_device_name(0),
+                capability=".".join(map(str, torch.cuda.get_device_capability(0))), **env,
+                driver=_run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]))
+
+
+def _run(cmd) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"unavailable ({e})"
+
+
+def run_cases(cases, estimates, timing, device, budget_s, peak_tbs):
+    """Every case that still fits the budget: (rows, skipped cases)."""
+    from benchmarks.gpu_impls import impls_for
+    from benchmarks.gpu_report import summarize
+    from benchmarks.gpu_timing import measure
+    deadline = time.monotonic() + budget_s
+    rows, skipped = [], []
+    for case, estimate in zip(cases, estimates):
+        if time.monotonic() + estimate > deadline:
+            skipped.append(case)
+            continue
+        row = summarize(case, {impl: measure(impl, case, device, timing) for impl in impls_for(case)}, peak_tbs)
+        rows.append(row)
+        print(f"{row['label']:58} " + "  ".join(f"{i} {_fmt(c['value'])}" for i, c in row["columns"].items())
+              + f"  [{row['metric']}]", flush=True)
+    return rows, skipped
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python -m benchmarks.gpu " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    cases, timing, estimates = plan(args)
+    print_plan(cases, estimates, args.budget_s)
+    if args.estimate:
+        return
+    import torch
+    from benchmarks.gpu_report import hbm_peak_tbs, markdown
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks.gpu needs a GPU (or --dry-run, or --estimate)")
+    env = environment(device)
     print("environment:", env, flush=True)
-    rows = bench_layers(args, time.monotonic() + args.budget_s * 0.3) + bench_core(args, deadline)
-    (args.out / "bench_gpu.json").write_text(json.dumps(dict(environment=env, results=rows), indent=2))
-    (args.out / "bench_gpu.md").write_text(markdown(env, rows))
-    print(f"wrote {args.out / 'bench_gpu.md'} and bench_gpu.json")
+    peak = args.hbm_peak_tbs or (hbm_peak_tbs(env["gpu"]) if device == "cuda" else None)
+    rows, skipped = run_cases(cases, estimates, timing, device, args.budget_s, peak)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gpu.json").write_text(json.dumps(
+        dict(environment=env, command=command, results=rows, skipped=[c.label() for c in skipped]), indent=2))
+    (args.out / "bench_gpu.md").write_text(markdown(env, command, rows, skipped))
+    print(f"wrote {args.out / 'bench_gpu.md'} and bench_gpu.json ({len(rows)} rows, {len(skipped)} skipped)")
+
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@
 #   3. runs every kernel path once under compute-sanitizer's memcheck, and a few under racecheck,
 #      initcheck and synccheck (scripts/gpu_sanitize.py; skipped with a line in the summary where
 #      the tool is missing),
-#   4. runs the GPU benchmark (benchmarks/gpu.py),
+#   4. runs the GPU benchmark (benchmarks/gpu.py: attn_export against every SDPA backend; GPU_BENCH_ARGS),
 # and writes everything under $OUT if set, else ./gpu_check_out:
 #   environment.txt  build.log  test_cuda.log  test_cuda.xml  sanitize.log  bench_gpu.log
 #   bench_gpu.md  bench_gpu.json  summary.txt  gpu_check.log
@@ -142,14 +142,19 @@ sanitize_step() {
   [ $failed -eq 0 ] || { [ $STATUS -eq 0 ] && STATUS=4; }
 }
 
-# ---- 4. Benchmark, with what is left of the 8 minutes (GPU_CHECK_BUDGET_S, minus a margin)
+# ---- 4. Benchmark, with what is left of the 8 minutes (GPU_CHECK_BUDGET_S, minus a margin).
+# benchmarks/gpu.py prints its estimate first and skips the cases that no longer fit the budget;
+# GPU_BENCH_ARGS picks them (default --quick: every group, fewer rows), e.g.
+#   GPU_CHECK_STEPS=bench GPU_CHECK_BUDGET_S=540 GPU_BENCH_ARGS="--cases prefill" scripts/gpu_check.sh
 bench_step() {
   BUDGET=$((${GPU_CHECK_BUDGET_S:-450} - (SECONDS - START) - 40))
   [ $BUDGET -lt 30 ] && BUDGET=30
-  log "benchmark, budget ${BUDGET} s"
+  log "benchmark, budget ${BUDGET} s, arguments: ${GPU_BENCH_ARGS---quick}"
   T0=$SECONDS
-  if timeout $((BUDGET + 60)) "$PY" -m benchmarks.gpu --out "$OUT_DIR" --budget-s "$BUDGET" > "$OUT_DIR/bench_gpu.log" 2>&1; then
-    summary "PASSED benchmark in $((SECONDS - T0)) s (bench_gpu.md)"
+  # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of arguments
+  if timeout $((BUDGET + 60)) "$PY" -m benchmarks.gpu --out "$OUT_DIR" --budget-s "$BUDGET" ${GPU_BENCH_ARGS---quick} \
+      > "$OUT_DIR/bench_gpu.log" 2>&1; then
+    summary "PASSED benchmark in $((SECONDS - T0)) s (bench_gpu.md): $(tail -1 "$OUT_DIR/bench_gpu.log")"
   else
     summary "FAILED benchmark (see bench_gpu.log)"; tail -20 "$OUT_DIR/bench_gpu.log"
     [ $STATUS -eq 0 ] && STATUS=3

@@ -12,13 +12,31 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_bench_gpu_dry_run(tmp_path):
-    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
-                   check=True, capture_output=True, text=True, timeout=600)
-    results = json.loads((tmp_path / "bench_gpu.json").read_text())["results"]
-    assert {r["part"] for r in results} == {"layer", "core"}
-    assert all("skipped" not in r for r in results)
+    """Every group end to end at tiny sizes on the CPU: each row measured by attn_export, the
+    backends the CPU lacks "n/a" with a reason, the tables written."""
+    ran = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path),
+                          "--cases", "decode,hdims,padded,layer,prefill,small", "--quick"], cwd=ROOT,
+                         check=True, capture_output=True, text=True, timeout=600)
+    lines = ran.stdout.splitlines()
+    estimate = next(i for i, line in enumerate(lines) if line.startswith("estimated run time"))
+    assert estimate < next(i for i, line in enumerate(lines) if line.startswith("environment:"))  # before it runs
+    data = json.loads((tmp_path / "bench_gpu.json").read_text())
+    results = data["results"]
+    assert {r["group"] for r in results} == {"decode", "hdims", "padded", "layer", "prefill", "small"}
+    assert not data["skipped"] and data["command"].startswith("python -m benchmarks.gpu --dry-run")
+    assert all(r["columns"]["attn_export"]["value"] is not None for r in results)
+    attention = [r for r in results if r["group"] not in ("layer", "small")]
+    assert all(set(r["columns"]) == {"attn_export", "flash", "cudnn", "efficient", "math"} for r in attention)
+    assert all(r["columns"]["cudnn"]["note"].startswith("n/a: ") for r in attention)  # no cuDNN on the CPU
+    assert all(r["best"] is not None and r["ours_vs_best"] > 0 for r in attention)
     table = (tmp_path / "bench_gpu.md").read_text()
-    assert "nn.MultiheadAttention" in table and "TFLOP/s" in table
+    assert "nn.MultiheadAttention" in table and "TFLOP/s" in table and "GB/s of K and V read" in table
+
+
+def test_bench_gpu_help():
+    ran = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0 and "--cases" in ran.stdout and "--estimate" in ran.stdout, ran.stderr
 
 
 def test_gpu_check_script_parses():
