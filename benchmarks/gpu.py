@@ -16,7 +16,7 @@ FLOPs as FlashAttention counts them (benchmarks/gpu_cases.py); times by CUDA eve
 blocks after warm-up (benchmarks/gpu_timing.py); a backend that refuses a case is "n/a" with its
 reason. Writes bench_gpu.json and bench_gpu.md under --out.
 
-    python -m benchmarks.gpu --out gpu_check_out [--budget-s 300] [--quick] [--cases decode,hdims]
+    python -m benchmarks.gpu --out gpu_check_out [--budget-s 420] [--quick] [--cases decode,hdims]
     python -m benchmarks.gpu --estimate            # the plan and its time, without running
     python -m benchmarks.gpu --dry-run             # tiny sizes on the CPU: checks the script itself
 """
@@ -50,7 +50,7 @@ def parse_args(argv=None):
                         help=f"comma-separated groups, run in this order (default {','.join(DEFAULT_GROUPS)})")
     parser.add_argument("--quick", action="store_true",
                         help="fewer rows (prefill seq 1k and 8k, hdims forward, decode one query) and 3 blocks")
-    parser.add_argument("--budget-s", type=float, default=300.0,
+    parser.add_argument("--budget-s", type=float, default=420.0,
                         help="skip the cases whose estimated time no longer fits in this many seconds")
     parser.add_argument("--blocks", type=int, default=None, help="best of this many blocks (default 5, --quick 3)")
     parser.add_argument("--hbm-peak-tbs", type=float, default=None,

@@ -22,7 +22,7 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 ATTENTION_IMPLS = (OURS,) + tuple(SDPA_BACKENDS)
 LAYER_IMPLS = {OURS: "fused", REFERENCE: REFERENCE, "sdpa": "sdpa"}  # column -> layers.py's name
-MATH_MAX_SCORES = 2 ** 28  # the math backend materializes B x H x Lq x Lk scores: past this, not cheap
+MATH_MAX_SCORES = 2 ** 30  # the math backend materializes B x H x Lq x Lk scores (fp32): past this, not cheap
 
 
 class NotApplicable(Exception):

@@ -15,7 +15,7 @@ BACKWARD_SPEED = 0.8
 ASSUMED_GBS = {"attn_export": 1600.0, "flash": 2700.0, "cudnn": 4600.0, "efficient": 2000.0, "math": 300.0}
 LAYER_TFLOPS = 100.0  # whole layer, projections included
 SMALL_LAYER_S = 1e-3  # the seed's launch-bound shapes: about a millisecond a call, backward included
-SETUP_S = 0.1  # inputs, warm-up compilation, freeing memory: per column
+SETUP_S = 0.2  # inputs, first-call plans and compilation, freeing memory: per column
 
 
 def call_s(case: Case, impl: str) -> float:
