@@ -103,3 +103,34 @@ sanitize_step; echo "STATUS=$STATUS"
     ], ran.stdout + ran.stderr
     log = (tmp_path / "sanitize.log").read_text()
     assert "== racecheck: exit 9, reports naming attn_export's kernels: 0" in log and "nvjet_sm90_tst" in log
+
+
+def run_bench_step(tmp_path, extra_env):
+    """gpu_check.sh's benchmark step with a stand-in python that records its arguments."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    step = script[script.index("bench_step() {"):]
+    step = step[:step.index("\n}\n") + 3]
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\necho "wrote it (9 rows, 0 skipped)"\n')
+    fake.chmod(0o755)
+    driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
+{step}
+bench_step; echo "STATUS=$STATUS"
+"""
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", **extra_env}, timeout=60)
+    return ran.stdout.splitlines(), (tmp_path / "args").read_text().split()
+
+
+def test_gpu_check_runs_the_benchmark_within_its_budget(tmp_path):
+    lines, args = run_bench_step(tmp_path, {"GPU_CHECK_BUDGET_S": "540"})
+    assert args[:2] == ["-m", "benchmarks.gpu"] and args[-1] == "--quick"  # the default: every group, fewer rows
+    budget = int(args[args.index("--budget-s") + 1])
+    assert 480 <= budget <= 500  # 540 less the margin (and the second or so this step took to start)
+    assert lines[0].startswith("PASSED benchmark in") and lines[0].endswith("(9 rows, 0 skipped)")
+    assert lines[-1] == "STATUS=0"
+    _, args = run_bench_step(tmp_path, {"GPU_CHECK_BUDGET_S": "540", "GPU_BENCH_ARGS": ""})
+    assert "--quick" not in args  # set but empty: the full default set
+    _, args = run_bench_step(tmp_path, {"GPU_BENCH_ARGS": "--cases decode,hdims"})
+    assert args[-2:] == ["--cases", "decode,hdims"]
