@@ -182,12 +182,15 @@ inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_mult
 // written from the operator's argument by the ONNX translation.
 
 // The attention core: softmax(cap(scale * q k^T) + masks) v for q [B, H, Lq, D],
-// k [B, H, Lk, D], v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true =
-// masked out). cap(x) = softcap * tanh(x / softcap) when softcap > 0 (logit soft-capping,
-// Gemma 2 / Grok), the identity when softcap = 0.
+// k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], Hkv dividing H (grouped-query attention: query head h
+// reads key/value head h / (H / Hkv), as SDPA's enable_gqa). Masks follow
+// torch.nn.MultiheadAttention (bool: true = masked out). cap(x) = softcap * tanh(x / softcap)
+// when softcap > 0 (logit soft-capping, Gemma 2 / Grok), the identity when softcap = 0.
+// is_causal hides keys j > i + shift from query i: shift 0 when causal_alignment = 0
+// (top-left), Lk - Lq when 1 (bottom-right, the KV-cache case; PyTorch's causal_lower_right).
 inline constexpr const char* kSchemaAttention =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-    "bool is_causal=False, float? scale=None, float softcap=0.0) -> Tensor";
+    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0) -> Tensor";
 
 // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and the
 // attention probabilities when need_weights is set (an empty tensor otherwise). The backward
@@ -195,12 +198,13 @@ inline constexpr const char* kSchemaAttention =
 // kernels ignore what they do not need and recompute what is not given.
 inline constexpr const char* kSchemaAttentionForward =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-    "bool is_causal, float? scale, bool need_weights, float softcap=0.0) "
+    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0) "
     "-> (Tensor output, Tensor logsumexp, Tensor weights)";
 inline constexpr const char* kSchemaAttentionBackward =
     "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
     "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-    "Tensor? output=None, float softcap=0.0) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
+    "Tensor? output=None, float softcap=0.0, int causal_alignment=0) "
+    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
 
 // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention, output
 // projection. Arguments and results mirror F.multi_head_attention_forward; `weights` is an
