@@ -107,19 +107,25 @@ def run(model, feeds):
     return session.run(None, feeds)[0]
 
 
-@pytest.mark.parametrize("body", ["lean", "generic"])
-@pytest.mark.parametrize("type_name,elem,query_type", TYPES, ids=[t[0] for t in TYPES])
-@pytest.mark.parametrize("flags", FLAGS, ids=map(flag_id, FLAGS))
-def test_every_body_matches_the_spec_formula_in_float64(flags, type_name, elem, query_type, body):
-    feeds, attrs = random_case(flags, elem, seed=FLAGS.index(flags))
+def run_body(body, attrs, elem, query_type, feeds):
+    """One node of ``attrs`` on its lean body or the generic one, in ONNX Runtime: (its variant,
+    the output, the inputs in float64 in the spec's order)."""
     node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
     variant = onnx_node.BodyVariant.of_node(node, query_type)
     function = (onnx_node.lean_function_proto(OPSET, variant) if body == "lean"
                 else onnx_node.function_proto(OPSET))
     model = one_node_model(function, attrs, elem)
     onnx.checker.check_model(model, full_check=True)
-    out = run(model, feeds)
     args = [feeds[n].astype(np.float64) for n in ("query_f32", "key_f32", "value_f32", *S.input_names[3:])]
+    return variant, run(model, feeds), args
+
+
+@pytest.mark.parametrize("body", ["lean", "generic"])
+@pytest.mark.parametrize("type_name,elem,query_type", TYPES, ids=[t[0] for t in TYPES])
+@pytest.mark.parametrize("flags", FLAGS, ids=map(flag_id, FLAGS))
+def test_every_body_matches_the_spec_formula_in_float64(flags, type_name, elem, query_type, body):
+    feeds, attrs = random_case(flags, elem, seed=FLAGS.index(flags))
+    variant, out, args = run_body(body, attrs, elem, query_type, feeds)
     expected = spec_reference(*args, num_heads=H, scale=attrs[S.attr_scale], is_causal=flags[0],
                               softcap=attrs[S.attr_softcap])
     if flags[2]:
@@ -178,15 +184,8 @@ def test_grouped_heads_and_causal_alignments_match_the_spec_formula(flags, group
     (heads, kv_heads), (lq, lk) = grouping, lengths
     feeds, attrs = random_case(flags, elem, seed=GQA_FLAGS.index(flags), heads=heads, kv_heads=kv_heads, lq=lq,
                                lk=lk, causal_alignment=alignment)
-    node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
-    variant = onnx_node.BodyVariant.of_node(node, query_type)
+    variant, out, args = run_body(body, attrs, elem, query_type, feeds)
     assert variant.grouped == (kv_heads != heads) and variant.bottom_right == (flags[0] and alignment == 1)
-    function = (onnx_node.lean_function_proto(OPSET, variant) if body == "lean"
-                else onnx_node.function_proto(OPSET))
-    model = one_node_model(function, attrs, elem)
-    onnx.checker.check_model(model, full_check=True)
-    out = run(model, feeds)
-    args = [feeds[n].astype(np.float64) for n in ("query_f32", "key_f32", "value_f32", *S.input_names[3:])]
     expected = spec_reference(*args, num_heads=heads, scale=attrs[S.attr_scale], is_causal=flags[0], softcap=0.0,
                               kv_num_heads=kv_heads, causal_alignment=alignment)
     if flags[0] and alignment == 1 and lq > lk:
