@@ -26,6 +26,16 @@ def tiny_gpt2(cls_name="GPT2LMHeadModel", **overrides):
     return getattr(transformers, cls_name)(config).eval()
 
 
+def tiny_llama(cls_name="LlamaForCausalLM", **overrides):
+    """A 2-layer Llama-style decoder with grouped-query attention: 8 query heads over 2
+    key/value heads (head dim 8)."""
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, **overrides)
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(config).eval()
+
+
 def tiny_vit():
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=64, image_size=16, patch_size=4)

@@ -39,7 +39,9 @@ void* slot(Config& c, int32_t i) {
     case 2: return &c.is_causal;
     case 3: return &c.has_key_padding_mask;
     case 4: return &c.has_attn_mask;
-    default: return &c.softcap;
+    case 5: return &c.softcap;
+    case 6: return &c.causal_alignment;
+    default: return &c.kv_num_heads;
   }
 }
 
@@ -61,11 +63,16 @@ std::string validate_config(const Config& c) {
   } else if (!std::isfinite(c.softcap) || c.softcap < 0.0F) {
     // tanh(x / softcap) is defined for softcap > 0; 0 is "off", a negative cap is meaningless.
     why << spec::kAttrSoftcap << " must be finite and >= 0; got " << c.softcap;
+  } else if (c.kv_num_heads < 0 || c.num_heads % c.kv_heads() != 0) {
+    // Query head h reads key/value head h / (H / Hkv): the groups must be whole.
+    why << spec::kAttrKvNumHeads << " must divide " << spec::kAttrNumHeads << "=" << c.num_heads
+        << " (0 = " << spec::kAttrNumHeads << "); got " << c.kv_num_heads;
   } else {
-    const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask};
-    for (int32_t i = 0; i < 3; ++i) {
+    const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask, c.causal_alignment};
+    const char* const names[] = {kFields[2].name, kFields[3].name, kFields[4].name, kFields[6].name};
+    for (int32_t i = 0; i < 4; ++i) {
       if (flags[i] != 0 && flags[i] != 1) {
-        why << kFields[2 + i].name << " must be 0 or 1; got " << flags[i];
+        why << names[i] << " must be 0 or 1; got " << flags[i];
         break;
       }
     }
@@ -127,7 +134,8 @@ std::string describe(const Config& c) {
   out << spec::kAttrNumHeads << "=" << c.num_heads << " " << spec::kAttrScale << "=" << c.scale << " "
       << spec::kAttrIsCausal << "=" << c.is_causal << " " << spec::kAttrHasKeyPaddingMask << "="
       << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask << " "
-      << spec::kAttrSoftcap << "=" << c.softcap;
+      << spec::kAttrSoftcap << "=" << c.softcap << " " << spec::kAttrCausalAlignment << "=" << c.causal_alignment
+      << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads;
   return out.str();
 }
 
@@ -147,7 +155,7 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
   const Shape& q = in[spec::kInputQuery];
   const Shape& k = in[spec::kInputKey];
   const Shape& v = in[spec::kInputValue];
-  const int64_t heads = c.num_heads;
+  const int64_t heads = c.num_heads, kv_heads = c.kv_heads();
   const auto differ = [](int64_t a, int64_t b) { return known(a) && known(b) && a != b; };
   const std::string shapes =
       "query " + shape_text(q) + ", key " + shape_text(k) + ", value " + shape_text(v);
@@ -157,16 +165,20 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
   if (differ(v.d[1], k.d[1])) {
     return "key and value must have the same length Lk; got " + shapes;
   }
-  if (differ(k.d[2], q.d[2])) {
-    return "key must be as wide as query (H*D); got " + shapes;
-  }
   for (const int32_t i : {spec::kInputQuery, spec::kInputValue}) {
-    const int64_t width = in[i].d[2];
-    if (known(width) && (width < heads || width % heads != 0)) {
-      why << spec::kAttrNumHeads << "=" << heads << " must divide the last dimension of " << spec::kInputNames[i]
-          << " (H*D with D >= 1); got " << shapes;
+    const int64_t width = in[i].d[2], n = i == spec::kInputQuery ? heads : kv_heads;
+    if (known(width) && (width < n || width % n != 0)) {
+      why << (i == spec::kInputQuery || c.kv_num_heads == 0 ? spec::kAttrNumHeads : spec::kAttrKvNumHeads) << "=" << n
+          << " must divide the last dimension of " << spec::kInputNames[i] << " (heads*D with D >= 1); got "
+          << shapes;
       return why.str();
     }
+  }
+  if (known(k.d[2]) && known(q.d[2]) && k.d[2] * heads != q.d[2] * kv_heads) {
+    // Hkv heads of query's head size D = query width / H.
+    why << "key must be as wide as query times " << spec::kAttrKvNumHeads << " / " << spec::kAttrNumHeads
+        << " (Hkv*D with " << spec::kAttrNumHeads << "=" << heads << ", Hkv=" << kv_heads << "); got " << shapes;
+    return why.str();
   }
   if (c.has_key_padding_mask) {
     const Shape& m = in[spec::kInputKeyPaddingMask];
@@ -187,12 +199,13 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
   return "";
 }
 
-Shape output_shape(const Shape* in) {
+Shape output_shape(const Config& c, const Shape* in) {
   Shape out;
   out.rank = spec::kOutputRank;
   out.d[0] = in[spec::kInputQuery].d[0];
   out.d[1] = in[spec::kInputQuery].d[1];
-  out.d[2] = in[spec::kInputValue].d[2];
+  const int64_t width_v = in[spec::kInputValue].d[2];
+  out.d[2] = known(width_v) ? width_v / c.kv_heads() * c.num_heads : width_v;
   return out;
 }
 
@@ -201,35 +214,38 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   const Shape& q = in[spec::kInputQuery];
   const Shape& k = in[spec::kInputKey];
   const Shape& v = in[spec::kInputValue];
-  const int64_t heads = c.num_heads;
-  const int64_t width = q.d[2], width_v = v.d[2];
+  const int64_t heads = c.num_heads, kv_heads = c.kv_heads();
+  const int64_t width = q.d[2], width_k = k.d[2], width_v = v.d[2];
 
   AttentionParams p;
   p.batch = q.d[0];
   p.num_heads = heads;
+  p.num_heads_k = kv_heads;
   p.seqlen_q = q.d[1];
   p.seqlen_k = k.d[1];
   p.head_dim = width / heads;
-  p.head_dim_v = width_v / heads;
+  p.head_dim_v = width_v / kv_heads;
+  const int64_t width_out = p.head_dim_v * heads;
   p.dtype = dtype;
 
-  // Token-major [B, L, H*D]: head h of row l of batch b starts at b*L*H*D + l*H*D + h*D.
+  // Token-major [B, L, H*D]: head h of row l of batch b starts at b*L*H*D + l*H*D + h*D (key and
+  // value: Hkv heads).
   p.q = ptrs[spec::kInputQuery];
   p.q_batch_stride = p.seqlen_q * width;
   p.q_head_stride = p.head_dim;
   p.q_row_stride = width;
   p.k = ptrs[spec::kInputKey];
-  p.k_batch_stride = p.seqlen_k * width;
+  p.k_batch_stride = p.seqlen_k * width_k;
   p.k_head_stride = p.head_dim;
-  p.k_row_stride = width;
+  p.k_row_stride = width_k;
   p.v = ptrs[spec::kInputValue];
   p.v_batch_stride = p.seqlen_k * width_v;
   p.v_head_stride = p.head_dim_v;
   p.v_row_stride = width_v;
   p.out = output;
-  p.out_batch_stride = p.seqlen_q * width_v;
+  p.out_batch_stride = p.seqlen_q * width_out;
   p.out_head_stride = p.head_dim_v;
-  p.out_row_stride = width_v;
+  p.out_row_stride = width_out;
   p.lse = lse;
 
   if (c.has_key_padding_mask) {
@@ -253,6 +269,7 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   p.scale = c.scale;
   p.softcap = c.softcap;
   p.is_causal = c.is_causal != 0;
+  p.causal_alignment = c.causal_alignment;
   return p;
 }
 

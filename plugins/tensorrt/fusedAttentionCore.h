@@ -51,17 +51,20 @@ inline constexpr int32_t kNumFields = spec::kNumPluginFields;
 inline constexpr FieldSpec kFields[kNumFields] = {
     field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
     field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]), field_spec(spec::kAttributes[5]),
+    field_spec(spec::kAttributes[6]), field_spec(spec::kAttributes[7]),
 };
 
-// Config holds the fields in this order; the optional flags are INT32 (defaults: default_int)
-// and softcap FLOAT32 (default: default_float).
-static_assert(kNumFields == 6 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+// Config holds the fields in this order; the optional flags, causal_alignment and kv_num_heads
+// are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
+static_assert(kNumFields == 8 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
                   kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
-                  kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap,
+                  kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap &&
+                  kFields[6].name == spec::kAttrCausalAlignment && kFields[7].name == spec::kAttrKvNumHeads,
               "Config and slot() follow the spec's attribute order");
 static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
                   kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
-                  kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32,
+                  kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32 &&
+                  kFields[6].type == FieldType::kInt32 && kFields[7].type == FieldType::kInt32,
               "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
@@ -80,6 +83,11 @@ struct Config {
   int32_t has_key_padding_mask = kFields[3].default_int;
   int32_t has_attn_mask = kFields[4].default_int;
   float softcap = kFields[5].default_float;  // 0 = off; else softcap * tanh(x / softcap)
+  int32_t causal_alignment = kFields[6].default_int;  // 0 top-left, 1 bottom-right
+  int32_t kv_num_heads = kFields[7].default_int;      // Hkv dividing num_heads; 0 = num_heads
+
+  // The key/value heads Hkv (kv_num_heads, or num_heads when 0).
+  int32_t kv_heads() const { return kv_num_heads > 0 ? kv_num_heads : num_heads; }
 };
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the
@@ -93,7 +101,8 @@ std::string validate_config(const Config& config);
 // The fields of `config` in kFields order, pointing into `config` (which must outlive them).
 void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
 
-// "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0"
+// "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0
+//  causal_alignment=0 kv_num_heads=0"
 std::string describe(const Config& config);
 
 // A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.
@@ -104,15 +113,15 @@ struct Shape {
 
 // The node's shape rules (docs/onnx_node.md), checked on the dimensions that are known:
 // ranks 3/3/3/2/4, query/key/value sharing the batch, key/value sharing Lk, H dividing the
-// packed query/value widths, key as wide as query, and each mask dimension 1 or equal to
-// the dimension it stands for. Masks whose has_* is 0 are not looked at. "" when fine.
+// packed query width and Hkv the value width, key Hkv*D wide (D = query width / H), and each
+// mask dimension 1 or equal to the dimension it stands for. Masks whose has_* is 0 are not looked at. "" when fine.
 std::string check_shapes(const Config& config, const Shape* inputs, int32_t count);
 
-// The output shape [B, Lq, H*Dv] for inputs that passed check_shapes.
-Shape output_shape(const Shape* inputs);
+// The output shape [B, Lq, H*Dv] (Dv = value width / Hkv) for inputs that passed check_shapes.
+Shape output_shape(const Config& config, const Shape* inputs);
 
-// The kernels' params for one enqueue(): q/k/v/out token-major [B, L, H*D] (row stride H*D,
-// head stride D), masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
+// The kernels' params for one enqueue(): q/out token-major [B, L, H*D] (row stride H*D, head
+// stride D), k/v [B, Lk, Hkv*D] (num_heads_k = Hkv), the causal alignment as configured, masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
 // (workspace_bytes() of float32). `inputs` must have passed check_shapes with known dims.
 AttentionParams make_params(const Config& config, const Shape* inputs, DataType dtype,
                             const void* const* input_ptrs, void* output, void* lse);

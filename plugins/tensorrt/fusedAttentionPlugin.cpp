@@ -226,7 +226,7 @@ int32_t FusedAttentionPlugin::getOutputDataTypes(TrtType* outputTypes, int32_t n
 int32_t FusedAttentionPlugin::getOutputShapes(const nvinfer1::DimsExprs* inputs, int32_t nbInputs,
                                               const nvinfer1::DimsExprs* /*shapeInputs*/, int32_t nbShapeInputs,
                                               nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-                                              nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept {
+                                              nvinfer1::IExprBuilder& exprBuilder) noexcept {
   try {
     if (inputs == nullptr || outputs == nullptr || nbInputs != spec::kNumInputs || nbShapeInputs != 0 ||
         nbOutputs != spec::kNumOutputs) {
@@ -243,12 +243,16 @@ int32_t FusedAttentionPlugin::getOutputShapes(const nvinfer1::DimsExprs* inputs,
       return fail(why);
     }
     // [B, Lq, H*Dv]: the output reuses the input expressions, so it is as dynamic as they are
-    // (any batch and sequence lengths the optimization profile allows).
+    // (any batch and sequence lengths the optimization profile allows). Grouped-query: value
+    // holds Hkv*Dv, the output H*Dv.
     nvinfer1::DimsExprs& out = outputs[spec::kOutputOutput];
     out.nbDims = spec::kOutputRank;
     out.d[0] = inputs[spec::kInputQuery].d[0];
     out.d[1] = inputs[spec::kInputQuery].d[1];
-    out.d[2] = inputs[spec::kInputValue].d[2];
+    const int32_t group = mConfig.num_heads / mConfig.kv_heads();
+    out.d[2] = group == 1 ? inputs[spec::kInputValue].d[2]
+                          : exprBuilder.operation(nvinfer1::DimensionOperation::kPROD, *inputs[spec::kInputValue].d[2],
+                                                  *exprBuilder.constant(group));
     return kSuccess;
   } catch (...) {
     return fail("getOutputShapes failed");

@@ -192,8 +192,8 @@ def test_softcap_exports_as_the_node_attribute_and_onnx_runtime_matches_float64(
     onnx.checker.check_model(model, full_check=True)
     assert len(nodes) == 1
     assert math.isclose(attrs(nodes[0])[S.attr_softcap], softcap, rel_tol=1e-6)
-    assert {o.domain: o.version for o in model.opset_import}[nodes[0].domain] == S.domain_version == 2
-    assert attrs(nodes[0])[S.attr_plugin_version] == b"2"
+    assert {o.domain: o.version for o in model.opset_import}[nodes[0].domain] == S.domain_version == 3
+    assert attrs(nodes[0])[S.attr_plugin_version] == b"3"
     for shapes in ({"batch": 2, "lq": 5, "lk": 7}, {"batch": 3, "lq": 9, "lk": 4}):
         other = resize(inputs, axes, shapes, seed=3)
         (out,) = ort_run(result.path, other)
@@ -231,6 +231,36 @@ def test_the_core_op_alone_exports_as_one_node(tmp_path):
     (out,) = ort_run(result.path, other)
     expected = CoreModel()(**other)
     assert_parity(out, expected.numpy(), 2e-6)
+
+
+class GroupedBottomRightModel(nn.Module):
+    def forward(self, q, k, v):
+        return attn_export.attention(q, k, v, is_causal=True, scale=0.4, causal_alignment=1)
+
+
+def test_grouped_query_and_bottom_right_causal_export_as_node_attributes(tmp_path):
+    """Key/value with 2 heads for 4 query heads go into the node as they are (kv_num_heads=2),
+    causal_alignment=1 is the node's attribute, and ONNX Runtime matches PyTorch's SDPA
+    (enable_gqa, a bottom-right boolean mask) at Lq < Lk and Lq > Lk (rows without a key: 0)."""
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 6)
+    inputs = {"q": q, "k": k, "v": v}
+    axes = {"q": {0: "batch", 2: "lq"}, "k": {0: "batch", 2: "lk"}, "v": {0: "batch", 2: "lk"}}
+    result = export_onnx(GroupedBottomRightModel(), inputs, tmp_path / "gqa.onnx", dynamic_axes=axes, replace=False)
+    nodes, model = fused_nodes(result.path)
+    onnx.checker.check_model(model, full_check=True)
+    assert len(nodes) == 1
+    assert (attrs(nodes[0])[S.attr_num_heads], attrs(nodes[0])[S.attr_kv_num_heads]) == (4, 2)
+    assert attrs(nodes[0])[S.attr_causal_alignment] == 1 and attrs(nodes[0])[S.attr_is_causal] == 1
+    assert "Expand" not in {n.op_type for n in model.graph.node}
+    for shapes in ({"batch": 2, "lq": 3, "lk": 7}, {"batch": 3, "lq": 6, "lk": 4}):
+        other = resize(inputs, axes, shapes, seed=4)
+        (out,) = ort_run(result.path, other)
+        lq, lk = shapes["lq"], shapes["lk"]
+        visible = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            other["q"].double(), other["k"].double(), other["v"].double(), attn_mask=visible, scale=0.4,
+            enable_gqa=True).nan_to_num(0.0)  # SDPA's NaN rows are the node's zero rows
+        assert_parity(out, expected.float().numpy(), 2e-6)
 
 
 class WeightsModel(nn.Module):

@@ -118,6 +118,38 @@ def test_softcap_with_masks_keeps_the_custom_node_and_says_why(causal, kpm, mask
         assert_parity(run(model, feeds), ref.transpose(1, 2).reshape(B, L, -1).numpy(), 2e-6)
 
 
+@pytest.mark.parametrize("lengths", [(5, 7), (7, 4)], ids=lambda x: f"lq{x[0]}-lk{x[1]}")
+@pytest.mark.parametrize("masks", ["none", "padding"])
+@pytest.mark.parametrize("causal,alignment", [(False, 0), (True, 0), (True, 1)],
+                         ids=["plain", "causal_top_left", "causal_bottom_right"])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (4, 1)], ids=lambda x: str(x))
+def test_grouped_heads_and_bottom_right_causal_convert_exactly(heads, kv_heads, causal, alignment, masks, lengths):
+    """Grouped-query layers become Attention with their own kv_num_heads (no repeated K/V), and
+    bottom-right causal joins the explicit mask (opset 23's is_causal is top-left without a
+    cache), with the guard zeroing the rows Lq > Lk leaves without a key; against the float64
+    formula of test_onnx_body, in ONNX Runtime's own Attention kernel."""
+    from test_onnx_body import random_case, spec_reference
+
+    lq, lk = lengths
+    flags = (causal, masks == "padding", False, False)
+    feeds32, attrs = random_case(flags, TensorProto.FLOAT, seed=heads + kv_heads, heads=heads, kv_heads=kv_heads,
+                                 lq=lq, lk=lk, causal_alignment=alignment)
+    model, rewrite = standard_model(attrs)
+    assert rewrite.converted == 1 and attention_flavor(model)["flavor"] == "standard"
+    (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
+    got = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
+    assert (got["q_num_heads"], got["kv_num_heads"]) == (heads, kv_heads)
+    assert got["is_causal"] == int(causal and alignment == 0 and masks == "none")
+    assert not {"Expand", "Tile"} & {n.op_type for n in model.graph.node if attention.input[1] in n.output
+                                    or attention.input[2] in n.output}
+    feeds = {name: feeds32[f"{name}_f32"] for name in ("query", "key", "value")}
+    feeds.update({name: feeds32[name] for name in S.input_names[3:]})
+    args = [feeds[n].astype(np.float64) for n in S.input_names]
+    expected = spec_reference(*args, num_heads=heads, scale=attrs[S.attr_scale], is_causal=causal, softcap=0.0,
+                              kv_num_heads=kv_heads, causal_alignment=alignment)
+    assert_parity(run(model, feeds), expected, 2e-6)
+
+
 def test_an_attribute_the_rewrite_does_not_express_keeps_the_custom_node():
     """An attribute the rewrite does not carry over (one added to the spec after it was written),
     set off its default, keeps the custom node: dropping it would change what the node computes."""

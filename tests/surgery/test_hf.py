@@ -20,7 +20,7 @@ from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 from helpers import assert_parity, max_rel_err  # noqa: E402
-from hf_models import HF5, main_output, padded_batch, tiny_bert, tiny_gpt2, tiny_vit  # noqa: E402,F401
+from hf_models import HF5, main_output, padded_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_vit  # noqa: E402,F401
 
 TOL = 1e-5  # float32, relative to the output's largest magnitude (the issue: ~1e-5)
 transformers.utils.logging.set_verbosity_error()
@@ -303,7 +303,7 @@ def test_gpt2_left_padding_has_no_nan_and_matches_at_valid_tokens():
 
 
 def test_grouped_query_attention_and_cached_generation():
-    """A Llama-style decoder: 2 key/value heads for 4 query heads (repeated for the operator),
+    """A Llama-style decoder: 2 key/value heads for 4 query heads (read in place by the operator),
     and greedy generation with a key/value cache (one query per step attends to every key)."""
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -491,6 +491,43 @@ def test_the_parity_gate_passes_with_padded_cases(exported, name):
         assert any("valid tokens" in n for n in report.notes)
         example = next(c for c in report.cases if c.case == "example")
         assert example.shapes == {"input_ids": [2, 12], "attention_mask": [2, 12]}
+
+
+# Ops that carry one tensor's data along (input 0), reshaped, repeated or cast: the chain from a
+# projection to the attention node's key/value input.
+_DATA_PATH_OPS = {"Reshape", "Transpose", "Expand", "Tile", "Unsqueeze", "Squeeze", "Identity", "Cast", "Concat"}
+
+
+def repeats_feeding(proto, value: str) -> list:
+    """The Expand/Tile nodes on the data path (input 0 of data-carrying ops) that ends in ``value``."""
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    found, node = [], producers.get(value)
+    while node is not None and node.op_type in _DATA_PATH_OPS:
+        if node.op_type in ("Expand", "Tile"):
+            found.append(node.op_type)
+        node = producers.get(node.input[0])
+    return found
+
+
+@pytest.mark.slow  # end to end: make test-fast leaves it out
+def test_grouped_query_export_has_no_repeated_key_value_and_passes_the_gate(tmp_path):
+    """A 2-layer Llama-style decoder (8 query heads, 2 key/value heads): the FusedAttention nodes
+    read the 2 key/value heads as they are (kv_num_heads=2; no Expand/Tile of K/V before them),
+    and the parity gate passes with padded batches."""
+    import onnx
+
+    model = tiny_llama()
+    inputs = padded_batch([12, 7], 12)
+    result = export_onnx(model, inputs, tmp_path / "llama.onnx")
+    proto = onnx.load(str(result.path))
+    nodes = [n for n in proto.graph.node if n.op_type == "FusedAttention"]
+    assert len(nodes) == 2
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+        assert [repeats_feeding(proto, node.input[i]) for i in (1, 2)] == [[], []], node.name
+    report = validate(model, result.path, inputs)
+    assert report.passed, report.failures
 
 
 def test_the_parity_gate_fails_when_padding_is_ignored(exported, monkeypatch):

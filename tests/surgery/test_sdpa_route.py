@@ -95,6 +95,25 @@ def test_semantics_match_sdpa(case):
     assert_parity(out, expected, FP32_REL)
 
 
+@pytest.mark.parametrize("case,kv_heads", [("gqa causal", 2), ("gqa bool mask", 1)])
+def test_grouped_key_value_heads_reach_the_operator_unrepeated(case, kv_heads, monkeypatch):
+    """enable_gqa calls hand the operator key/value with their own heads (it groups them): no
+    repeated copy of K/V, in eager mode or in an exported graph."""
+    import attn_export.ops.functional as ops
+
+    seen, original = [], ops.attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((query.shape[1], key.shape[1], value.shape[1]))
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "attention", spy)
+    shapes, mask, kw = CASES[case]
+    fused = routed(Call(**kw))
+    fused(*qkv(**shapes), mask)
+    assert seen == [(H, kv_heads, kv_heads)]
+
+
 @pytest.mark.parametrize("case", ["causal Lq>Lk", "gqa causal", "bool [B,1,1,Lk] padding", "3-D float [B,Lq,Lk]"])
 def test_gradients_match_sdpa(case):
     shapes, mask, kw = CASES[case]

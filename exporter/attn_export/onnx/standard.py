@@ -8,11 +8,13 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
   (``Expand`` to ``[.., Lq, Lk]``): ONNX Runtime 1.32 refuses a mask that broadcasts its query
   axis from 1 ("inconsistent q_sequence_length"), which is what a key-padding mask is;
 * a causal layer without masks keeps ``is_causal=1`` (top-left aligned, as the op defines it
-  also for ``Lq != Lk``); with masks the causal part joins the mask, so that
+  also for ``Lq != Lk`` without a cache); bottom-right causal (``causal_alignment=1``), which
+  opset 23 only has through its ``past_key`` input, and causal with masks join the mask, so that
 * the guard sees every -inf: rows the mask empties give 0 (``Where`` on the output), where the
   op gives NaN or uniform weights; it reads the mask before the query axis is spelled out;
 * mask and guard are built once per model for the layers that share them (``_SharedMasks``);
-* bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16).
+* bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16);
+* grouped-query layers keep their key/value heads: ``kv_num_heads`` is the operator's own.
 
 A node the operator cannot express keeps the custom node (and its function), and the rewrite
 says which and why: soft-capping together with a mask or causal masking, where opset 23 puts
@@ -50,7 +52,14 @@ def _attrs(node: onnx.NodeProto) -> Dict[str, object]:
 def _expressed(s) -> set:
     """The node attributes the rewrite below carries over to the standard operator."""
     return {s.attr_num_heads, s.attr_scale, s.attr_is_causal, s.attr_has_key_padding_mask, s.attr_has_attn_mask,
-            s.attr_softcap, s.attr_plugin_namespace, s.attr_plugin_version}
+            s.attr_softcap, s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_plugin_namespace,
+            s.attr_plugin_version}
+
+
+def _bottom_right(a: Dict[str, object]) -> bool:
+    """Causal masking aligned bottom-right (query i sees keys j <= i + Lk - Lq)."""
+    s = _spec.load()
+    return bool(a[s.attr_is_causal]) and int(a[s.attr_causal_alignment]) == 1
 
 
 def why_not_standard(node: onnx.NodeProto) -> str | None:
@@ -63,6 +72,9 @@ def why_not_standard(node: onnx.NodeProto) -> str | None:
                      and (name not in s.attribute or a[name] != s.attribute[name].default))
     if unknown:
         return f"attribute {', '.join(unknown)} has no counterpart in the standard Attention operator"
+    heads, kv_heads = int(a[s.attr_num_heads]), int(a[s.attr_kv_num_heads])
+    if kv_heads < 0 or (kv_heads and heads % kv_heads):
+        return f"kv_num_heads={kv_heads} does not divide num_heads={heads}"
     if float(a[s.attr_softcap]) > 0 and (a[s.attr_is_causal] or a[s.attr_has_key_padding_mask] or a[s.attr_has_attn_mask]):
         return ("soft-capping with a mask or causal masking: opset 23 Attention caps after adding the mask (a "
                 "masked key would come back), attn-export caps before")
@@ -111,15 +123,17 @@ class _SharedMasks:
         s = _spec.load()
         a = _attrs(node)
         causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
-        if not (has_kpm or has_mask):
-            return None  # causal alone never empties a row: is_causal on the node, no mask, no guard
+        bottom_right = _bottom_right(a)
+        if not (has_kpm or has_mask or bottom_right):
+            return None  # top-left causal alone never empties a row: is_causal on the node, no mask, no guard
         lq, lk = self.axis(node.input[0], 1), self.axis(node.input[1], 1) if causal else "any"
-        key = ((node.input[3] if has_kpm else None, node.input[4] if has_mask else None, causal, lq, lk, compute)
+        key = ((node.input[3] if has_kpm else None, node.input[4] if has_mask else None, causal, bottom_right, lq, lk,
+                compute)
                if lq is not None and lk is not None else ("node", index))
         if key not in self.built:
             # The dead-row flags [B|1, H|1, Lq|1, 1] keep a head axis only where attn_mask has one.
             per_head = has_mask and self.axis(node.input[4], 1) != 1
-            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head)
+            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head, bottom_right)
         return self.built[key]
 
 
@@ -131,7 +145,7 @@ class _Mask:
 
 
 def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
-                per_head: bool) -> _Mask:
+                per_head: bool, bottom_right: bool = False) -> _Mask:
     q, k, _, kpm, mask = node.input
     f32 = TensorProto.FLOAT
     terms = []
@@ -144,7 +158,14 @@ def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool
         lk = b.op("Shape", [k], "lk", start=1, end=2)
         all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
                        value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
-        terms.append(b.op("Trilu", [all_inf, b.const("one", [1], dims=[])], "causal_bias", upper=1))
+        diagonal = b.const("one", [1], dims=[])
+        if bottom_right:  # the diagonal moves right by Lk - Lq (0-D, as Trilu's k)
+            shift = b.op("Squeeze", [b.op("Sub", [lk, lq], "lk_minus_lq1")], "lk_minus_lq")
+            diagonal = b.op("Add", [diagonal, shift], "causal_diagonal")
+        causal_bias = b.op("Trilu", [all_inf, diagonal], "causal_bias", upper=1)
+        if not terms:  # the only term: [1, 1, Lq, Lk], the rank the guard's flags are read at
+            causal_bias = b.op("Unsqueeze", [causal_bias, b.const("axes01", [0, 1])], "causal_bias4")
+        terms.append(causal_bias)
     bias = terms[0]
     for i, term in enumerate(terms[1:]):
         bias = b.op("Add", [bias, term], f"bias{i}")
@@ -167,6 +188,7 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
     s = _spec.load()
     a = _attrs(node)
     heads = int(a[s.attr_num_heads])
+    kv_heads = int(a[s.attr_kv_num_heads]) or heads
     q, k, v = node.input[:3]
     (out,) = node.output
     b = _Builder(f"{node.name or 'FusedAttention'}_{index}/standard")
@@ -177,7 +199,7 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
         q, k, v = (b.op("Cast", [x], f"{what}_f32", to=f32) for x, what in ((q, "q"), (k, "k"), (v, "v")))
     mask = masks.get(b, node, index, compute)
     y = b.op("Attention", [q, k, v] + ([mask.mask] if mask else []), "attention", q_num_heads=heads,
-             kv_num_heads=heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
+             kv_num_heads=kv_heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
              softcap=float(a[s.attr_softcap]))
     if mask:  # rows the mask empties give 0
         zero = b.const("zero", [0.0], compute, [])

@@ -56,6 +56,8 @@ void test_fields_round_trip() {
   c.has_key_padding_mask = 1;
   c.has_attn_mask = 0;
   c.softcap = 30.0F;
+  c.causal_alignment = 1;
+  c.kv_num_heads = 2;
   Field fields[kNumFields];
   fields_to_serialize(c, fields);
   for (int32_t i = 0; i < kNumFields; ++i) {
@@ -67,9 +69,10 @@ void test_fields_round_trip() {
   const std::string why = parse_fields(fields, kNumFields, back);
   check(why.empty(), "round trip parses: " + why);
   check(back.num_heads == 4 && back.scale == 0.125F && back.is_causal == 1 && back.has_key_padding_mask == 1 &&
-            back.has_attn_mask == 0 && back.softcap == 30.0F,
+            back.has_attn_mask == 0 && back.softcap == 30.0F && back.causal_alignment == 1 && back.kv_num_heads == 2,
         "round trip keeps every value");
-  check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30",
+  check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
+                          "causal_alignment=1 kv_num_heads=2",
         "describe: " + describe(back));
 }
 
@@ -81,8 +84,9 @@ void test_fields_defaults_and_errors() {
 
   Field required[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale)};
   check(parse_fields(required, 2, c).empty() && c.num_heads == 2 && c.scale == 0.5F && c.is_causal == 0 &&
-            c.has_key_padding_mask == 0 && c.has_attn_mask == 0 && c.softcap == 0.0F,
-        "optional fields default to 0 (the ONNX function's defaults)");
+            c.has_key_padding_mask == 0 && c.has_attn_mask == 0 && c.softcap == 0.0F && c.causal_alignment == 0 &&
+            c.kv_num_heads == 0 && c.kv_heads() == 2,
+        "optional fields default to 0 (the ONNX function's defaults; kv_num_heads 0 = num_heads)");
 
   Field unknown[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
                      int_field("something_else", &two)};
@@ -112,11 +116,22 @@ void test_fields_defaults_and_errors() {
   check_error(parse_fields(nan_scale, 2, c), "scale must be finite", "NaN scale");
   Field inf_scale[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &inf)};
   check_error(parse_fields(inf_scale, 2, c), "scale must be finite", "inf scale");
-  for (const char* flag : {spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask, spec::kAttrHasAttnMask}) {
+  for (const char* flag :
+       {spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask, spec::kAttrHasAttnMask, spec::kAttrCausalAlignment}) {
     Field bad_flag[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
                         int_field(flag, &two)};
     check_error(parse_fields(bad_flag, 3, c), std::string(flag) + " must be 0 or 1; got 2", flag);
   }
+  const int32_t three = 3, minus_one = -1, one = 1;
+  for (const int32_t* bad : {&three, &minus_one}) {
+    Field bad_kv[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                      int_field(spec::kAttrKvNumHeads, bad)};
+    check_error(parse_fields(bad_kv, 3, c),
+                "kv_num_heads must divide num_heads=2 (0 = num_heads); got " + std::to_string(*bad), "bad kv_num_heads");
+  }
+  Field mqa[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                 int_field(spec::kAttrKvNumHeads, &one)};
+  check(parse_fields(mqa, 3, c).empty() && c.kv_heads() == 1, "kv_num_heads 1: multi-query");
   const float negative = -1.0F;
   for (const float* bad : {&nan, &inf, &negative}) {
     Field bad_cap[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
@@ -151,7 +166,7 @@ void test_shapes() {
   // B=2, Lq=3, Lk=5, H=2, D=4, Dv=6
   Shape ok[] = {shape({2, 3, 8}), shape({2, 5, 8}), shape({2, 5, 12}), shape({2, 5}), shape({2, 2, 3, 5})};
   check(check_shapes(c, ok, 5).empty(), "full shapes: " + check_shapes(c, ok, 5));
-  const Shape out = output_shape(ok);
+  const Shape out = output_shape(c, ok);
   check(out.rank == 3 && out.d[0] == 2 && out.d[1] == 3 && out.d[2] == 12, "output shape [B, Lq, H*Dv]");
 
   Shape symbolic[] = {shape({-1, -1, 8}), shape({-1, -1, 8}), shape({-1, -1, 12}), shape({-1, -1}),
@@ -185,13 +200,33 @@ void test_shapes() {
   check(check_shapes(none, placeholder, 5).empty(), "masks with has_*=0 are not checked");
 }
 
+void test_grouped_query_shapes() {
+  // H=4 query heads over Hkv=2 key/value heads, D=4, Dv=6.
+  Config c = config(4, false, false);
+  c.kv_num_heads = 2;
+  Shape ok[] = {shape({2, 3, 16}), shape({2, 5, 8}), shape({2, 5, 12}), shape({1, 1}), shape({1, 1, 1, 1})};
+  check(check_shapes(c, ok, 5).empty(), "grouped-query shapes: " + check_shapes(c, ok, 5));
+  const Shape out = output_shape(c, ok);
+  check(out.rank == 3 && out.d[2] == 24, "grouped-query output [B, Lq, H*Dv] from value [B, Lk, Hkv*Dv]");
+  Shape full_key[] = {shape({2, 3, 16}), shape({2, 5, 16}), shape({2, 5, 12}), shape({1, 1}), shape({1, 1, 1, 1})};
+  check_error(check_shapes(c, full_key, 5), "key must be as wide as query times kv_num_heads / num_heads (Hkv*D with "
+              "num_heads=4, Hkv=2); got query [2, 3, 16], key [2, 5, 16]", "key with every query head");
+  Shape odd_value[] = {shape({2, 3, 16}), shape({2, 5, 8}), shape({2, 5, 7}), shape({1, 1}), shape({1, 1, 1, 1})};
+  check_error(check_shapes(c, odd_value, 5), "kv_num_heads=2 must divide the last dimension of value",
+              "value width and Hkv");
+  Shape symbolic[] = {shape({-1, -1, 16}), shape({-1, -1, 8}), shape({-1, -1, -1}), shape({1, 1}),
+                      shape({1, 1, 1, 1})};
+  check(check_shapes(c, symbolic, 5).empty() && output_shape(c, symbolic).d[2] == -1,
+        "an unknown value width gives an unknown output width");
+}
+
 void test_params_strides() {
   const Config c = config(2, true, true);
   Shape in[] = {shape({2, 3, 8}), shape({2, 5, 8}), shape({2, 5, 12}), shape({2, 5}), shape({1, 2, 1, 5})};
   int dummy[6];
   const void* ptrs[] = {&dummy[0], &dummy[1], &dummy[2], &dummy[3], &dummy[4]};
   const AttentionParams p = make_params(c, in, DataType::kFloat16, ptrs, &dummy[5], nullptr);
-  check(p.batch == 2 && p.num_heads == 2 && p.seqlen_q == 3 && p.seqlen_k == 5 && p.head_dim == 4 &&
+  check(p.batch == 2 && p.num_heads == 2 && p.num_heads_k == 2 && p.causal_alignment == 0 && p.seqlen_q == 3 && p.seqlen_k == 5 && p.head_dim == 4 &&
             p.head_dim_v == 6 && p.dtype == DataType::kFloat16,
         "params sizes");
   check(p.q == ptrs[0] && p.q_batch_stride == 24 && p.q_head_stride == 4 && p.q_row_stride == 8, "q strides");
@@ -211,6 +246,17 @@ void test_params_strides() {
   check(workspace_bytes(c, 2, 3) == 256 && workspace_bytes(c, 64, 1000) == 64u * 2 * 1000 * 4 &&
             workspace_bytes(c, -1, 3) == 0,
         "workspace: float32 lse per (batch, head, query), 256-byte multiple");
+  Config grouped = config(4, false, false);
+  grouped.kv_num_heads = 1;
+  grouped.is_causal = 1;
+  grouped.causal_alignment = 1;
+  Shape gin[] = {shape({2, 3, 16}), shape({2, 5, 4}), shape({2, 5, 6}), shape({1, 1}), shape({1, 1, 1, 1})};
+  const AttentionParams g = make_params(grouped, gin, DataType::kFloat16, ptrs, &dummy[5], nullptr);
+  check(g.num_heads == 4 && g.num_heads_k == 1 && g.head_dim == 4 && g.head_dim_v == 6 && g.causal_alignment == 1,
+        "grouped params: num_heads_k, head dims from the kv widths, the alignment");
+  check(g.k_batch_stride == 20 && g.k_head_stride == 4 && g.k_row_stride == 4 && g.v_batch_stride == 30 &&
+            g.v_row_stride == 6 && g.out_batch_stride == 72 && g.out_head_stride == 6 && g.out_row_stride == 24,
+        "grouped strides: key/value rows Hkv*D wide, output rows H*Dv");
 }
 
 // The same attention read through AttentionParams, the way the kernels address memory.
@@ -219,16 +265,19 @@ std::vector<double> through_params(const AttentionParams& p) {
   const float* q = static_cast<const float*>(p.q);
   const float* k = static_cast<const float*>(p.k);
   const float* v = static_cast<const float*>(p.v);
+  const int64_t group = p.num_heads / p.num_heads_k;
+  const int64_t shift = p.causal_alignment == 1 ? p.seqlen_k - p.seqlen_q : 0;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.num_heads; ++h)
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        const int64_t g = h / group;  // the key/value head of query head h
         std::vector<double> s(p.seqlen_k);
         double top = -INFINITY;
         for (int64_t j = 0; j < p.seqlen_k; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < p.head_dim; ++d)
             dot += double(q[b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride + d]) *
-                k[b * p.k_batch_stride + h * p.k_head_stride + j * p.k_row_stride + d];
+                k[b * p.k_batch_stride + g * p.k_head_stride + j * p.k_row_stride + d];
           s[j] = p.scale * dot;
           if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
           if (p.key_padding_mask.present()) {
@@ -240,7 +289,7 @@ std::vector<double> through_params(const AttentionParams& p) {
             s[j] += static_cast<const float*>(m.ptr)[b * m.batch_stride + h * m.head_stride + i * m.row_stride +
                                                       j * m.col_stride];
           }
-          if (p.is_causal && j > i) s[j] = -INFINITY;
+          if (p.is_causal && j > i + shift) s[j] = -INFINITY;
           top = std::max(top, s[j]);
         }
         if (top == -INFINITY) continue;
@@ -249,17 +298,20 @@ std::vector<double> through_params(const AttentionParams& p) {
         for (int64_t j = 0; j < p.seqlen_k; ++j)
           for (int64_t d = 0; d < p.head_dim_v; ++d)
             out[b * p.out_batch_stride + i * p.out_row_stride + h * p.out_head_stride + d] +=
-                s[j] / sum * v[b * p.v_batch_stride + h * p.v_head_stride + j * p.v_row_stride + d];
+                s[j] / sum * v[b * p.v_batch_stride + g * p.v_head_stride + j * p.v_row_stride + d];
       }
   return out;
 }
 
 void test_params_address_the_node_layout() {
   // Odd sizes, broadcast masks of every kind, causal and not, a fully masked query row.
+  // Key/value with every head and with one shared head (multi-query), both causal alignments.
   const int64_t B = 2, Lq = 3, Lk = 5, H = 3, D = 4, Dv = 2;
+  for (const int64_t Hkv : {H, int64_t{1}})
+   for (const int alignment : {0, 1}) {
   unsigned seed = 1;
   auto rnd = [&seed]() { seed = seed * 1664525u + 1013904223u; return (seed >> 8) / 16777216.0F - 0.5F; };
-  std::vector<float> q(B * Lq * H * D), k(B * Lk * H * D), v(B * Lk * H * Dv);
+  std::vector<float> q(B * Lq * H * D), k(B * Lk * Hkv * D), v(B * Lk * Hkv * Dv);
   for (float& x : q) x = rnd();
   for (float& x : k) x = rnd();
   for (float& x : v) x = rnd();
@@ -274,6 +326,8 @@ void test_params_address_the_node_layout() {
         c.scale = 0.5F;
         c.is_causal = causal;
         c.softcap = softcap;
+        c.kv_num_heads = static_cast<int32_t>(Hkv);
+        c.causal_alignment = alignment;
         std::vector<float> kpm_small(ks.d[0] * ks.d[1]), mask_small(ms.d[0] * ms.d[1] * ms.d[2] * ms.d[3]);
         for (float& x : kpm_small) x = rnd();
         for (float& x : mask_small) x = rnd();
@@ -292,21 +346,24 @@ void test_params_address_the_node_layout() {
                 mask[((b * H + h) * Lq + i) * Lk + j] =
                     mask_small[(((ms.d[0] == 1 ? 0 : b) * ms.d[1] + (ms.d[1] == 1 ? 0 : h)) * ms.d[2] +
                                 (ms.d[2] == 1 ? 0 : i)) * ms.d[3] + (ms.d[3] == 1 ? 0 : j)];
-        Shape in[] = {shape({B, Lq, H * D}), shape({B, Lk, H * D}), shape({B, Lk, H * Dv}), ks, ms};
+        Shape in[] = {shape({B, Lq, H * D}), shape({B, Lk, Hkv * D}), shape({B, Lk, Hkv * Dv}), ks, ms};
         check(check_shapes(c, in, 5).empty(), "layout case passes the shape rules");
         const void* ptrs[] = {q.data(), k.data(), v.data(), kpm_small.data(), mask_small.data()};
         float out_dummy = 0;
         const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr);
         const std::vector<double> want = reference_attention(B, H, Lq, Lk, D, Dv, c.scale, causal, q, k, v, kpm, mask,
-                                                             c.softcap);
+                                                             c.softcap, Hkv, alignment);
         const std::vector<double> got = through_params(p);
         double err = 0;
         for (size_t n = 0; n < want.size(); ++n) err = std::max(err, std::abs(want[n] - got[n]));
         check(p.softcap == softcap, "make_params passes softcap to the kernels");
         check(err < 1e-12, "params address [B, L, H*D] memory and broadcast masks like the node (causal=" +
-                               std::to_string(causal) + ", softcap=" + std::to_string(softcap) + ", kpm [" + std::to_string(ks.d[0]) + "," +
-                               std::to_string(ks.d[1]) + "], err " + std::to_string(err) + ")");
+                               std::to_string(causal) + ", softcap=" + std::to_string(softcap) + ", Hkv=" +
+                               std::to_string(Hkv) + ", alignment=" + std::to_string(alignment) + ", kpm [" +
+                               std::to_string(ks.d[0]) + "," + std::to_string(ks.d[1]) + "], err " +
+                               std::to_string(err) + ")");
       }
+   }
 }
 
 void print_fields() {
@@ -328,6 +385,7 @@ int main(int argc, char** argv) {
   test_fields_round_trip();
   test_fields_defaults_and_errors();
   test_shapes();
+  test_grouped_query_shapes();
   test_params_strides();
   test_params_address_the_node_layout();
   if (gFailures) {

@@ -107,7 +107,8 @@ class ExprBuilder : public IExprBuilder {
 };
 
 std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale, const int32_t* causal,
-                                       const int32_t* kpm, const int32_t* mask, const float* softcap = nullptr) {
+                                       const int32_t* kpm, const int32_t* mask, const float* softcap = nullptr,
+                                       const int32_t* alignment = nullptr, const int32_t* kv_heads = nullptr) {
   // What onnx-tensorrt's FallbackPluginImporter passes: INT -> kINT32[1], FLOAT -> kFLOAT32[1].
   std::vector<PluginField> f;
   if (heads) f.emplace_back(spec::kAttrNumHeads, heads, PluginFieldType::kINT32, 1);
@@ -116,6 +117,8 @@ std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale,
   if (kpm) f.emplace_back(spec::kAttrHasKeyPaddingMask, kpm, PluginFieldType::kINT32, 1);
   if (mask) f.emplace_back(spec::kAttrHasAttnMask, mask, PluginFieldType::kINT32, 1);
   if (softcap) f.emplace_back(spec::kAttrSoftcap, softcap, PluginFieldType::kFLOAT32, 1);
+  if (alignment) f.emplace_back(spec::kAttrCausalAlignment, alignment, PluginFieldType::kINT32, 1);
+  if (kv_heads) f.emplace_back(spec::kAttrKvNumHeads, kv_heads, PluginFieldType::kINT32, 1);
   return f;
 }
 
@@ -256,11 +259,13 @@ int main() {
 
   const PluginFieldCollection* declared = creator->getFieldNames();
   const char* names[] = {spec::kAttrNumHeads, spec::kAttrScale, spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask,
-                         spec::kAttrHasAttnMask, spec::kAttrSoftcap};
+                         spec::kAttrHasAttnMask, spec::kAttrSoftcap, spec::kAttrCausalAlignment,
+                         spec::kAttrKvNumHeads};
   const PluginFieldType types[] = {PluginFieldType::kINT32, PluginFieldType::kFLOAT32, PluginFieldType::kINT32,
-                                   PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kFLOAT32};
-  check(declared != nullptr && declared->nbFields == 6, "six declared fields");
-  for (int32_t i = 0; declared && i < declared->nbFields && i < 6; ++i) {
+                                   PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kFLOAT32,
+                                   PluginFieldType::kINT32, PluginFieldType::kINT32};
+  check(declared != nullptr && declared->nbFields == 8, "eight declared fields");
+  for (int32_t i = 0; declared && i < declared->nbFields && i < 8; ++i) {
     check(std::strcmp(declared->fields[i].name, names[i]) == 0 && declared->fields[i].type == types[i],
           std::string("declared field ") + names[i]);
   }
@@ -275,6 +280,10 @@ int main() {
   check(create(creator, parser_fields(&heads, &scale, &off, &on, &off, &negative), TensorRTPhase::kBUILD) == nullptr &&
             logger.saw("softcap must be finite and >= 0; got -1"),
         "createPlugin refuses a negative softcap with a reason: " + logger.last());
+  check(create(creator, parser_fields(&heads, &scale, &on, &off, &off, nullptr, &on, &three), TensorRTPhase::kBUILD) ==
+                nullptr &&
+            logger.saw("kv_num_heads must divide num_heads=2 (0 = num_heads); got 3"),
+        "createPlugin refuses kv_num_heads that does not divide num_heads: " + logger.last());
   const auto fields = parser_fields(&heads, &scale, &off, &on, &off, &softcap);
   std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kBUILD));
   check(plugin != nullptr, "createPlugin with the node's fields");
@@ -340,6 +349,20 @@ int main() {
     check(badBuild->getOutputShapes(in, 5, nullptr, 0, outExprs, 1, eb) != 0 &&
               logger.saw("num_heads=3 must divide the last dimension of query"),
           "a width H does not divide fails at build time: " + logger.last());
+    // Grouped-query: one key/value head (width 32) for both query heads (width 64).
+    Dim half(true, 32);
+    DimsExprs gqa[5] = {in[0], in[1], in[2], in[3], in[4]};
+    gqa[1].d[2] = &half;
+    gqa[2].d[2] = &half;
+    std::unique_ptr<IPluginV3> grouped(
+        create(creator, parser_fields(&heads, &scale, &on, &off, &off, nullptr, &on, &on), TensorRTPhase::kBUILD));
+    auto* groupedBuild = static_cast<IPluginV3OneBuild*>(grouped->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    check(groupedBuild->getOutputShapes(gqa, 5, nullptr, 0, outExprs, 1, eb) == 0 && outExprs[0].d[2] != &half &&
+              !outExprs[0].d[2]->isConstant(),
+          "grouped-query output width H*Dv is value's width times H / Hkv");
+    check(groupedBuild->getOutputShapes(in, 5, nullptr, 0, outExprs, 1, eb) != 0 &&
+              logger.saw("key must be as wide as query times kv_num_heads / num_heads"),
+          "a key with every query head fails for kv_num_heads=1: " + logger.last());
   }
 
   // ---- configurePlugin / workspace with an optimization profile.
@@ -362,7 +385,8 @@ int main() {
         "a profile beyond the kernels' grid limit fails the build with a reason: " + logger.last());
   check(build->getMetadataString() != nullptr &&
             std::string(build->getMetadataString()) ==
-                "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=30",
+                "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
+                "causal_alignment=0 kv_num_heads=0",
         "metadata string names the fields");
 
   // ---- serialization round trip (engine build -> engine load).

@@ -1,7 +1,7 @@
 """One SDPA call in the operator's terms: whether the operator can express it
 (:func:`explain_refusal`, the reason when it cannot) and the call made on the operator
-(:func:`sdpa_via_operator`: masks inverted, made 4-D and expanded, key/value heads repeated for
-``enable_gqa``, 3-D inputs run as 4-D). Sizes are compared without adding guards under
+(:func:`sdpa_via_operator`: masks inverted, made 4-D and expanded, ``enable_gqa``'s key/value
+heads passed as they are (the operator groups them), 3-D inputs run as 4-D). Sizes are compared without adding guards under
 ``torch.export``."""
 from __future__ import annotations
 
@@ -144,9 +144,8 @@ def sdpa_via_operator(*args, **kwargs) -> Tuple[Optional[torch.Tensor], Optional
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     batch, heads, lq, _ = query.shape
     lk = key.shape[2]
-    if not known_equal(heads, key.shape[1]):  # enable_gqa (repeat_interleave on the head axis) or broadcast
-        groups = heads // key.shape[1]
-        key, value = repeat_heads(key, groups), repeat_heads(value, groups)
+    # enable_gqa, or one key/value head broadcast to every query head: the operator reads the
+    # Hkv heads in place (query head h reads h // (H / Hkv), SDPA's repeat_interleave order).
     attn, kpm = (None, None) if attn_mask is None else _operator_masks(attn_mask, batch, heads, lq, lk, rank)
     if attn is not None and attn.requires_grad:
         attn = attn.detach()  # exporting: no backward in the graph

@@ -9,12 +9,7 @@ from torch import nn
 
 from attn_export.surgery.transformers.compat import IMPLEMENTATION, UNSERVED_KWARGS, _transformers
 from attn_export.surgery.sdpa_route import is_one as _is_one
-from attn_export.surgery.sdpa_route import repeat_heads
 from attn_export.surgery.sdpa_route import known_equal as _same_size
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else repeat_heads(x, groups)
 
 
 def to_operator_masks(attention_mask: Optional[torch.Tensor], batch, key_length):
@@ -143,7 +138,8 @@ def attention_forward(
     """The function registered as ``attn_implementation="attn_export"``.
 
     Same contract as transformers' ``sdpa_attention_forward``: ``query`` ``[B, H, Lq, D]``,
-    ``key``/``value`` ``[B, Hkv, Lk, D]`` (grouped-query heads repeated), ``attention_mask`` as
+    ``key``/``value`` ``[B, Hkv, Lk, D]`` (grouped-query heads, not repeated: the operator reads them
+    in place), ``attention_mask`` as
     built by the model (boolean ``True`` = attend, or additive floating, or ``None``), causality
     from ``is_causal`` or ``module.is_causal`` when there is no mask (a mask, when given, already
     holds the causal pattern). Returns ``(output [B, Lq, H, D], None)``.
@@ -172,9 +168,7 @@ def attention_forward(
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     from attn_export.ops.functional import attention
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if isinstance(groups, int) and groups > 1:
-        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    # Grouped-query heads go in as they are: the operator reads key/value head h // (H / Hkv).
     attn_mask, key_padding_mask, causal = _operator_masks(query, k_length, attention_mask, causal, kwargs)
     softcap = kwargs.get("softcap")
     extra = {"softcap": float(softcap)} if softcap else {}
