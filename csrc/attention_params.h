@@ -8,8 +8,8 @@
 //
 // Layout conventions (all strides are in elements, not bytes):
 //   q        [batch, num_heads, seqlen_q, head_dim]      last dim contiguous
-//   k        [batch, num_heads, seqlen_k, head_dim]      last dim contiguous
-//   v        [batch, num_heads, seqlen_k, head_dim_v]    last dim contiguous
+//   k        [batch, num_heads_k, seqlen_k, head_dim]    last dim contiguous
+//   v        [batch, num_heads_k, seqlen_k, head_dim_v]  last dim contiguous
 //   out      [batch, num_heads, seqlen_q, head_dim_v]    last dim contiguous
 //   lse      [batch, num_heads, seqlen_q]                contiguous, accumulation type
 //   weights  [batch, num_heads, seqlen_q, seqlen_k]      contiguous, accumulation type, optional
@@ -19,7 +19,13 @@
 // Masks follow torch.nn.MultiheadAttention: a boolean mask is true where attention is NOT
 // allowed; a floating mask is added to the scaled scores. A query row with no allowed key
 // (every score -inf) produces a zero output row, zero weights and lse = -inf: never NaN.
-// Causal masking is top-left aligned: query i may attend keys j <= i.
+// Grouped-query attention: num_heads_k divides num_heads, and query head h reads key/value head
+// kv_head(h) = h / (num_heads / num_heads_k) (num_heads_k == num_heads: multi-head attention,
+// 1: multi-query attention).
+//
+// Causal masking lets query i attend keys j <= i + causal_shift(): top-left aligned
+// (causal_alignment 0, shift 0) or bottom-right aligned (1, shift seqlen_k - seqlen_q: the last
+// query sees every key, the KV-cache case). A negative shift leaves the first rows no key.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +40,27 @@
 //   softcap: logit soft-capping (Gemma 2, Grok): when > 0, the scaled score x = scale * q.k
 //     becomes softcap * tanh(x / softcap) BEFORE the masks are added; 0 = off. Bounds the scores
 //     to (-softcap, softcap); the backward multiplies dS by 1 - tanh^2(x / softcap).
+//   causal_alignment: where the causal diagonal sits when is_causal (kCausalTopLeft = 0: query i
+//     sees keys j <= i; kCausalBottomRight = 1: j <= i + seqlen_k - seqlen_q). Ignored otherwise.
 #define ATTN_EXPORT_TRAILING_ATTRIBUTES(X) \
-  X(double, softcap, 0.0)
+  X(double, softcap, 0.0)                  \
+  X(int64_t, causal_alignment, 0)
 
 // The list expanded into members with their defaults (AttentionParams, ops/core_args.h's CoreOptions).
 #define ATTN_EXPORT_ATTRIBUTE_FIELD(type, name, default_value) type name = default_value;
 
+// The params' small accessors run in CUDA kernels too.
+#if defined(__CUDACC__)
+#define ATTN_EXPORT_HOST_DEVICE __host__ __device__
+#else
+#define ATTN_EXPORT_HOST_DEVICE
+#endif
+
 namespace attn_export {
+
+// The values of causal_alignment.
+inline constexpr int64_t kCausalTopLeft = 0;
+inline constexpr int64_t kCausalBottomRight = 1;
 
 enum class DataType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
@@ -65,6 +85,7 @@ struct AttentionMask {
 struct AttentionParams {
   int64_t batch = 0;
   int64_t num_heads = 0;
+  int64_t num_heads_k = 0;  // of k and v; divides num_heads. 0 (a binding that predates it) = num_heads
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
   int64_t head_dim = 0;
@@ -88,7 +109,21 @@ struct AttentionParams {
 
   double scale = 1.0;  // multiplies q.k before the masks are added
   bool is_causal = false;
-  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, ...
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, causal_alignment, ...
+
+  // The key/value head query head h reads.
+  ATTN_EXPORT_HOST_DEVICE int64_t kv_head(int64_t h) const {
+    return num_heads_k > 0 && num_heads_k != num_heads ? h / (num_heads / num_heads_k) : h;
+  }
+  // Under is_causal, query i sees keys j <= i + causal_shift().
+  ATTN_EXPORT_HOST_DEVICE int64_t causal_shift() const {
+    return causal_alignment == kCausalBottomRight ? seqlen_k - seqlen_q : 0;
+  }
+  // Under is_causal, query i sees keys [0, causal_key_end(i)) (clamped to [0, seqlen_k]).
+  ATTN_EXPORT_HOST_DEVICE int64_t causal_key_end(int64_t i) const {
+    const int64_t end = i + 1 + causal_shift();
+    return end < 0 ? 0 : (end > seqlen_k ? seqlen_k : end);
+  }
 };
 
 // The backward pass reads everything the forward read (it recomputes the probabilities from
@@ -104,9 +139,12 @@ struct AttentionBackwardParams : AttentionParams {
   int64_t grad_weights_batch_stride = 0, grad_weights_head_stride = 0, grad_weights_row_stride = 0;
   void* grad_q = nullptr;  // like q
   int64_t grad_q_batch_stride = 0, grad_q_head_stride = 0, grad_q_row_stride = 0;
-  void* grad_k = nullptr;  // like k
+  // grad_k and grad_v are per QUERY head, [batch, num_heads, seqlen_k, ...]: the kernels write the
+  // gradient of query head h's use of k/v at head h; the binding sums each group into dK/dV (so
+  // that no two kernel tasks write one element, and no kernel needs a second pass).
+  void* grad_k = nullptr;  // like k, num_heads heads
   int64_t grad_k_batch_stride = 0, grad_k_head_stride = 0, grad_k_row_stride = 0;
-  void* grad_v = nullptr;  // like v
+  void* grad_v = nullptr;  // like v, num_heads heads
   int64_t grad_v_batch_stride = 0, grad_v_head_stride = 0, grad_v_row_stride = 0;
 };
 

@@ -7,7 +7,8 @@
 // tests/test_spec.py holds the exported models to it. Documented in docs/onnx_node.md.
 //
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump
-// kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute.
+// kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute; version
+// 3 added kv_num_heads (grouped-query attention) and causal_alignment (bottom-right causal).
 //
 // ---------------------------------------------------------------------------------------------
 // The node: the attention core, heads packed, token-major (no transposes in the graph; the
@@ -15,23 +16,30 @@
 //
 //   inputs (always all five, in this order; never an empty name):
 //     0 query             T    [B, Lq, H*D]
-//     1 key               T    [B, Lk, H*D]
-//     2 value             T    [B, Lk, H*Dv]
+//     1 key               T    [B, Lk, Hkv*D]
+//     2 value             T    [B, Lk, Hkv*Dv]
 //     3 key_padding_mask  M    [B or 1, Lk or 1]                      additive
 //     4 attn_mask         M    [B or 1, H or 1, Lq or 1, Lk or 1]     additive
 //   output:
 //     0 output            T    [B, Lq, H*Dv]
 //   T = float32 | float16 | bfloat16 (kTensorTypes); M = float32 (kMaskType).
+//   H = num_heads; Hkv = kv_num_heads (0 or absent: H), which must divide H: grouped-query
+//   attention, query head h reads key/value head g(h) = h // (H / Hkv) (multi-query: Hkv = 1).
 //
-//   output[b, i, h*Dv : (h+1)*Dv] = sum_j p[b,h,i,j] * value[b, j, h*Dv : (h+1)*Dv], where
-//     x[b,h,i,j] = scale * <q_bhi, k_bhj>
+//   output[b, i, h*Dv : (h+1)*Dv] = sum_j p[b,h,i,j] * value[b, j, g*Dv : (g+1)*Dv], where
+//     g          = h // (H / Hkv)
+//     x[b,h,i,j] = scale * <query[b, i, h*D : (h+1)*D], key[b, j, g*D : (g+1)*D]>
 //     c[b,h,i,j] = softcap > 0 ? softcap * tanh(x[b,h,i,j] / softcap) : x[b,h,i,j]
 //                                                  (logit soft-capping, Gemma 2 / Grok style)
 //     s[b,h,i,j] = c[b,h,i,j] + key_padding_mask[b,j] + attn_mask[b,h,i,j]
-//                  + (is_causal && j > i ? -inf : 0)            (top-left aligned causal mask)
+//                  + (is_causal && j > i + a ? -inf : 0)        (causal mask)
+//     a          = causal_alignment == 1 ? Lk - Lq : 0
+//                  (0: top-left, query i sees keys j <= i; 1: bottom-right, j <= i + Lk - Lq,
+//                  the last query sees every key: a decoder step over a KV cache)
 //     p[b,h,i,:] = softmax_j(s[b,h,i,:]), or all zeros when every s[b,h,i,j] is -inf
 //                  (a query that sees no key outputs zeros, never NaN).
-//   The scores, the softmax and the sums accumulate in float32 whatever T is.
+//   The scores, the softmax and the sums accumulate in float32 whatever T is. Bottom-right with
+//   Lq > Lk leaves the first Lq - Lk queries without a key: their rows are zeros.
 //   Masks broadcast (a size-1 dimension stands for every index).
 //
 // Soft-capping bounds the scores to (-softcap, softcap) BEFORE the masks are added (as
@@ -61,13 +69,13 @@ namespace attn_export::spec {
 
 // ONNX identity of the node and of its model-local function (same domain and name).
 inline constexpr const char* kOnnxDomain = "attn_export";
-inline constexpr int kOnnxDomainVersion = 2;
+inline constexpr int kOnnxDomainVersion = 3;
 inline constexpr const char* kOpType = "FusedAttention";
 
 // TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
 // attributes plugin_version / plugin_namespace, which the exporter writes on every node.
 inline constexpr const char* kPluginName = "FusedAttention";
-inline constexpr const char* kPluginVersion = "2";
+inline constexpr const char* kPluginVersion = "3";
 inline constexpr const char* kPluginNamespace = "";
 
 // Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
@@ -78,6 +86,8 @@ inline constexpr const char* kAttrIsCausal = "is_causal";                    // 
 inline constexpr const char* kAttrHasKeyPaddingMask = "has_key_padding_mask";  // INT 0 | 1
 inline constexpr const char* kAttrHasAttnMask = "has_attn_mask";             // INT   0 | 1
 inline constexpr const char* kAttrSoftcap = "softcap";                       // FLOAT >= 0, 0 = off
+inline constexpr const char* kAttrCausalAlignment = "causal_alignment";     // INT   0 top-left | 1 bottom-right
+inline constexpr const char* kAttrKvNumHeads = "kv_num_heads";              // INT   Hkv | 0 = num_heads
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
@@ -103,8 +113,8 @@ struct Attribute {
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
 // itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
 // on every node, so a node always names this version).
-inline constexpr int kNumAttributes = 8;
-inline constexpr int kNumPluginFields = 6;
+inline constexpr int kNumAttributes = 10;
+inline constexpr int kNumPluginFields = 8;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
     {kAttrScale, kAttrTypeFloat, true, 0, 0.0, ""},
@@ -112,6 +122,8 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrHasKeyPaddingMask, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrHasAttnMask, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrSoftcap, kAttrTypeFloat, false, 0, 0.0, ""},
+    {kAttrCausalAlignment, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrKvNumHeads, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
@@ -170,12 +182,15 @@ inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_mult
 // written from the operator's argument by the ONNX translation.
 
 // The attention core: softmax(cap(scale * q k^T) + masks) v for q [B, H, Lq, D],
-// k [B, H, Lk, D], v [B, H, Lk, Dv]. Masks follow torch.nn.MultiheadAttention (bool: true =
-// masked out). cap(x) = softcap * tanh(x / softcap) when softcap > 0 (logit soft-capping,
-// Gemma 2 / Grok), the identity when softcap = 0.
+// k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], Hkv dividing H (grouped-query attention: query head h
+// reads key/value head h / (H / Hkv), as SDPA's enable_gqa). Masks follow
+// torch.nn.MultiheadAttention (bool: true = masked out). cap(x) = softcap * tanh(x / softcap)
+// when softcap > 0 (logit soft-capping, Gemma 2 / Grok), the identity when softcap = 0.
+// is_causal hides keys j > i + shift from query i: shift 0 when causal_alignment = 0
+// (top-left), Lk - Lq when 1 (bottom-right, the KV-cache case; PyTorch's causal_lower_right).
 inline constexpr const char* kSchemaAttention =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-    "bool is_causal=False, float? scale=None, float softcap=0.0) -> Tensor";
+    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0) -> Tensor";
 
 // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and the
 // attention probabilities when need_weights is set (an empty tensor otherwise). The backward
@@ -183,12 +198,13 @@ inline constexpr const char* kSchemaAttention =
 // kernels ignore what they do not need and recompute what is not given.
 inline constexpr const char* kSchemaAttentionForward =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-    "bool is_causal, float? scale, bool need_weights, float softcap=0.0) "
+    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0) "
     "-> (Tensor output, Tensor logsumexp, Tensor weights)";
 inline constexpr const char* kSchemaAttentionBackward =
     "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
     "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-    "Tensor? output=None, float softcap=0.0) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
+    "Tensor? output=None, float softcap=0.0, int causal_alignment=0) "
+    "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
 
 // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention, output
 // projection. Arguments and results mirror F.multi_head_attention_forward; `weights` is an

@@ -94,16 +94,19 @@ def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.fl
 
 
 def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                        dtype=torch.float64, softcap=None):
+                        dtype=torch.float64, softcap=None, causal_alignment=0):
     """softmax(cap(scale q k^T) + masks) v written from the definition, computed the plain way in
     `dtype` (float64: the exact reference; the inputs' dtype: the plain same-precision
     computation), on the inputs' device, with nn.MultiheadAttention's mask conventions (bool
     True = masked out) and zeros for rows with no visible key, as the fused operator gives.
     cap(x) = softcap * tanh(x / softcap) (transformers' Gemma 2 soft-capping, before the masks)
-    when softcap is given and nonzero, else x."""
+    when softcap is given and nonzero, else x. k and v may have fewer heads Hkv (dividing H):
+    each is repeated for its group of H / Hkv query heads, as SDPA's enable_gqa. is_causal hides
+    keys j > i, or j > i + Lk - Lq with causal_alignment=1 (bottom-right)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
+    k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(D) if scale is None else scale
 
     def additive(m):
@@ -118,7 +121,8 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     if key_padding_mask is not None:
         bias = bias + additive(key_padding_mask[:, None, None, :])
     if is_causal:
-        bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+        shift = Lk - Lq if causal_alignment == 1 else 0
+        bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1 + shift), -math.inf)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)

@@ -47,10 +47,16 @@ void check_attention_inputs(
       "attention: query, key and value must be on one device; got ", query.device(), ", ",
       key.device(), ", ", value.device());
   TORCH_CHECK(
-      key.size(0) == query.size(0) && value.size(0) == query.size(0) &&
-          key.size(1) == query.size(1) && value.size(1) == query.size(1),
-      "attention: query, key and value must agree in batch and heads; got query ", query.sizes(),
-      ", key ", key.sizes(), ", value ", value.sizes());
+      key.size(0) == query.size(0) && value.size(0) == query.size(0),
+      "attention: query, key and value must agree in batch; got query ", query.sizes(), ", key ",
+      key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(
+      value.size(1) == key.size(1) &&
+          (key.size(1) == query.size(1) || (key.size(1) > 0 && query.size(1) % key.size(1) == 0)),
+      "attention: key and value heads must divide the query heads; got query ", query.sizes(),
+      ", key ", key.sizes(), ", value ", value.sizes(),
+      "; give key and value one head count Hkv with H % Hkv == 0 (grouped-query attention: query "
+      "head h reads key/value head h / (H / Hkv))");
   TORCH_CHECK(
       key.size(2) == value.size(2),
       "attention: key and value must have the same sequence length; got key ", key.sizes(),
@@ -163,6 +169,17 @@ void check_softcap(double softcap) {
               "attention: softcap must be finite and >= 0 (0 = off); got ", softcap);
 }
 
+void check_causal_alignment(int64_t causal_alignment) {
+  TORCH_CHECK(causal_alignment == kCausalTopLeft || causal_alignment == kCausalBottomRight,
+              "attention: causal_alignment must be 0 (top-left: query i sees keys j <= i) or 1 "
+              "(bottom-right: keys j <= i + Lk - Lq); got ", causal_alignment);
+}
+
+void check_core_attributes(const CoreOptions& options) {
+  check_softcap(options.softcap);
+  check_causal_alignment(options.causal_alignment);
+}
+
 at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t seqlen_q,
                                int64_t seqlen_k) {
   if (is_flat_batch_heads_mask(mask, batch, heads, seqlen_q, seqlen_k)) {
@@ -179,6 +196,23 @@ at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64
 at::Tensor empty_grad_like(const at::Tensor& input, at::TensorOptions options) {
   return input.is_contiguous() ? at::empty(input.sizes(), options)
                                : empty_token_major(input.size(0), input.size(1), input.size(2), input.size(3), options);
+}
+
+at::Tensor empty_kernel_kv_grad(const at::Tensor& input, int64_t heads, at::TensorOptions options) {
+  if (input.size(1) == heads) {
+    return empty_grad_like(input, options);
+  }
+  return empty_token_major(input.size(0), heads, input.size(2), input.size(3), options);
+}
+
+at::Tensor kv_grad(const at::Tensor& kernel_grad, const at::Tensor& input) {
+  const int64_t heads_k = input.size(1);
+  if (kernel_grad.size(1) == heads_k) {
+    return kernel_grad;
+  }
+  at::Tensor grad = empty_grad_like(input, kernel_grad.options());
+  at::sum_out(grad, kernel_grad.unflatten(1, {heads_k, kernel_grad.size(1) / heads_k}), {2});
+  return grad;
 }
 
 at::ScalarType accumulation_dtype(at::ScalarType dtype) {
@@ -236,7 +270,7 @@ AttentionForward prepare_attention_forward(const ForwardArgs& a, at::ScalarType 
   const at::Tensor &query = a.query, &key = a.key, &value = a.value;
   const CoreOptions& o = a.options;
   check_attention_inputs(query, key, value, o.attn_mask, o.key_padding_mask);
-  check_softcap(o.softcap);
+  check_core_attributes(o);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
   const auto acc_options = query.options().dtype(accumulation_dtype(query.scalar_type()));
@@ -283,6 +317,7 @@ AttentionParams make_attention_params(
   AttentionParams p;
   p.batch = q.size(0);
   p.num_heads = q.size(1);
+  p.num_heads_k = k.size(1);
   p.seqlen_q = q.size(2);
   p.seqlen_k = k.size(2);
   p.head_dim = q.size(3);

@@ -49,6 +49,13 @@ double resolve_scale(std::optional<double> scale, int64_t head_dim);
 // Validates a logit soft-cap: finite and >= 0 (0 = off). The fake kernels raise the same message.
 void check_softcap(double softcap);
 
+// Validates a causal alignment: kCausalTopLeft (0) or kCausalBottomRight (1). The fake kernels
+// raise the same message.
+void check_causal_alignment(int64_t causal_alignment);
+
+// Every check of the core's scalar attributes (softcap, causal_alignment).
+void check_core_attributes(const CoreOptions& options);
+
 // An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts
 // nn.MultiheadAttention's 3-D [B*H, Lq, Lk] and any mask broadcastable to [B, H, Lq, Lk] (the
 // masks F.scaled_dot_product_attention takes); check_attention_masks has refused the rest.
@@ -68,6 +75,15 @@ at::Tensor empty_token_major(int64_t batch, int64_t heads, int64_t seqlen, int64
 // [1, 4, 1024, 64] float32 gradient on one thread). The rule reads contiguity only, so that the
 // fake kernel states the same layout exactly (_fake.empty_grad_like).
 at::Tensor empty_grad_like(const at::Tensor& input, at::TensorOptions options);
+
+// The buffer the kernels write dK or dV into for `input` (key or value): per query head,
+// [B, heads, Lk, *] (attention_params.h), so the gradient itself when input has `heads` heads,
+// else a token-major buffer that kv_grad folds.
+at::Tensor empty_kernel_kv_grad(const at::Tensor& input, int64_t heads, at::TensorOptions options);
+
+// The gradient of `input` (key or value) from the kernels' per-query-head buffer: each group's
+// query heads summed, in empty_grad_like's layout.
+at::Tensor kv_grad(const at::Tensor& kernel_grad, const at::Tensor& input);
 
 // Floating dtype in which a kernel accumulates: float32 for float16/bfloat16/float32, float64 for float64.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);

@@ -14,6 +14,7 @@ Importing the package loads the compiled operators (``torch.ops.attn_export.*``)
 pieces (``export_onnx``, ``validate``) import onnx/onnxruntime on first use.
 """
 from attn_export.ops import (  # loads the compiled operators first
+    CausalAlignment,
     FusedMultiheadAttention,
     attention,
     gemm_backend,
@@ -56,7 +57,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "FusedMultiheadAttention", "attention", "multi_head_attention",
+    "FusedMultiheadAttention", "attention", "CausalAlignment", "multi_head_attention",
     "replace_attention", "inspect_attention", "restore_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
     "convert", "ConvertOptions", "ConvertResult", "fuse_patterns", "compile_backend",

@@ -132,6 +132,8 @@ class AttentionSpec:
     attr_has_key_padding_mask: str
     attr_has_attn_mask: str
     attr_softcap: str
+    attr_causal_alignment: str
+    attr_kv_num_heads: str
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
@@ -204,6 +206,8 @@ _FIELDS = {
     "attr_has_key_padding_mask": "kAttrHasKeyPaddingMask",
     "attr_has_attn_mask": "kAttrHasAttnMask",
     "attr_softcap": "kAttrSoftcap",
+    "attr_causal_alignment": "kAttrCausalAlignment",
+    "attr_kv_num_heads": "kAttrKvNumHeads",
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",

@@ -1,6 +1,6 @@
 """Every function body the exporter can write — the lean body of each node variant (every
-combination of is_causal, the two masks and softcap, for each T and for an unknown T) and the
-generic body on the same nodes — in ONNX Runtime against a float64 numpy reference written from
+combination of is_causal, the two masks and softcap, for each T and for an unknown T; and with
+grouped-query heads and both causal alignments) and the generic body on the same nodes — in ONNX Runtime against a float64 numpy reference written from
 the node's formula in csrc/attention_spec.h, and with the function identity the spec gives."""
 import itertools
 import math
@@ -33,19 +33,25 @@ def flag_id(flags):
     return "-".join(name for name, on in zip(("causal", "kpm", "mask", "softcap"), flags) if on) or "plain"
 
 
-def spec_reference(query, key, value, key_padding_mask, attn_mask, *, num_heads, scale, is_causal, softcap):
-    """The node's output in float64, written from csrc/attention_spec.h: x = scale <q, k>;
-    c = softcap tanh(x / softcap) when softcap > 0; s = c + masks (+ -inf where j > i, causal);
+def spec_reference(query, key, value, key_padding_mask, attn_mask, *, num_heads, scale, is_causal, softcap,
+                   kv_num_heads=0, causal_alignment=0):
+    """The node's output in float64, written from csrc/attention_spec.h: query head h reads
+    key/value head h // (H / Hkv); x = scale <q, k>; c = softcap tanh(x / softcap) when
+    softcap > 0; s = c + masks (+ -inf where j > i + a, causal, a = Lk - Lq bottom-right);
     p = softmax_j(s), or 0 where every s is -inf; output = sum_j p v, heads packed."""
-    def heads(t):  # [B, L, H*D] -> [B, H, L, D]
-        return t.reshape(t.shape[0], t.shape[1], num_heads, -1).transpose(0, 2, 1, 3)
+    def heads(t, n):  # [B, L, n*D] -> [B, n, L, D]
+        return t.reshape(t.shape[0], t.shape[1], n, -1).transpose(0, 2, 1, 3)
 
-    q, k, v = heads(query), heads(key), heads(value)
+    kv_heads = kv_num_heads or num_heads
+    group = [h // (num_heads // kv_heads) for h in range(num_heads)]
+    q, k, v = heads(query, num_heads), heads(key, kv_heads)[:, group], heads(value, kv_heads)[:, group]
     x = scale * (q @ k.transpose(0, 1, 3, 2))
     c = softcap * np.tanh(x / softcap) if softcap > 0 else x
     s = c + key_padding_mask[:, None, None, :] + attn_mask
     if is_causal:
-        s = s + np.where(np.triu(np.ones(s.shape[-2:], bool), 1), -np.inf, 0.0)
+        lq, lk = s.shape[-2:]
+        offset = lk - lq if causal_alignment == 1 else 0
+        s = s + np.where(np.triu(np.ones((lq, lk), bool), 1 + offset), -np.inf, 0.0)
     dead = np.isneginf(s).all(-1, keepdims=True)
     e = np.exp(s - np.where(dead, 0.0, s.max(-1, keepdims=True)))
     p = np.where(dead, 0.0, e / np.where(dead, 1.0, e.sum(-1, keepdims=True)))
@@ -70,7 +76,7 @@ def one_node_model(function, attrs, elem):
         helper.make_opsetid("", OPSET), helper.make_opsetid(function.domain, S.domain_version)])
 
 
-def random_case(flags, elem, seed):
+def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_alignment=0):
     """Inputs rounded to T (so the graph's Cast to T is exact), masks with a fully masked row:
     batch 1 sees only its first two keys; head 1, query 2 sees none (attn mask)."""
     is_causal, kpm, mask, softcap = flags
@@ -80,18 +86,19 @@ def random_case(flags, elem, seed):
         x = torch.from_numpy(rng.standard_normal(shape) * scale).to(TORCH_TYPES[elem])
         return x.float().numpy()
 
-    feeds = {"query_f32": in_t((B, LQ, H * D), 2.0), "key_f32": in_t((B, LK, H * D), 2.0),
-             "value_f32": in_t((B, LK, H * DV), 1.0)}
+    feeds = {"query_f32": in_t((B, lq, heads * D), 2.0), "key_f32": in_t((B, lk, kv_heads * D), 2.0),
+             "value_f32": in_t((B, lk, kv_heads * DV), 1.0)}
     padding = np.zeros((1, 1), np.float32)
     if kpm:
-        padding = (rng.standard_normal((B, LK)) * 0.5).astype(np.float32)
+        padding = (rng.standard_normal((B, lk)) * 0.5).astype(np.float32)
         padding[1, 2:] = -np.inf
     attn = np.zeros((1, 1, 1, 1), np.float32)
     if mask:
-        attn = rng.standard_normal((1, H, LQ, LK)).astype(np.float32)
+        attn = rng.standard_normal((1, heads, lq, lk)).astype(np.float32)
         attn[0, 1, 2] = -np.inf
     feeds.update({S.input_names[3]: padding, S.input_names[4]: attn})
-    attrs = onnx_node.node_attributes(H, 0.45, is_causal, kpm, mask, softcap=1.5 if softcap else 0.0)
+    attrs = onnx_node.node_attributes(heads, 0.45, is_causal, kpm, mask, softcap=1.5 if softcap else 0.0,
+                                      causal_alignment=causal_alignment, kv_num_heads=kv_heads)
     return feeds, attrs
 
 
@@ -147,8 +154,72 @@ def test_every_lean_body_has_the_spec_identity_and_only_its_work(flags, type_nam
 def test_the_generic_body_selects_causal_and_softcap_from_the_attributes():
     ops = [n.op_type for n in onnx_node.function_proto(OPSET).node]
     refs = {a.ref_attr_name for n in onnx_node.function_proto(OPSET).node for a in n.attribute if a.ref_attr_name}
-    assert refs == {S.attr_num_heads, S.attr_scale, S.attr_is_causal, S.attr_softcap}
+    assert refs == {S.attr_num_heads, S.attr_scale, S.attr_is_causal, S.attr_softcap, S.attr_causal_alignment,
+                    S.attr_kv_num_heads}
     assert {"Trilu", "Tanh", "Greater", "IsInf", "Cast", "CastLike"} <= set(ops)
+
+
+# (heads, kv_heads): one key/value head per query head, two groups of two, one shared (multi-query).
+GROUPINGS = [(3, 3), (4, 2), (4, 1)]
+# (Lq, Lk): a decoder's chunk over a longer cache, and more queries than keys (bottom-right leaves
+# the first Lq - Lk queries without a key).
+LENGTHS = [(5, 7), (7, 4)]
+GQA_FLAGS = [(causal, kpm, mask, False) for causal, kpm, mask in itertools.product([False, True], repeat=3)]
+
+
+@pytest.mark.parametrize("body", ["lean", "generic"])
+@pytest.mark.parametrize("type_name,elem,query_type", [TYPES[0], TYPES[3]], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: f"lq{x[0]}-lk{x[1]}")
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=lambda x: f"h{x[0]}-kv{x[1]}")
+@pytest.mark.parametrize("flags", GQA_FLAGS, ids=map(flag_id, GQA_FLAGS))
+def test_grouped_heads_and_causal_alignments_match_the_spec_formula(flags, grouping, alignment, lengths,
+                                                                     type_name, elem, query_type, body):
+    (heads, kv_heads), (lq, lk) = grouping, lengths
+    feeds, attrs = random_case(flags, elem, seed=GQA_FLAGS.index(flags), heads=heads, kv_heads=kv_heads, lq=lq,
+                               lk=lk, causal_alignment=alignment)
+    node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
+    variant = onnx_node.BodyVariant.of_node(node, query_type)
+    assert variant.grouped == (kv_heads != heads) and variant.bottom_right == (flags[0] and alignment == 1)
+    function = (onnx_node.lean_function_proto(OPSET, variant) if body == "lean"
+                else onnx_node.function_proto(OPSET))
+    model = one_node_model(function, attrs, elem)
+    onnx.checker.check_model(model, full_check=True)
+    out = run(model, feeds)
+    args = [feeds[n].astype(np.float64) for n in ("query_f32", "key_f32", "value_f32", *S.input_names[3:])]
+    expected = spec_reference(*args, num_heads=heads, scale=attrs[S.attr_scale], is_causal=flags[0], softcap=0.0,
+                              kv_num_heads=kv_heads, causal_alignment=alignment)
+    if flags[0] and alignment == 1 and lq > lk:
+        assert (expected[:, : lq - lk] == 0).all()  # queries before the cache's first key see none
+    rel = torch.finfo(TORCH_TYPES[elem]).eps * (1 if elem != TensorProto.FLOAT else 0) + 2e-6
+    assert_parity(torch.from_numpy(out), torch.from_numpy(expected), rel, f"{body} body of {variant.name}")
+
+
+def test_the_reference_groups_and_aligns_as_sdpa():
+    """spec_reference's grouping and bottom-right alignment against torch's own SDPA (enable_gqa;
+    a bottom-right boolean mask built independently with tril's diagonal)."""
+    feeds, attrs = random_case((True, False, False, False), TensorProto.FLOAT, seed=3, heads=4, kv_heads=2, lq=3,
+                               lk=6, causal_alignment=1)
+    q, k, v = (torch.from_numpy(feeds[n]).double().reshape(B, -1, h, d).transpose(1, 2)
+               for n, h, d in (("query_f32", 4, D), ("key_f32", 2, D), ("value_f32", 2, DV)))
+    visible = torch.ones(3, 6, dtype=torch.bool).tril(diagonal=6 - 3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.45, enable_gqa=True)
+    ours = spec_reference(*(feeds[n].astype(np.float64) for n in ("query_f32", "key_f32", "value_f32",
+                                                                  *S.input_names[3:])),
+                          num_heads=4, scale=0.45, is_causal=True, softcap=0.0, kv_num_heads=2, causal_alignment=1)
+    np.testing.assert_allclose(ours, ref.transpose(1, 2).reshape(B, 3, 4 * DV).numpy(), rtol=0, atol=1e-12)
+
+
+def test_lean_bodies_group_and_align_only_when_their_node_does():
+    for bottom_right, grouped in itertools.product([False, True], repeat=2):
+        variant = onnx_node.BodyVariant(True, False, False, False, True, bottom_right=bottom_right, grouped=grouped)
+        function = onnx_node.lean_function_proto(OPSET, variant)
+        ops = [n.op_type for n in function.node]
+        refs = {a.ref_attr_name for n in function.node for a in n.attribute if a.ref_attr_name}
+        assert ("Expand" in ops) == grouped and (S.attr_kv_num_heads in refs) == grouped
+        assert ("Sub" in ops) == bottom_right and ("IsInf" in ops) == bottom_right  # Lq > Lk may empty a row
+        assert S.attr_causal_alignment not in refs  # fixed by the variant, not read at run time
+        assert variant.name == "f32_causal" + "_br" * bottom_right + "_gqa" * grouped
 
 
 def test_a_body_refuses_a_value_name_twice():

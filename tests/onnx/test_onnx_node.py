@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 import pytest
 import torch
@@ -225,22 +226,32 @@ def test_the_registered_schema_spells_out_the_spec():
     assert constraints == {"T": ["tensor(bfloat16)", "tensor(float)", "tensor(float16)"], "M": ["tensor(float)"]}
     attrs = schema.attributes
     assert sorted(attrs) == sorted(["num_heads", "scale", "is_causal", "has_key_padding_mask", "has_attn_mask",
-                                    "softcap", "plugin_namespace", "plugin_version"])
+                                    "softcap", "causal_alignment", "kv_num_heads", "plugin_namespace",
+                                    "plugin_version"])
     assert {n for n, a in attrs.items() if a.required} == {"num_heads", "scale"}
     A = onnx.defs.OpSchema.AttrType
     assert (attrs["num_heads"].type, attrs["scale"].type, attrs["softcap"].type) == (A.INT, A.FLOAT, A.FLOAT)
     defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items() if not a.required}
     assert defaults == {"is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-                        "plugin_namespace": b"", "plugin_version": b"2"}
+                        "causal_alignment": 0, "kv_num_heads": 0, "plugin_namespace": b"", "plugin_version": b"3"}
     assert all(a.description for a in attrs.values())
 
 
 def test_node_attributes_are_the_spec_names_with_normalized_values():
     attrs = onnx_node.node_attributes(np.int64(4), 1, 1, 0, 2, softcap=3)
     assert attrs == {"num_heads": 4, "scale": 1.0, "is_causal": 1, "has_key_padding_mask": 0, "has_attn_mask": 1,
-                     "softcap": 3.0, "plugin_namespace": "", "plugin_version": "2"}
+                     "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "plugin_namespace": "",
+                     "plugin_version": "3"}
     assert [type(attrs[n]) for n in ("num_heads", "scale", "is_causal", "softcap")] == [int, float, int, float]
     assert onnx_node.node_attributes(1, -0.5, False, False, False)["num_heads"] == 1  # the smallest head count
+
+
+def test_kv_num_heads_is_written_on_every_node():
+    args = (8, 0.5, True, False, False)
+    assert onnx_node.node_attributes(*args)["kv_num_heads"] == 8  # no grouping: one kv head per query head
+    for kv_heads in (1, 2, 4, 8):
+        assert onnx_node.node_attributes(*args, kv_num_heads=np.int64(kv_heads))["kv_num_heads"] == kv_heads
+    assert onnx_node.node_attributes(*args, causal_alignment=1)["causal_alignment"] == 1
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -248,6 +259,9 @@ def test_node_attributes_are_the_spec_names_with_normalized_values():
     (dict(scale=math.nan), "scale must be finite; got nan"),
     (dict(scale=-math.inf), "scale must be finite; got -inf"),
     (dict(softcap=-1e-9), "softcap must be finite and >= 0 (0 = off); got -1e-09"),
+    (dict(num_heads=8, kv_num_heads=3), "kv_num_heads must divide num_heads=8; got 3"),
+    (dict(kv_num_heads=0), "kv_num_heads must divide num_heads=2; got 0"),
+    (dict(causal_alignment=2), "causal_alignment must be 0 (top-left) or 1 (bottom-right); got 2"),
 ])
 def test_node_attributes_refuse_bad_values_with_the_rule(kwargs, message):
     args = dict(num_heads=2, scale=0.5, is_causal=False, has_key_padding_mask=False, has_attn_mask=False)
@@ -307,7 +321,7 @@ def test_both_bodies_declare_the_spec_attributes():
         assert list(function.attribute) == ["num_heads", "scale"]
         assert {a.name: helper.get_attribute_value(a) for a in function.attribute_proto} == {
             "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-            "plugin_namespace": b"", "plugin_version": b"2"}
+            "causal_alignment": 0, "kv_num_heads": 0, "plugin_namespace": b"", "plugin_version": b"3"}
         assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]
 
 
@@ -337,23 +351,32 @@ def test_rows_one_mask_alone_empties_are_zero(mask, causal, body):
     assert_parity(out, expected, 2e-6)
 
 
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal):
+def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal, alignment):
     # ONNX's Trilu takes its k as "a 0-D tensor"; ONNX Runtime and onnx's reference evaluator
-    # also accept a one-element vector, stricter parsers need not. Both bodies, every Trilu.
-    variant = onnx_node.BodyVariant.of_node(
-        helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain,
-                         **onnx_node.node_attributes(2, 0.5, causal, True, True)), TensorProto.FLOAT)
+    # also accept a one-element vector, stricter parsers need not. Both bodies, every Trilu; a k
+    # computed from the lengths (bottom-right) is 0-D by shape inference of the inlined body.
+    attrs = onnx_node.node_attributes(2, 0.5, causal, True, True, causal_alignment=alignment)
+    node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
+    variant = onnx_node.BodyVariant.of_node(node, TensorProto.FLOAT)
     bodies = [onnx_node.function_proto(OPSET), onnx_node.lean_function_proto(OPSET, variant)]
     trilus = 0
     for function in bodies:
-        constants = {node.output[0]: helper.get_attribute_value(node.attribute[0])
-                     for node in function.node if node.op_type == "Constant" and node.attribute[0].name == "value"}
-        for node in function.node:
-            if node.op_type == "Trilu":
+        call = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=function.domain, **attrs)
+        inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in zip(
+            S.input_names, (["B", "Lq", 8], ["B", "Lk", 8], ["B", "Lk", 8], ["B", "Lk"], [1, 1, 1, 1]))]
+        model = helper.make_model(
+            helper.make_graph([call], "g", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]),
+            functions=[function], opset_imports=[helper.make_opsetid("", OPSET),
+                                                 helper.make_opsetid(function.domain, S.domain_version)])
+        inlined = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(model), strict_mode=True)
+        ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in inlined.graph.value_info}
+        for body_node in inlined.graph.node:
+            if body_node.op_type == "Trilu":
                 trilus += 1
-                if len(node.input) > 1 and node.input[1]:
-                    assert list(constants[node.input[1]].dims) == [], f"{function.name}: Trilu's k is not 0-D"
+                if len(body_node.input) > 1 and body_node.input[1]:
+                    assert ranks[body_node.input[1]] == 0, f"{function.name}: Trilu's k is not 0-D"
     assert trilus == (2 if causal else 1)  # the generic body always holds its causal Trilu
 
 

@@ -81,18 +81,21 @@ MASKS["float16_4d_broadcast_heads"] = lambda B, H, Lq, Lk: {"attn_mask": torch.r
 
 
 def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None,
-         softcap=0.0, scale=None):
-    """Forward and backward through the emulated kernels, and the float64 reference's."""
+         softcap=0.0, scale=None, heads_k=None):
+    """Forward and backward through the emulated kernels, and the float64 reference's. heads_k:
+    the key/value heads (grouped-query attention), H unless given; masks may hold causal_alignment."""
     Dv = D if Dv is None else Dv
+    Hkv = H if heads_k is None else heads_k
     make = make or (lambda *shape: torch.randn(*shape, dtype=dtype))
-    q, k, v = make(B, H, Lq, D), make(B, H, Lk, D), make(B, H, Lk, Dv)
+    q, k, v = make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
     masks = masks or {}
     am, kpm, causal = masks.get("attn_mask"), masks.get("key_padding_mask"), masks.get("is_causal", False)
-    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, scale, need_weights, softcap)
+    alignment = int(masks.get("causal_alignment", 0))
+    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, scale, need_weights, softcap, alignment)
     grad_out = torch.randn(B, H, Lq, Dv, dtype=dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gw = torch.randn(B, H, Lq, Lk, dtype=acc) if grad_weights else None
-    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, scale, softcap)
+    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, scale, softcap, alignment)
 
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_p = reference_attention(*ref_in, scale=scale, softcap=softcap, **masks)
@@ -273,6 +276,33 @@ def test_causal_keys_no_query_sees_get_zero_gradients(emu):
     dk, dv = r["grads"][1], r["grads"][2]
     assert torch.equal(dk[:, :, 40:], torch.zeros_like(dk[:, :, 40:]))
     assert torch.equal(dv[:, :, 40:], torch.zeros_like(dv[:, :, 40:]))
+
+
+# Grouped-query attention and the bottom-right causal alignment through both kernel families:
+# the flash kernels (float16/bfloat16, head dims 32/64) and the generic ones (float32, head dim
+# 40). Lq < Lk and Lq > Lk (bottom-right: the first Lq - Lk rows see no key), several tiles each
+# way, so that the causal tile skipping and the per-key-block query range follow the shift.
+GQA_CASES = [
+    pytest.param(torch.float16, 64, 4, 1, 37, 150, "causal", id="f16-d64-group4-bottom_right-q<k"),
+    pytest.param(torch.bfloat16, 32, 2, 1, 150, 37, "causal", id="bf16-d32-group2-bottom_right-q>k"),
+    pytest.param(torch.float16, 64, 8, 0, 45, 70, "causal+padding+float", id="f16-d64-mqa-top_left-masks"),
+    pytest.param(torch.float16, 32, 2, 1, 70, 45, "causal+padding+float", id="f16-d32-group2-bottom_right-masks"),
+    pytest.param(torch.float32, 40, 4, 1, 19, 37, "causal+padding+float", id="generic-f32-group4-bottom_right"),
+    pytest.param(torch.float32, 40, 2, 1, 37, 19, "causal", id="generic-f32-group2-bottom_right-q>k"),
+]
+
+
+@pytest.mark.parametrize("dtype,D,group,alignment,Lq,Lk,mask", GQA_CASES)
+def test_gqa_and_bottom_right_causal(emu, dtype, D, group, alignment, Lq, Lk, mask):
+    B, H = 2, 8
+    masks = {**MASKS[mask](B, H, Lq, Lk), "causal_alignment": alignment}
+    r = _run(emu, dtype, B, H, Lq, Lk, D, masks=masks, heads_k=H // group)
+    assert r["grads"][1].shape == r["k"].shape and r["grads"][2].shape == r["v"].shape
+    _check(r, dtype)
+    hidden = Lq - Lk if alignment == 1 else 0  # rows that see no key
+    if hidden > 0:
+        assert torch.equal(r["out"][:, :, :hidden], torch.zeros_like(r["out"][:, :, :hidden]))
+        assert torch.isneginf(r["lse"][:, :, :hidden]).all()
 
 
 def test_matches_the_cpu_operator(emu):

@@ -69,9 +69,10 @@ int64_t score_stride(int64_t cols) {
   return padded % 256 == 0 ? padded + cpu::rows::kRowAlign : padded;
 }
 
-// Query rows [0, row_end) see keys [0, visible) under top-left causal alignment.
+// Query rows [0, row_end) see keys [0, visible): all of them, or up to the causal diagonal of
+// the last row (row_end >= 1).
 int64_t visible_keys(const AttentionParams& p, int64_t row_end) {
-  return p.is_causal ? std::min(p.seqlen_k, row_end) : p.seqlen_k;
+  return p.is_causal ? p.causal_key_end(row_end - 1) : p.seqlen_k;
 }
 
 template <typename T>
@@ -91,7 +92,7 @@ void scaled_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0,
                    int64_t cols, T* s, int64_t ld, const float* keys_t) {
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
       row0 * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + p.kv_head(h) * p.k_head_stride;
   scores_nt<T>(rows, cols, p.head_dim, static_cast<T>(p.scale), q, p.q_row_stride, k, p.k_row_stride, s, ld,
                keys_t, p.seqlen_k);
 }
@@ -129,7 +130,7 @@ void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int
       apply_mask(kpm, b * kpm.batch_stride, cols, row);
     }
     if (p.is_causal) {
-      std::fill(row + std::min(cols, i + 1), row + cols, -std::numeric_limits<T>::infinity());
+      std::fill(row + std::min(cols, p.causal_key_end(i)), row + cols, -std::numeric_limits<T>::infinity());
     }
   }
 }
@@ -163,10 +164,10 @@ class HeadTransposed {
       if (!product_uses_linear_kernel<float>(rows, cols, dim)) {
         return nullptr;
       }
-      const int64_t bh = b * p.num_heads + h;
+      const int64_t kv = p.kv_head(h), bh = b * p.num_heads + kv;  // a group's query heads share it
       if (bh != head_) {
         data_.resize(static_cast<size_t>(dim * p.seqlen_k));
-        const float* x = static_cast<const float*>(base) + b * batch_stride + h * head_stride;
+        const float* x = static_cast<const float*>(base) + b * batch_stride + kv * head_stride;
         transpose_scaled(p.seqlen_k, dim, alpha, x, row_stride, data_.data());
         head_ = bh;
       }
@@ -219,7 +220,7 @@ void attention_forward_kernel(const AttentionParams& p) {
       T* scale = weights == nullptr ? row_scale.data() : nullptr;
       vec::softmax_rows(s, rows, cols, ld, lse, scale);
 
-      const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+      const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + p.kv_head(h) * p.v_head_stride;
       T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride +
           row0 * p.out_row_stride;
       gemm_nn<T>(rows, p.head_dim_v, cols, T(1), s, ld, v, p.v_row_stride, T(0), out,
@@ -374,12 +375,13 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-      const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
-      const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+      const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + p.kv_head(h) * p.k_head_stride;
+      const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + p.kv_head(h) * p.v_head_stride;
       const T* grad_out = static_cast<const T*>(p.grad_out) + b * p.grad_out_batch_stride +
           h * p.grad_out_head_stride;
       T* grad_q = static_cast<T*>(p.grad_q) + b * p.grad_q_batch_stride + h * p.grad_q_head_stride;
-      // This task owns the (b, h) slices of dK and dV: accumulate in place.
+      // This task owns the (b, h) slices of dK and dV (per query head: attention_params.h):
+      // accumulate in place.
       grads.begin_head(static_cast<T*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride,
                        static_cast<T*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride);
 

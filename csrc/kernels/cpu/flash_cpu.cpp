@@ -145,6 +145,12 @@ struct Visible {
   int64_t offset = 0;
 };
 
+// The Visible of a product between query rows from row0 and keys from j0: all of it without
+// causality, else key j visible to query i when j - causal_shift() <= i.
+inline Visible causal_visible(const AttentionParams& p, Visible::Kind kind, int64_t row0, int64_t j0) {
+  return p.is_causal ? Visible{kind, j0 - p.causal_shift() - row0} : Visible{};
+}
+
 // The tile of product()'s rows [i, i + rows) (rows = R, or rows < MR = R + 1 for the tail)
 // against its column panel j, over the inner indices that `visible` leaves.
 template <typename C, int R>
@@ -299,7 +305,7 @@ inline bool block_hidden(const AttentionParams& p, int64_t b, int64_t h, int64_t
   const auto* kpm_ptr = static_cast<const uint8_t*>(kpm.ptr);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = row0 + r;
-    const int64_t end = p.is_causal ? std::min(cols, i + 1 - j0) : cols;
+    const int64_t end = p.is_causal ? std::min(cols, p.causal_key_end(i) - j0) : cols;
     for (int64_t j = 0; j < end; ++j) {
       const bool hidden =
           (am_bool && am_ptr[b * am.batch_stride + h * am.head_stride + i * am.row_stride + (j0 + j) * am.col_stride]) ||
@@ -349,8 +355,8 @@ ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64
         vec::add_mask_row(static_cast<const T*>(kpm.ptr) + offset, kpm.col_stride, row, cols);
       }
     }
-    if (p.is_causal && j0 + cols > i + 1) {
-      std::fill(row + std::max<int64_t>(0, i + 1 - j0), row + cols, kNegInf<T>);
+    if (p.is_causal && j0 + cols > p.causal_key_end(i)) {
+      std::fill(row + std::max<int64_t>(0, p.causal_key_end(i) - j0), row + cols, kNegInf<T>);
     }
   }
 }
@@ -454,27 +460,28 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
   using T = typename C::Scalar;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v, dv_pad = padded(dim_v);
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + row0 * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride;
+  const int64_t kv = p.kv_head(h);
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv * p.v_head_stride;
   T *s = w.s.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data();
   std::fill(o, o + rows * dv_pad, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
   const int64_t keys_pad = C::pad(p.seqlen_k);
-  if (w.head != b * p.num_heads + h) {
+  if (w.head != b * p.num_heads + kv) {  // the query heads of a group share one packing
     pack_panels<C>(dim, dim, p.seqlen_k, keys_pad, k, 1, p.k_row_stride, w.k_t.data());
     pack_panels<C>(p.seqlen_k, keys_pad, dim_v, dv_pad, v, p.v_row_stride, 1, w.v.data());
-    w.head = b * p.num_heads + h;
+    w.head = b * p.num_heads + kv;
   }
-  // Top-left causal alignment: the block's last row sees keys [0, row0 + rows).
-  const int64_t key_end = p.is_causal ? std::min(p.seqlen_k, row0 + rows) : p.seqlen_k;
+  // Causality: the block's last row sees keys [0, key_end), its other rows fewer.
+  const int64_t key_end = p.is_causal ? p.causal_key_end(row0 + rows - 1) : p.seqlen_k;
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, key_end - j0), cols_pad = C::pad(cols);
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;
     }
     // Only the diagonal block has hidden terms: its tiles above the diagonal are skipped.
-    const auto visible = [&](Visible::Kind kind) { return p.is_causal ? Visible{kind, j0 - row0} : Visible{}; };
+    const auto visible = [&](Visible::Kind kind) { return causal_visible(p, kind, row0, j0); };
     // Columns [cols, cols_pad) are zero padding or keys past a causal end: -inf below either way,
     // like the scores of the tiles skipped.
     product<C>(rows, cols_pad, dim, static_cast<T>(p.scale), q, p.q_row_stride, 1, w.k_t.data() + j0 * dim,
@@ -564,8 +571,9 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
   const int64_t cols_pad = C::pad(cols);
   const T scale = static_cast<T>(p.scale);
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + j0 * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + j0 * p.v_row_stride;
+  const int64_t kv = p.kv_head(h);
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv * p.k_head_stride + j0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv * p.v_head_stride + j0 * p.v_row_stride;
   const T* dout = static_cast<const T*>(p.grad_out) + b * p.grad_out_batch_stride + h * p.grad_out_head_stride;
   const T* lse = static_cast<const T*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
   T *s = w.s.data(), *dp = w.dp.data(), *dk = w.dk.data(), *dv = w.dv.data();
@@ -577,8 +585,9 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
   std::fill(dv, dv + cols_pad * dv_pad, T(0));
   const T inv_cap = p.softcap > 0 ? T(1) / static_cast<T>(p.softcap) : T(0);
 
-  // Causality: rows before j0 see none of these keys.
-  for (int64_t row0 = p.is_causal ? j0 / kQueryBlock * kQueryBlock : 0; row0 < p.seqlen_q; row0 += kQueryBlock) {
+  // Causality: rows before j0 - causal_shift() see none of these keys.
+  const int64_t first_row = p.is_causal ? std::max<int64_t>(0, j0 - p.causal_shift()) : 0;
+  for (int64_t row0 = first_row / kQueryBlock * kQueryBlock; row0 < p.seqlen_q; row0 += kQueryBlock) {
     const int64_t rows = std::min(kQueryBlock, p.seqlen_q - row0);
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;
@@ -587,7 +596,7 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
     const T* dout_blk = dout + row0 * p.grad_out_row_stride;
     // The blocks on the diagonal skip their hidden terms (product's Visible); the scores and
     // dS there are set below (-inf, 0), never left to the skipped tiles.
-    const auto visible = [&](Visible::Kind kind) { return p.is_causal ? Visible{kind, j0 - row0} : Visible{}; };
+    const auto visible = [&](Visible::Kind kind) { return causal_visible(p, kind, row0, j0); };
     product<C>(rows, cols_pad, dim, scale, q_blk, p.q_row_stride, 1, w.k_t.data(), dim * C::NR, s, kKeyBlock, false,
                visible(Visible::kColumnsToRow));
     finish_scores<T>(p, b, h, row0, rows, j0, cols, cols_pad, s, kKeyBlock, raw);
@@ -612,7 +621,7 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
       T* ds = dp + r * kKeyBlock;
       const T d = d_row[row0 + r];
       // The keys causality hides from this row: dS = 0 there, whatever the skipped tiles left.
-      const int64_t end = p.is_causal ? std::clamp<int64_t>(row0 + r + 1 - j0, 0, cols_pad) : cols_pad;
+      const int64_t end = p.is_causal ? std::clamp<int64_t>(p.causal_key_end(row0 + r) - j0, 0, cols_pad) : cols_pad;
 #pragma omp simd
       for (int64_t j = 0; j < end; ++j) {
         ds[j] = prob[j] * (ds[j] - d);

@@ -15,6 +15,7 @@
 namespace attn_export::cuda::device {
 
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 template <typename Acc>
 __host__ __device__ __forceinline__ constexpr Acc neg_inf() {
@@ -116,12 +117,13 @@ struct ScoreMask {
   int64_t pad_offset = 0, pad_col_stride = 0;
   int64_t seqlen_q = 0, seqlen_k = 0;
   bool causal = false;
+  int64_t causal_shift = 0;  // query i sees keys j <= i + causal_shift (attention_params.h)
   // Multiplies additive mask values: 1 for natural-log scores, log2(e) for the flash
   // kernels, whose scores are kept in the log2 domain.
   Acc mask_scale = 1;
 
   __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask)
-      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), mask_scale(scale_of_mask) {
+      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()), mask_scale(scale_of_mask) {
     if (mask_present(p.attn_mask)) {
       attn = p.attn_mask.ptr;
       attn_kind = p.attn_mask.kind;
@@ -144,7 +146,7 @@ struct ScoreMask {
 
   // `s` with the masks of query `row` and key `col` applied: -inf where attending is not allowed.
   __device__ __forceinline__ Acc apply(Acc s, int64_t row, int64_t col) const {
-    if (row >= seqlen_q || col >= seqlen_k || (causal && col > row)) {
+    if (row >= seqlen_q || col >= seqlen_k || (causal && col > row + causal_shift)) {
       return neg_inf<Acc>();
     }
     if (attn != nullptr) {

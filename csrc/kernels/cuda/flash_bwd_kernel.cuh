@@ -57,8 +57,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int dim = static_cast<int>(params.head_dim), dim_v = static_cast<int>(params.head_dim_v);
 
   const Element* q = static_cast<const Element*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
-  const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + h * params.k_head_stride;
-  const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + h * params.v_head_stride;
+  const int64_t kv = params.kv_head(h);  // grouped-query attention: dK/dV are per query head (binding sums)
+  const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + kv * params.k_head_stride;
+  const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + kv * params.v_head_stride;
   const Element* dout = static_cast<const Element*>(params.grad_out) + b * params.grad_out_batch_stride +
       h * params.grad_out_head_stride;
   const float* lse = static_cast<const float*>(params.lse) + bh * seqlen_q;
@@ -69,8 +70,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       : static_cast<const float*>(params.grad_weights) + b * params.grad_weights_batch_stride +
           h * params.grad_weights_head_stride;
 
-  // Causal: query i sees keys j <= i, so queries before n0 see none of this block's keys.
-  const int m_begin = kIsCausal ? n0 / kBM : 0;
+  // Causal: query i sees keys j <= i + shift, so queries before n0 - shift see none of this
+  // block's keys.
+  const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
+  const int m_begin = kIsCausal ? imax(0, n0 - shift) / kBM : 0;
   const int m_blocks = (seqlen_q + kBM - 1) / kBM;
 
   // Query block m into buffer `buf`: Q and dO by cp.async; lse (log2 domain) and delta by
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       // P^T = exp2(cap(S^T * scale) * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta),
       // times the soft-cap's derivative 1 - t^2 (t = tanh(S^T * scale / softcap)) when capped.
       const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || m0 + kBM > seqlen_q ||
-          (kIsCausal && n0 + kBN - 1 > m0);
+          (kIsCausal && n0 + kBN - 1 > m0 + shift);
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll

@@ -86,11 +86,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   const int dim = static_cast<int>(params.head_dim), dim_v = static_cast<int>(params.head_dim_v);
 
   const Element* q = static_cast<const Element*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
-  const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + h * params.k_head_stride;
-  const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + h * params.v_head_stride;
+  const int64_t kv = params.kv_head(h);  // grouped-query attention: the group's key/value head
+  const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + kv * params.k_head_stride;
+  const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + kv * params.v_head_stride;
 
-  // Causal: no row of this block sees a key at or past m0 + kBM, so those tiles are skipped.
-  const int key_end = kIsCausal ? imin(seqlen_k, m0 + kBM) : seqlen_k;
+  // Causal: query i sees keys j <= i + shift, so no row of this block sees a key at or past
+  // m0 + kBM + shift: those tiles are skipped (all of them for a block of rows that see no key).
+  const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
+  const int key_end = kIsCausal ? imax(0, imin(seqlen_k, m0 + kBM + shift)) : seqlen_k;
   const int n_blocks = (key_end + kBN - 1) / kBN;
 
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     cp_async_commit();
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
-    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0);
+    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll

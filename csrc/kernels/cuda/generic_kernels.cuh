@@ -100,15 +100,15 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_fwd_kernel(const A
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   Acc qv[kRegs];
   load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), dim, w.lane);
-  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
-  const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, w.h, p.v_head_stride, 0, 0);
+  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
+  const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, p.kv_head(w.h), p.v_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
 
   Acc o[kRegs] = {};
   Acc row_max = neg_inf<Acc>(), row_sum = 0;
-  const int64_t key_end = p.is_causal ? (w.row + 1 < p.seqlen_k ? w.row + 1 : p.seqlen_k) : p.seqlen_k;
+  const int64_t key_end = p.is_causal ? p.causal_key_end(w.row) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
     const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, dim, w.lane)), w.row, j);
     if (s == neg_inf<Acc>()) {
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
   }
   Acc qv[kRegs];
   load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), p.head_dim, w.lane);
-  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
+  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
@@ -158,8 +158,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
   const Acc lse = static_cast<const Acc*>(p.lse)[bh_row];
   Acc* weights = static_cast<Acc*>(p.weights) + bh_row * p.seqlen_k;
   const int64_t key_end = lse == neg_inf<Acc>() ? 0
-      : p.is_causal ? (w.row + 1 < p.seqlen_k ? w.row + 1 : p.seqlen_k)
-                    : p.seqlen_k;
+      : p.is_causal ? p.causal_key_end(w.row) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
     const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j);
     if (w.lane == j % 32) {
@@ -188,7 +187,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_delta_kernel(const
   if (p.grad_weights != nullptr && lse != neg_inf<Acc>()) {
     Acc qv[kRegs];
     load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), p.head_dim, w.lane);
-    const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
+    const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
     const Acc* gw = row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
     const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
     const SoftCap<Acc> softcap(p);
@@ -217,8 +216,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
   }
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v, key = w.row;
   Acc kv[kRegs], vv[kRegs];
-  load_row<kRegs>(kv, row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, key, p.k_row_stride), dim, w.lane);
-  load_row<kRegs>(vv, row_ptr<T>(p.v, w.b, p.v_batch_stride, w.h, p.v_head_stride, key, p.v_row_stride), dim_v, w.lane);
+  load_row<kRegs>(kv, row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, key, p.k_row_stride), dim, w.lane);
+  load_row<kRegs>(vv, row_ptr<T>(p.v, w.b, p.v_batch_stride, p.kv_head(w.h), p.v_head_stride, key, p.v_row_stride), dim_v, w.lane);
   const T* q = row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, 0, 0);
   const T* dout = row_ptr<T>(p.grad_out, w.b, p.grad_out_batch_stride, w.h, p.grad_out_head_stride, 0, 0);
   const int64_t bh = w.b * p.num_heads + w.h;
@@ -231,7 +230,9 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
   const Acc scale = static_cast<Acc>(p.scale);
 
   Acc dk[kRegs] = {}, dv[kRegs] = {};
-  for (int64_t i = p.is_causal ? key : 0; i < p.seqlen_q; ++i) {
+  // Causality: query i sees the key from i = key - causal_shift() on.
+  const int64_t first_query = p.is_causal && key > p.causal_shift() ? key - p.causal_shift() : 0;
+  for (int64_t i = first_query; i < p.seqlen_q; ++i) {
     if (lse[i] == neg_inf<Acc>()) {
       continue;  // a fully masked query row: zero probabilities, zero gradient
     }
@@ -278,8 +279,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
   Acc qv[kRegs], dov[kRegs];
   load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), dim, w.lane);
   load_row<kRegs>(dov, row_ptr<T>(p.grad_out, w.b, p.grad_out_batch_stride, w.h, p.grad_out_head_stride, w.row, p.grad_out_row_stride), dim_v, w.lane);
-  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, w.h, p.k_head_stride, 0, 0);
-  const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, w.h, p.v_head_stride, 0, 0);
+  const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
+  const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, p.kv_head(w.h), p.v_head_stride, 0, 0);
   const Acc* gw = p.grad_weights == nullptr ? nullptr
       : row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
@@ -289,8 +290,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
 
   Acc dq[kRegs] = {};
   const int64_t key_end = lse == neg_inf<Acc>() ? 0
-      : p.is_causal ? (w.row + 1 < p.seqlen_k ? w.row + 1 : p.seqlen_k)
-                    : p.seqlen_k;
+      : p.is_causal ? p.causal_key_end(w.row) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
     const T* k_row = k + j * p.k_row_stride;
     const Acc x = scale * dot_row<kRegs>(qv, k_row, dim, w.lane);

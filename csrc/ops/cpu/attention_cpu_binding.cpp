@@ -34,7 +34,7 @@ ForwardResults attention_forward_cpu(const ForwardArgs& a) {
 CoreGrads attention_backward_cpu(const BackwardArgs& a) {
   const CoreOptions& o = a.options;
   check_attention_inputs(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask);
-  check_softcap(o.softcap);
+  check_core_attributes(o);
   check_attention_backward_inputs(a.grad_output, a.logsumexp, a.query, a.value);
   const int64_t batch = a.query.size(0), heads = a.query.size(1), seqlen_q = a.query.size(2);
   const int64_t seqlen_k = a.key.size(2);
@@ -47,8 +47,8 @@ CoreGrads attention_backward_cpu(const BackwardArgs& a) {
   const at::Tensor grad_out = kernel_operand(a.grad_output, acc);
   const at::Tensor lse = a.logsumexp.to(acc).contiguous();
   at::Tensor grad_q = empty_grad_like(a.query, options);
-  at::Tensor grad_k = empty_grad_like(a.key, options);
-  at::Tensor grad_v = empty_grad_like(a.value, options);
+  at::Tensor grad_k = empty_kernel_kv_grad(a.key, heads, options);
+  at::Tensor grad_v = empty_kernel_kv_grad(a.value, heads, options);
   const auto mask4d = kernel_attn_mask(o.attn_mask, batch, heads, seqlen_q, seqlen_k, acc);
   const auto padding = kernel_padding_mask(o.key_padding_mask, acc);
 
@@ -68,7 +68,7 @@ CoreGrads attention_backward_cpu(const BackwardArgs& a) {
       make_attention_backward_params(forward, grad_out, gw, grad_q, grad_k, grad_v);
   run_kernel(params);
   const at::ScalarType dtype = a.query.scalar_type();
-  return std::make_tuple(grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype));
+  return std::make_tuple(grad_q.to(dtype), kv_grad(grad_k, a.key).to(dtype), kv_grad(grad_v, a.value).to(dtype));
 }
 
 }  // namespace

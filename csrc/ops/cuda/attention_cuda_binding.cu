@@ -50,7 +50,7 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;
   const std::optional<at::Tensor>&attn_mask = a.options.attn_mask, &key_padding_mask = a.options.key_padding_mask;
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_softcap(a.options.softcap);
+  check_core_attributes(a.options);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = current_stream(query);
@@ -89,8 +89,8 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
     gw = kernel_operand(expanded);
   }
   at::Tensor grad_q = empty_grad_like(query, query.options());
-  at::Tensor grad_k = empty_grad_like(key, query.options());
-  at::Tensor grad_v = empty_grad_like(value, query.options());
+  at::Tensor grad_k = empty_kernel_kv_grad(key, heads, query.options());
+  at::Tensor grad_v = empty_kernel_kv_grad(value, heads, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, a.options),
       grad_out, gw, grad_q, grad_k, grad_v);
@@ -98,7 +98,7 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},
       query.options().dtype(at::kByte));
   check_launch(cuda::run_attention_backward(params, workspace.data_ptr(), stream), "attention backward");
-  return std::make_tuple(grad_q, grad_k, grad_v);
+  return std::make_tuple(grad_q, kv_grad(grad_k, key), kv_grad(grad_v, value));
 }
 
 }  // namespace

@@ -10,12 +10,16 @@ always does it, never does it, or selects it at run time from the calling node's
 The body, in the order it computes (each step one function below):
 
     q, k, v = Cast(query/key/value, float32)             not float32
+    k, v = repeat kv heads: Reshape(Expand(Reshape(x, [0, 0, Hkv, 1, -1]), [1, 1, 1, H/Hkv, 1]),
+                                    [0, 0, H, -1])  grouped-query (kv_num_heads < num_heads)
     q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))
     x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
     x = softcap * Tanh(x / softcap)                      soft-capping
     bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
+        causal = Trilu(-inf [Lq, Lk], k = 1 + (bottom-right ? Lk - Lq : 0), upper=1)
     ctx = MatMul(Softmax(x + bias), v)
-    ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      with a mask: rows it empties are 0
+    ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      rows the bias empties are 0 (a mask, or
+                                                         bottom-right causal with Lq > Lk)
     output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
 
 A new attribute is one step here (and, when lean bodies specialize on it, one field of the
@@ -57,17 +61,23 @@ class BodyPlan:
     key_padding_mask: bool  # adds the key_padding_mask input (False: reads only its shape)
     attn_mask: bool  # adds the attn_mask input (False: reads only its shape)
     float32: bool  # T is float32: no casts
+    # The causal_alignment attribute's bottom-right alignment (NEVER: top-left); read only when
+    # the causal mask is there.
+    bottom_right: When = When.NEVER
+    grouped: bool = False  # repeats each key/value head for its group (kv_num_heads)
 
     @property
     def guards_dead_rows(self) -> bool:
-        """Whether rows may lose every key: only a mask empties one (query i always sees key 0
-        under causal masking)."""
-        return self.key_padding_mask or self.attn_mask
+        """Whether rows may lose every key: a mask may empty one, and so may bottom-right causal
+        masking when Lq > Lk (top-left, query i always sees key 0)."""
+        bottom_right_causal = self.causal is not When.NEVER and self.bottom_right is not When.NEVER
+        return self.key_padding_mask or self.attn_mask or bottom_right_causal
 
 
-# Right for every node, whatever its attributes and T: a placeholder mask adds zeros.
+# Right for every node, whatever its attributes and T: a placeholder mask adds zeros, and a
+# group of one key/value head per query head repeats nothing.
 GENERIC = BodyPlan(causal=When.BY_ATTRIBUTE, softcap=When.BY_ATTRIBUTE, key_padding_mask=True, attn_mask=True,
-                   float32=False)
+                   float32=False, bottom_right=When.BY_ATTRIBUTE, grouped=True)
 
 
 class _Body:
@@ -115,6 +125,8 @@ def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
     query, key, value = _in_float32(b, plan.float32)
     unread = [name for name, read in ((s.input_names[3], plan.key_padding_mask), (s.input_names[4], plan.attn_mask))
               if not read]
+    if plan.grouped:
+        key, value = _repeat_kv_heads(b, key, value)
     q, kt, v = _split_heads(b, query, key, value, unread)
     scores = b.op("MatMul", b.op("Mul", q, b.attribute(s.attr_scale, FLOAT, out="scale"), out="q_scaled"), kt,
                   out="scaled")
@@ -152,6 +164,24 @@ def _split_heads(b: _Body, query: str, key: str, value: str, unread: List[str]) 
             b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
 
 
+def _repeat_kv_heads(b: _Body, key: str, value: str) -> Tuple[str, str]:
+    """[B, Lk, Hkv*D] -> [B, Lk, Hkv, H/Hkv, D]: key/value head g repeated for the H/Hkv query
+    heads of its group (query head h reads g = h // (H/Hkv)), which the head split then reads
+    as [B, Lk, H, D]. kv_num_heads 0 (absent) is num_heads: a group of one."""
+    s = _spec.load()
+    heads = b.attribute(s.attr_num_heads, INT64, out="heads_q")
+    kv_attr = b.attribute(s.attr_kv_num_heads, INT64, out="kv_heads_attr")
+    kv = b.op("Where", b.op("Equal", kv_attr, b.const("zero_i", 0), out="kv_heads_unset"), heads, kv_attr,
+              out="kv_heads")
+    axis0 = b.const("axis0", [0])
+    group = b.op("Unsqueeze", b.op("Div", heads, kv, out="group_size"), axis0, out="group1")
+    kv_shape = b.op("Concat", b.const("zero2", [0, 0]), b.op("Unsqueeze", kv, axis0, out="kv_heads1"),
+                    b.const("one_minus1", [1, -1]), out="kv_split_shape", axis=0)
+    repeat = b.op("Concat", b.const("ones3", [1, 1, 1]), group, b.const("one1", [1]), out="group_shape", axis=0)
+    return tuple(b.op("Expand", b.op("Reshape", x, kv_shape, out=f"{x}_kv5"), repeat, out=f"{x}_grouped")
+                 for x in (key, value))
+
+
 def _soft_cap(b: _Body, scores: str, when: When) -> str:
     """softcap * tanh(scores / softcap), before the masks (so a -inf mask still removes a key)."""
     if when is When.NEVER:
@@ -179,26 +209,39 @@ def _bias(b: _Body, plan: BodyPlan) -> Optional[str]:
     if plan.attn_mask:
         terms.append(s.input_names[4])
     if plan.causal is not When.NEVER:
-        terms.append(_causal_bias(b, plan.causal))
+        terms.append(_causal_bias(b, plan.causal, plan.bottom_right))
     bias = terms[0] if terms else None
     for i, term in enumerate(terms[1:]):
         bias = b.op("Add", bias, term, out=f"bias{i}")
     return bias
 
 
-def _causal_bias(b: _Body, when: When) -> str:
-    """[Lq, Lk]: -inf strictly above the diagonal (key j > query i, top-left aligned), 0 elsewhere."""
+def _causal_bias(b: _Body, when: When, bottom_right: When) -> str:
+    """[Lq, Lk]: -inf strictly above the diagonal, 0 elsewhere: key j > query i (top-left) or
+    j > i + Lk - Lq (bottom-right, from the run-time lengths)."""
     s = _spec.load()
     lq = b.op("Shape", s.input_names[0], out="lq", start=1, end=2)
     lk = b.op("Shape", s.input_names[1], out="lk", start=1, end=2)
     all_inf = b.op("ConstantOfShape", b.op("Concat", lq, lk, out="qk_shape", axis=0), out="all_inf",
                    value=helper.make_tensor("neg_inf", FLOAT, [1], [-math.inf]))
     # Trilu's k is a 0-D tensor in the operator's spec (ONNX Runtime also takes [1]; others need not).
-    causal = b.op("Trilu", all_inf, b.const("one", 1), out="causal_bias", upper=1)
+    causal = b.op("Trilu", all_inf, _diagonal(b, lq, lk, bottom_right), out="causal_bias", upper=1)
     if when is When.ALWAYS:
         return causal
     on = b.op("Cast", b.attribute(s.attr_is_causal, INT64, out="causal_i"), out="causal_on", to=BOOL)
     return b.op("Where", on, causal, b.const("zero_f", 0.0), out="causal_add")
+
+
+def _diagonal(b: _Body, lq: str, lk: str, bottom_right: When) -> str:
+    """Trilu's k, 0-D: the first masked diagonal, 1 (top-left) or 1 + Lk - Lq (bottom-right)."""
+    one = b.const("one", 1)
+    if bottom_right is When.NEVER:
+        return one
+    shift = b.op("Squeeze", b.op("Sub", lk, lq, out="lk_minus_lq1"), out="lk_minus_lq")
+    if bottom_right is When.BY_ATTRIBUTE:
+        alignment = b.attribute(_spec.load().attr_causal_alignment, INT64, out="alignment")
+        shift = b.op("Mul", shift, alignment, out="alignment_shift")
+    return b.op("Add", one, shift, out="causal_diagonal")
 
 
 def _zero_dead_rows(b: _Body, ctx: str, bias: str) -> str:

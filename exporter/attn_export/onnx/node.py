@@ -40,6 +40,8 @@ _ATTRIBUTE_DOCS = {
     "has_key_padding_mask": "0: the key_padding_mask input is a zero placeholder",
     "has_attn_mask": "0: the attn_mask input is a zero placeholder",
     "softcap": "> 0: the scaled score x becomes softcap * tanh(x / softcap) before the masks; 0: off",
+    "causal_alignment": "with is_causal, 0: query i sees keys j <= i (top-left); 1: j <= i + Lk - Lq (bottom-right)",
+    "kv_num_heads": "key/value heads Hkv dividing num_heads (grouped-query attention); 0: num_heads",
     "plugin_namespace": "TensorRT plugin namespace",
     "plugin_version": "TensorRT plugin version",
 }
@@ -77,11 +79,19 @@ def register_schema() -> None:
 
 
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
-                    has_attn_mask: bool, softcap: float = 0.0) -> dict:
-    """The attributes every exported node carries, by their spec names."""
+                    has_attn_mask: bool, softcap: float = 0.0, causal_alignment: int = 0,
+                    kv_num_heads: Optional[int] = None) -> dict:
+    """The attributes every exported node carries, by their spec names; ``kv_num_heads`` None
+    is num_heads (no grouping). Every attribute is written, also at its default: a body's
+    attribute references then never rely on the function's defaults, which not every tool
+    applies (onnx.inliner leaves such a Constant without a value)."""
     s = _spec.load()
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+    if kv_num_heads is not None and (kv_num_heads < 1 or num_heads % kv_num_heads):
+        raise ValueError(f"kv_num_heads must divide num_heads={num_heads}; got {kv_num_heads}")
+    if causal_alignment not in (0, 1):
+        raise ValueError(f"causal_alignment must be 0 (top-left) or 1 (bottom-right); got {causal_alignment}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -93,6 +103,8 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         s.attr_has_key_padding_mask: int(bool(has_key_padding_mask)),
         s.attr_has_attn_mask: int(bool(has_attn_mask)),
         s.attr_softcap: float(softcap),
+        s.attr_causal_alignment: int(causal_alignment),
+        s.attr_kv_num_heads: int(num_heads if kv_num_heads is None else kv_num_heads),
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
@@ -127,13 +139,17 @@ class BodyVariant:
     has_attn_mask: bool
     softcap: bool  # softcap > 0
     float32: bool  # T is float32: no casts
+    bottom_right: bool = False  # causal, aligned bottom-right (causal_alignment 1)
+    grouped: bool = False  # grouped-query: kv_num_heads set and < num_heads
 
     @property
     def name(self) -> str:
-        """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``."""
+        """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``
+        (``br``: bottom-right causal, ``gqa``: grouped-query)."""
         parts = ["f32" if self.float32 else "cast"]
-        parts += [name for name, on in (("causal", self.is_causal), ("kpm", self.has_key_padding_mask),
-                                        ("mask", self.has_attn_mask), ("softcap", self.softcap)) if on]
+        parts += [name for name, on in (("causal", self.is_causal), ("br", self.bottom_right),
+                                        ("kpm", self.has_key_padding_mask), ("mask", self.has_attn_mask),
+                                        ("softcap", self.softcap), ("gqa", self.grouped)) if on]
         return "_".join(parts)
 
     @property
@@ -146,7 +162,8 @@ class BodyVariant:
         """The lean body's plan: the variant's steps always, the others never."""
         return _body.BodyPlan(causal=_body.When.of(self.is_causal), softcap=_body.When.of(self.softcap),
                               key_padding_mask=self.has_key_padding_mask, attn_mask=self.has_attn_mask,
-                              float32=self.float32)
+                              float32=self.float32, bottom_right=_body.When.of(self.bottom_right),
+                              grouped=self.grouped)
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
@@ -159,9 +176,12 @@ class BodyVariant:
         def get(name):
             return attrs.get(name, default[name])
 
-        return cls(bool(get(s.attr_is_causal)), bool(get(s.attr_has_key_padding_mask)),
-                   bool(get(s.attr_has_attn_mask)), float(get(s.attr_softcap)) > 0,
-                   query_type == TensorProto.FLOAT)
+        causal = bool(get(s.attr_is_causal))
+        kv_heads = int(get(s.attr_kv_num_heads))
+        return cls(causal, bool(get(s.attr_has_key_padding_mask)), bool(get(s.attr_has_attn_mask)),
+                   float(get(s.attr_softcap)) > 0, query_type == TensorProto.FLOAT,
+                   bottom_right=causal and int(get(s.attr_causal_alignment)) == 1,
+                   grouped=kv_heads not in (0, int(get(s.attr_num_heads))))
 
 
 def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:

@@ -180,11 +180,12 @@ def translate_multi_head_attention(
 
 @signatures.follows_schema(_spec.load().torch_op_attention)
 def translate_attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, **attributes):
-    """``attn_export::attention`` (q, k, v ``[B, H, L, D]``) -> one FusedAttention node
+    """``attn_export::attention`` (q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``) -> one FusedAttention node
     between a head merge and a head split. Takes the operator's arguments as its schema orders
     them; each of its trailing attributes (softcap, ...) is the node attribute of the same name."""
     op, custom = _ops()
     heads = _static_dim(query, 1, "the number of heads (query.shape[1])")
+    kv_heads = _static_dim(key, 1, "the number of key/value heads (key.shape[1])")
     head_dim = _static_dim(query, 3, "the head dimension (query.shape[3])")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     merge = _const(op, [0, 0, -1])
@@ -198,7 +199,7 @@ def translate_attention(query, key, value, attn_mask, key_padding_mask, is_causa
     else:
         kpm, mask, has_kpm, has_mask = _mask_inputs(op, key_padding_mask, attn_mask, heads)
     out = _fused_node(custom, pack(query), pack(key), pack(value), kpm, mask, num_heads=heads, scale=scale,
-                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask, **attributes)
+                      is_causal=is_causal, has_kpm=has_kpm, has_mask=has_mask, kv_num_heads=kv_heads, **attributes)
     split = _const(op, [0, 0, heads, -1])
     return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
 

@@ -8,11 +8,11 @@ from attn_export.ops.library import load_library
 
 load_library()
 
-from attn_export.ops.functional import attention, multi_head_attention  # noqa: E402
+from attn_export.ops.functional import CausalAlignment, attention, multi_head_attention  # noqa: E402
 from attn_export.ops.gemm import gemm_backend, set_gemm_backend  # noqa: E402
 from attn_export.ops.module import FusedMultiheadAttention  # noqa: E402
 
 __all__ = [
-    "attention", "multi_head_attention", "FusedMultiheadAttention",
+    "attention", "CausalAlignment", "multi_head_attention", "FusedMultiheadAttention",
     "gemm_backend", "set_gemm_backend", "load_library",
 ]

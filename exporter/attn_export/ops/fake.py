@@ -79,12 +79,16 @@ def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> No
         f"{query.device}, {key.device}, {value.device}",
     )
     torch._check(
-        key.size(0) == query.size(0)
-        and value.size(0) == query.size(0)
-        and key.size(1) == query.size(1)
-        and value.size(1) == query.size(1),
-        lambda: "attention: query, key and value must agree in batch and heads; got query "
+        key.size(0) == query.size(0) and value.size(0) == query.size(0),
+        lambda: "attention: query, key and value must agree in batch; got query "
         f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
+    )
+    torch._check(
+        value.size(1) == key.size(1)
+        and (key.size(1) == query.size(1) or (key.size(1) > 0 and query.size(1) % key.size(1) == 0)),
+        lambda: "attention: key and value heads must divide the query heads; got query "
+        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}; give key and value one head count "
+        "Hkv with H % Hkv == 0 (grouped-query attention: query head h reads key/value head h / (H / Hkv))",
     )
     torch._check(
         key.size(2) == value.size(2),
@@ -253,6 +257,21 @@ def check_softcap(softcap) -> None:
     )
 
 
+def check_causal_alignment(causal_alignment) -> None:
+    """The C++ check_causal_alignment's check and message: 0 (top-left) or 1 (bottom-right)."""
+    torch._check(
+        causal_alignment in (0, 1),
+        lambda: "attention: causal_alignment must be 0 (top-left: query i sees keys j <= i) or 1 "
+        f"(bottom-right: keys j <= i + Lk - Lq); got {causal_alignment}",
+    )
+
+
+def check_core_attributes(softcap, causal_alignment) -> None:
+    """The C++ check_core_attributes: every check of the core's scalar attributes."""
+    check_softcap(softcap)
+    check_causal_alignment(causal_alignment)
+
+
 # Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
 FAKE_KERNELS = {}
 
@@ -268,16 +287,17 @@ def _fake(op: str):
 
 
 @_fake(_OPS.torch_op_attention)
-def _attention_fake(query, key, value, attn_mask, key_padding_mask, softcap, **_):
+def _attention_fake(query, key, value, attn_mask, key_padding_mask, softcap, causal_alignment, **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_softcap(softcap)
+    check_core_attributes(softcap, causal_alignment)
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
 @_fake(_OPS.torch_op_attention_forward)
-def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, softcap, **_):
+def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, softcap, causal_alignment,
+                            **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_softcap(softcap)
+    check_core_attributes(softcap, causal_alignment)
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
     out = empty_token_major(query, batch, heads, seqlen_q, value.size(3))
     lse = query.new_empty((batch, heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
@@ -286,9 +306,10 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need
 
 
 @_fake(_OPS.torch_op_attention_backward)
-def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, softcap, **_):
+def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, softcap,
+                             causal_alignment, **_):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_softcap(softcap)
+    check_core_attributes(softcap, causal_alignment)
     batch, heads = query.size(0), query.size(1)
     torch._check(
         list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],

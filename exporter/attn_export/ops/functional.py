@@ -1,12 +1,23 @@
 """Typed Python entry points to the ``torch.ops.attn_export`` operators."""
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+class CausalAlignment(enum.IntEnum):
+    """Where ``is_causal``'s diagonal sits when ``Lq != Lk`` (the operator's ``causal_alignment``)."""
+
+    #: query ``i`` sees keys ``j <= i`` (``F.scaled_dot_product_attention``'s ``is_causal``).
+    TOP_LEFT = 0
+    #: query ``i`` sees keys ``j <= i + Lk - Lq``: the last query sees every key (a KV cache's new
+    #: tokens; FlashAttention's convention, PyTorch's ``causal_lower_right``).
+    BOTTOM_RIGHT = 1
 
 
 def attention(
@@ -18,24 +29,32 @@ def attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    causal_alignment: int = CausalAlignment.TOP_LEFT,
 ) -> Tensor:
     """Scaled dot-product attention, ``softmax(cap(scale * q k^T) + masks) v``, as one operator.
 
     Args:
         query: ``Tensor[B, H, Lq, D]``.
-        key: ``Tensor[B, H, Lk, D]``.
-        value: ``Tensor[B, H, Lk, Dv]``.
+        key: ``Tensor[B, Hkv, Lk, D]``, ``Hkv`` dividing ``H``: grouped-query attention (as
+            SDPA's ``enable_gqa``), query head ``h`` reads key/value head ``h // (H // Hkv)``;
+            ``Hkv = 1`` is multi-query attention. The gradients of key and value sum over each
+            group's query heads.
+        value: ``Tensor[B, Hkv, Lk, Dv]``.
         attn_mask: ``Tensor[B*H, Lq, Lk]`` (torch.nn.MultiheadAttention's layout, when the
             first dim is neither 1 nor H), or any shape that broadcasts to ``Tensor[B, H, Lq, Lk]``
             by PyTorch's rule (``[Lq, Lk]``, ``[B, 1, 1, Lk]``, ``[Lk]``, ...). Boolean: ``True`` marks a pair that may NOT attend
             (torch.nn.MultiheadAttention's convention, the opposite of
             ``F.scaled_dot_product_attention``). Floating: added to the scaled scores.
         key_padding_mask: ``Tensor[B, Lk]``; boolean ``True`` marks padding, floating is added.
-        is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``Lq != Lk``).
+        is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned), or ``j <= i + Lk - Lq``
+            with ``causal_alignment=CausalAlignment.BOTTOM_RIGHT``. Rows that see no key
+            (bottom-right with ``Lq > Lk``: the first ``Lq - Lk``) yield zeros.
         scale: defaults to ``1 / sqrt(D)``.
         softcap: logit soft-capping (Gemma 2, Grok): the scaled score ``x`` becomes
             ``softcap * tanh(x / softcap)`` before the masks are added. ``None`` or 0: off.
             Must be finite and >= 0 (``ValueError`` otherwise).
+        causal_alignment: a :class:`CausalAlignment` (or its int, 0 or 1); only read with
+            ``is_causal``.
 
     Returns:
         ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
@@ -43,13 +62,15 @@ def attention(
         value, each gradient contiguous where its input is and token-major otherwise (so that
         autograd keeps a leaf's gradient as it is); masks are treated as constants.
     """
-    if softcap is None or softcap == 0:
-        # The operator's default: graphs traced without a cap look as they did before it existed.
-        return torch.ops.attn_export.attention.default(
-            query, key, value, attn_mask, key_padding_mask, is_causal, scale
-        )
+    # The attributes left at the operator's defaults are not passed: graphs traced without them
+    # look as they did before they existed.
+    attributes = []
+    if causal_alignment != CausalAlignment.TOP_LEFT:
+        attributes = [0.0 if softcap is None else _checked_softcap(softcap), int(causal_alignment)]
+    elif softcap is not None and softcap != 0:
+        attributes = [_checked_softcap(softcap)]
     return torch.ops.attn_export.attention.default(
-        query, key, value, attn_mask, key_padding_mask, is_causal, scale, _checked_softcap(softcap)
+        query, key, value, attn_mask, key_padding_mask, is_causal, scale, *attributes
     )
 
 

@@ -44,13 +44,13 @@ std::optional<at::Tensor> guarded(const std::optional<at::Tensor>& t) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
-    bool is_causal, std::optional<double> scale, bool need_weights, double softcap) {
+    bool is_causal, std::optional<double> scale, bool need_weights, double softcap, int64_t causal_alignment) {
   EmulatedCall call;
   const at::Tensor query = guarded_memory::guarded_copy(query_in), key = guarded_memory::guarded_copy(key_in),
                    value = guarded_memory::guarded_copy(value_in);
   const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
   const AttentionForward f = prepare_attention_forward(
-      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap}, need_weights},
+      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment}, need_weights},
       query.scalar_type(), /*masks_in_compute_dtype=*/false);
   check(cuda::run_attention_forward(f.params, nullptr), f.params);
   call.finish();
@@ -61,20 +61,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_output_in, const std::optional<at::Tensor>& grad_weights_in,
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& logsumexp_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
-    bool is_causal, std::optional<double> scale, double softcap) {
+    bool is_causal, std::optional<double> scale, double softcap, int64_t causal_alignment) {
   EmulatedCall call;
   using guarded_memory::guarded_copy;
   const at::Tensor grad_output = guarded_copy(grad_output_in), query = guarded_copy(query_in),
                    key = guarded_copy(key_in), value = guarded_copy(value_in), logsumexp = guarded_copy(logsumexp_in);
   const auto grad_weights = guarded(grad_weights_in), attn_mask = guarded(attn_mask_in),
              key_padding_mask = guarded(key_padding_mask_in);
+  const CoreOptions options{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment};
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_softcap(softcap);
+  check_core_attributes(options);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-  const CoreOptions options{attn_mask, key_padding_mask, is_causal, scale, softcap};
   const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
@@ -93,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   }
   // The layout of the caller's inputs decides, as in the CUDA binding (the guarded copies may differ).
   at::Tensor grad_q = empty_grad_like(query_in, query.options());
-  at::Tensor grad_k = empty_grad_like(key_in, query.options());
-  at::Tensor grad_v = empty_grad_like(value_in, query.options());
+  at::Tensor grad_k = empty_kernel_kv_grad(key_in, heads, query.options());
+  at::Tensor grad_v = empty_kernel_kv_grad(value_in, heads, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   TORCH_CHECK(reinterpret_cast<uintptr_t>(aligned) % 256 == 0, "workspace not 256-byte aligned");
   check(cuda::run_attention_backward(params, aligned, nullptr), params);
   call.finish();
-  return std::make_tuple(grad_q, grad_k, grad_v);
+  return std::make_tuple(grad_q, kv_grad(grad_k, key_in), kv_grad(grad_v, value_in));
 }
 
 bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
@@ -135,10 +135,11 @@ at::Tensor emulator_mma_product(const at::Tensor& a, const at::Tensor& b, bool b
 
 TORCH_LIBRARY(attn_export_emu, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-        "bool is_causal, float? scale, bool need_weights, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
+        "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
         "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-        "float softcap=0.0) -> (Tensor, Tensor, Tensor)");
+        "float softcap=0.0, int causal_alignment=0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
   m.def("set_arch(int arch) -> ()", &set_arch);
   m.def("set_cp_async_order(str order) -> ()", &set_cp_async_order);
