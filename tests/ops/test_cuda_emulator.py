@@ -183,6 +183,16 @@ def test_flash_kernels_every_head_dim(emu, head_dim, head_dim_v, dtype, causal):
     _check(r, dtype)
 
 
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+def test_padded_head_dims_with_grouped_query_heads(emu, alignment):
+    # head dim 80 on 96, head_dim_v 48, two query heads per key/value head, token-major.
+    dtype, B, H, Lq, Lk = torch.float16, 1, 4, 45, 37
+    make = lambda *s: _token_major(torch.randn(*s, dtype=dtype))
+    r = _run(emu, dtype, B, H, Lq, Lk, 80, Dv=48, masks={"is_causal": True, "causal_alignment": alignment},
+             make=make, heads_k=2)
+    _check(r, dtype)
+
+
 @pytest.mark.parametrize("head_dim,head_dim_v", [(36, 36), (64, 60), (264, 264), (128, 264)])
 def test_head_dims_the_flash_kernels_refuse(emu_ops, head_dim, head_dim_v):
     # Not a multiple of 8 elements (the padded loads move 16-byte chunks), or above 256.
