@@ -75,3 +75,57 @@ def test_cmake_builds_the_kernels_without_torch(tmp_path):
     library = build / "libattn_export_cuda_kernels.a"
     assert library.exists()
     print(f"built {library.name} for sm_{archs} in {time.monotonic() - start:.0f} s")
+
+
+# ---- Spill gate: the flash kernels keep their tiles in registers; a spill to local memory is a
+# tile choice that no longer fits (kernel_traits.h) and costs speed no test here would see.
+SPILL_ARCHS = (80, 90)
+_PTXAS_ENTRY = re.compile(
+    r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>sm_\d+)'.*?"
+    r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads", re.S)
+
+
+def ptxas_spills(ptxas_log: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(kernel, sm_XX): (spill store bytes, spill load bytes)} from nvcc -Xptxas -v's log."""
+    return {(m["name"], m["arch"]): (int(m["stores"]), int(m["loads"])) for m in _PTXAS_ENTRY.finditer(ptxas_log)}
+
+
+def test_ptxas_spills_are_parsed():
+    log = ("ptxas info    : Compiling entry function '_Z3fooILi1EEvv' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z3fooILi1EEvv\n"
+           "    16 bytes stack frame, 16 bytes spill stores, 96 bytes spill loads\n"
+           "ptxas info    : Compiling entry function '_Z3barv' for 'sm_80'\n"
+           "ptxas info    : Function properties for _Z3barv\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert ptxas_spills(log) == {("_Z3fooILi1EEvv", "sm_90"): (16, 96), ("_Z3barv", "sm_80"): (0, 0)}
+
+
+def _compile_verbose(unit: pathlib.Path, out_dir: pathlib.Path) -> str:
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in SPILL_ARCHS]
+    result = subprocess.run(
+        [_nvcc(), "-c", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v", *gencode,
+         "-I", str(ROOT / "csrc"), str(unit), "-o", str(out_dir / f"{unit.stem}.o")],
+        capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, f"{unit.name}:\n{result.stderr[-4000:]}"
+    return result.stdout + result.stderr
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+def test_flash_kernels_do_not_spill(tmp_path):
+    """Every flash instantiation (instantiations/flash_*.cu), compiled for sm_80 and sm_90 with
+    `-Xptxas -v`: no kernel may spill (about 4 min on 2 cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    units = sorted((KERNELS / "cuda" / "instantiations").glob("flash_*.cu"))
+    assert units
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        logs = list(pool.map(lambda unit: _compile_verbose(unit, tmp_path), units))
+    spills = {}
+    for log in logs:
+        spills.update(ptxas_spills(log))
+    kernels = {name for name, _ in spills if "flash_fwd_kernel" in name or "flash_bwd_kernel" in name}
+    assert len(kernels) == len(units), f"expected one flash kernel per file, found {len(kernels)}"
+    assert {arch for _, arch in spills} == {f"sm_{a}" for a in SPILL_ARCHS}
+    spilling = [f"{name} on {arch}: {stores} bytes spill stores, {loads} bytes spill loads"
+                for (name, arch), (stores, loads) in sorted(spills.items()) if stores or loads]
+    assert not spilling, "flash kernels spill registers (choose smaller tiles in kernel_traits.h):\n" + "\n".join(spilling)

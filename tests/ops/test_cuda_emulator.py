@@ -154,6 +154,52 @@ def test_flash_kernels_match_reference(emu, dtype, head_dim, causal):
     _assert_close(r["lse"], lse_ref, 1e-5, "logsumexp")  # float32, from exact 16-bit inputs
 
 
+# (head_dim, head_dim_v, dtype, causal): the compiled sizes above 128 and 96, and dims between
+# them run on the next compiled size with the padding masked (kFlashHeadDims, kernel_traits.h).
+FLASH_HEAD_DIM_CASES = [
+    (96, 96, torch.float16, True),      # compiled
+    (192, 192, torch.bfloat16, False),  # compiled, dK/dV split over two warps per 16 keys
+    (256, 256, torch.float16, True),    # compiled, 16-query backward steps
+    (40, 40, torch.bfloat16, True),     # on 64
+    (80, 80, torch.float16, False),     # on 96
+    (160, 160, torch.bfloat16, True),   # on 192
+    (200, 200, torch.float16, False),   # on 256
+    (64, 128, torch.bfloat16, False),   # head_dim_v above head_dim: on 128, q/k padded
+    (112, 48, torch.float16, True),     # head_dim_v below head_dim: on 128, v/out padded
+]
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,dtype,causal", [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}-{str(case[2])[6:]}-{'causal' if case[3] else 'full'}")
+    for case in FLASH_HEAD_DIM_CASES])
+def test_flash_kernels_every_head_dim(emu, head_dim, head_dim_v, dtype, causal):
+    # Token-major [B, L, H, D] memory with 2 heads: a padded load that is not masked reads the
+    # next head's columns, a padded store that is not masked overwrites them.
+    B, H, Lq, Lk = 1, 2, 37, 45
+    make = lambda *s: _token_major(torch.randn(*s, dtype=dtype))
+    q, v = make(1, 1, 8, head_dim), make(1, 1, 8, head_dim_v)
+    assert emu.uses_tensor_cores(q, q, v)
+    r = _run(emu, dtype, B, H, Lq, Lk, head_dim, Dv=head_dim_v, masks={"is_causal": causal}, make=make)
+    _check(r, dtype)
+
+
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+def test_padded_head_dims_with_grouped_query_heads(emu, alignment):
+    # head dim 80 on 96, head_dim_v 48, two query heads per key/value head, token-major.
+    dtype, B, H, Lq, Lk = torch.float16, 1, 4, 45, 37
+    make = lambda *s: _token_major(torch.randn(*s, dtype=dtype))
+    r = _run(emu, dtype, B, H, Lq, Lk, 80, Dv=48, masks={"is_causal": True, "causal_alignment": alignment},
+             make=make, heads_k=2)
+    _check(r, dtype)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(36, 36), (64, 60), (264, 264), (128, 264)])
+def test_head_dims_the_flash_kernels_refuse(emu_ops, head_dim, head_dim_v):
+    # Not a multiple of 8 elements (the padded loads move 16-byte chunks), or above 256.
+    q, v = torch.randn(1, 1, 8, head_dim).half(), torch.randn(1, 1, 8, head_dim_v).half()
+    assert not emu_ops.uses_tensor_cores(q, q, v)
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_flash_kernels_every_mask(emu, mask):
     B, H, Lq, Lk = 2, 2, 33, 47
@@ -174,11 +220,11 @@ def _two_masks_each(dtypes):
 
 @pytest.mark.parametrize("dtype,mask", _two_masks_each([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
 def test_generic_kernels_odd_head_dims(emu, dtype, mask):
-    # head_dim 40, head_dim_v 24: no tensor-core instance, so the generic kernels run.
+    # head_dim 36, head_dim_v 20: not multiples of 8 elements (16 bytes), so the generic kernels run.
     B, H, Lq, Lk = 2, 1, 19, 37
-    q = torch.randn(1, 1, 8, 40, dtype=dtype)
-    assert not emu.uses_tensor_cores(q, q, q[..., :24].contiguous())
-    r = _run(emu, dtype, B, H, Lq, Lk, 40, Dv=24, masks=MASKS[mask](B, H, Lq, Lk))
+    q = torch.randn(1, 1, 8, 36, dtype=dtype)
+    assert not emu.uses_tensor_cores(q, q, q[..., :20].contiguous())
+    r = _run(emu, dtype, B, H, Lq, Lk, 36, Dv=20, masks=MASKS[mask](B, H, Lq, Lk))
     _check(r, dtype)
 
 
@@ -321,7 +367,7 @@ def test_flash_kernels_softcap(emu, dtype, softcap, mask):
 @pytest.mark.parametrize("dtype,mask", _two_masks_each([torch.float32, torch.float64, torch.float16]))
 def test_generic_kernels_softcap(emu, dtype, mask):
     B, H, Lq, Lk = 2, 1, 19, 37
-    r = _run(emu, dtype, B, H, Lq, Lk, 40, Dv=24, masks=MASKS[mask](B, H, Lq, Lk), softcap=1.5, scale=0.6)
+    r = _run(emu, dtype, B, H, Lq, Lk, 36, Dv=20, masks=MASKS[mask](B, H, Lq, Lk), softcap=1.5, scale=0.6)
     _check(r, dtype)
 
 

@@ -43,17 +43,17 @@ cudaError_t switch_dtype(DataType dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-template <typename F>
-cudaError_t switch_flash_head_dim(int64_t head_dim, F&& f) {
-  switch (head_dim) {
-    case 32:
-      return f(std::integral_constant<int, 32>{});
-    case 64:
-      return f(std::integral_constant<int, 64>{});
-    case 128:
-      return f(std::integral_constant<int, 128>{});
+// The compiled head dims are kFlashHeadDims (kernel_traits.h), walked at compile time.
+template <int kIndex = 0, typename F>
+cudaError_t switch_flash_head_dim(int64_t tile_dim, F&& f) {
+  if constexpr (kIndex == kNumFlashHeadDims) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (tile_dim == kFlashHeadDims[kIndex]) {
+      return f(std::integral_constant<int, kFlashHeadDims[kIndex]>{});
+    }
+    return switch_flash_head_dim<kIndex + 1>(tile_dim, std::forward<F>(f));
   }
-  return cudaErrorInvalidValue;
 }
 
 template <typename F>
@@ -127,6 +127,14 @@ int64_t max_head_dim(const AttentionParams& p) {
   return p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
 }
 
+// The compiled flash head dim a problem runs on, its columns past head_dim (q, k) and
+// head_dim_v (v, out) masked; 0 when none fits. Both dims must be multiples of 8 elements (16
+// bytes): the padded loads and stores work in 16-byte chunks and element pairs.
+int flash_tile_dim(const AttentionParams& p) {
+  const bool chunked = p.head_dim > 0 && p.head_dim_v > 0 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0;
+  return chunked ? flash_tile_head_dim(max_head_dim(p)) : 0;
+}
+
 // ---- Backward workspace: [delta: batch*heads*seqlen_q accumulation type]
 //                           [dq_accum: batch*heads*seqlen_q*head_dim float, flash path only]
 
@@ -180,7 +188,7 @@ const char* attention_params_error(const AttentionParams& p) {
 
 bool attention_uses_tensor_cores(const AttentionParams& p) {
   const bool dtype_ok = p.dtype == DataType::kFloat16 || p.dtype == DataType::kBFloat16;
-  const bool dims_ok = p.head_dim == p.head_dim_v && (p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128);
+  const bool dims_ok = flash_tile_dim(p) != 0;
   return dtype_ok && dims_ok &&
       rows_16b_aligned(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride) &&
       rows_16b_aligned(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
@@ -203,7 +211,7 @@ cudaError_t run_attention_forward(const AttentionParams& p, cudaStream_t stream)
       cudaError_t err = cudaSuccess;
       if constexpr (kIs16Bit<T>) {
         if (flash) {
-          err = switch_flash_head_dim(p.head_dim, [&](auto dim) {
+          err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
               return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(p, stream);
             });
@@ -251,7 +259,7 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
           if (err != cudaSuccess) {
             return err;
           }
-          return switch_flash_head_dim(p.head_dim, [&](auto dim) {
+          return switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
               return run_flash_bwd_<T, decltype(dim)::value, decltype(causal)::value>(p, dq_accum, delta, stream);
             });

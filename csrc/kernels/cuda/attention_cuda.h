@@ -27,7 +27,10 @@ const char* attention_params_error(const AttentionParams& params);
 inline constexpr int kMaxHeadDim = 512;
 
 // True when these params run the flash (tensor-core) kernels on the current device: float16
-// or bfloat16, head_dim == head_dim_v in {32, 64, 128}, 16-byte aligned rows, sm_80 or newer.
+// or bfloat16; head_dim and head_dim_v multiples of 8, at most 256 (run on the smallest
+// compiled size >= both, kFlashHeadDims in kernel_traits.h, the padding masked); every row of
+// q, k, v and out (and, in the backward, grad_out, grad_k, grad_v) 16-byte aligned: base
+// pointer, batch, head and row strides all multiples of 8 elements; sm_80 or newer.
 // Everything else runs the generic kernels (same semantics, CUDA cores, any head dim).
 bool attention_uses_tensor_cores(const AttentionParams& params);
 

@@ -13,7 +13,8 @@
 //                                       to the same query rows).
 //      Each warp owns 16 key rows, so it computes S^T = K Q^T and dP^T = V dO^T directly: their
 //      accumulators are already the A operands of dV += P^T dO and dK += dS^T Q. dQ needs dS
-//      row-major by query, so dS^T goes through shared memory once.
+//      row-major by query, so dS^T goes through shared memory once. Above head dim 96, two
+//      warps own the same 16 keys, each the dK and dV of half the head dim (kColSplit).
 //   3. flash_bwd_dq_kernel: dQ = scale * accumulated dQ, converted to the element type.
 #pragma once
 
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   constexpr int kD = Traits::kHeadDim, kBM = Traits::kBlockM, kBN = Traits::kBlockN;
   constexpr int kRS = Traits::kRowStride, kDsRS = Traits::kDsRowStride, kNT = Traits::kNThreads;
   constexpr int kQTiles = kBM / 8;  // 8-column accumulator tiles of one warp's S^T, dP^T
-  constexpr int kDTiles = kD / 8;   // ... and of its dK, dV
+  constexpr int kDTiles = Traits::kColsPerWarp / 8;  // ... and of its dK, dV columns
   constexpr int kDqTiles = Traits::kDqCols / 8;
 
   Element* sK = shared_memory<Element>();
@@ -50,7 +51,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = b * params.num_heads + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The warp's 16 keys, and its share of dK and dV's columns (from col0 on).
+  const int key_warp = warp % Traits::kKeyWarps, col0 = (warp / Traits::kKeyWarps) * Traits::kColsPerWarp;
   const int seqlen_q = static_cast<int>(params.seqlen_q), seqlen_k = static_cast<int>(params.seqlen_k);
+  const int dim = static_cast<int>(params.head_dim), dim_v = static_cast<int>(params.head_dim_v);
 
   const Element* q = static_cast<const Element*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
   const int64_t kv = params.kv_head(h);  // grouped-query attention: dK/dV are per query head (binding sums)
@@ -60,7 +64,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       h * params.grad_out_head_stride;
   const float* lse = static_cast<const float*>(params.lse) + bh * seqlen_q;
   const float* delta_bh = delta + bh * seqlen_q;
-  float* dq_bh = dq_accum + bh * seqlen_q * kD;
+  float* dq_bh = dq_accum + bh * seqlen_q * dim;  // [seqlen_q][dim]: the padding is not accumulated
   const float* grad_weights = params.grad_weights == nullptr
       ? nullptr
       : static_cast<const float*>(params.grad_weights) + b * params.grad_weights_batch_stride +
@@ -77,8 +81,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   // partial block, get lse = +inf so that every exp2(s - lse) is exactly 0.
   auto load_query_block = [&](int m, int buf) {
     const int m0 = m * kBM;
-    load_tile_async<kBM, kD, kRS, kNT>(sQ + buf * kBM * kRS, q, params.q_row_stride, m0, seqlen_q);
-    load_tile_async<kBM, kD, kRS, kNT>(sdO + buf * kBM * kRS, dout, params.grad_out_row_stride, m0, seqlen_q);
+    load_tile_async<kBM, kD, kRS, kNT>(sQ + buf * kBM * kRS, q, params.q_row_stride, m0, seqlen_q, dim);
+    load_tile_async<kBM, kD, kRS, kNT>(sdO + buf * kBM * kRS, dout, params.grad_out_row_stride, m0, seqlen_q, dim_v);
     for (int i = threadIdx.x; i < kBM; i += kNT) {
       const int row = m0 + i;
       const float l = row < seqlen_q ? lse[row] : neg_inf<float>();
@@ -88,7 +92,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   };
 
   // This thread's key rows of the warp's 16: r = 0 -> key_a, r = 1 -> key_a + 8.
-  const int key_a = n0 + warp * 16 + lane / 4;
+  const int key_a = n0 + key_warp * 16 + lane / 4;
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const ScoreMask<float> mask(params, b, h, kLog2e);
@@ -98,8 +102,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   float acc_dv[kDTiles][4] = {};
 
   if (m_begin < m_blocks) {  // else no query sees these keys: dK = dV = 0
-    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0, seqlen_k);
-    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0, seqlen_k);
+    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0, seqlen_k, dim);
+    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0, seqlen_k, dim_v);
     load_query_block(m_begin, 0);
     cp_async_commit();
 
@@ -125,8 +129,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         uint32_t ak[4], av[4];
-        ldmatrix_x4(ak, sK + (warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
-        ldmatrix_x4(av, sV + (warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
+        ldmatrix_x4(ak, sK + (key_warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
+        ldmatrix_x4(av, sV + (key_warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
 #pragma unroll
         for (int np = 0; np < kBM / 16; ++np) {
           const int row = (np * 16 + (lane / 16) * 8 + lane % 8) * kRS + ks * 16 + ((lane / 8) % 2) * 8;
@@ -187,8 +191,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
             pack2<Element>(acc_dp[2 * ks + 1][2], acc_dp[2 * ks + 1][3]),
         };
 #pragma unroll
-        for (int dd = 0; dd < kD / 16; ++dd) {
-          const int row = (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kRS + dd * 16 + (lane / 16) * 8;
+        for (int dd = 0; dd < Traits::kColsPerWarp / 16; ++dd) {
+          const int row = (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kRS + col0 + dd * 16 + (lane / 16) * 8;
           uint32_t bo[4], bq[4];
           ldmatrix_x4_trans(bo, cdO + row);
           ldmatrix_x4_trans(bq, cQ + row);
@@ -199,13 +203,15 @@ __global__ void __launch_bounds__(Traits::kNThreads)
         }
       }
 
-      // dS^T -> sdS, transposed to [query][key].
+      // dS^T -> sdS, transposed to [query][key], by the first warp of each 16 keys.
+      if (col0 == 0) {
 #pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt) {
+        for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sdS[(nt * 8 + col_in_tile + (i % 2)) * kDsRS + warp * 16 + lane / 4 + (i / 2) * 8] =
-              from_acc<Element>(acc_dp[nt][i]);
+          for (int i = 0; i < 4; ++i) {
+            sdS[(nt * 8 + col_in_tile + (i % 2)) * kDsRS + key_warp * 16 + lane / 4 + (i / 2) * 8] =
+                from_acc<Element>(acc_dp[nt][i]);
+          }
         }
       }
       __syncthreads();  // sdS is complete
@@ -231,10 +237,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       for (int i = 0; i < 4; ++i) {
         const int row = m0 + wm * 16 + lane / 4 + (i / 2) * 8;
         if (row < seqlen_q) {
-          float* dq_row = dq_bh + static_cast<int64_t>(row) * kD + wn * Traits::kDqCols + col_in_tile + (i % 2);
+          const int col = wn * Traits::kDqCols + col_in_tile + (i % 2);
+          float* dq_row = dq_bh + static_cast<int64_t>(row) * dim + col;
 #pragma unroll
           for (int dt = 0; dt < kDqTiles; ++dt) {
-            atomicAdd(dq_row + dt * 8, acc_dq[dt][i]);
+            if (col + dt * 8 < dim) {
+              atomicAdd(dq_row + dt * 8, acc_dq[dt][i]);
+            }
           }
         }
       }
@@ -251,13 +260,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   for (int r = 0; r < 2; ++r) {
     const int key = key_a + r * 8;
     if (key < seqlen_k) {
-      Element* dk_row = dk + key * params.grad_k_row_stride + col_in_tile;
-      Element* dv_row = dv + key * params.grad_v_row_stride + col_in_tile;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        store_pair(dk_row + dt * 8, acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
-        store_pair(dv_row + dt * 8, acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
-      }
+      store_row(dk + key * params.grad_k_row_stride + col0 + col_in_tile, acc_dk, r, scale, col0, dim);
+      store_row(dv + key * params.grad_v_row_stride + col0 + col_in_tile, acc_dv, r, 1.f, col0, dim_v);
     }
   }
 #endif
@@ -281,13 +285,15 @@ __global__ void flash_bwd_dq_kernel(const AttentionBackwardParams params, const 
 
 }  // namespace device
 
-// Host launcher, instantiated per (dtype, head dim, causal) in flash_bwd_hdim*.cu. `dq_accum`
-// ([batch, heads, seqlen_q, head_dim] float) must be zeroed and `delta` ([batch, heads,
+// Host launcher, instantiated per (dtype, compiled head dim, causal) in flash_bwd_hdim*.cu, for
+// any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8. `dq_accum`
+// ([batch, heads, seqlen_q, head_dim] float, the problem's own head_dim) must be zeroed and `delta` ([batch, heads,
 // seqlen_q] float) computed, on `stream`, before this runs.
 template <typename Element, int kHeadDim, bool kIsCausal>
 cudaError_t run_flash_bwd_(const AttentionBackwardParams& params, float* dq_accum, const float* delta,
                            cudaStream_t stream) {
   using Traits = FlashBwdTraits<kHeadDim>;
+  static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
   const dim3 grid(static_cast<unsigned>((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN),
                   static_cast<unsigned>(params.num_heads), static_cast<unsigned>(params.batch));
   cudaError_t err = launch_kernel(device::flash_bwd_kernel<Traits, Element, kIsCausal>, grid,

@@ -24,12 +24,14 @@ namespace device {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-// Rows [row0, row0 + kRows) of a [seqlen, kHeadDim] matrix (rows `row_stride` elements apart,
-// each contiguous) into a shared tile whose rows are kRowStride elements apart, 16 bytes per
-// cp.async. Rows at or past `seqlen` are zero-filled.
+// Rows [row0, row0 + kRows) of a [seqlen, cols] matrix (rows `row_stride` elements apart, each
+// contiguous) into a shared [kRows][kHeadDim] tile whose rows are kRowStride elements apart, 16
+// bytes per cp.async. Rows at or past `seqlen`, and columns at or past `cols` (the operand's own
+// head dim, a multiple of 8 elements, padded up to the compiled kHeadDim), are zero-filled
+// without being read: the zeros add nothing to any product over the head dim.
 template <int kRows, int kHeadDim, int kRowStride, int kNThreads, typename Element>
 __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
-                                                int64_t row_stride, int row0, int seqlen) {
+                                                int64_t row_stride, int row0, int seqlen, int cols) {
   constexpr int kElemsPerChunk = 16 / sizeof(Element);
   constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
   constexpr int kChunks = kRows * kChunksPerRow;
@@ -37,9 +39,9 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
 #pragma unroll
   for (int i = threadIdx.x; i < kChunks; i += kNThreads) {
     const int r = i / kChunksPerRow, c = i % kChunksPerRow;
-    const bool valid = row0 + r < seqlen;
-    // An invalid row reads nothing, but the address handed to cp.async must still be legal.
-    const Element* src = gmem + (valid ? (row0 + r) * row_stride : 0) + c * kElemsPerChunk;
+    const bool valid = row0 + r < seqlen && c * kElemsPerChunk < cols;
+    // An invalid chunk reads nothing, but the address handed to cp.async must still be legal.
+    const Element* src = gmem + (valid ? (row0 + r) * row_stride + c * kElemsPerChunk : 0);
     cp_async_16(smem + r * kRowStride + c * kElemsPerChunk, src, valid);
   }
 }
@@ -48,6 +50,21 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
 template <typename Element>
 __device__ __forceinline__ void store_pair(Element* dst, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(lo, hi);
+}
+
+// Stores a thread's pairs of one accumulator row, 8-column tiles [0, kTiles) from `col0` of the
+// tile on, into `row` (whose column 0 is the tile's column col0 + col_in_tile): only the
+// columns below `cols`, the operand's own head dim, exist in memory (a multiple of 8, so a
+// pair is wholly in or out). r picks the fragment's row (0: g, 1: g + 8).
+template <int kTiles, typename Element>
+__device__ __forceinline__ void store_row(Element* row, const float (&acc)[kTiles][4], int r, float mul,
+                                          int col0, int cols) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    if (col0 + t * 8 < cols) {
+      store_pair(row + t * 8, acc[t][2 * r] * mul, acc[t][2 * r + 1] * mul);
+    }
+  }
 }
 
 template <typename Traits, typename Element, bool kIsCausal>
@@ -66,6 +83,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int seqlen_q = static_cast<int>(params.seqlen_q), seqlen_k = static_cast<int>(params.seqlen_k);
+  const int dim = static_cast<int>(params.head_dim), dim_v = static_cast<int>(params.head_dim_v);
 
   const Element* q = static_cast<const Element*>(params.q) + b * params.q_batch_stride + h * params.q_head_stride;
   const int64_t kv = params.kv_head(h);  // grouped-query attention: the group's key/value head
@@ -81,13 +99,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
   // empty). "Wait until at most one group is pending" therefore always means "the tile about
   // to be used has landed" while the next one is still in flight.
-  load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q);
+  load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q, dim);
   if (n_blocks > 0) {
-    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, 0, seqlen_k);
+    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, 0, seqlen_k, dim);
   }
   cp_async_commit();
   if (n_blocks > 0) {
-    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, 0, seqlen_k);
+    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, 0, seqlen_k, dim_v);
   }
   cp_async_commit();
 
@@ -125,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     }
     __syncthreads();  // every warp is done with sK: refill it with K(n+1)
     if (n + 1 < n_blocks) {
-      load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0 + kBN, seqlen_k);
+      load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0 + kBN, seqlen_k, dim);
     }
     cp_async_commit();
 
@@ -199,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     }
     __syncthreads();  // every warp is done with sV: refill it with V(n+1)
     if (n + 1 < n_blocks) {
-      load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0 + kBN, seqlen_k);
+      load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0 + kBN, seqlen_k, dim_v);
     }
     cp_async_commit();
   }
@@ -218,11 +236,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     const bool visible = sum > 0.f;
     const float inv = visible ? 1.f / sum : 0.f;
     if (row < seqlen_q) {
-      Element* out_row = out + row * params.out_row_stride + col_in_tile;
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt) {
-        store_pair(out_row + dt * 8, acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
-      }
+      store_row(out + row * params.out_row_stride + col_in_tile, acc_o, r, inv, 0, dim_v);
       if (lane % 4 == 0) {
         lse[row] = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
       }
@@ -233,10 +247,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
 
 }  // namespace device
 
-// Host launcher, instantiated per (dtype, head dim, causal) in flash_fwd_hdim*.cu.
+// Host launcher, instantiated per (dtype, compiled head dim, causal) in flash_fwd_hdim*.cu; it
+// runs any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8.
 template <typename Element, int kHeadDim, bool kIsCausal>
 cudaError_t run_flash_fwd_(const AttentionParams& params, cudaStream_t stream) {
   using Traits = FlashFwdTraits<kHeadDim>;
+  static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM),
                   static_cast<unsigned>(params.num_heads), static_cast<unsigned>(params.batch));
   return launch_kernel(device::flash_fwd_kernel<Traits, Element, kIsCausal>, grid,

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / "instantiations"  # generated files only, apart from the sources written by hand
 
 # (file-name suffix, C++ type)
 FLASH_DTYPES = [("fp16", "__half"), ("bf16", "__nv_bfloat16")]
-FLASH_HEAD_DIMS = [32, 64, 128]
+def _flash_head_dims() -> list[int]:
+    """kFlashHeadDims of kernel_traits.h, the one table of compiled flash head dims."""
+    text = (HERE / "kernel_traits.h").read_text()
+    found = re.search(r"kFlashHeadDims\[\]\s*=\s*\{([^}]*)\}", text)
+    if found is None:
+        raise SystemExit("kernel_traits.h declares no kFlashHeadDims[] = {...}")
+    return [int(d) for d in found.group(1).split(",")]
+
+
+FLASH_HEAD_DIMS = _flash_head_dims()
 GENERIC_DTYPES = [("fp16", "__half"), ("bf16", "__nv_bfloat16"), ("fp32", "float"), ("fp64", "double")]
 GENERIC_REGS = [2, 4, 8, 16]  # head dims up to 64, 128, 256, 512
 

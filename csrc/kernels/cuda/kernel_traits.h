@@ -2,13 +2,13 @@
 //
 // Each warp owns one 16-row MMA tile: in the forward, 16 query rows (so a block covers
 // kBlockM = 16 * kNWarps queries and streams keys kBlockN at a time); in the backward, 16 key
-// rows (a block owns kBlockN = 16 * kNWarps keys and streams queries kBlockM at a time).
+// rows (a block owns kBlockN = 16 * kKeyWarps keys and streams queries kBlockM at a time).
 // Shared-memory rows are padded by 8 elements (16 bytes): rows stay 16-byte aligned for
 // cp.async and ldmatrix, and the 8 row addresses of one ldmatrix phase fall on distinct banks.
 //
-// These are first choices, made without a GPU at hand (register budgets counted by hand: the
-// D=128 backward keeps dK, dV, S, dP and a dQ slice, ~190 floats per thread); tuning them on
-// sm_80 / sm_90 is a change of this file only.
+// These are choices made without a GPU at hand, held to no register spills on sm_80 and sm_90
+// by test_flash_kernels_do_not_spill (tests/ops/test_cuda_build.py, `nvcc -Xptxas -v`); tuning
+// them on a GPU is a change of this file only.
 #pragma once
 
 #include <cstddef>
@@ -30,13 +30,33 @@ using acc_t = typename Accumulator<T>::type;
 
 inline constexpr int kSmemPad = 8;
 
+// The head dims the flash kernels are compiled for: the one table. generate_kernels.py reads it
+// to write instantiations/, and the dispatch (attention_cuda.cu) runs a problem on the smallest
+// entry >= max(head_dim, head_dim_v), the columns past each operand's own size masked.
+inline constexpr int kFlashHeadDims[] = {32, 64, 96, 128, 192, 256};
+inline constexpr int kNumFlashHeadDims = sizeof(kFlashHeadDims) / sizeof(kFlashHeadDims[0]);
+inline constexpr int kMaxFlashHeadDim = kFlashHeadDims[kNumFlashHeadDims - 1];
+
+// Smallest compiled head dim >= dim, or 0 when there is none.
+constexpr int flash_tile_head_dim(int64_t dim) {
+  for (int d : kFlashHeadDims) {
+    if (dim <= d) {
+      return d;
+    }
+  }
+  return 0;
+}
+
+// Forward tiles. A warp keeps its 16 x kHeadDim output (kHeadDim / 2 floats a thread) and a
+// 16 x kBlockN score tile (kBlockN / 4 floats) in registers: above 128 the key tile shrinks to
+// 32 so that the sum stays under the 255-register ceiling without spills.
 template <int kHeadDim_>
 struct FlashFwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = 4;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockM = 16 * kNWarps;
-  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : 64;
+  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : kHeadDim <= 128 ? 64 : 32;
   static constexpr int kRowStride = kHeadDim + kSmemPad;  // of sQ, sK, sV, in elements
 
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0);
@@ -48,21 +68,30 @@ struct FlashFwdTraits {
   }
 };
 
+// Backward tiles. Each key warp owns 16 key rows; its dK and dV (16 x kHeadDim each) live in
+// registers, kHeadDim floats a thread, too many beside S^T and dP^T above head dim 96. There
+// the head dim of dK and dV is split over kColSplit warps that share the same 16 keys: each
+// recomputes their S^T and dP^T (the two products that reduce over the head dim, so 2 of the
+// 5 matrix products are done twice) and accumulates only its kHeadDim / kColSplit columns.
 template <int kHeadDim_>
 struct FlashBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kNWarps = 4;
+  static constexpr int kKeyWarps = 4;
+  static constexpr int kColSplit = kHeadDim <= 96 ? 1 : 2;
+  static constexpr int kNWarps = kKeyWarps * kColSplit;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockN = 16 * kNWarps;          // keys owned by a block
-  static constexpr int kBlockM = kHeadDim <= 64 ? 64 : 32;  // queries per step
-  static constexpr int kRowStride = kHeadDim + kSmemPad;   // of sK, sV, sQ, sdO
-  static constexpr int kDsRowStride = kBlockN + kSmemPad;  // of sdS [kBlockM][kBlockN]
+  static constexpr int kBlockN = 16 * kKeyWarps;            // keys owned by a block
+  // Queries per step; at 256 the S^T and dP^T tiles shrink to 16 queries to avoid spills.
+  static constexpr int kBlockM = kHeadDim <= 64 ? 64 : kHeadDim <= 192 ? 32 : 16;
+  static constexpr int kColsPerWarp = kHeadDim / kColSplit;  // of dK, dV
+  static constexpr int kRowStride = kHeadDim + kSmemPad;     // of sK, sV, sQ, sdO
+  static constexpr int kDsRowStride = kBlockN + kSmemPad;    // of sdS [kBlockM][kBlockN]
   // dQ = dS K is split over the warps as a kDqWarpsM x kDqWarpsN grid of 16 x kDqCols tiles.
   static constexpr int kDqWarpsM = kBlockM / 16;
   static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
   static constexpr int kDqCols = kHeadDim / kDqWarpsN;
 
-  static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0);
+  static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0 && kColsPerWarp % 16 == 0);
   static_assert(kDqWarpsM * kDqWarpsN == kNWarps && kDqCols % 16 == 0);
 
   // sK, sV [kBlockN][kRowStride]; sQ, sdO double-buffered [2][kBlockM][kRowStride];
@@ -78,6 +107,10 @@ struct FlashBwdTraits {
     return smem_elements_bytes<Element>() + sizeof(float) * 4 * kBlockM;
   }
 };
+
+// Shared memory a block may opt into: sm_80's 163 KB (sm_90 allows 227 KB). Every flash tile
+// must fit the smaller, so one build serves both.
+inline constexpr size_t kSm80SmemOptin = 163 * 1024;
 
 // The generic (CUDA-core) kernels: one warp per query row (forward, dQ) or key row (dK, dV);
 // lane l holds elements l, l + 32, ... of the head dim, kRegs of them.
