@@ -10,9 +10,10 @@ tensors out of larger blocks, where an overrun stays inside the block and memche
 without caching every tensor is its own allocation.
 
 Lengths 67 and 131 leave partial query and key tiles on every path; the cases cover the flash
-kernels (float16/bfloat16, head dims 32/64/128, causal or not, masks), the generic kernels
-(float32, float64, a head dim off the tensor-core list, a value head dim unlike the key's), the
-weights kernel and the backward of each. Only the kernels' memory behaviour is checked here;
+kernels (float16/bfloat16, head dims 32/64/96/128/192/256, causal or not, masks; 80 and 160
+padded to the next compiled size), the generic kernels (float32, float64, a head dim off the
+tensor-core list, a value head dim unlike the key's), grouped-query heads, the bottom-right causal
+alignment, the weights kernel and the backward of each. Only the kernels' memory behaviour is checked here;
 the numbers are the tests' job.
 
 initcheck follows the writes of plain kernels (torch.randn's) but not those of cuBLAS's Hopper
@@ -32,16 +33,24 @@ import attn_export
 
 ops = torch.ops.attn_export
 
-# (dtype, head dim, value head dim, causal, masks): masks is "" or a '+'-joined subset of
-# padding, bool, float.
+# (dtype, head dim, value head dim, causal, spec): spec is "" or a '+'-joined subset of the masks
+# padding, bool, float, and of gqa (4 query heads on 2 key/value heads), bottom_right (the causal
+# alignment).
 CASES = [
-    *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 128)
+    *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
       for causal in (False, True)],
+    (torch.float16, 80, 80, True, "padding"),  # padded to the 96 kernels: loads and stores masked
+    (torch.bfloat16, 160, 160, False, "bool"),  # padded to 192
     (torch.float16, 64, 64, True, "padding+float"),
     (torch.bfloat16, 128, 128, False, "bool"),
     (torch.float32, 64, 64, True, "padding+bool"),
     (torch.float64, 40, 24, False, "float"),
-    (torch.float16, 40, 40, False, ""),
+    (torch.float16, 36, 36, False, ""),  # not a multiple of 8: the generic kernels
+    # Grouped-query heads (the binding sums dK/dV over each group) and bottom-right causality
+    # (Lq < Lk here; rows without a key are the emulator's and the tests' job).
+    (torch.float16, 64, 64, True, "gqa+bottom_right"),
+    (torch.bfloat16, 128, 128, True, "gqa+padding"),
+    (torch.float32, 64, 64, True, "gqa+bottom_right"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -50,7 +59,8 @@ QUICK = [
     (torch.float16, 64, 64, True, "padding+float"),
     (torch.bfloat16, 128, 128, False, "bool"),
     (torch.float32, 64, 64, True, "padding+bool"),
-    (torch.float16, 40, 40, False, ""),
+    (torch.float16, 36, 36, False, ""),
+    (torch.float16, 64, 64, True, "gqa+bottom_right"),
 ]
 assert all(case in CASES for case in QUICK)
 
@@ -72,18 +82,20 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     """Forward and backward of the core (autograd), the weights and their gradient (the operator
     pair, its backward without the saved output, so the binding's recomputing forward runs too),
     and, with ``layer``, the layer returning weights. The names of the results that are not finite."""
-    B, H = 2, 3
+    B, H, Hkv = (2, 4, 2) if "gqa" in spec else (2, 3, 3)
+    alignment = 1 if "bottom_right" in spec else 0
     q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
-    k = torch.randn(B, H, Lk, d, dtype=dtype, device=device, requires_grad=True)
-    v = torch.randn(B, H, Lk, dv, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, dv, dtype=dtype, device=device, requires_grad=True)
     masks = masks_for(spec, B, Lq, Lk, dtype, device)
-    out = attn_export.attention(q, k, v, is_causal=causal, **masks)
+    out = attn_export.attention(q, k, v, is_causal=causal, causal_alignment=alignment, **masks)
     results = {"out": out, **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), torch.randn_like(out))))}
     mask, padding = masks.get("attn_mask"), masks.get("key_padding_mask")
     with torch.no_grad():
-        _, lse, weights = ops._attention_forward(q, k, v, mask, padding, causal, None, True)
+        _, lse, weights = ops._attention_forward(q, k, v, mask, padding, causal, None, True,
+                                                 causal_alignment=alignment)
         grads = ops._attention_backward(torch.randn_like(out), torch.randn_like(weights), q, k, v, lse, mask, padding,
-                                        causal, None)
+                                        causal, None, causal_alignment=alignment)
     results.update(weights=weights, **dict(zip(("dq(weights)", "dk(weights)", "dv(weights)"), grads)))
     if layer:
         # The in-projection is a cuBLAS GEMM: initcheck does not see its writes (gpu_check.sh).

@@ -1,6 +1,8 @@
-"""What only the GPU has: the CUDA kernels' tensor-core head dims (32/64/128) and generic ones
-(40) over sequence lengths 1..4096, unequal lengths, the fake kernels' strides on CUDA tensors,
-strided inputs on a side stream, and agreement with the CPU operator.
+"""What only the GPU has: the CUDA kernels' tensor-core head dims (compiled: 32/64/96/128/192/256;
+padded to the next compiled size: 40, 80) and the generic path (float32; head dim 36, not a
+multiple of 8) over sequence lengths 1..4096, unequal lengths, grouped-query heads and both causal
+alignments, the fake kernels' strides on CUDA tensors, strided inputs on a side stream, and
+agreement with the CPU operator.
 
 The tests that hold on every device (every mask kind, fully masked rows, weights and their
 gradient, float64 gradcheck, opcheck; the layer against nn.MultiheadAttention) take a `device`
@@ -45,11 +47,39 @@ def _core_check(B, H, Lq, Lk, D, dtype, masks, backward=True):
 # ---- The attention core ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40, 80, 36])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
 def test_core_matches_reference(dtype, head_dim, causal, seqlen):
     _core_check(2, 3, seqlen, seqlen, head_dim, dtype, {"is_causal": causal})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(97, 1025), (1025, 97), (1, 4096)])
+def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignment, Lq, Lk):
+    """Key/value heads read in place by each group of query heads (dK/dV summed over the group),
+    and causality top-left or bottom-right (Lq > Lk leaves rows with no key: zeros)."""
+    _require_cuda_kernels()
+    H = 8
+    make = lambda *shape: torch.randn(*shape, dtype=dtype, device=DEVICE, requires_grad=True)  # noqa: E731
+    q, k, v = make(2, H, Lq, head_dim), make(2, H // group, Lk, head_dim), make(2, H // group, Lk, head_dim)
+    masks = {"is_causal": True, "causal_alignment": alignment}
+    out = attn_export.attention(q, k, v, **masks)
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    n = max(Lq, Lk, head_dim)
+    assert out.shape == exact.shape and torch.isfinite(out).all()
+    assert_within(out, plain, exact, dtype, "output", n)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_grads = torch.autograd.grad(plain, (q, k, v), grad)
+    for g, p, w, t, name in zip(got, plain_grads, want, (q, k, v), "qkv"):
+        assert g.shape == t.shape, f"grad {name}"
+        assert_within(g, p, w, dtype, f"grad {name}", n, scale=w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
