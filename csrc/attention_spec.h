@@ -128,6 +128,29 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
 
+// The values a restricted attribute may take: finite, >= min and, when bounded_above, <= max
+// (an INT attribute's values are integers by its type), with a short phrase of what they mean.
+// The one check of the binding (csrc/ops/attention_binding.cpp, over the trailing attributes
+// of attention_params.h), the fake kernels' (exporter/attn_export/ops/fake.py) and the
+// exporter's node_attributes (onnx/node.py) read this table and word the refusal from it:
+// "<name> must be finite and >= <min> (<meaning>); got <value>" without an upper bound,
+// "<name> must be <min> or <max> (<meaning>)" when max = min + 1, "<min> to <max>" otherwise.
+// An attribute not listed takes any value of its type.
+struct AttributeRange {
+  const char* name;
+  double min;
+  bool bounded_above;
+  double max;
+  const char* meaning;
+};
+
+inline constexpr int kNumAttributeRanges = 2;
+inline constexpr AttributeRange kAttributeRanges[kNumAttributeRanges] = {
+    {kAttrSoftcap, 0.0, false, 0.0, "0 = off"},
+    {kAttrCausalAlignment, 0.0, true, 1.0,
+     "0 = top-left: query i sees keys j <= i; 1 = bottom-right: keys j <= i + Lk - Lq"},
+};
+
 // Element types: the values of ONNX's TensorProto.DataType, with the names the exporter and
 // the plugin print. T (query, key, value, output) is one of kTensorTypes; M (the masks) is
 // kMaskType.

@@ -1,6 +1,7 @@
 """One spec for the node's names (csrc/attention_spec.h): the C++ compiler, the Python parser,
 the exported ONNX and the docs must all say the same thing."""
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -51,6 +52,13 @@ int main() {
     else std::printf("%d]", a.default_int);
     std::printf("%s", n + 1 < kNumAttributes ? ", " : "");
   }
+  std::printf("], \"attribute_ranges\": [");
+  for (int n = 0; n < kNumAttributeRanges; ++n) {
+    const AttributeRange& r = kAttributeRanges[n];
+    std::printf("[\"%s\", %.17g, ", r.name, r.min);
+    if (r.bounded_above) std::printf("%.17g", r.max); else std::printf("null");
+    std::printf(", \"%s\"]%s", r.meaning, n + 1 < kNumAttributeRanges ? ", " : "");
+  }
   std::printf("], ");
   i("num_plugin_fields", kNumPluginFields); i("mask_type", kMaskType);
   s("torch_namespace", kTorchNamespace); s("torch_op_attention", kOpAttention);
@@ -81,6 +89,8 @@ def test_the_compiled_header_and_the_python_parser_agree(tmp_path):
     parsed = spec_mod.spec_from_header(HEADER.read_text())
     attributes = compiled.pop("attributes")
     assert [[a.name, a.type, a.required, a.default] for a in parsed.attributes] == attributes
+    ranges = compiled.pop("attribute_ranges")
+    assert [[r.name, r.min, r.max, r.meaning] for r in parsed.attribute_ranges] == ranges
     for field, value in compiled.items():
         got = getattr(parsed, field)
         assert (list(got) if isinstance(got, tuple) else got) == value, field
@@ -98,6 +108,9 @@ def test_parser_rejects_an_incomplete_or_inconsistent_header():
     swapped = text.replace("kInputKey = 1;", "kInputKey = 2;")
     with pytest.raises(spec_mod.SpecError, match="positions"):
         spec_mod.spec_from_header(swapped)
+    stray = text.replace("{kAttrSoftcap, 0.0, false", "{kOpType, 0.0, false")
+    with pytest.raises(spec_mod.SpecError, match="kAttributeRanges names 'FusedAttention', which is not in kAttributes"):
+        spec_mod.spec_from_header(stray)
     # A name quoted in a comment is not a definition.
     assert spec_mod.parse_header('// inline constexpr int kX = 1;\n') == {}
     # Float literals (FLOAT attributes' defaults) stay floats; integers stay integers.
@@ -223,6 +236,32 @@ def test_trailing_attributes_end_every_core_schema(op_field, before):
     assert listed, "ATTN_EXPORT_TRAILING_ATTRIBUTES lists nothing (csrc/attention_params.h)"
     assert tail == listed, (f"{op} (csrc/attention_spec.h) ends with {tail} after {before!r}; "
                             f"ATTN_EXPORT_TRAILING_ATTRIBUTES (csrc/attention_params.h) lists {listed}")
+
+
+def test_attribute_ranges_word_their_rule_and_admit_only_their_values():
+    """kAttributeRanges: the words of every refusal (the binding's, the fake kernels', the
+    exporter's) and the values each restricted attribute admits."""
+    s = spec_mod.load()
+    ranges = {r.name: r for r in s.attribute_ranges}
+    assert ranges[s.attr_softcap].rule == "finite and >= 0 (0 = off)"
+    assert ranges[s.attr_causal_alignment].rule == (
+        "0 or 1 (0 = top-left: query i sees keys j <= i; 1 = bottom-right: keys j <= i + Lk - Lq)")
+    assert spec_mod.AttributeRange("x", -1.0, 4.0, "m").rule == "-1 to 4 (m)"
+    softcaps = (-2.0, -1e-30, 0.0, 1e-30, 50.0, math.inf, math.nan)
+    assert [c for c in softcaps if ranges[s.attr_softcap].admits(c)] == [0.0, 1e-30, 50.0]
+    assert [a for a in (-1, 0, 1, 2, 7) if ranges[s.attr_causal_alignment].admits(a)] == [0, 1]
+    assert s.refusals({s.attr_softcap: -1e-30, s.attr_scale: math.nan, s.attr_causal_alignment: 1}) == (
+        "softcap must be finite and >= 0 (0 = off); got -1e-30",)
+    assert s.refusals({s.attr_causal_alignment: 2})[0].endswith("; got 2")
+
+
+def test_every_restricted_attribute_is_a_trailing_attribute():
+    """The binding checks the trailing attributes (ATTN_EXPORT_TRAILING_ATTRIBUTES) against
+    kAttributeRanges: a range for any other attribute would never be checked."""
+    trailing = {name for _, name, _ in _trailing_attributes()}
+    for r in spec_mod.load().attribute_ranges:
+        assert r.name in trailing, (f"kAttributeRanges (csrc/attention_spec.h) restricts {r.name!r}, which is not in "
+                                    "ATTN_EXPORT_TRAILING_ATTRIBUTES (csrc/attention_params.h): nothing would check it")
 
 
 def test_the_attention_operators_scalars_are_node_attributes():

@@ -1,6 +1,8 @@
 #include "attention_binding.h"
 
 #include <cmath>
+#include <string>
+#include <string_view>
 
 namespace attn_export::ops {
 namespace {
@@ -164,21 +166,48 @@ double resolve_scale(std::optional<double> scale, int64_t head_dim) {
   return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
 
-void check_softcap(double softcap) {
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0,
-              "attention: softcap must be finite and >= 0 (0 = off); got ", softcap);
+namespace {
+
+// The trailing attribute's range in the spec, or null when it takes any value of its type.
+const spec::AttributeRange* find_range(std::string_view name) {
+  for (const spec::AttributeRange& range : spec::kAttributeRanges) {
+    if (name == range.name) {
+      return &range;
+    }
+  }
+  return nullptr;
 }
 
-void check_causal_alignment(int64_t causal_alignment) {
-  TORCH_CHECK(causal_alignment == kCausalTopLeft || causal_alignment == kCausalBottomRight,
-              "attention: causal_alignment must be 0 (top-left: query i sees keys j <= i) or 1 "
-              "(bottom-right: keys j <= i + Lk - Lq); got ", causal_alignment);
+// What the values must be, as spec.py's AttributeRange.rule words it.
+std::string range_words(const spec::AttributeRange& range) {
+  if (!range.bounded_above) {
+    return c10::str("finite and >= ", range.min, " (", range.meaning, ")");
+  }
+  const char* joint = range.max == range.min + 1 ? " or " : " to ";
+  return c10::str(range.min, joint, range.max, " (", range.meaning, ")");
 }
+
+// The value is printed in its own type (a double as ostream prints it: -2, nan, 1e-30).
+template <typename T>
+void check_attribute_value(const char* name, T value) {
+  const spec::AttributeRange* range = find_range(name);
+  if (range == nullptr) {
+    return;
+  }
+  const double v = static_cast<double>(value);
+  TORCH_CHECK(std::isfinite(v) && v >= range->min && (!range->bounded_above || v <= range->max),
+              "attention: ", name, " must be ", range_words(*range), "; got ", value);
+}
+
+}  // namespace
+
+#define ATTN_EXPORT_CHECK_ATTRIBUTE(type, name, default_value) check_attribute_value(#name, options.name);
 
 void check_core_attributes(const CoreOptions& options) {
-  check_softcap(options.softcap);
-  check_causal_alignment(options.causal_alignment);
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_CHECK_ATTRIBUTE)
 }
+
+#undef ATTN_EXPORT_CHECK_ATTRIBUTE
 
 at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t seqlen_q,
                                int64_t seqlen_k) {

@@ -46,14 +46,9 @@ void check_attention_backward_inputs(
 // 1/sqrt(head_dim) unless given.
 double resolve_scale(std::optional<double> scale, int64_t head_dim);
 
-// Validates a logit soft-cap: finite and >= 0 (0 = off). The fake kernels raise the same message.
-void check_softcap(double softcap);
-
-// Validates a causal alignment: kCausalTopLeft (0) or kCausalBottomRight (1). The fake kernels
-// raise the same message.
-void check_causal_alignment(int64_t causal_alignment);
-
-// Every check of the core's scalar attributes (softcap, causal_alignment).
+// Checks each trailing attribute (ATTN_EXPORT_TRAILING_ATTRIBUTES) against its range in the spec
+// (csrc/attention_spec.h kAttributeRanges): "attention: <name> must be <rule>; got <value>".
+// The fake kernels raise the same message.
 void check_core_attributes(const CoreOptions& options);
 
 // An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts

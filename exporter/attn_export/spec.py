@@ -11,10 +11,11 @@ exported models carry exactly these names. See docs/onnx_node.md.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 _HEADER = "attention_spec.h"
 
@@ -119,6 +120,35 @@ class Attribute:
 
 
 @dataclass(frozen=True)
+class AttributeRange:
+    """The values a restricted attribute may take (kAttributeRanges): finite, >= min and <= max
+    (max None: no upper bound), with a short phrase of what they mean."""
+
+    name: str
+    min: float
+    max: Optional[float]
+    meaning: str
+
+    @property
+    def rule(self) -> str:
+        """What the values must be, as the refusal words it (the C++ range_words)."""
+        if self.max is None:
+            return f"finite and >= {self.min:g} ({self.meaning})"
+        joint = "or" if self.max == self.min + 1 else "to"
+        return f"{self.min:g} {joint} {self.max:g} ({self.meaning})"
+
+    def admits(self, value) -> bool:
+        value = float(value)
+        return math.isfinite(value) and value >= self.min and (self.max is None or value <= self.max)
+
+    def refusal(self, value) -> str:
+        """"<name> must be <rule>; got <value>", the value printed as C++'s ostream prints its
+        type (:g for a double: -2, nan, 1e-30)."""
+        shown = f"{value:g}" if isinstance(value, float) else f"{value}"
+        return f"{self.name} must be {self.rule}; got {shown}"
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     domain: str
     domain_version: int
@@ -137,6 +167,7 @@ class AttentionSpec:
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
+    attribute_ranges: Tuple[AttributeRange, ...]  # the restricted attributes' values
     num_plugin_fields: int
     input_names: Tuple[str, ...]
     output_names: Tuple[str, ...]
@@ -169,6 +200,13 @@ class AttentionSpec:
     def attribute(self) -> Dict[str, Attribute]:
         """The attributes by name."""
         return {a.name: a for a in self.attributes}
+
+    def refusals(self, values: Dict[str, object]) -> Tuple[str, ...]:
+        """For each value (by attribute name) outside its attribute's range (kAttributeRanges):
+        why it is refused. Names without a range, and values in range, give nothing."""
+        ranges = {r.name: r for r in self.attribute_ranges}
+        return tuple(ranges[name].refusal(value) for name, value in values.items()
+                     if name in ranges and not ranges[name].admits(value))
 
     @property
     def plugin_fields(self) -> Tuple[Attribute, ...]:
@@ -211,6 +249,7 @@ _FIELDS = {
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",
+    "attribute_ranges": "kAttributeRanges",
     "num_plugin_fields": "kNumPluginFields",
     "input_names": "kInputNames",
     "output_names": "kOutputNames",
@@ -247,6 +286,13 @@ def _attribute(entry: Dict[str, object]) -> Attribute:
     return Attribute(entry["name"], entry["type"], entry["required"], default)
 
 
+def _attribute_range(entry: Dict[str, object], attributes: Dict[str, Attribute]) -> AttributeRange:
+    if entry["name"] not in attributes:
+        raise SpecError(f"{_HEADER}: kAttributeRanges names {entry['name']!r}, which is not in kAttributes")
+    upper = float(entry["max"]) if entry["bounded_above"] else None
+    return AttributeRange(entry["name"], float(entry["min"]), upper, entry["meaning"])
+
+
 def spec_from_header(text: str) -> AttentionSpec:
     values = parse_header(text)
     missing = [const for const in _FIELDS.values() if const not in values]
@@ -254,6 +300,8 @@ def spec_from_header(text: str) -> AttentionSpec:
         raise SpecError(f"{_HEADER} does not define {', '.join(missing)}")
     fields = {field: values[const] for field, const in _FIELDS.items()}
     fields["attributes"] = tuple(_attribute(entry) for entry in fields["attributes"])
+    by_name = {a.name: a for a in fields["attributes"]}
+    fields["attribute_ranges"] = tuple(_attribute_range(entry, by_name) for entry in fields["attribute_ranges"])
     spec = AttentionSpec(**fields)
     positions = [values.get(f"kInput{''.join(p.title() for p in n.split('_'))}") for n in spec.input_names]
     if positions != list(range(len(spec.input_names))) or values.get("kNumInputs") != len(spec.input_names):

@@ -261,13 +261,23 @@ def test_kv_num_heads_is_written_on_every_node():
     (dict(softcap=-1e-9), "softcap must be finite and >= 0 (0 = off); got -1e-09"),
     (dict(num_heads=8, kv_num_heads=3), "kv_num_heads must divide num_heads=8; got 3"),
     (dict(kv_num_heads=0), "kv_num_heads must divide num_heads=2; got 0"),
-    (dict(causal_alignment=2), "causal_alignment must be 0 (top-left) or 1 (bottom-right); got 2"),
+    (dict(causal_alignment=2), "causal_alignment must be 0 or 1 (0 = top-left: query i sees keys j <= i; "
+                               "1 = bottom-right: keys j <= i + Lk - Lq); got 2"),
 ])
 def test_node_attributes_refuse_bad_values_with_the_rule(kwargs, message):
     args = dict(num_heads=2, scale=0.5, is_causal=False, has_key_padding_mask=False, has_attn_mask=False)
     with pytest.raises(ValueError) as info:
         onnx_node.node_attributes(**{**args, **kwargs})
     assert str(info.value) == message
+
+
+def test_an_undescribed_attribute_is_refused_naming_it_and_the_file_to_fix(monkeypatch):
+    monkeypatch.delitem(onnx_node._ATTRIBUTE_DOCS, "softcap")
+    monkeypatch.setattr(onnx_node.onnx.defs, "has", lambda *_: False)  # as in a fresh process
+    with pytest.raises(spec.SpecError) as info:
+        onnx_node.register_schema()
+    assert str(info.value) == ("the node attribute 'softcap' of kAttributes (csrc/attention_spec.h) has no description: "
+                               "add one to _ATTRIBUTE_DOCS in exporter/attn_export/onnx/node.py")
 
 
 def test_the_minimum_opset_is_accepted_and_the_refusal_names_it():

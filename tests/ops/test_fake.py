@@ -63,6 +63,42 @@ def test_softcap_checks_agree(softcap):
         assert "softcap must be finite and >= 0" in message and "got" in message
 
 
+@pytest.mark.parametrize("alignment", [2, -1, 7])
+def test_causal_alignment_checks_agree(alignment):
+    for op, args in ((ops.attention, (q, k, v, None, None, True, None, 0.0, alignment)),
+                     (ops._attention_forward, (q, k, v, None, None, True, None, False, 0.0, alignment))):
+        message = _same_error_real_and_fake(op, *args)
+        assert message == ("attention: causal_alignment must be 0 or 1 (0 = top-left: query i sees keys j <= i; "
+                           f"1 = bottom-right: keys j <= i + Lk - Lq); got {alignment}")
+
+
+SPEC = attn_export.spec.load()
+RANGES = {r.name: r for r in SPEC.attribute_ranges}
+
+
+def _outside(name):
+    """Values of the attribute's type just outside its range (kAttributeRanges); a FLOAT also nan."""
+    r = RANGES[name]
+    values = [r.min - 1, *([] if r.max is None else [r.max + 1])]
+    if SPEC.attribute[name].type_name == "INT":
+        return [int(x) for x in values]
+    return [*values, float("nan")]
+
+
+@pytest.mark.parametrize("name", list(RANGES))
+def test_every_restricted_attribute_is_refused_in_the_spec_words(name):
+    """The binding's one check and the fake kernels' word each refusal from the spec's range:
+    "attention: <name> must be <rule>; got <value>", for the forward and the backward too."""
+    lse = torch.zeros(2, 3, 5)
+    calls = ((ops.attention, (q, k, v)),
+             (ops._attention_forward, (q, k, v, None, None, False, None, False)),
+             (ops._attention_backward, (torch.zeros_like(q), None, q, k, v, lse, None, None, False, None)))
+    for value in _outside(name):
+        for op, args in calls:
+            message = _same_error_real_and_fake(lambda *a, op=op: op(*a, **{name: value}), *args)
+            assert message == f"attention: {RANGES[name].refusal(value)}"
+
+
 E, H = 8, 2
 x = torch.randn(2, 5, E)
 w_in, b_in, w_out, b_out = torch.randn(3 * E, E), torch.randn(3 * E), torch.randn(E, E), torch.randn(E)

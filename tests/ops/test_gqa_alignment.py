@@ -238,7 +238,7 @@ def test_export_keeps_one_node_with_dynamic_batch_and_lengths():
 @pytest.mark.parametrize("bad", [2, -1, 7])
 def test_bad_causal_alignment_is_refused_clearly(bad):
     q, k, v = gqa_inputs(1, 3, 3, 4, 1, requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"causal_alignment must be 0 \(top-left.*or 1 \(bottom-right.*got "
+    with pytest.raises(RuntimeError, match=r"causal_alignment must be 0 or 1 \(0 = top-left.*1 = bottom-right.*got "
                                            + str(bad)):
         attn_export.attention(q, k, v, is_causal=True, causal_alignment=bad)
 

@@ -47,6 +47,13 @@ _ATTRIBUTE_DOCS = {
 }
 
 
+def _attribute_doc(name: str) -> str:
+    if name not in _ATTRIBUTE_DOCS:
+        raise _spec.SpecError(f"the node attribute {name!r} of kAttributes (csrc/attention_spec.h) has no "
+                              "description: add one to _ATTRIBUTE_DOCS in exporter/attn_export/onnx/node.py")
+    return _ATTRIBUTE_DOCS[name]
+
+
 def register_schema() -> None:
     """Registers the node's OpSchema with onnx (once per process; later calls do nothing)."""
     s = _spec.load()
@@ -58,8 +65,8 @@ def register_schema() -> None:
         OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
     ]
     attributes = [
-        OpSchema.Attribute(a.name, OpSchema.AttrType(a.type), _ATTRIBUTE_DOCS[a.name], required=True)
-        if a.required else OpSchema.Attribute(a.name, _default_attribute(a), _ATTRIBUTE_DOCS[a.name])
+        OpSchema.Attribute(a.name, OpSchema.AttrType(a.type), _attribute_doc(a.name), required=True)
+        if a.required else OpSchema.Attribute(a.name, _default_attribute(a), _attribute_doc(a.name))
         for a in s.attributes
     ]
     schema = OpSchema(
@@ -90,12 +97,11 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         raise ValueError(f"num_heads must be >= 1; got {num_heads}")
     if kv_num_heads is not None and (kv_num_heads < 1 or num_heads % kv_num_heads):
         raise ValueError(f"kv_num_heads must divide num_heads={num_heads}; got {kv_num_heads}")
-    if causal_alignment not in (0, 1):
-        raise ValueError(f"causal_alignment must be 0 (top-left) or 1 (bottom-right); got {causal_alignment}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
+    refusals = s.refusals({s.attr_softcap: softcap, s.attr_causal_alignment: causal_alignment})
+    if refusals:
+        raise ValueError(refusals[0])
     return {
         s.attr_num_heads: int(num_heads),
         s.attr_scale: float(scale),

@@ -9,8 +9,6 @@ A fake takes its operator's arguments as the schema in csrc/attention_spec.h ord
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from attn_export import spec as _spec
@@ -248,28 +246,11 @@ def _check_layer_masks(query, key, num_heads, attn_mask, key_padding_mask, batch
         )
 
 
-def check_softcap(softcap) -> None:
-    """The C++ check_softcap's check and message: finite and >= 0 (0 = off)."""
-    torch._check(
-        math.isfinite(softcap) and softcap >= 0.0,
-        # :g prints a double as the C++ message's ostream does (-2, nan, 1e-30).
-        lambda: f"attention: softcap must be finite and >= 0 (0 = off); got {softcap:g}",
-    )
-
-
-def check_causal_alignment(causal_alignment) -> None:
-    """The C++ check_causal_alignment's check and message: 0 (top-left) or 1 (bottom-right)."""
-    torch._check(
-        causal_alignment in (0, 1),
-        lambda: "attention: causal_alignment must be 0 (top-left: query i sees keys j <= i) or 1 "
-        f"(bottom-right: keys j <= i + Lk - Lq); got {causal_alignment}",
-    )
-
-
-def check_core_attributes(softcap, causal_alignment) -> None:
-    """The C++ check_core_attributes: every check of the core's scalar attributes."""
-    check_softcap(softcap)
-    check_causal_alignment(causal_alignment)
+def check_core_attributes(attributes: dict) -> None:
+    """The C++ check_core_attributes: each argument with a range in the spec (kAttributeRanges;
+    the trailing attributes softcap, causal_alignment, ...) must lie in it."""
+    for refusal in _OPS.refusals(attributes):
+        torch._check(False, lambda refusal=refusal: f"attention: {refusal}")
 
 
 # Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
@@ -287,17 +268,16 @@ def _fake(op: str):
 
 
 @_fake(_OPS.torch_op_attention)
-def _attention_fake(query, key, value, attn_mask, key_padding_mask, softcap, causal_alignment, **_):
+def _attention_fake(query, key, value, attn_mask, key_padding_mask, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_core_attributes(softcap, causal_alignment)
+    check_core_attributes(attributes)
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
 @_fake(_OPS.torch_op_attention_forward)
-def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, softcap, causal_alignment,
-                            **_):
+def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_core_attributes(softcap, causal_alignment)
+    check_core_attributes(attributes)
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
     out = empty_token_major(query, batch, heads, seqlen_q, value.size(3))
     lse = query.new_empty((batch, heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
@@ -306,10 +286,9 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need
 
 
 @_fake(_OPS.torch_op_attention_backward)
-def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, softcap,
-                             causal_alignment, **_):
+def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
-    check_core_attributes(softcap, causal_alignment)
+    check_core_attributes(attributes)
     batch, heads = query.size(0), query.size(1)
     torch._check(
         list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],
