@@ -85,6 +85,10 @@ def register_schema() -> None:
     onnx.defs.register_schema(schema)
 
 
+# A node attribute's Python type, by its spec type.
+_ATTRIBUTE_TYPES = {"INT": int, "FLOAT": float, "STRING": str}
+
+
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
                     has_attn_mask: bool, softcap: float = 0.0, causal_alignment: int = 0,
                     kv_num_heads: Optional[int] = None) -> dict:
@@ -99,21 +103,22 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         raise ValueError(f"kv_num_heads must divide num_heads={num_heads}; got {kv_num_heads}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
-    refusals = s.refusals({s.attr_softcap: softcap, s.attr_causal_alignment: causal_alignment})
-    if refusals:
-        raise ValueError(refusals[0])
-    return {
-        s.attr_num_heads: int(num_heads),
-        s.attr_scale: float(scale),
-        s.attr_is_causal: int(bool(is_causal)),
-        s.attr_has_key_padding_mask: int(bool(has_key_padding_mask)),
-        s.attr_has_attn_mask: int(bool(has_attn_mask)),
-        s.attr_softcap: float(softcap),
-        s.attr_causal_alignment: int(causal_alignment),
-        s.attr_kv_num_heads: int(num_heads if kv_num_heads is None else kv_num_heads),
+    given = {
+        s.attr_num_heads: num_heads,
+        s.attr_scale: scale,
+        s.attr_is_causal: bool(is_causal),
+        s.attr_has_key_padding_mask: bool(has_key_padding_mask),
+        s.attr_has_attn_mask: bool(has_attn_mask),
+        s.attr_softcap: softcap,
+        s.attr_causal_alignment: causal_alignment,
+        s.attr_kv_num_heads: num_heads if kv_num_heads is None else kv_num_heads,
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
+    refusals = s.refusals(given)
+    if refusals:
+        raise ValueError(refusals[0])
+    return {name: _ATTRIBUTE_TYPES[s.attribute[name].type_name](value) for name, value in given.items()}
 
 
 def is_attention_domain(domain: str) -> bool:
