@@ -263,6 +263,8 @@ def test_kv_num_heads_is_written_on_every_node():
     (dict(kv_num_heads=0), "kv_num_heads must divide num_heads=2; got 0"),
     (dict(causal_alignment=2), "causal_alignment must be 0 or 1 (0 = top-left: query i sees keys j <= i; "
                                "1 = bottom-right: keys j <= i + Lk - Lq); got 2"),
+    (dict(causal_alignment=0.5), "causal_alignment must be an integer; got 0.5"),
+    (dict(num_heads=4, kv_num_heads=2.0000001), "kv_num_heads must divide num_heads=4; got 2.0000001"),
 ])
 def test_node_attributes_refuse_bad_values_with_the_rule(kwargs, message):
     args = dict(num_heads=2, scale=0.5, is_causal=False, has_key_padding_mask=False, has_attn_mask=False)

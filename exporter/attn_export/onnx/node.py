@@ -115,7 +115,9 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
-    refusals = s.refusals(given)
+    refusals = [f"{name} must be an integer; got {value}" for name, value in given.items()
+                if s.attribute[name].type_name == "INT" and not float(value).is_integer()]
+    refusals += s.refusals(given)
     if refusals:
         raise ValueError(refusals[0])
     return {name: _ATTRIBUTE_TYPES[s.attribute[name].type_name](value) for name, value in given.items()}
