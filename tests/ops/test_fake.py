@@ -176,3 +176,13 @@ def test_unbuilt_extension_is_reported_with_the_fix(monkeypatch):
     with pytest.raises(_library.ExtensionNotBuiltError, match="pip install --no-build-isolation -e ."):
         _library.load_library()
     assert attn_export.attention is not None
+
+
+def test_check_softcap_keeps_its_message():
+    """The module-level check_softcap (kept for callers of the name) refuses as the operator does."""
+    from attn_export.ops.fake import check_softcap
+
+    check_softcap(0.0)
+    check_softcap(30.0)
+    with pytest.raises(RuntimeError, match=r"^attention: softcap must be finite and >= 0 \(0 = off\); got -2$"):
+        check_softcap(-2.0)

@@ -253,6 +253,11 @@ def check_core_attributes(attributes: dict) -> None:
         torch._check(False, lambda refusal=refusal: f"attention: {refusal}")
 
 
+def check_softcap(softcap) -> None:
+    """The softcap argument's check alone (check_core_attributes for that one argument)."""
+    check_core_attributes({"softcap": softcap})
+
+
 # Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
 FAKE_KERNELS = {}
 
