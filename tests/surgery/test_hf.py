@@ -458,8 +458,9 @@ def test_export_one_custom_node_per_layer_dynamic_batch_and_sequence(exported, n
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     if name == "bert":  # a padding mask stays one row per key: the node's rank-2 mask input
         assert attrs["has_key_padding_mask"] == 1 and attrs["has_attn_mask"] == 0
-    if name == "gpt2":  # causal x padding: the [B, 1, L, L] mask
-        assert attrs["has_attn_mask"] == 1
+    if name == "gpt2":  # causal x padding: is_causal (bottom-right) and the padding, no [B, 1, L, L] mask
+        assert attrs["has_key_padding_mask"] == 1 and attrs["has_attn_mask"] == 0
+        assert (attrs["is_causal"], attrs["causal_alignment"]) == (1, 1)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
@@ -531,7 +532,10 @@ def test_grouped_query_export_has_no_repeated_key_value_and_passes_the_gate(tmp_
 
 
 def test_the_parity_gate_fails_when_padding_is_ignored(exported, monkeypatch):
-    model, inputs, result = exported["gpt2"]
+    """Left padding: GPT-2's causal mask alone would let valid tokens see the padded ones (right
+    padding sits after every valid token, where causality already hides it)."""
+    model, _, result = exported["gpt2"]
+    inputs = padded_batch([12, 7], 12, left=True)
     monkeypatch.setattr(hf.interface, "to_operator_masks", lambda mask, batch, length: (None, None))
     report = validate(model, result.path, inputs)
     assert not report.passed
