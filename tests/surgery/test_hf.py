@@ -20,7 +20,7 @@ from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 from helpers import assert_parity, max_rel_err  # noqa: E402
-from hf_models import HF5, main_output, padded_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_vit  # noqa: E402,F401
+from hf_models import HF5, main_output, padded_batch, repeats_feeding, tiny_bert, tiny_gpt2, tiny_llama, tiny_vit  # noqa: E402,F401
 
 TOL = 1e-5  # float32, relative to the output's largest magnitude (the issue: ~1e-5)
 transformers.utils.logging.set_verbosity_error()
@@ -492,22 +492,6 @@ def test_the_parity_gate_passes_with_padded_cases(exported, name):
         assert any("valid tokens" in n for n in report.notes)
         example = next(c for c in report.cases if c.case == "example")
         assert example.shapes == {"input_ids": [2, 12], "attention_mask": [2, 12]}
-
-
-# Ops that carry one tensor's data along (input 0), reshaped, repeated or cast: the chain from a
-# projection to the attention node's key/value input.
-_DATA_PATH_OPS = {"Reshape", "Transpose", "Expand", "Tile", "Unsqueeze", "Squeeze", "Identity", "Cast", "Concat"}
-
-
-def repeats_feeding(proto, value: str) -> list:
-    """The Expand/Tile nodes on the data path (input 0 of data-carrying ops) that ends in ``value``."""
-    producers = {o: n for n in proto.graph.node for o in n.output}
-    found, node = [], producers.get(value)
-    while node is not None and node.op_type in _DATA_PATH_OPS:
-        if node.op_type in ("Expand", "Tile"):
-            found.append(node.op_type)
-        node = producers.get(node.input[0])
-    return found
 
 
 @pytest.mark.slow  # end to end: make test-fast leaves it out
