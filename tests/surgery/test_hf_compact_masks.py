@@ -138,9 +138,11 @@ def _overlay(batch_idx, head_idx, q_idx, kv_idx):
     return kv_idx >= 0
 
 
-@pytest.mark.parametrize("case", ["tensor offset", "key offset", "sliding window", "overlay", "padding shorter"])
+@pytest.mark.parametrize("case", ["tensor offset", "key offset", "sliding window", "overlay", "padding shorter",
+                                  "prefix"])
 def test_masks_the_compact_form_cannot_express_are_transformers_sdpa_mask(case):
-    """Static caches (a tensor offset), a key offset, sliding windows and overlays keep the
+    """Static caches (a tensor offset), a key offset, sliding windows, overlays and keys before
+    the queries without a cache offset (PEFT's prefix tuning: top-left causal) keep the
     materialized [B, 1, Lq, Lk] mask, equal to transformers' sdpa mask."""
     from transformers import masking_utils
 
@@ -154,6 +156,8 @@ def test_masks_the_compact_form_cannot_express_are_transformers_sdpa_mask(case):
         kwargs["mask_function"] = masking_utils.sliding_window_causal_mask_function(3)
     elif case == "overlay":
         kwargs["mask_function"] = masking_utils.or_masks(masking_utils.causal_mask_function, _overlay)
+    elif case == "prefix":
+        kwargs["q_offset"] = 0
     else:
         kwargs["attention_mask"] = padding[:, 1:]
         kwargs["kv_length"] = 6
@@ -327,3 +331,71 @@ def test_onnx_runtime_parity_would_catch_a_dropped_padding_mask(tmp_path):
         want = original(**batch).logits
     assert_parity(got[valid], want[valid], TOL)
     assert max_rel_err(leaked[valid], want[valid]) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# torch.export with a key/value cache (what the cached ONNX export traces)
+# --------------------------------------------------------------------------------------------
+
+class WithPast(torch.nn.Module):
+    """A decoder called with its past keys/values as tensors (a DynamicCache built from them):
+    returns the logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i in range(len(past) // 2):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True).logits
+
+
+def _with_past_inputs(model, batch, seq, past, seed):
+    """Random past keys/values, a left-padded mask over past + new tokens, generate()'s positions."""
+    config = model.config
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    past_kv = [torch.randn(batch, kv_heads, past, head_dim, generator=gen) for _ in range(2 * config.num_hidden_layers)]
+    total = past + seq
+    lengths = torch.tensor([total, max(1, total - 4), max(1, total - 1)][:batch])
+    mask = (torch.arange(total)[None, :] >= total - lengths[:, None]).long()
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=gen)
+    positions = generation_positions(mask)[:, past:].clone()
+    return dict(input_ids=ids, attention_mask=mask, position_ids=positions, past=past_kv)
+
+
+@pytest.mark.slow  # a torch.export per family
+@pytest.mark.parametrize("name", ["gpt2", "llama", "phi"])
+def test_torch_export_with_a_cache_keeps_the_compact_mask_without_length_guards(name):
+    """Dynamic batch, sequence, past and total lengths (the total its own Dim): the capture has
+    no [B, 1, L, L] mask (the operator gets is_causal, bottom-right, and the [B, past + seq]
+    padding), adds no guard that splits the lengths, and the program runs prefill (past 0) and
+    decode shapes it was not traced with, matching the stock eager model with the same cache."""
+    original = stock(name)
+    wrapper = WithPast(routed(original)).eval()
+    batch, seq, past = (torch.export.Dim(n) for n in ("batch", "sequence", "past_sequence"))
+    layers = original.config.num_hidden_layers
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim("total_sequence")},
+               "position_ids": {0: batch, 1: seq}, "past": [{0: batch, 2: past}] * (2 * layers)}
+    with torch.no_grad():
+        program = torch.export.export(wrapper, (), kwargs=_with_past_inputs(original, 2, 3, 5, seed=0),
+                                      dynamic_shapes=dynamic, strict=False)
+    calls = [n for n in program.graph.nodes if n.target is torch.ops.attn_export.attention.default]
+    assert len(calls) == layers
+    for call in calls:
+        query, key, _, attn_mask, key_padding_mask, is_causal = call.args[:6]
+        assert attn_mask is None and is_causal is True and call.args[-1] == 1  # causal_alignment: bottom-right
+        assert key_padding_mask.meta["val"].shape[-1] == key.meta["val"].shape[2]  # [B, past + seq]
+    reference = WithPast(original).eval()
+    for shape in ((3, 1, 7), (3, 4, 0), (1, 5, 2)):  # decode, prefill, one longer prompt over a short past
+        inputs = _with_past_inputs(original, *shape, seed=sum(shape))
+        with torch.no_grad():
+            got, want = program.module()(**inputs), reference(**inputs)
+        valid = inputs["attention_mask"][:, -shape[1]:].bool()
+        assert_parity(got[valid], want[valid], TOL, f"{name}: batch, sequence, past {shape}")

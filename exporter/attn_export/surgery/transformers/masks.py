@@ -106,8 +106,10 @@ def attention_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _symbolic(size) -> bool:
-    return isinstance(size, torch.SymInt)
+def _traced_equal(a, b) -> bool:
+    """Two symbolic sizes equal in the sample being traced (read from their hints: no guard)."""
+    hints = [x.node.hint if isinstance(x, torch.SymInt) else None for x in (a, b)]
+    return None not in hints and hints[0] == hints[1]
 
 
 def _plain(kwargs) -> bool:
@@ -137,11 +139,12 @@ def _causal_padding(kwargs):
     if not _plain(kwargs) or isinstance(q_offset, torch.Tensor) or q_length is None:
         return _NOT_COMPACT
     if not _same_size(q_offset + q_length, kv_length):
-        if not (_symbolic(kv_length) and isinstance(q_offset, int) and q_offset == 0):
+        if not (isinstance(q_offset, int) and q_offset == 0 and _traced_equal(q_length, kv_length)):
             return _NOT_COMPACT
         # No cache, under torch.export: kv_length is the padding mask's length, a symbol of its
         # own; the keys are the queries' tokens, so the two lengths are one (the sdpa mask would
-        # tie them as well, by indexing).
+        # tie them as well, by indexing). Mask longer than the tokens (a prefix, as PEFT's prefix
+        # tuning makes) fails the check above and stays transformers' mask.
         torch._check(q_length == kv_length)
     padding = kwargs.get("attention_mask")
     if padding is None:
