@@ -264,6 +264,28 @@ def test_generation_fails_when_decoding_ignores_the_padding(monkeypatch):
     assert not torch.equal(got, want)
 
 
+@pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="transformers without GPT-OSS")
+def test_calls_left_on_eager_attention_get_the_compact_mask_materialized():
+    """GPT-OSS's attention sinks run transformers' eager attention: its global layer's compact
+    mask is crossed with bottom-right causality for it, at the prefill and at every decode step,
+    and greedy generation gives the stock tokens."""
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss", **dict(_DECODER, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW,
+                          layer_types=["sliding_attention", "full_attention"]))
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = copy.deepcopy(original)
+    hf.register()
+    model.set_attn_implementation(hf.IMPLEMENTATION)  # its layers are skipped by the report, routed here by hand
+    batch = prompts(seed=1)
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got, want = model.generate(**batch, **options), original.generate(**batch, **options)
+    assert torch.equal(got, want)
+    counts = [sum(hf.unfused_calls(layer.self_attn).values()) for layer in model.model.layers]
+    assert counts == [8, 8]  # the prefill and 7 decode steps, per layer
+
+
 # --------------------------------------------------------------------------------------------
 # Export without the cache
 # --------------------------------------------------------------------------------------------
