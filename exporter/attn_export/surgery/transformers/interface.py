@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from attn_export.surgery.transformers.compat import IMPLEMENTATION, UNSERVED_KWARGS, _transformers
-from attn_export.surgery.transformers.masks import attention_mask, causal_bool, materialized, to_operator_masks
+from attn_export.surgery.transformers.masks import attention_mask, materialized, to_operator_masks
 
 __all__ = ["attention_forward", "attention_mask", "register", "to_operator_masks", "unfused_reason", "unfused_calls"]
 
