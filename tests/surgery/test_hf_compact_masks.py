@@ -2,13 +2,13 @@
 ``is_causal`` aligned bottom-right plus a key-padding mask, never as a ``[B, 1, L, L]`` tensor;
 sliding-window layers keep transformers' materialized mask.
 
-Tiny random-weight configs of GPT-2, Llama, Mistral, Qwen2, Gemma 2, Phi and Phi-3 (nothing
-downloaded), each with a left-padded batch of prompts of different lengths (the generation
-case): the routed model's logits at valid positions against the stock eager model in float64 on
-each prompt alone;
-greedy generation with a key/value cache, routed against stock; and an export without the cache
-run in ONNX Runtime. The mask function's compact forms are checked against transformers' own
-``sdpa`` mask for the same arguments."""
+Tiny random-weight configs of GPT-2, Llama, Mistral, Qwen2 (with and without its sliding
+window), Gemma 2, Phi and Phi-3 (nothing downloaded), each with a left-padded batch of prompts
+of different lengths (the generation case): the routed model's logits at valid positions
+against the stock eager model in float64 on each prompt alone; greedy generation with a
+key/value cache, routed against stock; an export without the cache run in ONNX Runtime; and
+torch.export with a cache. The mask function's compact forms are checked against transformers'
+own ``sdpa`` mask for the same arguments."""
 from __future__ import annotations
 
 import copy
@@ -42,6 +42,7 @@ FAMILIES = {
     "llama": ("llama", _DECODER, 0),
     "mistral": ("mistral", dict(_DECODER, sliding_window=WINDOW), 2),
     "qwen2": ("qwen2", _DECODER, 0),
+    "qwen2-sliding": ("qwen2", dict(_DECODER, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), 1),
     "gemma2": ("gemma2", dict(_DECODER, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=5.0,
                               final_logit_softcapping=None, query_pre_attn_scalar=8), 1),
     "phi": ("phi", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
