@@ -55,3 +55,19 @@ def padded_batch(lengths, seq, vocab=97, left=False, seed=0):
 
 def main_output(out):
     return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+# Ops that carry one tensor's data along (input 0), reshaped, repeated or cast: the chain from a
+# projection to the attention node's key/value input.
+_DATA_PATH_OPS = {"Reshape", "Transpose", "Expand", "Tile", "Unsqueeze", "Squeeze", "Identity", "Cast", "Concat"}
+
+
+def repeats_feeding(proto, value: str) -> list:
+    """The Expand/Tile nodes on the data path (input 0 of data-carrying ops) that ends in ``value``."""
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    found, node = [], producers.get(value)
+    while node is not None and node.op_type in _DATA_PATH_OPS:
+        if node.op_type in ("Expand", "Tile"):
+            found.append(node.op_type)
+        node = producers.get(node.input[0])
+    return found

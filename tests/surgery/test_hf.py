@@ -20,7 +20,7 @@ from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
 
 from helpers import assert_parity, max_rel_err  # noqa: E402
-from hf_models import HF5, main_output, padded_batch, tiny_bert, tiny_gpt2, tiny_llama, tiny_vit  # noqa: E402,F401
+from hf_models import HF5, main_output, padded_batch, repeats_feeding, tiny_bert, tiny_gpt2, tiny_llama, tiny_vit  # noqa: E402,F401
 
 TOL = 1e-5  # float32, relative to the output's largest magnitude (the issue: ~1e-5)
 transformers.utils.logging.set_verbosity_error()
@@ -458,8 +458,9 @@ def test_export_one_custom_node_per_layer_dynamic_batch_and_sequence(exported, n
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     if name == "bert":  # a padding mask stays one row per key: the node's rank-2 mask input
         assert attrs["has_key_padding_mask"] == 1 and attrs["has_attn_mask"] == 0
-    if name == "gpt2":  # causal x padding: the [B, 1, L, L] mask
-        assert attrs["has_attn_mask"] == 1
+    if name == "gpt2":  # causal x padding: is_causal (bottom-right) and the padding, no [B, 1, L, L] mask
+        assert attrs["has_key_padding_mask"] == 1 and attrs["has_attn_mask"] == 0
+        assert (attrs["is_causal"], attrs["causal_alignment"]) == (1, 1)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
@@ -493,22 +494,6 @@ def test_the_parity_gate_passes_with_padded_cases(exported, name):
         assert example.shapes == {"input_ids": [2, 12], "attention_mask": [2, 12]}
 
 
-# Ops that carry one tensor's data along (input 0), reshaped, repeated or cast: the chain from a
-# projection to the attention node's key/value input.
-_DATA_PATH_OPS = {"Reshape", "Transpose", "Expand", "Tile", "Unsqueeze", "Squeeze", "Identity", "Cast", "Concat"}
-
-
-def repeats_feeding(proto, value: str) -> list:
-    """The Expand/Tile nodes on the data path (input 0 of data-carrying ops) that ends in ``value``."""
-    producers = {o: n for n in proto.graph.node for o in n.output}
-    found, node = [], producers.get(value)
-    while node is not None and node.op_type in _DATA_PATH_OPS:
-        if node.op_type in ("Expand", "Tile"):
-            found.append(node.op_type)
-        node = producers.get(node.input[0])
-    return found
-
-
 @pytest.mark.slow  # end to end: make test-fast leaves it out
 def test_grouped_query_export_has_no_repeated_key_value_and_passes_the_gate(tmp_path):
     """A 2-layer Llama-style decoder (8 query heads, 2 key/value heads): the FusedAttention nodes
@@ -531,7 +516,10 @@ def test_grouped_query_export_has_no_repeated_key_value_and_passes_the_gate(tmp_
 
 
 def test_the_parity_gate_fails_when_padding_is_ignored(exported, monkeypatch):
-    model, inputs, result = exported["gpt2"]
+    """Left padding: GPT-2's causal mask alone would let valid tokens see the padded ones (right
+    padding sits after every valid token, where causality already hides it)."""
+    model, _, result = exported["gpt2"]
+    inputs = padded_batch([12, 7], 12, left=True)
     monkeypatch.setattr(hf.interface, "to_operator_masks", lambda mask, batch, length: (None, None))
     report = validate(model, result.path, inputs)
     assert not report.passed

@@ -16,10 +16,13 @@ How it works (docs/huggingface.md):
   ``[B, H, L, D]``, the mask the model built, ``scaling`` and ``dropout``, and gets back the
   attention output ``[B, L, H, D]`` (and no weights), as from the ``sdpa`` implementation.
 * :func:`attention_mask` is registered under the same name in ``AttentionMaskInterface``, so
-  the models build the mask that :func:`attention_forward` expects: the boolean ``sdpa`` mask
-  (``True`` = attend), except that a plain padding mask of a bidirectional model stays one row
-  per key, ``[B, 1, 1, Lk]``, which becomes the operator's ``key_padding_mask`` (and in ONNX the
-  node's rank-2 mask input) instead of a ``[B, 1, L, L]`` tensor.
+  the models build the mask that :func:`attention_forward` expects, compact where it can be: a
+  plain padding mask of a bidirectional model stays one row per key, ``[B, 1, 1, Lk]``; a plain
+  causal mask (no cache or a ``DynamicCache``) is the 2-D padding mask ``[B, Lk]`` (or ``None``),
+  which becomes ``is_causal`` aligned bottom-right; either padding is the operator's
+  ``key_padding_mask`` (in ONNX the node's rank-2 mask input) instead of a ``[B, 1, L, L]``
+  tensor. Other masks (sliding windows, packed sequences, overlays, static caches) are the
+  boolean ``sdpa`` mask (``True`` = attend).
 * :func:`route` sets ``attn_implementation`` on a model that is already built
   (``model.set_attn_implementation``) and checks, layer by layer, that each attention module now
   dispatches to it.
@@ -29,7 +32,8 @@ interfaces); checked with 4.53.0, 4.57.6 and 5.24.0. Which architectures dispatc
 interface depends on the version (BERT from 5.0; GPT-2 and ViT in all of them): layers that do
 not are reported as skipped. See docs/huggingface.md.
 
-Modules: ``_compat`` (transformers versions), ``interface`` (the registered functions),
+Modules: ``compat`` (transformers versions), ``interface`` (the registered attention function),
+``masks`` (the registered mask function and the mask conversions),
 ``routing`` (a built model -> the interface), ``models`` (export/validation helpers, loading).
 """
 from attn_export.surgery.transformers.compat import (

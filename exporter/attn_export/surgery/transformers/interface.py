@@ -8,36 +8,9 @@ import torch
 from torch import nn
 
 from attn_export.surgery.transformers.compat import IMPLEMENTATION, UNSERVED_KWARGS, _transformers
-from attn_export.surgery.sdpa_route import is_one as _is_one
-from attn_export.surgery.sdpa_route import known_equal as _same_size
+from attn_export.surgery.transformers.masks import attention_mask, materialized, to_operator_masks
 
-
-def to_operator_masks(attention_mask: Optional[torch.Tensor], batch, key_length):
-    """transformers' mask -> (attn_mask, key_padding_mask) in the operator's convention.
-
-    * boolean (``True`` = attend, the ``sdpa`` convention): inverted (the operator's ``True`` =
-      masked out);
-    * floating: additive, as given (``eager``-style masks with large negatives included);
-    * ``[B|1, 1, 1, Lk]`` (one row per key): the ``key_padding_mask`` ``[B, Lk]``;
-    * ``[B|1, H|1, Lq, Lk]``: the ``attn_mask`` (a longer last axis is cut to ``Lk``).
-    """
-    if attention_mask is None:
-        return None, None
-    mask = attention_mask
-    if mask.dtype == torch.bool:
-        mask = ~mask
-    if mask.dim() != 4:  # e.g. a flash-attention style [B, Lk] mask: not built for this implementation
-        raise ValueError(
-            f"attn_implementation='{IMPLEMENTATION}': expected a 4-D attention mask [B, 1, Lq, Lk], got shape "
-            f"{list(mask.shape)}"
-        )
-    if not _same_size(mask.shape[-1], key_length):
-        # Older transformers build causal masks longer than the keys and slice them in the
-        # attention function (as their sdpa function does).
-        mask = mask[..., :key_length]
-    if _is_one(mask.shape[1]) and _is_one(mask.shape[2]):
-        return None, mask[:, 0, 0, :].expand(batch, key_length)
-    return mask, None
+__all__ = ["attention_forward", "attention_mask", "register", "to_operator_masks", "unfused_reason", "unfused_calls"]
 
 
 def unfused_reason(module: nn.Module, kwargs, attention_mask=None) -> Optional[str]:
@@ -102,26 +75,12 @@ def _run_unfused(module, reason, query, key, value, attention_mask, dropout, sca
             f"{type(module).__name__}: {reason}, but its modeling file has no eager_attention_forward to run; "
             f"load the model with attn_implementation='eager'")
     _count_unfused(module, reason)
-    mask = attention_mask
-    q_length, k_length = query.shape[2], key.shape[2]
-    if mask is None and causal:
-        mask = _causal_bool(q_length, k_length, query.device, kwargs.get("sliding_window"))
+    mask = materialized(attention_mask, causal, query.shape[2], key.shape[2], query.device,
+                        kwargs.get("sliding_window"))
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def _causal_bool(q_length, k_length, device, window=None) -> torch.Tensor:
-    """[1, 1, Lq, Lk] booleans, ``True`` = attend: top-left causal (query i sees keys j <= i), and
-    within ``window`` keys of the query when a sliding window is given (transformers'
-    ``sliding_window_overlay``: j > i - window)."""
-    i = torch.arange(q_length, device=device)[:, None]
-    j = torch.arange(k_length, device=device)[None, :]
-    allowed = j <= i
-    if window is not None:
-        allowed = allowed & (j > i - window)
-    return allowed[None, None]
 
 
 def attention_forward(
@@ -140,9 +99,12 @@ def attention_forward(
     Same contract as transformers' ``sdpa_attention_forward``: ``query`` ``[B, H, Lq, D]``,
     ``key``/``value`` ``[B, Hkv, Lk, D]`` (grouped-query heads, not repeated: the operator reads them
     in place), ``attention_mask`` as
-    built by the model (boolean ``True`` = attend, or additive floating, or ``None``), causality
-    from ``is_causal`` or ``module.is_causal`` when there is no mask (a mask, when given, already
-    holds the causal pattern). Returns ``(output [B, Lq, H, D], None)``.
+    built by the model (boolean ``True`` = attend, or additive floating, or ``None``). A 2-D
+    mask ``[B, Lk]`` is the compact causal form of :func:`attention_mask`: causal plus that
+    padding. Without a mask causality comes from ``is_causal`` or ``module.is_causal``; a 4-D
+    mask already holds the causal pattern. Causality is aligned bottom-right (the queries are the
+    last ``Lq`` positions of the keys, as with a cache; the same as top-left when ``Lq == Lk``).
+    Returns ``(output [B, Lq, H, D], None)``.
 
     Also served: ``position_bias`` (T5's relative position bias: added to the operator's
     additive mask), ``softcap`` (Gemma 2's logit soft-capping: the operator's ``softcap``),
@@ -152,26 +114,29 @@ def attention_forward(
     file and are counted in :func:`unfused_calls` (see :func:`unfused_reason`); ``dropout > 0``
     in training runs transformers' ``sdpa`` function (dropout is not fused).
     """
-    q_length, k_length = query.shape[2], key.shape[2]
     causal = False
     if attention_mask is None:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        # One query attends to every key (decoding with a cache), as in transformers' sdpa path.
-        causal = bool(causal) and not _is_one(q_length)
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    elif attention_mask.dim() == 2:
+        causal = True  # only a plain causal mask is built compact (masks.attention_mask)
     reason = unfused_reason(module, kwargs, attention_mask)
     if reason is not None:
         return _run_unfused(module, reason, query, key, value, attention_mask, dropout, scaling, causal, kwargs)
     if dropout and dropout > 0.0 and module.training:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+        mask = materialized(attention_mask, causal and attention_mask is not None, query.shape[2], key.shape[2],
+                            query.device, kwargs.get("sliding_window"))
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    from attn_export.ops.functional import attention
+    from attn_export.ops.functional import CausalAlignment, attention
 
     # Grouped-query heads go in as they are: the operator reads key/value head h // (H / Hkv).
-    attn_mask, key_padding_mask, causal = _operator_masks(query, k_length, attention_mask, causal, kwargs)
+    attn_mask, key_padding_mask, causal = _operator_masks(query, key.shape[2], attention_mask, causal, kwargs)
     softcap = kwargs.get("softcap")
     extra = {"softcap": float(softcap)} if softcap else {}
+    if causal:  # bottom-right: with a cache the queries are the last positions (one query sees every key)
+        extra["causal_alignment"] = CausalAlignment.BOTTOM_RIGHT
     out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=causal, scale=scaling, **extra)
     _count_fused(module)
@@ -184,9 +149,11 @@ def _operator_masks(query: torch.Tensor, k_length, attention_mask, causal: bool,
     transformers' mask, a sliding window and T5's position bias."""
     window = kwargs.get("sliding_window")
     if causal and isinstance(window, int):
-        # transformers builds the window into the mask; should it skip the mask, the window must
-        # still apply (explicitly, and without comparing lengths: no guard on a symbolic length).
-        attention_mask, causal = _causal_bool(query.shape[2], k_length, query.device, window), False
+        # transformers builds the window into the mask (never a compact one); should it skip the
+        # mask, the window must still apply (explicitly, and without comparing lengths: no guard
+        # on a symbolic length). The operator has no window attribute.
+        attention_mask = materialized(attention_mask, causal, query.shape[2], k_length, query.device, window)
+        causal = False
     attn_mask, key_padding_mask = to_operator_masks(attention_mask, query.shape[0], k_length)
     bias = kwargs.get("position_bias")
     if bias is not None:
@@ -194,35 +161,6 @@ def _operator_masks(query: torch.Tensor, k_length, attention_mask, causal: bool,
     if attn_mask is not None and attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
         attn_mask = attn_mask.to(query.dtype)
     return attn_mask, key_padding_mask, causal
-
-
-def attention_mask(*args, **kwargs):
-    """The mask function registered as ``"attn_export"`` in ``AttentionMaskInterface``.
-
-    A plain bidirectional padding mask (no offsets, no local window, no overlay) comes back as
-    ``[B, 1, 1, Lk]`` booleans (``True`` = attend), which :func:`attention_forward` passes to the
-    operator as its key-padding mask; ``None`` without an ``attention_mask``. Everything else
-    (causal, sliding windows, packed sequences, caches) is the ``sdpa`` mask, built by
-    transformers' own function with every argument passed on unchanged."""
-    from transformers import masking_utils
-
-    bidirectional = getattr(masking_utils, "bidirectional_mask_function", None)  # transformers >= 5
-    padding = kwargs.get("attention_mask")
-    if (
-        bidirectional is not None
-        and not args
-        and kwargs.get("mask_function") is bidirectional
-        and not kwargs.get("kv_offset", 0)
-        and not kwargs.get("q_offset", 0)
-        and kwargs.get("local_size") is None
-        and "kv_length" in kwargs
-    ):
-        if padding is None:
-            return None
-        if padding.dim() == 2 and padding.dtype == torch.bool and _same_size(padding.shape[-1], kwargs["kv_length"]):
-            return padding[:, None, None, :]
-    sdpa_mask = masking_utils.AttentionMaskInterface._global_mapping["sdpa"]
-    return sdpa_mask(*args, **kwargs)
 
 
 def register() -> None:
