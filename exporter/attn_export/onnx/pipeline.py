@@ -22,6 +22,7 @@ from attn_export import inputs as _inputs
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 from attn_export.atomic_io import atomic_output
 from attn_export.onnx import dims as _dims
+from attn_export.onnx import with_past as _with_past
 from attn_export.onnx.graph import (
     META_PREFIX,
     apply_axis_labels,
@@ -135,6 +136,7 @@ def export_onnx(
     seed: int = 0,
     attention: str = DEFAULT_ATTENTION,
     functions: str = DEFAULT_FUNCTIONS,
+    with_past: bool = False,
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -167,11 +169,19 @@ def export_onnx(
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
+    if with_past:
+        _with_past.check_request(model, dynamic_axes)
     work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
+    cached = None
+    if with_past:
+        cached = _with_past.prepare(work, inputs, dtype or _dtype_name(inputs), seed)
+        work, inputs, axes = cached.module, cached.inputs, cached.axes
     sample = _sample_run(work, inputs, axes, replace, seed)
     proto = _capture(work, sample, axes, opset, quiet)
+    if cached is not None:
+        inputs, axes = _contract_names(proto, cached, inputs, axes)
     labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, sample.notes,
-                                    required=dynamic_axes is not None)
+                                    required=dynamic_axes is not None or with_past)
     result = ExportResult(
         path=path, opset=opset, dtype=dtype or _dtype_name(inputs), input_names=list(inputs),
         output_names=sample.output_names, dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto),
@@ -179,8 +189,20 @@ def export_onnx(
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
     )
     _write_metadata(proto, result, _came_out_dynamic(axes, labels))
+    if cached is not None:
+        _with_past.write_metadata(proto, cached.geometry)
     _save(proto, path)
     return result
+
+
+def _contract_names(proto, cached, inputs, axes):
+    """The cached export's graph inputs, inputs and axes under the contract's names, and one
+    symbol per axis label (attn_export.onnx.with_past)."""
+    names = cached.contract_names
+    _with_past.rename_inputs(proto, names)
+    axes = {names.get(n, n): d for n, d in axes.items()}
+    _with_past.unify_symbols(proto, axes)
+    return {names.get(n, n): t for n, t in inputs.items()}, axes
 
 
 def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],

@@ -1,0 +1,252 @@
+"""Decoders exported with their key/value cache (``export_onnx(..., with_past=True)``,
+attn_export/onnx/with_past.py): Optimum's names and layouts, the metadata a runtime builds an
+empty past from, one ``batch`` symbol, and generation through ONNX Runtime: a prefill with an
+empty past and decode steps that feed the presents back, against the stock PyTorch model with
+transformers' DynamicCache at the same steps, for a left-padded batch of two prompts."""
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+
+from attn_export.errors import InputError  # noqa: E402
+from attn_export.onnx import export_onnx, read_metadata  # noqa: E402
+from attn_export.surgery.transformers import cache as _cache  # noqa: E402
+from attn_export.validation.tolerances import tolerance  # noqa: E402
+from hf_models import HF5, padded_batch, tiny_bert, tiny_gpt2, tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+
+PROMPT_LENGTHS = (5, 3)  # left-padded to 5
+DECODE_STEPS = 3
+
+
+def tiny_mistral():
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                        sliding_window=64)
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+def tiny_qwen2():
+    config = transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """(model name, flavor) -> (stock model, ExportResult, ModelProto), exported once."""
+    made = {}
+
+    def get(name, attention="custom"):
+        if (name, attention) not in made:
+            model = MODELS[name]()
+            path = tmp_path_factory.mktemp("with_past") / f"{name}_{attention}.onnx"
+            result = export_onnx(model, padded_batch(PROMPT_LENGTHS, 5, left=True), path, with_past=True,
+                                 attention=attention)
+            made[(name, attention)] = (model, result, onnx.load(str(path)))
+        return made[(name, attention)]
+
+    return get
+
+
+def dims(value):
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def torch_generation(model, prompt, steps):
+    """The stock model's logits at the prefill and each decode step (transformers' DynamicCache,
+    positions counted from the mask as generate() does), and the greedy tokens it fed."""
+    ids, mask = prompt["input_ids"], prompt["attention_mask"]
+    cache = transformers.DynamicCache(config=model.config)
+    logits, tokens = [], []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_cache.positions(mask, ids.shape[1]),
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+            ids = out.logits[:, -1:].argmax(-1)
+            tokens.append(ids)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return logits, tokens
+
+
+def ort_generation(path, geometry, prompt, tokens):
+    """ONNX Runtime's logits at the same steps: an empty past for the prefill, then each step's
+    presents fed back as the next past, the tokens ``torch_generation`` chose."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    output_names = [o.name for o in session.get_outputs()]
+    ids, mask = prompt["input_ids"], prompt["attention_mask"]
+    past = _cache.empty_past(geometry, ids.shape[0])
+    logits = []
+    for step in range(len(tokens)):
+        feeds = {"input_ids": ids, "attention_mask": mask, **past}
+        if geometry.position_ids:
+            feeds["position_ids"] = _cache.positions(mask, ids.shape[1])
+        outs = dict(zip(output_names, session.run(None, {k: v.numpy() for k, v in feeds.items()})))
+        logits.append(torch.from_numpy(outs["logits"]))
+        past = {name: torch.from_numpy(outs[present]) for name, present in
+                zip(geometry.past_names(), geometry.present_names())}
+        ids = tokens[step]
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return logits
+
+
+def check_generation(model, result, proto):
+    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    prompt = padded_batch(PROMPT_LENGTHS, 5, left=True, seed=1)
+    expected, tokens = torch_generation(model, prompt, DECODE_STEPS)
+    got = ort_generation(result.path, geometry, prompt, tokens[:-1])
+    k = max(model.config.hidden_size, prompt["input_ids"].shape[1] + DECODE_STEPS)
+    rtol = tolerance(torch.float32, k)
+    valid = prompt["attention_mask"].bool()  # the prefill's padded positions predict nothing
+    for step, (a, e) in enumerate(zip(got, expected)):
+        keep = valid if step == 0 else torch.ones(a.shape[:2], dtype=torch.bool)
+        err = (a - e).abs()[keep].max().item()
+        scale = e[keep].abs().max().item()
+        assert err <= rtol * scale, f"step {step}: max|ort - torch| = {err:.3g} > {rtol:.3g} * {scale:.3g}"
+        assert torch.equal(a[:, -1].argmax(-1), e[:, -1].argmax(-1)), f"step {step}: another greedy token"
+
+
+def check_contract(model, result, proto):
+    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    config = model.config
+    layers = config.num_hidden_layers
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.position_ids, geometry.dtype) == \
+        (layers, kv_heads, head_dim, True, "fp32")
+    past = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    present = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    inputs = {v.name: v for v in proto.graph.input}
+    outputs = {v.name: v for v in proto.graph.output}
+    assert list(inputs) == ["input_ids", "attention_mask", "position_ids"] + past
+    assert list(outputs) == ["logits"] + present
+    assert dims(inputs["input_ids"]) == dims(inputs["position_ids"]) == ["batch", "sequence"]
+    assert dims(inputs["attention_mask"]) == ["batch", "total_sequence"]
+    assert all(dims(inputs[n]) == ["batch", kv_heads, "past_sequence", head_dim] for n in past)
+    assert all(inputs[n].type.tensor_type.elem_type == onnx.TensorProto.FLOAT for n in past)
+    assert dims(outputs["logits"]) == ["batch", "sequence", config.vocab_size]
+    assert all(dims(outputs[n]) == ["batch", kv_heads, "past_sequence + sequence", head_dim] for n in present)
+    assert result.input_names == list(inputs) and result.output_names == list(outputs)
+    onnx.checker.check_model(proto, full_check=True)
+
+
+def check_no_kv_expansion(proto, kv_heads):
+    """Each attention node reads the keys and values with their own heads: from the past's
+    Concat through Reshape/Transpose alone, and the node says how many heads they are."""
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    past = {v.name for v in proto.graph.input if v.name.startswith("past_key_values.")}
+    nodes = [n for n in proto.graph.node if n.op_type in ("FusedAttention", "Attention")]
+    assert nodes
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["kv_num_heads"] == kv_heads
+        for name in node.input[1:3]:
+            chain = []
+            while name in producer and producer[name].op_type in ("Reshape", "Transpose", "Concat"):
+                chain.append(producer[name].op_type)
+                if producer[name].op_type == "Concat":
+                    assert producer[name].input[0] in past, producer[name].input
+                    break
+                name = producer[name].input[0]
+            if node.op_type == "Attention":  # the past is the node's own input (the Concat folded in)
+                assert "Concat" not in chain and set(node.input[4:6]) <= past
+            else:
+                assert chain[-1] == "Concat", chain
+    assert not any(n.op_type == "Expand" and any(i in past for i in n.input) for n in proto.graph.node)
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapper (no export)
+# --------------------------------------------------------------------------------------------
+
+def test_positions_count_from_the_left_padded_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pos = _cache.positions(mask, 2)
+    assert pos.tolist() == [[1, 2], [3, 4]]
+    assert pos.is_contiguous() and pos._base is None
+
+
+def test_the_wrapper_matches_the_model_with_its_cache():
+    model = tiny_llama()
+    wrapped = _cache.DecoderWithPast.wrap(model)
+    prompt = padded_batch(PROMPT_LENGTHS, 5, left=True)
+    inputs = wrapped.example_inputs(prompt)
+    assert inputs["attention_mask"].shape == (2, _cache.TRACE_PAST_LENGTH + 5)
+    assert inputs["past_key_values.1.value"].shape == (2, 2, _cache.TRACE_PAST_LENGTH, 8)
+    cache = transformers.DynamicCache(config=model.config)
+    for i in range(2):
+        cache.update(inputs[f"past_key_values.{i}.key"], inputs[f"past_key_values.{i}.value"], i)
+    with torch.no_grad():
+        got = wrapped(**inputs)
+        expected = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                         position_ids=inputs["position_ids"], cache=cache, use_cache=True)
+    torch.testing.assert_close(got["logits"], expected.logits, rtol=0, atol=0)
+    torch.testing.assert_close(got["present.1.key"], expected.past_key_values.layers[1].keys, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: tiny_bert(), "does not generate text with a key/value cache"),
+    (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)).eval(), "is an encoder-decoder"),
+    (lambda: torch.nn.Linear(4, 4), "is not a transformers model"),
+])
+def test_models_that_are_not_decoders_are_refused_with_the_fix(make, what, tmp_path):
+    with pytest.raises(InputError, match=what) as info:
+        export_onnx(make(), {"input_ids": torch.zeros(2, 4, dtype=torch.int64)}, tmp_path / "m.onnx", with_past=True)
+    assert "without --with-past" in str(info.value)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_dynamic_axes_are_refused_with_the_cache(tmp_path):
+    with pytest.raises(InputError, match="--with-past sets the cached export's own dynamic axes"):
+        export_onnx(tiny_llama(), padded_batch([4, 2], 4), tmp_path / "m.onnx", with_past=True,
+                    dynamic_axes={"input_ids": {0: "batch"}})
+
+
+# --------------------------------------------------------------------------------------------
+# The exports
+# --------------------------------------------------------------------------------------------
+
+def test_llama_gqa_export_has_the_contract_and_generates_like_pytorch(exports):
+    model, result, proto = exports("llama")
+    check_contract(model, result, proto)
+    check_no_kv_expansion(proto, kv_heads=2)
+    check_generation(model, result, proto)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "qwen2"])
+def test_decoders_export_with_the_cache_and_generate_like_pytorch(exports, name):
+    model, result, proto = exports(name)
+    check_contract(model, result, proto)
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    check_no_kv_expansion(proto, kv_heads)
+    check_generation(model, result, proto)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_standard_flavor_folds_the_cache_into_attention(exports, name):
+    model, result, proto = exports(name, "standard")
+    check_contract(model, result, proto)
+    attention = [n for n in proto.graph.node if n.op_type == "Attention"]
+    assert len(attention) == model.config.num_hidden_layers and result.num_attention_nodes == 0
+    presents = {o.name for o in proto.graph.output if o.name.startswith("present.")}
+    assert {o for n in attention for o in n.output[1:3]} == presents
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    check_no_kv_expansion(proto, kv_heads)
+    check_generation(model, result, proto)
