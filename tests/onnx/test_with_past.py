@@ -250,3 +250,80 @@ def test_standard_flavor_folds_the_cache_into_attention(exports, name):
     kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     check_no_kv_expansion(proto, kv_heads)
     check_generation(model, result, proto)
+
+
+# --------------------------------------------------------------------------------------------
+# The standard flavor's fold, on one hand-built node (no transformers model)
+# --------------------------------------------------------------------------------------------
+
+def cached_node_model(attrs, heads, kv_heads, head_dim):
+    """Concat(past, new) -> Transpose -> Reshape -> FusedAttention, as a cached export has it,
+    the Concats' outputs the graph's presents."""
+    from attn_export import spec
+    from attn_export.onnx import node as onnx_node
+
+    S = spec.load()
+    f32 = onnx.TensorProto.FLOAT
+    nodes, inputs = [], [onnx.helper.make_tensor_value_info("query", f32, ["B", "S", heads * head_dim])]
+    for kind in ("key", "value"):
+        inputs += [onnx.helper.make_tensor_value_info(f"past_{kind}", f32, ["B", kv_heads, "P", head_dim]),
+                   onnx.helper.make_tensor_value_info(f"new_{kind}", f32, ["B", kv_heads, "S", head_dim])]
+        nodes += [onnx.helper.make_node("Concat", [f"past_{kind}", f"new_{kind}"], [f"present_{kind}"], axis=-2),
+                  onnx.helper.make_node("Transpose", [f"present_{kind}"], [f"{kind}_t"], perm=[0, 2, 1, 3]),
+                  onnx.helper.make_node("Reshape", [f"{kind}_t", "flat"], [kind])]
+    inputs.append(onnx.helper.make_tensor_value_info("key_padding_mask", f32, ["B", "T"]))
+    nodes.append(onnx.helper.make_node(S.op_type, ["query", "key", "value", "key_padding_mask", "attn_mask"], ["out"],
+                                       domain=S.domain, **attrs))
+    outputs = [onnx.helper.make_tensor_value_info("out", f32, ["B", "S", heads * head_dim])] + [
+        onnx.helper.make_tensor_value_info(f"present_{kind}", f32, ["B", kv_heads, "T", head_dim])
+        for kind in ("key", "value")]
+    init = [onnx.helper.make_tensor("flat", onnx.TensorProto.INT64, [3], [0, 0, -1]),
+            onnx.helper.make_tensor("attn_mask", f32, [1, 1, 1, 1], [0.0])]
+    graph = onnx.helper.make_graph(nodes, "cached", inputs, outputs, initializer=init)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23),
+                                                        onnx.helper.make_opsetid(S.domain, S.domain_version)],
+                                  functions=[onnx_node.function_proto(23)])
+
+
+@pytest.mark.parametrize("past, new", [(4, 3), (6, 1)], ids=["prefill-after-past", "decode"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("causal, alignment", [(False, 0), (True, 1), (True, 0)],
+                         ids=["plain", "bottom-right", "top-left"])
+def test_the_standard_rewrite_folds_the_past_into_attention(past, new, padding, causal, alignment):
+    """Against the float64 definition over cat(past, new): the fused Attention node takes the past
+    and writes the presents; top-left causal masking (which the operator would align bottom-right
+    with a past) keeps the Concat."""
+    from attn_export.onnx import node as onnx_node
+    from attn_export.onnx import to_standard_attention
+    from helpers import reference_attention
+
+    B, H, Hkv, D = 2, 4, 2, 8
+    attrs = onnx_node.node_attributes(H, 0.3, causal, padding, False, causal_alignment=alignment, kv_num_heads=Hkv)
+    model = cached_node_model(attrs, H, Hkv, D)
+    rewrite = to_standard_attention(model)
+    onnx.checker.check_model(model, full_check=True)
+    (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
+    folded = not (causal and alignment == 0)
+    assert rewrite.converted == 1
+    assert (list(attention.input[4:6]) == ["past_key", "past_value"]) == folded
+    assert (list(attention.output[1:3]) == ["present_key", "present_value"]) == folded
+    assert any(n.op_type == "Concat" and "past_key" in n.input for n in model.graph.node) != folded
+
+    gen = torch.Generator().manual_seed(past * 10 + new)
+    q = torch.randn(B, H, new, D, generator=gen)
+    k_past, v_past, k_new, v_new = (torch.randn(B, Hkv, n, D, generator=gen) for n in (past, past, new, new))
+    k, v = torch.cat([k_past, k_new], 2), torch.cat([v_past, v_new], 2)
+    masked = torch.zeros(B, past + new, dtype=torch.bool)
+    if padding:
+        masked[1, :2] = True  # left padding of the second sequence
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"query": q.transpose(1, 2).reshape(B, new, H * D), "past_key": k_past, "new_key": k_new,
+             "past_value": v_past, "new_value": v_new,
+             "key_padding_mask": torch.where(masked, float("-inf"), 0.0)}
+    out, present_k, present_v = session.run(None, {n: t.numpy() for n, t in feeds.items()})
+    ref, _ = reference_attention(q, k, v, key_padding_mask=masked if padding else None, is_causal=causal, scale=0.3,
+                                 causal_alignment=alignment)
+    expected = ref.transpose(1, 2).reshape(B, new, H * D)
+    err = (torch.from_numpy(out) - expected).abs().max().item()
+    assert err <= tolerance(torch.float32, past + new) * expected.abs().max().item(), err
+    assert torch.equal(torch.from_numpy(present_k), k) and torch.equal(torch.from_numpy(present_v), v)
