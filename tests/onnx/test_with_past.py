@@ -221,6 +221,7 @@ def test_dynamic_axes_are_refused_with_the_cache(tmp_path):
 # The exports
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_llama_gqa_export_has_the_contract_and_generates_like_pytorch(exports):
     model, result, proto = exports("llama")
     check_contract(model, result, proto)
@@ -327,3 +328,44 @@ def test_the_standard_rewrite_folds_the_past_into_attention(past, new, padding, 
     err = (torch.from_numpy(out) - expected).abs().max().item()
     assert err <= tolerance(torch.float32, past + new) * expected.abs().max().item(), err
     assert torch.equal(torch.from_numpy(present_k), k) and torch.equal(torch.from_numpy(present_v), v)
+
+
+# --------------------------------------------------------------------------------------------
+# attn-export --with-past
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def llama_config(tmp_path):
+    tiny_llama().config.save_pretrained(tmp_path)
+    return tmp_path / "config.json"
+
+
+def test_the_cli_refuses_the_cache_with_a_tensorrt_target(llama_config, tmp_path):
+    from helpers import invoke
+
+    proc = invoke("--model", "transformers:AutoModelForCausalLM", "--config", llama_config, "--with-past",
+                  "--to", "tensorrt", "-o", tmp_path / "m.engine")
+    assert proc.returncode == 2
+    assert "--with-past goes with --to onnx" in proc.stderr
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.slow
+def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_config, tmp_path):
+    """The issue's command: exit 0; the parity gate compares new tokens after a non-empty past
+    (example and batch=1), and reports the cases that resize one length alone as skipped."""
+    from helpers import invoke
+
+    out = tmp_path / "llama.onnx"
+    proc = invoke("--model", "transformers:AutoModelForCausalLM", "--config", llama_config, "--with-past",
+                  "-o", out, "--json", tmp_path / "report.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"]
+    ran = {(c["case"], c["backend"]) for c in report["cases"] if c["status"] == "passed"}
+    assert {("example", "onnxruntime"), ("batch=1", "onnxruntime")} <= ran
+    skipped = [c for c in report["cases"] if c["status"] == "skipped"]
+    assert skipped and all("give the mask over past + new tokens" in c["message"] for c in skipped)
+    assert report["export"]["input_names"][3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
+    proto = onnx.load(str(out))
+    assert json.loads(read_metadata(proto)["with_past"])["num_kv_heads"] == 2

@@ -105,6 +105,7 @@ class DecoderWithPast(nn.Module):
         if missing or unknown:
             raise InputError(f"the cached decoder takes {', '.join(names)}; "
                              + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}"))
+        _check_lengths(input_ids, attention_mask, past[names[0]])
         cache = _full_cache()
         for i in range(self.geometry.num_layers):
             cache.update(past[PAST.format(layer=i, kind="key")], past[PAST.format(layer=i, kind="value")], i)
@@ -112,7 +113,8 @@ class DecoderWithPast(nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, return_dict=True,
                          **{self._cache_kwarg: cache}, **kwargs)
         result = {"logits": out.logits}
-        for i, (keys, values) in enumerate(cache_tensors(out.past_key_values)):
+        # The cache given is updated in place (the output's name for it differs between versions).
+        for i, (keys, values) in enumerate(cache_tensors(cache)):
             result[PRESENT.format(layer=i, kind="key")] = keys
             result[PRESENT.format(layer=i, kind="value")] = values
         return result
@@ -141,6 +143,15 @@ class DecoderWithPast(nn.Module):
         shape = (batch, self.geometry.num_kv_heads, past_length, self.geometry.head_dim)
         out.update({name: torch.randn(shape, generator=gen).to(dtype) for name in self.geometry.past_names()})
         return out
+
+
+def _check_lengths(input_ids, attention_mask, past) -> None:
+    """InputError when the mask does not cover past + new tokens (in eager runs: a trace's
+    symbolic sizes are left to the model's own guards)."""
+    sizes = (input_ids.shape[1], attention_mask.shape[1], past.shape[2])
+    if all(isinstance(s, int) for s in sizes) and sizes[1] != sizes[0] + sizes[2]:
+        raise InputError(f"attention_mask covers {sizes[1]} positions; the past ({sizes[2]}) and the new tokens "
+                         f"({sizes[0]}) are {sizes[0] + sizes[2]}: give the mask over past + new tokens")
 
 
 def positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -178,9 +189,11 @@ def _geometry(model: nn.Module, dtype: str) -> CacheGeometry:
     """The cache's layout as the model writes it: one prefill of two tokens, its presents' shapes."""
     _transformers()
     params = inspect.signature(model.forward).parameters
+    cache = _full_cache()
     with torch.no_grad():
-        out = model(input_ids=torch.zeros(1, 2, dtype=torch.int64), use_cache=True, return_dict=True)
-    layers = cache_tensors(out.past_key_values)
+        model(input_ids=torch.zeros(1, 2, dtype=torch.int64), use_cache=True, return_dict=True,
+              **{"cache" if "cache" in params else "past_key_values": cache})
+    layers = cache_tensors(cache)
     if not layers or any(k.dim() != 4 or v.shape[:3] != k.shape[:3] for k, v in layers):
         raise InputError(f"--with-past: {type(model).__name__}'s cache is not [batch, kv_heads, sequence, head_dim] "
                          "keys and values per layer; export it without --with-past")
