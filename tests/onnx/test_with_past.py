@@ -40,7 +40,24 @@ def tiny_qwen2():
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
+def tiny_gemma2():
+    """Soft-capped attention and a sliding window (every other layer) shorter than the prompts."""
+    config = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=128, sliding_window=4)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).eval()
+
+
+def tiny_phi():
+    config = transformers.PhiConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=8, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.PhiForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2,
+          "gemma2": tiny_gemma2, "phi": tiny_phi}
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +247,7 @@ def test_llama_gqa_export_has_the_contract_and_generates_like_pytorch(exports):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "qwen2", "gemma2", "phi"])
 def test_decoders_export_with_the_cache_and_generate_like_pytorch(exports, name):
     model, result, proto = exports(name)
     check_contract(model, result, proto)
