@@ -158,6 +158,7 @@ def check_contract(model, result, proto):
     assert dims(outputs["logits"]) == ["batch", "sequence", config.vocab_size]
     assert all(dims(outputs[n]) == ["batch", kv_heads, "past_sequence + sequence", head_dim] for n in present)
     assert result.input_names == list(inputs) and result.output_names == list(outputs)
+    assert result.with_past == json.loads(read_metadata(proto)["with_past"])
     onnx.checker.check_model(proto, full_check=True)
 
 

@@ -63,6 +63,7 @@ class ExportResult:
     functions: str = "local"  # or "inline": no model-local function, no custom node
     num_standard_attention_nodes: int = 0
     kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
+    with_past: Optional[dict] = None  # a cached export: the cache's geometry (the metadata's attn_export.with_past)
 
     def to_dict(self) -> dict:
         return {
@@ -79,6 +80,7 @@ class ExportResult:
             "functions": self.functions,
             "num_standard_attention_nodes": self.num_standard_attention_nodes,
             "kept_custom": self.kept_custom,
+            "with_past": self.with_past,
         }
 
 
@@ -187,6 +189,7 @@ def export_onnx(
         output_names=sample.output_names, dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto),
         replacement=sample.report, notes=sample.notes, attention=attention, functions=functions,
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
+        with_past=cached.geometry.to_dict() if cached is not None else None,
     )
     _write_metadata(proto, result, _came_out_dynamic(axes, labels))
     if cached is not None:

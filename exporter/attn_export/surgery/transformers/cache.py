@@ -47,8 +47,11 @@ class CacheGeometry:
     position_ids: bool  # the graph takes position_ids
     dtype: str = "fp32"
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     def past_names(self) -> List[str]:
         return [PAST.format(layer=i, kind=k) for i in range(self.num_layers) for k in KINDS]
