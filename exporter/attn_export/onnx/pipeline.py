@@ -167,17 +167,14 @@ def export_onnx(
             "inline": the bodies are written into the graph instead, no custom node is left
             (for runtimes that do not read model-local functions; the TensorRT plugin then has
             nothing to map).
+        with_past: a transformers decoder-only causal LM with its key/value cache: one graph for
+            prefill and decode, Optimum's names (attn_export.onnx.with_past, docs/huggingface.md);
+            ``example_inputs``: ``input_ids`` [, ``attention_mask``]; ``dynamic_axes`` None.
     """
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
-    if with_past:
-        _with_past.check_request(model, dynamic_axes)
-    work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
-    cached = None
-    if with_past:
-        cached = _with_past.prepare(work, inputs, dtype or _dtype_name(inputs), seed)
-        work, inputs, axes = cached.module, cached.inputs, cached.axes
+    work, inputs, axes, cached = _working_copy(model, example_inputs, dtype, dynamic_axes, with_past, seed)
     sample = _sample_run(work, inputs, axes, replace, seed)
     proto = _capture(work, sample, axes, opset, quiet)
     if cached is not None:
@@ -192,8 +189,6 @@ def export_onnx(
         with_past=cached.geometry.to_dict() if cached is not None else None,
     )
     _write_metadata(proto, result, _came_out_dynamic(axes, labels))
-    if cached is not None:
-        _with_past.write_metadata(proto, cached.geometry)
     _save(proto, path)
     return result
 
@@ -209,10 +204,22 @@ def _contract_names(proto, cached, inputs, axes):
 
 
 def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
-                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
+                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]], with_past: bool = False, seed: int = 0):
     """What is exported: a copy of ``model`` in eval mode and in ``dtype`` (a transformers model
     without its key/value cache among the outputs), its inputs in ``forward``'s order and in that
-    dtype, and the axes to export dynamic."""
+    dtype, the axes to export dynamic, and None; with ``with_past``, the copy wrapped with its
+    cache as flat inputs, their example, the contract's axes, and the CachedExport."""
+    if with_past:
+        _with_past.check_request(model, dynamic_axes)
+    work, inputs, axes = _plain_copy(model, example_inputs, dtype, dynamic_axes)
+    if not with_past:
+        return work, inputs, axes, None
+    cached = _with_past.prepare(work, inputs, dtype or _dtype_name(inputs), seed)
+    return cached.module, cached.inputs, cached.axes, cached
+
+
+def _plain_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
+                dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
     work = copy.deepcopy(model).eval()
     is_hf = _hf.contains_hf_model(work)
     if is_hf:
@@ -378,6 +385,8 @@ def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[in
         "attention": result.attention,
         "functions": result.functions,
     }
+    if result.with_past is not None:
+        meta[_with_past.META_KEY] = json.dumps(result.with_past, sort_keys=True)
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + key, value

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from attn_export.errors import InputError
-from attn_export.onnx.graph import META_PREFIX, _rename_symbols
+from attn_export.onnx.graph import _rename_symbols
 from attn_export.surgery.transformers import cache as _cache
 
 META_KEY = "with_past"  # the metadata property attn_export.with_past: the cache's geometry as JSON
@@ -87,8 +87,3 @@ def unify_symbols(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]])
             if dim.dim_param != owner:
                 mapping[dim.dim_param] = owner
     _rename_symbols(proto, mapping)
-
-
-def write_metadata(proto: onnx.ModelProto, geometry: _cache.CacheGeometry) -> None:
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = META_PREFIX + META_KEY, geometry.to_json()
