@@ -201,10 +201,9 @@ def _validated(model, inputs, export, options: ConvertOptions, progress: Progres
     the decoder rejects: the gate reports them skipped."""
     if not options.with_past:
         return model, inputs
-    from attn_export.surgery.transformers.cache import DecoderWithPast
+    from attn_export.onnx.with_past import for_validation
 
-    wrapped = DecoderWithPast.wrap(model, export.dtype)
-    checked = wrapped.example_inputs(inputs, seed=options.seed)
+    wrapped, checked = for_validation(model, inputs, export.dtype, seed=options.seed)
     past = checked["attention_mask"].shape[1] - checked["input_ids"].shape[1]
     progress.note(f"note: --with-past: the parity gate runs {checked['input_ids'].shape[1]} new tokens after a past of "
                   f"{past}; its cases that resize the sequence or the past alone are skipped (the attention mask "

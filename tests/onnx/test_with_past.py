@@ -152,11 +152,16 @@ def check_contract(model, result, proto):
     assert list(inputs) == ["input_ids", "attention_mask", "position_ids"] + past
     assert list(outputs) == ["logits"] + present
     assert dims(inputs["input_ids"]) == dims(inputs["position_ids"]) == ["batch", "sequence"]
-    assert dims(inputs["attention_mask"]) == ["batch", "total_sequence"]
+    total = dims(inputs["attention_mask"])[1]
+    assert dims(inputs["attention_mask"])[0] == "batch" and total in ("total_sequence", "past_sequence + sequence")
     assert all(dims(inputs[n]) == ["batch", kv_heads, "past_sequence", head_dim] for n in past)
     assert all(inputs[n].type.tensor_type.elem_type == onnx.TensorProto.FLOAT for n in past)
     assert dims(outputs["logits"]) == ["batch", "sequence", config.vocab_size]
-    assert all(dims(outputs[n]) == ["batch", kv_heads, "past_sequence + sequence", head_dim] for n in present)
+    # The presents' length is past + new tokens: the symbolic sum, or the mask's symbol where the
+    # trace proved them equal.
+    lengths = {"past_sequence + sequence", total}
+    assert all(dims(outputs[n])[:2] + dims(outputs[n])[3:] == ["batch", kv_heads, head_dim] and dims(outputs[n])[2]
+               in lengths for n in present)
     assert result.input_names == list(inputs) and result.output_names == list(outputs)
     assert result.with_past == json.loads(read_metadata(proto)["with_past"])
     onnx.checker.check_model(proto, full_check=True)
@@ -371,7 +376,8 @@ def test_the_cli_refuses_the_cache_with_a_tensorrt_target(llama_config, tmp_path
 @pytest.mark.slow
 def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_config, tmp_path):
     """The issue's command: exit 0; the parity gate compares new tokens after a non-empty past
-    (example and batch=1), and reports the cases that resize one length alone as skipped."""
+    (example and batch=1), and reports the cases that resize one length alone as skipped; so
+    does ``attn-export validate`` on the file."""
     from helpers import invoke
 
     out = tmp_path / "llama.onnx"
@@ -387,3 +393,10 @@ def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_co
     assert report["export"]["input_names"][3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
     proto = onnx.load(str(out))
     assert json.loads(read_metadata(proto)["with_past"])["num_kv_heads"] == 2
+    # attn-export validate reads the cache's geometry from the file and runs the same gate.
+    proc = invoke("validate", "--model", "transformers:AutoModelForCausalLM", "--config", llama_config, out,
+                  "--json", tmp_path / "validate.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    validated = json.loads((tmp_path / "validate.json").read_text())
+    assert {("example", "onnxruntime"), ("batch=1", "onnxruntime")} <= {
+        (c["case"], c["backend"]) for c in validated["cases"] if c["status"] == "passed"}

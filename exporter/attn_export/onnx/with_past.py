@@ -13,7 +13,7 @@ start (the wrapper's output keys). The example past is traced at a length of at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import onnx
 import torch
@@ -87,3 +87,26 @@ def unify_symbols(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]])
             if dim.dim_param != owner:
                 mapping[dim.dim_param] = owner
     _rename_symbols(proto, mapping)
+
+
+def for_validation(model: nn.Module, inputs: Mapping[str, torch.Tensor], dtype: str,
+                   seed: int = 0) -> Tuple[nn.Module, Dict[str, torch.Tensor]]:
+    """What the parity gate compares a cached export with: the decoder with its cache as flat
+    tensors (the file's inputs), at the example's tokens after a non-empty past."""
+    wrapped = _cache.DecoderWithPast.wrap(model, dtype)
+    return wrapped, wrapped.example_inputs(inputs, seed=seed)
+
+
+def file_geometry(onnx_path) -> Optional[dict]:
+    """The ``attn_export.with_past`` metadata of an ONNX file (None: not a cached export, or not
+    a file ONNX reads, which the gate then reports); the weights are not read."""
+    import json
+
+    from attn_export.onnx.graph import read_metadata
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - the gate's own load says what is wrong with the file
+        return None
+    value = read_metadata(model).get(META_KEY)
+    return json.loads(value) if value else None
