@@ -110,12 +110,10 @@ class ConvertResult:
     engine: Any = None  # EngineInfo
     report: Any = None  # ValidationReport
     coverage_problem: Optional[str] = None
-    generation: Any = None  # the generation gate's report (with_past), when that gate is installed
 
     @property
     def passed(self) -> bool:
-        generated = self.generation is None or getattr(self.generation, "passed", True)
-        return self.coverage_problem is None and (self.report is None or self.report.passed) and generated
+        return self.coverage_problem is None and (self.report is None or self.report.passed)
 
     @property
     def exit_code(self) -> int:
@@ -125,8 +123,7 @@ class ConvertResult:
     def failures(self) -> list[str]:
         if self.coverage_problem:
             return [self.coverage_problem]
-        failures = list(self.report.failures) if self.report is not None else []
-        return failures + list(getattr(self.generation, "failures", []) or [])
+        return list(self.report.failures) if self.report is not None else []
 
     def to_dict(self) -> dict:
         """The extra sections of the JSON report beside the validation's own."""
@@ -189,19 +186,18 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
                 progress=update, engine=engine_path, plugin=plugin, runtime_timeout_s=options.runtime_timeout_s,
                 ort_providers=options.ort_providers, ort_trt_cache_dir=options.ort_trt_cache_dir,
                 ort_trt_fp16=options.ort_trt_fp16)
-        if options.with_past:
-            result.generation = _generation_gate(model, onnx_path, options, progress)
     return result
 
 
 def _validated(model, inputs, export, options: ConvertOptions, progress: Progress):
-    """The model and inputs the parity gate compares the file with: as given, or for a cached
-    export the decoder with its cache as flat tensors (the file's inputs), at a non-empty past.
-    Its shape cases that change one length alone (a sequence without the mask over it) are ones
-    the decoder rejects: the gate reports them skipped."""
-    if not options.with_past:
-        return model, inputs
-    from attn_export.onnx.with_past import for_validation
+    """The model and inputs the gate compares the file with: as given; for a cached export
+    where the generation gate is not installed, the decoder with its cache as flat tensors (the
+    file's inputs) at a non-empty past, whose shape cases that change one length alone (a
+    sequence without the mask over it) the decoder rejects and the gate reports skipped."""
+    from attn_export.onnx.with_past import for_validation, generation_gate_installed
+
+    if not options.with_past or generation_gate_installed():
+        return model, inputs  # the gate generates with the original model (validation/generation.py)
 
     wrapped, checked = for_validation(model, inputs, export.dtype, seed=options.seed)
     past = checked["attention_mask"].shape[1] - checked["input_ids"].shape[1]
@@ -209,22 +205,6 @@ def _validated(model, inputs, export, options: ConvertOptions, progress: Progres
                   f"{past}; its cases that resize the sequence or the past alone are skipped (the attention mask "
                   "covers past + new tokens)")
     return wrapped, checked
-
-
-def _generation_gate(model, onnx_path: Path, options: ConvertOptions, progress: Progress):
-    """Greedy generation through ONNX Runtime with the cache against the model's own
-    ``generate()`` (attn_export.validation.generation.check_generation), where that gate is
-    installed; None (with a note) where not."""
-    import importlib.util
-
-    if importlib.util.find_spec("attn_export.validation.generation") is None:
-        progress.note("note: the generation gate (attn_export.validation.generation) is not in this build: "
-                      "the cached export was checked by the parity gate alone")
-        return None
-    from attn_export.validation.generation import check_generation
-
-    with progress.step("generating tokens through ONNX Runtime with the cache"):
-        return check_generation(model, onnx_path, seed=options.seed)
 
 
 def _paths(options: ConvertOptions) -> tuple[Path, Optional[Path]]:

@@ -92,14 +92,15 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
 
 
 def _cached_decoder(session, model, inputs, onnx_path, seed: int):
-    """A cached export (``attn_export.with_past`` in the file): the decoder with its cache as
-    the file's flat inputs, after a non-empty past (docs/huggingface.md); else as given."""
+    """A cached export (``attn_export.with_past`` in the file) where the generation gate is not
+    installed: the decoder with its cache as the file's flat inputs, after a non-empty past
+    (docs/huggingface.md); else as given."""
     from pathlib import Path
 
-    from attn_export.onnx.with_past import file_geometry, for_validation
+    from attn_export.onnx.with_past import file_geometry, for_validation, generation_gate_installed
 
-    if not Path(onnx_path).is_file():
-        return model, inputs  # the gate says so
+    if generation_gate_installed() or not Path(onnx_path).is_file():
+        return model, inputs  # the generation gate checks a cached export itself; a missing file: the gate says so
     geometry = file_geometry(onnx_path)
     if geometry is None:
         return model, inputs
