@@ -426,3 +426,52 @@ def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_co
                   "--json", tmp_path / "validate.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_gate_ran(json.loads((tmp_path / "validate.json").read_text()))
+
+
+# --------------------------------------------------------------------------------------------
+# A generation runtime nobody here wrote
+# --------------------------------------------------------------------------------------------
+
+def genai_greedy_tokens(directory, prompts, pad_id, new_tokens):
+    """ONNX Runtime GenAI's greedy tokens for ``prompts`` (it takes them right-padded)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(directory))
+    params = og.GeneratorParams(model)
+    width = max(map(len, prompts))
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+    generator.append_tokens(ids.numpy())
+    steps = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps.append(generator.get_next_tokens().tolist())
+    return torch.tensor(steps).T
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["custom", "standard"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_onnxruntime_genai_generates_the_models_tokens(tmp_path, name, attention):
+    """The cached export with the genai_config.json beside it (attn_export.genai_config), read by
+    ONNX Runtime GenAI: 16 greedy tokens for three prompts of different lengths equal the stock
+    model's (transformers' cache, left padding)."""
+    genai_config = pytest.importorskip("attn_export.genai_config", reason="genai_config.py is not in this build")
+    model = MODELS[name]()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, padded_batch(PROMPT_LENGTHS, 5, left=True), path, with_past=True, attention=attention)
+    genai_config.write_genai_config(path, model.config)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 12)]
+    width = max(map(len, prompts))
+    prompt = {"input_ids": torch.zeros(len(prompts), width, dtype=torch.int64),
+              "attention_mask": torch.zeros(len(prompts), width, dtype=torch.int64)}
+    for row, tokens in enumerate(prompts):
+        prompt["input_ids"][row, width - len(tokens):] = torch.tensor(tokens)
+        prompt["attention_mask"][row, width - len(tokens):] = 1
+    _, expected = torch_generation(model, prompt, 15)
+    expected = torch.cat(expected, dim=1)
+    assert len({tuple(t) for t in expected.tolist()}) == len(prompts)  # a comparison that can tell rows apart
+    assert torch.equal(genai_greedy_tokens(tmp_path, prompts, 0, 16), expected)
