@@ -292,6 +292,30 @@ def test_standard_flavor_folds_the_cache_into_attention(exports, name):
     check_generation(model, result, proto)
 
 
+@pytest.mark.slow
+def test_a_float16_export_takes_and_returns_a_float16_cache(tmp_path):
+    """--dtype fp16: the past and presents are float16, the metadata says so (what a runtime
+    builds the empty past in), and the prefill's logits are within float16's tolerance."""
+    model = tiny_llama()
+    path = tmp_path / "m.onnx"
+    result = export_onnx(model, padded_batch(PROMPT_LENGTHS, 5, left=True), path, with_past=True, dtype="fp16")
+    proto = onnx.load(str(path))
+    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    assert geometry.dtype == result.dtype == "fp16"
+    cache_values = [v for v in list(proto.graph.input) + list(proto.graph.output) if "." in v.name]
+    assert cache_values and all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for v in cache_values)
+    prompt = padded_batch(PROMPT_LENGTHS, 5, left=True, seed=1)
+    feeds = {**prompt, "position_ids": _cache.positions(prompt["attention_mask"], 5),
+             **_cache.empty_past(geometry, 2, torch.float16)}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = torch.from_numpy(session.run(["logits"], {k: v.numpy() for k, v in feeds.items()})[0]).float()
+    (expected,), _ = torch_generation(model, prompt, 0)
+    keep = prompt["attention_mask"].bool()
+    err = (logits - expected).abs()[keep].max().item()
+    rtol = tolerance(torch.float16, model.config.hidden_size)
+    assert err <= rtol * expected[keep].abs().max().item(), err
+
+
 # --------------------------------------------------------------------------------------------
 # The standard flavor's fold, on one hand-built node (no transformers model)
 # --------------------------------------------------------------------------------------------

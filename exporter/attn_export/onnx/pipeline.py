@@ -214,7 +214,7 @@ def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     work, inputs, axes = _plain_copy(model, example_inputs, dtype, dynamic_axes)
     if not with_past:
         return work, inputs, axes, None
-    cached = _with_past.prepare(work, inputs, dtype or _dtype_name(inputs), seed)
+    cached = _with_past.prepare(work, inputs, seed)
     return cached.module, cached.inputs, cached.axes, cached
 
 

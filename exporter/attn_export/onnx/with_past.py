@@ -48,10 +48,11 @@ def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
                          "total_sequence): drop --dynamic/--static")
 
 
-def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: str, seed: int) -> CachedExport:
+def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: int) -> CachedExport:
     """The traced module, its example inputs (a past of ``TRACE_PAST_LENGTH`` tokens after the
-    example's) and the contract's axes, for the working copy ``work`` (already in its dtype)."""
-    wrapped = _cache.DecoderWithPast.wrap(work, dtype)
+    example's) and the contract's axes, for the working copy ``work`` (already in its dtype,
+    which the past and the metadata take)."""
+    wrapped = _cache.DecoderWithPast.wrap(work, dtype_name(work))
     inputs = wrapped.example_inputs(example_inputs, seed=seed)
     if inputs["input_ids"].shape[1] < 2:
         # A new-token length of 1 would be specialized: trace a prefill of 2 tokens after the past.
@@ -60,6 +61,15 @@ def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: 
     plain = {_cache.traced_name(n): t for n, t in inputs.items()}
     axes = {_cache.traced_name(n): d for n, d in wrapped.geometry.dynamic_axes().items()}
     return CachedExport(_cache.for_tracing(wrapped), plain, axes, wrapped.geometry)
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The export dtype's name (``fp32``, ``fp16``, ``bf16``) of the model's floating parameters."""
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise InputError(f"--with-past: the model's parameters are {dtype}; export with --dtype fp32, fp16 or bf16")
+    return names[dtype]
 
 
 def rename_inputs(proto: onnx.ModelProto, names: Mapping[str, str]) -> None:

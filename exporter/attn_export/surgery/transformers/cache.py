@@ -18,7 +18,6 @@ Every layer keeps its whole past, also under a sliding window (the mask applies 
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping
 
@@ -49,9 +48,6 @@ class CacheGeometry:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
 
     def past_names(self) -> List[str]:
         return [PAST.format(layer=i, kind=k) for i in range(self.num_layers) for k in KINDS]
