@@ -100,7 +100,8 @@ def torch_generation(model, prompt, steps):
 
 def ort_generation(path, geometry, prompt, tokens):
     """ONNX Runtime's logits at the same steps: an empty past for the prefill, then each step's
-    presents fed back as the next past, the tokens ``torch_generation`` chose."""
+    presents fed back as the next past, the tokens ``torch_generation`` chose (its last one is
+    never fed)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -116,7 +117,7 @@ def ort_generation(path, geometry, prompt, tokens):
         logits.append(torch.from_numpy(outs["logits"]))
         past = {name: torch.from_numpy(outs[present]) for name, present in
                 zip(geometry.past_names(), geometry.present_names())}
-        ids = tokens[step]
+        ids = tokens[step]  # the next step's token
         mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
     return logits
 
@@ -125,7 +126,8 @@ def check_generation(model, result, proto):
     geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
     prompt = padded_batch(PROMPT_LENGTHS, 5, left=True, seed=1)
     expected, tokens = torch_generation(model, prompt, DECODE_STEPS)
-    got = ort_generation(result.path, geometry, prompt, tokens[:-1])
+    got = ort_generation(result.path, geometry, prompt, tokens)  # the prefill and DECODE_STEPS steps
+    assert len(got) == len(expected) == DECODE_STEPS + 1
     k = max(model.config.hidden_size, prompt["input_ids"].shape[1] + DECODE_STEPS)
     rtol = tolerance(torch.float32, k)
     valid = prompt["attention_mask"].bool()  # the prefill's padded positions predict nothing
