@@ -37,6 +37,8 @@ class ConvertOptions:
     attention: str = DEFAULT_ATTENTION  # or "standard": the standard Attention node (onnx_options.py)
     functions: str = DEFAULT_FUNCTIONS  # or "inline": the custom nodes' bodies written into the graph
     dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16"; default: the model's own
+    # A transformers decoder-only causal LM exported with its key/value cache (onnx/with_past.py).
+    with_past: bool = False
     replace: bool = True
     validate: bool = True
     dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None
@@ -60,6 +62,9 @@ class ConvertOptions:
         if self.to not in TARGETS:
             raise InputError(f"unknown target {self.to!r}: one of {', '.join(TARGETS)}")
         check_choices(self.attention, self.functions)
+        if self.with_past and self.to != "onnx":
+            raise InputError("--with-past goes with --to onnx (a TensorRT engine of the cached export needs an "
+                             "optimization profile over the past's length, which is not derived yet)")
 
 
 class Progress(Protocol):
@@ -174,13 +179,32 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
     if options.validate:
         from attn_export.validation import validate
 
+        checked, checked_inputs = _validated(model, inputs, result.export, options, progress)
         with progress.step("validating against the original model") as update:
             result.report = validate(
-                model, onnx_path, inputs, dynamic_axes=options.dynamic_axes, seed=options.seed, progress=update,
-                engine=engine_path, plugin=plugin, runtime_timeout_s=options.runtime_timeout_s,
+                checked, onnx_path, checked_inputs, dynamic_axes=options.dynamic_axes, seed=options.seed,
+                progress=update, engine=engine_path, plugin=plugin, runtime_timeout_s=options.runtime_timeout_s,
                 ort_providers=options.ort_providers, ort_trt_cache_dir=options.ort_trt_cache_dir,
                 ort_trt_fp16=options.ort_trt_fp16)
     return result
+
+
+def _validated(model, inputs, export, options: ConvertOptions, progress: Progress):
+    """The model and inputs the gate compares the file with: as given; for a cached export
+    where the generation gate is not installed, the decoder with its cache as flat tensors (the
+    file's inputs) at a non-empty past, whose shape cases that change one length alone (a
+    sequence without the mask over it) the decoder rejects and the gate reports skipped."""
+    from attn_export.onnx.with_past import for_validation, generation_gate_installed
+
+    if not options.with_past or generation_gate_installed():
+        return model, inputs  # the gate generates with the original model (validation/generation.py)
+
+    wrapped, checked = for_validation(model, inputs, export.dtype, seed=options.seed)
+    past = checked["attention_mask"].shape[1] - checked["input_ids"].shape[1]
+    progress.note(f"note: --with-past: the parity gate runs {checked['input_ids'].shape[1]} new tokens after a past of "
+                  f"{past}; its cases that resize the sequence or the past alone are skipped (the attention mask "
+                  "covers past + new tokens)")
+    return wrapped, checked
 
 
 def _paths(options: ConvertOptions) -> tuple[Path, Optional[Path]]:
@@ -253,7 +277,7 @@ def _export(model, inputs, onnx_path: Path, options: ConvertOptions, progress: P
         export = export_onnx(model, inputs, onnx_path, opset=options.opset, dtype=options.dtype,
                              dynamic_axes=options.dynamic_axes, replace=options.replace,
                              quiet=not options.verbose, seed=options.seed, attention=options.attention,
-                             functions=options.functions)
+                             functions=options.functions, with_past=options.with_past)
     for note in export.notes + (export.replacement.notes if export.replacement else []):
         progress.note(f"note: {note}")
     return export

@@ -57,6 +57,13 @@ parser (10.14+) maps the standard Attention nodes itself. --onnx-functions inlin
 custom nodes' bodies into the graph, for runtimes that do not read model-local functions
 (OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
 
+--with-past (transformers decoder-only causal LMs, --to onnx) exports the model with its
+key/value cache: one graph for prefill (past length 0) and decode, with Optimum's names
+(input_ids, attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value
+in; logits, present.{i}.key/value out) and the cache's geometry in the metadata property
+attn_export.with_past (docs/huggingface.md). The parity gate then runs new tokens after a
+non-empty past.
+
 \b
 Examples:
   attn-export model.pt --to onnx
@@ -65,6 +72,7 @@ Examples:
   attn-export --model mypkg.models:build --weights weights.pt --dtype fp16 --json report.json
   attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
   attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
+  attn-export --model transformers:AutoModelForCausalLM --config llama-config.json --with-past -o llama.onnx
   attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
       --max-shapes src:8x512x64
   attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
@@ -99,6 +107,9 @@ def default_output(model_path, factory, to: str) -> Path:
 @onnx_functions_option
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Export in this precision (default: the model's own).")
+@click.option("--with-past", "with_past", is_flag=True,
+              help="Export a transformers decoder-only causal LM with its key/value cache (past_key_values.* in, "
+                   "present.* out): one graph for prefill and decode (--to onnx).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
 @click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
 @ort_options
@@ -111,7 +122,7 @@ def default_output(model_path, factory, to: str) -> Path:
 @logging_options
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, onnx_functions, dtype,
-            no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
+            with_past, no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
     import torch
 
     from attn_export.conversion import ConvertOptions, convert as run_conversion, preflight
@@ -129,7 +140,7 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     shapes = profile_args.shape_specs() if to == "tensorrt" else {"min": {}, "opt": {}, "max": {}}
     options = ConvertOptions(
         output=output or default_output(model_path, model_args.factory, to), to=to, onnx_output=onnx_output,
-        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, replace=not no_replace, validate=not no_validate,
+        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, with_past=with_past, replace=not no_replace, validate=not no_validate,
         seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
         ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
         plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],

@@ -82,9 +82,28 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
         model, _source = model_args.load(model_path, seed=input_args.seed)
         inputs = input_args.example_inputs(model)
         axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
+        model, inputs = _cached_decoder(session, model, inputs, onnx_path, input_args.seed)
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout,
                           **ort_args.validate_kwargs())
     write_html(session, report, html_path)
     return finish_validation(session, report, reports)
+
+
+def _cached_decoder(session, model, inputs, onnx_path, seed: int):
+    """A cached export (``attn_export.with_past`` in the file) where the generation gate is not
+    installed: the decoder with its cache as the file's flat inputs, after a non-empty past
+    (docs/huggingface.md); else as given."""
+    from pathlib import Path
+
+    from attn_export.onnx.with_past import file_geometry, for_validation, generation_gate_installed
+
+    if generation_gate_installed() or not Path(onnx_path).is_file():
+        return model, inputs  # the generation gate checks a cached export itself; a missing file: the gate says so
+    geometry = file_geometry(onnx_path)
+    if geometry is None:
+        return model, inputs
+    session.note("note: a cached export (--with-past): the decoder runs the example tokens after a non-empty past; "
+                 "cases that resize the sequence or the past alone are skipped")
+    return for_validation(model, inputs, geometry.get("dtype", "fp32"), seed=seed)

@@ -22,6 +22,7 @@ from attn_export import inputs as _inputs
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 from attn_export.atomic_io import atomic_output
 from attn_export.onnx import dims as _dims
+from attn_export.onnx import with_past as _with_past
 from attn_export.onnx.graph import (
     META_PREFIX,
     apply_axis_labels,
@@ -62,6 +63,7 @@ class ExportResult:
     functions: str = "local"  # or "inline": no model-local function, no custom node
     num_standard_attention_nodes: int = 0
     kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
+    with_past: Optional[dict] = None  # a cached export: the cache's geometry (the metadata's attn_export.with_past)
 
     def to_dict(self) -> dict:
         return {
@@ -78,6 +80,7 @@ class ExportResult:
             "functions": self.functions,
             "num_standard_attention_nodes": self.num_standard_attention_nodes,
             "kept_custom": self.kept_custom,
+            "with_past": self.with_past,
         }
 
 
@@ -135,6 +138,7 @@ def export_onnx(
     seed: int = 0,
     attention: str = DEFAULT_ATTENTION,
     functions: str = DEFAULT_FUNCTIONS,
+    with_past: bool = False,
 ) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
@@ -163,31 +167,59 @@ def export_onnx(
             "inline": the bodies are written into the graph instead, no custom node is left
             (for runtimes that do not read model-local functions; the TensorRT plugin then has
             nothing to map).
+        with_past: a transformers decoder-only causal LM with its key/value cache: one graph for
+            prefill and decode, Optimum's names (attn_export.onnx.with_past, docs/huggingface.md);
+            ``example_inputs``: ``input_ids`` [, ``attention_mask``]; ``dynamic_axes`` None.
     """
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)
-    work, inputs, axes = _working_copy(model, example_inputs, dtype, dynamic_axes)
+    work, inputs, axes, cached = _working_copy(model, example_inputs, dtype, dynamic_axes, with_past, seed)
     sample = _sample_run(work, inputs, axes, replace, seed)
     proto = _capture(work, sample, axes, opset, quiet)
+    if cached is not None:
+        inputs, axes = _contract_names(proto, cached, inputs, axes)
     labels, rewrite = _finish_graph(proto, axes, opset, attention, functions, sample.notes,
-                                    required=dynamic_axes is not None)
+                                    required=dynamic_axes is not None or with_past)
     result = ExportResult(
         path=path, opset=opset, dtype=dtype or _dtype_name(inputs), input_names=list(inputs),
         output_names=sample.output_names, dynamic_axes=labels, num_attention_nodes=count_attention_nodes(proto),
         replacement=sample.report, notes=sample.notes, attention=attention, functions=functions,
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
+        with_past=cached.geometry.to_dict() if cached is not None else None,
     )
     _write_metadata(proto, result, _came_out_dynamic(axes, labels))
     _save(proto, path)
     return result
 
 
+def _contract_names(proto, cached, inputs, axes):
+    """The cached export's graph inputs, inputs and axes under the contract's names, and one
+    symbol per axis label (attn_export.onnx.with_past)."""
+    names = cached.contract_names
+    _with_past.rename_inputs(proto, names)
+    axes = {names.get(n, n): d for n, d in axes.items()}
+    _with_past.unify_symbols(proto, axes)
+    return {names.get(n, n): t for n, t in inputs.items()}, axes
+
+
 def _working_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
-                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
+                  dynamic_axes: Optional[Mapping[str, Mapping[int, str]]], with_past: bool = False, seed: int = 0):
     """What is exported: a copy of ``model`` in eval mode and in ``dtype`` (a transformers model
     without its key/value cache among the outputs), its inputs in ``forward``'s order and in that
-    dtype, and the axes to export dynamic."""
+    dtype, the axes to export dynamic, and None; with ``with_past``, the copy wrapped with its
+    cache as flat inputs, their example, the contract's axes, and the CachedExport."""
+    if with_past:
+        _with_past.check_request(model, dynamic_axes)
+    work, inputs, axes = _plain_copy(model, example_inputs, dtype, dynamic_axes)
+    if not with_past:
+        return work, inputs, axes, None
+    cached = _with_past.prepare(work, inputs, seed)
+    return cached.module, cached.inputs, cached.axes, cached
+
+
+def _plain_copy(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], dtype: Optional[str],
+                dynamic_axes: Optional[Mapping[str, Mapping[int, str]]]):
     work = copy.deepcopy(model).eval()
     is_hf = _hf.contains_hf_model(work)
     if is_hf:
@@ -353,6 +385,8 @@ def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[in
         "attention": result.attention,
         "functions": result.functions,
     }
+    if result.with_past is not None:
+        meta[_with_past.META_KEY] = json.dumps(result.with_past, sort_keys=True)
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + key, value

@@ -14,7 +14,9 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
   op gives NaN or uniform weights; it reads the mask before the query axis is spelled out;
 * mask and guard are built once per model for the layers that share them (``_SharedMasks``);
 * bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16);
-* grouped-query layers keep their key/value heads: ``kv_num_heads`` is the operator's own.
+* grouped-query layers keep their key/value heads: ``kv_num_heads`` is the operator's own;
+* a cached export's Concat(past, new keys) is folded into the node's ``past_key``/``past_value``
+  inputs and ``present_key``/``present_value`` outputs (standard_past.py).
 
 A node the operator cannot express keeps the custom node (and its function), and the rewrite
 says which and why: soft-capping together with a mask or causal masking, where opset 23 puts
@@ -32,6 +34,7 @@ from onnx import TensorProto, helper
 from attn_export import spec as _spec
 from attn_export.onnx.graph import attention_nodes, value_dims, value_types
 from attn_export.onnx.node import is_attention_domain
+from attn_export.onnx import standard_past as _past
 from attn_export.onnx_options import STANDARD_MIN_OPSET as MIN_OPSET
 from attn_export.onnx_options import check_standard_opset as check_opset  # noqa: F401 - public here
 
@@ -119,7 +122,11 @@ class _SharedMasks:
         dims = self.dims.get(name)
         return dims[axis] if dims and len(dims) > axis and dims[axis] not in (None, "") else None
 
-    def get(self, b: "_Builder", node: onnx.NodeProto, index: int, compute: int) -> "_Mask | None":
+    def get(self, b: "_Builder", node: onnx.NodeProto, index: int, compute: int,
+            key_length: List[tuple] | None = None) -> "_Mask | None":
+        """``key_length``: the (value, axis) whose sizes add up to the keys' length, where it is
+        not the key input's axis 1 (a folded cache: past and new keys' axis 2; the present is
+        the Attention node's own output, not yet computed where the mask is)."""
         s = _spec.load()
         a = _attrs(node)
         causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
@@ -133,7 +140,8 @@ class _SharedMasks:
         if key not in self.built:
             # The dead-row flags [B|1, H|1, Lq|1, 1] keep a head axis only where attn_mask has one.
             per_head = has_mask and self.axis(node.input[4], 1) != 1
-            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head, bottom_right)
+            self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head, bottom_right,
+                                          key_length or [(node.input[1], 1)])
         return self.built[key]
 
 
@@ -145,7 +153,7 @@ class _Mask:
 
 
 def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
-                per_head: bool, bottom_right: bool = False) -> _Mask:
+                per_head: bool, bottom_right: bool = False, key_length: List[tuple] | None = None) -> _Mask:
     q, k, _, kpm, mask = node.input
     f32 = TensorProto.FLOAT
     terms = []
@@ -155,7 +163,10 @@ def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool
         terms.append(mask)
     lq = b.op("Shape", [q], "lq", start=1, end=2)
     if causal:  # joins the mask, so the guard below sees it (-inf strictly above the diagonal)
-        lk = b.op("Shape", [k], "lk", start=1, end=2)
+        sizes = key_length or [(k, 1)]
+        parts = [b.op("Shape", [name], "lk" if len(sizes) == 1 else f"lk{i}", start=axis, end=axis + 1)
+                 for i, (name, axis) in enumerate(sizes)]
+        lk = parts[0] if len(parts) == 1 else b.op("Add", parts, "lk")
         all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
                        value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
         diagonal = b.const("one", [1], dims=[])
@@ -184,7 +195,9 @@ def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool
 
 
 def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
-                    masks: _SharedMasks) -> List[onnx.NodeProto]:
+                    masks: _SharedMasks, fold: "_past.PastFold | None" = None) -> List[onnx.NodeProto]:
+    """The nodes replacing ``node``; with ``fold`` (a cache, standard_past.py) the Attention node
+    also takes the past and writes the presents."""
     s = _spec.load()
     a = _attrs(node)
     heads = int(a[s.attr_num_heads])
@@ -197,8 +210,13 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
     compute = query_type if query_type in (TensorProto.FLOAT, TensorProto.FLOAT16) else f32
     if compute != query_type:
         q, k, v = (b.op("Cast", [x], f"{what}_f32", to=f32) for x, what in ((q, "q"), (k, "k"), (v, "v")))
-    mask = masks.get(b, node, index, compute)
-    y = b.op("Attention", [q, k, v] + ([mask.mask] if mask else []), "attention", q_num_heads=heads,
+    mask = masks.get(b, node, index, compute, [(fold.past_key, 2), (fold.new_key, 2)] if fold else None)
+    inputs, outputs = [q, k, v] + ([mask.mask] if mask else []), None
+    if fold:
+        k, v = _past.sequence_first(b, fold.new_key, "k"), _past.sequence_first(b, fold.new_value, "v")
+        inputs = [q, k, v, mask.mask if mask else "", fold.past_key, fold.past_value]
+        outputs = [b.name("attention"), fold.present_key, fold.present_value]
+    y = b.op("Attention", inputs, "attention", outputs=outputs, q_num_heads=heads,
              kv_num_heads=kv_heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
              softcap=float(a[s.attr_softcap]))
     if mask:  # rows the mask empties give 0
@@ -226,20 +244,23 @@ def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
     types = value_types(model)
     targets = {id(n): n for n in attention_nodes(model)}
     masks = _SharedMasks(model)
-    kept, converted, nodes = [], 0, []
-    for index, node in enumerate(model.graph.node):
+    graph_index = _past.GraphIndex(model)
+    kept, converted, nodes, folds = [], 0, [], []
+    for position, node in enumerate(model.graph.node):
         if id(node) not in targets:
             nodes.append(node)
             continue
         reason = why_not_standard(node)
         if reason:
-            kept.append(f"node {node.name or index}: {reason}")
+            kept.append(f"node {node.name or position}: {reason}")
             nodes.append(node)
             continue
-        nodes.extend(_standard_nodes(node, index, types.get(node.input[0]), masks))
+        fold = _fold(graph_index, node, types.get(node.input[0]))
+        folds += [fold] if fold else []
+        nodes.extend(_standard_nodes(node, position, types.get(node.input[0]), masks, fold))
         converted += 1
     del model.graph.node[:]
-    model.graph.node.extend(nodes)
+    model.graph.node.extend(_past.drop_concats(nodes, folds))
     remove_unused(model)
     if not kept:  # no custom node left: no custom domain
         s = _spec.load()
@@ -247,6 +268,17 @@ def to_standard_attention(model: onnx.ModelProto) -> StandardRewrite:
         del model.opset_import[:]
         model.opset_import.extend(imports)
     return StandardRewrite(converted, kept)
+
+
+def _fold(index: "_past.GraphIndex", node: onnx.NodeProto, query_type: int | None) -> "_past.PastFold | None":
+    """The cache to fold into the node: none for top-left causal masking (the operator aligns
+    it bottom-right with a past) and for types the node runs in float32 between Casts (the
+    presents would come out float32)."""
+    a = _attrs(node)
+    s = _spec.load()
+    if query_type not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+        return None
+    return _past.find_past(index, node, top_left_causal=bool(a[s.attr_is_causal]) and not _bottom_right(a))
 
 
 def _read_names(graph: onnx.GraphProto):

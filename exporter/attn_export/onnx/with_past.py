@@ -1,0 +1,131 @@
+"""``export_onnx(..., with_past=True)``: a decoder exported with its key/value cache, one graph
+for prefill (past length 0) and decode, with Optimum's names (docs/huggingface.md, "Exports
+with the cache").
+
+The module traced is :class:`attn_export.surgery.transformers.cache.DecoderWithPast` with a
+forward of plain parameter names (``past_key_values_0_key``); the graph's inputs get the
+contract's names (``past_key_values.0.key``) after the capture, its outputs have them from the
+start (the wrapper's output keys). The example past is traced at a length of at least 2 (sizes
+0 and 1 would be specialized) and the axes are the contract's: one ``batch``, ``sequence``
+(input_ids, position_ids), ``past_sequence`` (every past tensor, one named Dim) and
+``total_sequence`` (attention_mask); the presents' length comes out as the trace computes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+import onnx
+import torch
+from torch import nn
+
+from attn_export.errors import InputError
+from attn_export.onnx.graph import _rename_symbols
+from attn_export.surgery.transformers import cache as _cache
+
+META_KEY = "with_past"  # the metadata property attn_export.with_past: the cache's geometry as JSON
+
+
+@dataclass
+class CachedExport:
+    module: nn.Module  # what torch.export traces: plain parameter names
+    inputs: Dict[str, torch.Tensor]  # by plain name
+    axes: Dict[str, Dict[int, str]]  # by plain name
+    geometry: _cache.CacheGeometry
+
+    @property
+    def contract_names(self) -> Dict[str, str]:
+        """plain name -> the graph input's name."""
+        return {_cache.traced_name(n): n for n in self.geometry.input_names()}
+
+
+def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
+    """InputError, before anything is copied or run, for a model that is no decoder-only causal
+    LM and for dynamic axes given with the cache (the contract's are the export's)."""
+    _cache.check_decoder(model)
+    if dynamic_axes is not None:
+        raise InputError("--with-past sets the cached export's own dynamic axes (batch, sequence, past_sequence, "
+                         "total_sequence): drop --dynamic/--static")
+
+
+def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: int) -> CachedExport:
+    """The traced module, its example inputs (a past of ``TRACE_PAST_LENGTH`` tokens after the
+    example's) and the contract's axes, for the working copy ``work`` (already in its dtype,
+    which the past and the metadata take)."""
+    wrapped = _cache.DecoderWithPast.wrap(work, dtype_name(work))
+    inputs = wrapped.example_inputs(example_inputs, seed=seed)
+    if inputs["input_ids"].shape[1] < 2:
+        # A new-token length of 1 would be specialized: trace a prefill of 2 tokens after the past.
+        extended = {"input_ids": inputs["input_ids"].repeat(1, 2)}
+        inputs = wrapped.example_inputs(extended, seed=seed)
+    plain = {_cache.traced_name(n): t for n, t in inputs.items()}
+    axes = {_cache.traced_name(n): d for n, d in wrapped.geometry.dynamic_axes().items()}
+    return CachedExport(_cache.for_tracing(wrapped), plain, axes, wrapped.geometry)
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The export dtype's name (``fp32``, ``fp16``, ``bf16``) of the model's floating parameters."""
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise InputError(f"--with-past: the model's parameters are {dtype}; export with --dtype fp32, fp16 or bf16")
+    return names[dtype]
+
+
+def rename_inputs(proto: onnx.ModelProto, names: Mapping[str, str]) -> None:
+    """Gives the graph inputs their contract names, wherever the graph reads them."""
+    for value in list(proto.graph.input) + list(proto.graph.value_info):
+        value.name = names.get(value.name, value.name)
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in names:
+                node.input[i] = names[name]
+
+
+def unify_symbols(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> None:
+    """One symbol per label: torch.export can keep a symbol per input for one named Dim (the
+    past tensors' lengths, proven equal only by its guards); the first input's stands for all."""
+    first: Dict[str, str] = {}
+    mapping: Dict[str, str] = {}
+    dims = {v.name: v.type.tensor_type.shape.dim for v in proto.graph.input}
+    for name, labels in axes.items():
+        for axis, label in labels.items():
+            dim = dims[name][axis]
+            if not dim.HasField("dim_param") or not dim.dim_param.isidentifier():
+                continue
+            owner = first.setdefault(label, dim.dim_param)
+            if dim.dim_param != owner:
+                mapping[dim.dim_param] = owner
+    _rename_symbols(proto, mapping)
+
+
+def generation_gate_installed() -> bool:
+    """Whether ``attn_export.validation`` has the generation gate, which checks a cached export
+    itself (validate() reads ``attn_export.with_past`` and generates with the original model);
+    without it, the parity gate runs the wrapped decoder (:func:`for_validation`)."""
+    import importlib.util
+
+    return importlib.util.find_spec("attn_export.validation.generation_gate") is not None
+
+
+def for_validation(model: nn.Module, inputs: Mapping[str, torch.Tensor], dtype: str,
+                   seed: int = 0) -> Tuple[nn.Module, Dict[str, torch.Tensor]]:
+    """What the parity gate compares a cached export with: the decoder with its cache as flat
+    tensors (the file's inputs), at the example's tokens after a non-empty past."""
+    wrapped = _cache.DecoderWithPast.wrap(model, dtype)
+    return wrapped, wrapped.example_inputs(inputs, seed=seed)
+
+
+def file_geometry(onnx_path) -> Optional[dict]:
+    """The ``attn_export.with_past`` metadata of an ONNX file (None: not a cached export, or not
+    a file ONNX reads, which the gate then reports); the weights are not read."""
+    import json
+
+    from attn_export.onnx.graph import read_metadata
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - the gate's own load says what is wrong with the file
+        return None
+    value = read_metadata(model).get(META_KEY)
+    return json.loads(value) if value else None
