@@ -31,7 +31,7 @@ from attn_export.validation.tolerances import compare, reduction_length, toleran
 
 WITH_PAST = "with_past"  # the metadata key after attn_export.onnx.read_metadata strips "attn_export."
 DEFAULT_PROMPT_LENGTHS = (5, 9, 12)
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class CacheLayout:
 
     def empty_past(self, batch: int) -> dict:
         shape = (batch, self.num_kv_heads, 0, self.head_dim)
-        return {f"past_key_values.{i}.{kind}": torch.zeros(shape, dtype=_DTYPES[self.dtype])
+        return {f"past_key_values.{i}.{kind}": torch.zeros(shape, dtype=DTYPES[self.dtype])
                 for i in range(self.num_layers) for kind in ("key", "value")}
 
 
@@ -64,6 +64,14 @@ def cache_layout(onnx_model) -> Optional[CacheLayout]:
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"the metadata attn_export.with_past is not the JSON the exporter writes ({raw!r}: "
                          f"{first_line(exc)}); re-export the model with its cache") from exc
+
+
+def require_cache_layout(onnx_model, onnx_path) -> CacheLayout:
+    layout = cache_layout(onnx_model)
+    if layout is None:
+        raise InputError(f"{onnx_path} has no key/value cache (no attn_export.with_past metadata): export it with "
+                         "--with-past (ConvertOptions(with_past=True)) to check generation")
+    return layout
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -178,10 +186,7 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
     from attn_export.validation.providers import provider_setups
 
     onnx_model = onnx_model if onnx_model is not None else onnx.load(str(onnx_path), load_external_data=False)
-    layout = cache_layout(onnx_model)
-    if layout is None:
-        raise InputError(f"{onnx_path} has no key/value cache (no attn_export.with_past metadata): export it with "
-                         "--with-past (ConvertOptions(with_past=True)) to check generation")
+    layout = require_cache_layout(onnx_model, onnx_path)
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise InputError("the generation gate needs a transformers causal LM (a model with generate() and a config)")
     if new_tokens < 1:
@@ -196,7 +201,7 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
     ids, mask = left_padded(prompts, pad_id)
     reference = reference_generation(reference_model, ids, mask, new_tokens, pad_id, layout.position_ids)
     k = max(reduction_length(reference_model, {}, {}), ids.shape[1] + new_tokens)
-    rtol = tolerance(_DTYPES[layout.dtype], k)
+    rtol = tolerance(DTYPES[layout.dtype], k)
     result = GenerationResult(new_tokens=new_tokens, prompt_lengths=[len(p) for p in prompts], dtype=layout.dtype,
                               rtol=rtol, reduction_length=k, reference_tokens=reference[0].tolist())
     output_names = [o.name for o in onnx_model.graph.output]
@@ -207,5 +212,6 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
             except RunnerError as exc:
                 result.runs.append(BackendGeneration(runner.name, error=str(exc)))
                 continue
+            result.runtime_version = result.runtime_version or runner.version
             result.runs.append(run_backend(runner, layout, output_names, ids, mask, reference, rtol))
     return result

@@ -65,6 +65,7 @@ class GenerationResult:
     reduction_length: int
     reference_tokens: List[List[int]]
     runs: List[BackendGeneration] = field(default_factory=list)
+    runtime_version: Optional[str] = None  # ONNX Runtime's, as its process reported it
 
     @property
     def passed(self) -> bool:
