@@ -219,3 +219,18 @@ def test_non_generating_model_is_refused(gpt2):
     _model, path = gpt2
     with pytest.raises(InputError, match="causal LM"):
         check_generation(torch.nn.Linear(2, 2), path)
+
+
+def test_cli_exit_codes_follow_the_generation(gpt2, tmp_path):
+    from helpers import invoke
+
+    model, path = gpt2
+    model.save_pretrained(tmp_path / "gpt2")
+    good = invoke("validate", tmp_path / "gpt2", path, "--new-tokens", "3", "--json", tmp_path / "good.json")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert json.loads((tmp_path / "good.json").read_text())["generation"]["new_tokens"] == 3
+    broken = tmp_path / "swapped.onnx"
+    swap_outputs(path, broken, "present.0.key", "present.0.value")
+    bad = invoke("validate", tmp_path / "gpt2", broken, "--new-tokens", "3")
+    assert bad.returncode == 1
+    assert "generate/step 1 / onnxruntime / logits" in bad.stderr
