@@ -83,7 +83,8 @@ def calls(session, cached: bool, context: int, seed: int = 0) -> Dict[str, Calla
     """{"prefill": call, "decode": call} for one session at ``context``."""
     rng = np.random.default_rng(seed)
     vocab = session.get_outputs()[0].shape[-1]
-    prompt = rng.integers(1, vocab if isinstance(vocab, int) else CONFIG["vocab_size"], (1, context + 1), dtype=np.int64)
+    vocab = vocab if isinstance(vocab, int) else CONFIG["vocab_size"]
+    prompt = rng.integers(1, vocab, (1, context + 1), dtype=np.int64)
     empty = _empty_past(session) if cached else {}
     prefill_feeds = _feeds(session, prompt[:, :context], empty, 0)
     if not cached:
@@ -142,8 +143,8 @@ def markdown(results: List[Timing], command: str, facts: Dict[str, str], threads
     table = {(t.context, t.phase, t.implementation): t.ms for t in results}
     lines = [f"`{command}`", "",
              f"CPU: {facts['cpu']} ({facts['isa']}), {threads} intra-op thread(s); onnxruntime {facts['onnxruntime']}; "
-             f"torch {facts['torch']}; batch 1, float32; model: Llama-GQA " + ", ".join(f"{k}={v}" for k, v in CONFIG.items()
-                                                                                        if k.endswith(("size", "layers", "heads"))),
+             f"torch {facts['torch']}; batch 1, float32; model: Llama-GQA "
+             + ", ".join(f"{k}={v}" for k, v in CONFIG.items() if k.endswith(("size", "layers", "heads"))),
              "", "| context | phase | " + " | ".join(f"{i} (ms)" for i in impls) + " | "
              + " | ".join(f"{i} / {STOCK}" for i in impls if i != STOCK) + " |",
              "|---|---|" + "---:|" * (2 * len(impls) - 1)]
@@ -153,7 +154,8 @@ def markdown(results: List[Timing], command: str, facts: Dict[str, str], threads
             ref = table.get((context, phase, STOCK))
             ratios = [f"{c / ref:.2f}x" if c is not None and ref else "" for i, c in zip(impls, cells) if i != STOCK]
             lines.append(f"| {context} | {phase}{' (per token)' if phase == 'decode' else ''} | "
-                         + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " | " + " | ".join(ratios) + " |")
+                         + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " | "
+                         + " | ".join(ratios) + " |")
     return "\n".join(lines) + "\n"
 
 

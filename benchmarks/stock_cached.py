@@ -46,8 +46,9 @@ def cache_layout(model: nn.Module, dtype: torch.dtype = torch.float32) -> CacheL
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-    return CacheLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                       head_dim=head_dim, position_ids=takes_positions, dtype=DTYPE_NAMES[dtype])
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return CacheLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                       position_ids=takes_positions, dtype=DTYPE_NAMES[dtype])
 
 
 def input_names(layout: CacheLayout) -> List[str]:
@@ -67,6 +68,8 @@ class WithPast(nn.Module):
         super().__init__()
         self.model = model
         self.layout = layout
+        # transformers 5.25 renamed past_key_values to cache (the old name warns, then goes in 5.40)
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(self, input_ids, attention_mask, *rest):
         from transformers import DynamicCache
@@ -76,8 +79,8 @@ class WithPast(nn.Module):
         for i in range(self.layout.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         extra = {"position_ids": position_ids} if self.layout.position_ids else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                         use_cache=True, **extra)
+        extra[self.cache_argument] = cache
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **extra)
         presents = []
         for layer in out.past_key_values.layers:
             presents += [layer.keys, layer.values]

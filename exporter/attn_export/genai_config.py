@@ -44,17 +44,19 @@ def genai_config(onnx_model, filename: str, config, *, context_length: Optional[
         inputs["position_ids"] = "position_ids"
     eos = _token(config, "eos_token_id")
     pad = _token(config, "pad_token_id")
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)  # as generate() pads
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": filename, "head_size": layout.head_dim, "hidden_size": config.hidden_size,
         "inputs": inputs,
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value"},
         "num_attention_heads": config.num_attention_heads, "num_hidden_layers": layout.num_layers,
         "num_key_value_heads": layout.num_kv_heads,
     }
     return {
         "model": {"bos_token_id": _token(config, "bos_token_id"), "context_length": int(context), "decoder": decoder,
-                  "eos_token_id": eos, "pad_token_id": pad if pad is not None else (eos[0] if isinstance(eos, list) else eos),
+                  "eos_token_id": eos, "pad_token_id": pad,
                   "type": MODEL_TYPE, "vocab_size": config.vocab_size},
         "search": {"do_sample": False, "num_beams": 1, "max_length": int(context), "min_length": 0,
                    "past_present_share_buffer": False, "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1,

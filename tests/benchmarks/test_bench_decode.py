@@ -15,7 +15,8 @@ from hf_models import tiny_llama  # noqa: E402
 
 def test_table_gives_ratios_to_the_stock_export():
     rows = [decode.Timing(128, "decode", decode.STOCK, 2.0, 3), decode.Timing(128, "decode", decode.CACHELESS, 50.0, 3),
-            decode.Timing(128, "prefill", decode.STOCK, 10.0, 3), decode.Timing(128, "prefill", decode.CACHELESS, 8.0, 3)]
+            decode.Timing(128, "prefill", decode.STOCK, 10.0, 3),
+            decode.Timing(128, "prefill", decode.CACHELESS, 8.0, 3)]
     facts = {"cpu": "cpu", "isa": "avx2", "onnxruntime": "1.x", "torch": "2.x"}
     text = decode.markdown(rows, "python -m benchmarks.decode", facts, threads=2)
     assert "| 128 | decode (per token) | 2.00 | 50.00 | 25.00x |" in text

@@ -126,6 +126,7 @@ def test_swapped_present_fails_at_the_first_decode_step(llama, tmp_path):
     assert run.prefill.passed  # the prefill never reads the past: the error shows from step 1
     assert run.steps[0].passed and not run.steps[1].passed
     assert any("step 1" in f for f in result.failures)
+    assert run.first_divergence is not None and "reference margin" in run.divergence
 
 
 def test_wrong_position_ids_fail(gpt2, tmp_path):
@@ -234,3 +235,12 @@ def test_cli_exit_codes_follow_the_generation(gpt2, tmp_path):
     bad = invoke("validate", tmp_path / "gpt2", broken, "--new-tokens", "3")
     assert bad.returncode == 1
     assert "generate/step 1 / onnxruntime / logits" in bad.stderr
+
+
+def test_divergence_names_rows_tokens_and_the_reference_margin():
+    from attn_export.validation.generation import _divergence
+
+    reference = torch.tensor([[0.0, 2.0, 1.5], [3.0, 0.0, 0.0]])
+    backend = torch.tensor([[0.0, 1.4, 1.6], [3.0, 0.0, 0.0]])  # row 0 picks token 2, row 1 agrees
+    text = _divergence(backend, reference, reference.argmax(-1))
+    assert text == "row 0: token 2 instead of 1 (reference margin between its top two logits 5.000e-01)"

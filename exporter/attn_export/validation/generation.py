@@ -123,7 +123,8 @@ def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits]), prefill.float()
 
 
-def _decode(runner, layout: CacheLayout, output_names: List[str], ids, mask, tokens) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def _decode(runner, layout: CacheLayout, output_names: List[str], ids, mask,
+            tokens) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The backend's prefill logits [B, S, V] and each step's last-position logits [B, V], fed
     ``tokens`` (the reference's) one per step with the presents of the step before."""
     feed = {"input_ids": ids, "attention_mask": mask, **layout.empty_past(ids.shape[0])}
@@ -153,7 +154,8 @@ def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens:
     return "; ".join(parts)
 
 
-def run_backend(runner, layout: CacheLayout, output_names: List[str], ids, mask, reference, rtol: float) -> BackendGeneration:
+def run_backend(runner, layout: CacheLayout, output_names: List[str], ids, mask, reference,
+                rtol: float) -> BackendGeneration:
     """One backend against the reference (tokens, step logits, prefill logits)."""
     ref_tokens, ref_steps, ref_prefill = reference
     result = BackendGeneration(runner.name)

@@ -18,7 +18,8 @@ DEFAULT_NEW_TOKENS = 16
 
 
 def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int = DEFAULT_NEW_TOKENS, seed: int = 0,
-                        providers: Sequence[str] = ("cpu",), timeout_s: float, say: Callable[[str], None]) -> ValidationReport:
+                        providers: Sequence[str] = ("cpu",), timeout_s: float,
+                        say: Callable[[str], None]) -> ValidationReport:
     """The report of a cached export (``attn_export.with_past`` in ``onnx_model``'s metadata)."""
     from attn_export import shapes as _shapes
     from attn_export.onnx import attention_flavor, read_metadata
@@ -44,7 +45,8 @@ def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int =
             "reduction_length": result.reduction_length, "rtol": result.rtol,
             "reference": "original PyTorch model, float32, generate(do_sample=False)",
         },
-        environment=environment(seed, providers=backends, onnxruntime_version=result.runtime_version), onnx_path=str(onnx_path), input_names=graph_inputs,
+        environment=environment(seed, providers=backends, onnxruntime_version=result.runtime_version),
+        onnx_path=str(onnx_path), input_names=graph_inputs,
         output_names=[o.name for o in onnx_model.graph.output],
         notes=[f"cached export: greedy generation of {new_tokens} tokens from {len(result.prompt_lengths)} "
                f"left-padded prompts of lengths {result.prompt_lengths} (seed {seed}) replaces the shape cases; "

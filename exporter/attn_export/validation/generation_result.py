@@ -79,7 +79,8 @@ class GenerationResult:
                 out.append(f"generate / {run.backend}: {run.error}")
                 continue
             if run.first_divergence is not None:
-                out.append(f"generate / {run.backend}: tokens differ from step {run.first_divergence}: {run.divergence}")
+                out.append(f"generate / {run.backend}: tokens differ from step {run.first_divergence}: "
+                           f"{run.divergence}")
             for name, comparison in _named(run):
                 if not comparison.passed:
                     out.append(f"{name} / {run.backend} / logits: {comparison.message}")

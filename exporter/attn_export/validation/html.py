@@ -134,15 +134,18 @@ def _generation_section(generation: Dict[str, object]) -> str:
     for run in generation["runs"]:
         for row, tokens in enumerate(run["tokens"]):
             same = tokens == reference[row]
-            rows.append([_e(run["backend"]), _e(row), _e(generation["prompt_lengths"][row]), _e(" ".join(map(str, reference[row]))),
-                         _e(" ".join(map(str, tokens))), _status("passed" if same else "failed")])
+            rows.append([_e(run["backend"]), _e(row), _e(generation["prompt_lengths"][row]),
+                         _e(" ".join(map(str, reference[row]))), _e(" ".join(map(str, tokens))),
+                         _status("passed" if same else "failed")])
             classes.append("" if same else "failed")
         if run["first_divergence"] is not None:
-            rows.append([_e(run["backend"]), "", "", "", _e(f"first diverging step {run['first_divergence']}: {run['divergence']}"), ""])
+            where = f"first diverging step {run['first_divergence']}: {run['divergence']}"
+            rows.append([_e(run["backend"]), "", "", "", _e(where), ""])
             classes.append("failed")
     return (f"<h2>Generation</h2><p>{_e(generation['new_tokens'])} greedy tokens per prompt; each step's logits are a "
             f"case below (rtol {_num(generation['rtol'])}).</p>"
-            + _table(("backend", "prompt", "prompt length", "reference tokens", "backend tokens", "result"), rows, classes))
+            + _table(("backend", "prompt", "prompt length", "reference tokens", "backend tokens", "result"),
+                     rows, classes))
 
 
 def render(report) -> str:
