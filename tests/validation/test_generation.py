@@ -244,3 +244,11 @@ def test_divergence_names_rows_tokens_and_the_reference_margin():
     backend = torch.tensor([[0.0, 1.4, 1.6], [3.0, 0.0, 0.0]])  # row 0 picks token 2, row 1 agrees
     text = _divergence(backend, reference, reference.argmax(-1))
     assert text == "row 0: token 2 instead of 1 (reference margin between its top two logits 5.000e-01)"
+
+
+def test_prompts_outside_the_vocabulary_are_refused(gpt2):
+    model, path = gpt2
+    with pytest.raises(InputError, match=r"\[0, 97\)"):
+        check_generation(model, path, prompts=[[1, 2], [3, 97]])
+    with pytest.raises(InputError, match="at least one token"):
+        check_generation(model, path, prompts=[[1, 2], []])

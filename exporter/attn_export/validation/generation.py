@@ -200,6 +200,9 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
         reference_model.config.vocab_size, prompt_lengths, seed, avoid=special)
     if not prompts or min(len(p) for p in prompts) < 1:
         raise InputError("every prompt needs at least one token")
+    vocab = reference_model.config.vocab_size
+    if any(not 0 <= int(t) < vocab for p in prompts for t in p):
+        raise InputError(f"prompt token ids must lie in [0, {vocab}), the model's vocabulary")
     ids, mask = left_padded(prompts, pad_id)
     reference = reference_generation(reference_model, ids, mask, new_tokens, pad_id, layout.position_ids)
     k = max(reduction_length(reference_model, {}, {}), ids.shape[1] + new_tokens)
