@@ -179,9 +179,7 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
                 model, onnx_path, inputs, dynamic_axes=options.dynamic_axes, seed=options.seed, progress=update,
                 engine=engine_path, plugin=plugin, runtime_timeout_s=options.runtime_timeout_s,
                 ort_providers=options.ort_providers, ort_trt_cache_dir=options.ort_trt_cache_dir,
-                ort_trt_fp16=options.ort_trt_fp16,
-                # A cached export is checked by generating (validation/generation_gate.py).
-                generation=True if getattr(options, "with_past", False) else None)
+                ort_trt_fp16=options.ort_trt_fp16)
     return result
 
 

@@ -252,3 +252,27 @@ def test_prompts_outside_the_vocabulary_are_refused(gpt2):
         check_generation(model, path, prompts=[[1, 2], [3, 97]])
     with pytest.raises(InputError, match="at least one token"):
         check_generation(model, path, prompts=[[1, 2], []])
+
+
+def test_generation_joins_another_report_of_the_file(gpt2, tmp_path):
+    from attn_export.validation.report import ValidationReport
+
+    model, path = gpt2
+    broken = tmp_path / "swapped.onnx"
+    swap_outputs(path, broken, "present.0.key", "present.0.value")
+    for file, passes in ((path, True), (broken, False)):
+        report = ValidationReport(cases=[], checks=[], dtype="fp32", tolerance={}, environment={}, onnx_path=str(file),
+                                  input_names=[], output_names=["logits"])
+        check_generation(model, file, new_tokens=3).add_to(report)
+        assert report.passed is passes
+        assert [c.case for c in report.cases] == ["generate/prefill", "generate/step 0", "generate/step 1",
+                                                  "generate/step 2"]
+        assert report.to_dict()["generation"]["new_tokens"] == 3
+
+
+def test_a_model_that_cannot_generate_gets_the_shape_cases(gpt2):
+    """convert --with-past checks the decoder wrapped to take its cache as flat tensors: no
+    generate(), so validate runs its shape cases on the file (here: refused, no inputs given)."""
+    _model, path = gpt2
+    with pytest.raises(InputError, match="requires input"):
+        validate(torch.nn.Linear(2, 2), path, {})

@@ -98,8 +98,9 @@ def validate(
         generation: a cached export (``attn_export.with_past`` in the file's metadata) is checked
             by generating ``new_tokens`` greedy tokens through ONNX Runtime with its cache against
             ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
-            ``example_inputs`` are then not used). None: by the metadata; True: the file must be
-            a cached export (InputError otherwise); False: the shape cases whatever the file.
+            ``example_inputs`` are then not used). None: so when the file is a cached export and
+            ``model`` has ``generate``; True: the file must be a cached export (InputError
+            otherwise); False: the shape cases whatever the file.
 
     A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
     failed case that says which runtime, which step, the signal or timeout and the
@@ -109,7 +110,10 @@ def validate(
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
-    if generation or (generation is None and cache_layout(onnx_model) is not None):
+    # By default a cached export of a model that generates is checked by generating; a model
+    # that does not (e.g. the decoder wrapped to take its cache as flat tensors, as
+    # ``convert --with-past`` checks it) gets the shape cases.
+    if generation or (generation is None and cache_layout(onnx_model) is not None and hasattr(model, "generate")):
         if engine is not None:
             raise InputError("the generation gate runs ONNX Runtime only: validate the engine of a cached export "
                              "is not supported yet (drop --engine)")

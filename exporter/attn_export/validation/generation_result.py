@@ -89,6 +89,13 @@ class GenerationResult:
     def to_dict(self) -> Dict[str, object]:
         return {"passed": self.passed, **asdict(self)}
 
+    def add_to(self, report) -> None:
+        """Puts this generation into a ValidationReport of the same file (e.g. the parity gate's
+        report of a cached export): its rows, its token checks and its ``generation`` section."""
+        report.cases.extend(self.case_results())
+        report.checks.extend(self.checks())
+        report.generation = self.to_dict()
+
     def case_results(self) -> List[CaseResult]:
         """The report's rows: the prefill and each step per backend (output ``logits``)."""
         rows = []
