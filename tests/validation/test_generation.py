@@ -271,8 +271,8 @@ def test_generation_joins_another_report_of_the_file(gpt2, tmp_path):
 
 
 def test_a_model_that_cannot_generate_gets_the_shape_cases(gpt2):
-    """convert --with-past checks the decoder wrapped to take its cache as flat tensors: no
-    generate(), so validate runs its shape cases on the file (here: refused, no inputs given)."""
+    """A model without generate() (e.g. a decoder wrapped to take its cache as flat tensors)
+    gets validate's shape cases on the file (here: refused, no inputs given)."""
     _model, path = gpt2
     with pytest.raises(InputError, match="requires input"):
         validate(torch.nn.Linear(2, 2), path, {})

@@ -111,8 +111,8 @@ def validate(
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
     # By default a cached export of a model that generates is checked by generating; a model
-    # that does not (e.g. the decoder wrapped to take its cache as flat tensors, as
-    # ``convert --with-past`` checks it) gets the shape cases.
+    # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
+    # cases.
     if generation or (generation is None and cache_layout(onnx_model) is not None and hasattr(model, "generate")):
         if engine is not None:
             raise InputError("the generation gate runs ONNX Runtime only: validate the engine of a cached export "
