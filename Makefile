@@ -95,6 +95,8 @@ bench: install
 	$(PY) -m benchmarks.run --core --markdown $(RESULTS)/core.md --json $(RESULTS)/core.json
 	# ONNX Runtime: torch.onnx's export against both flavors of attn-export's, and PyTorch eager.
 	$(PY) -m benchmarks.run --onnx --memory 1x2048 --markdown $(RESULTS)/onnx.md --json $(RESULTS)/onnx.json --plot $(RESULTS)/onnx.png
+	# Decoding with the cache: the stock cached export against the cache-less one (add --ours FILE).
+	$(PY) -m benchmarks.decode --contexts 128,1024,4096 --markdown $(RESULTS)/decode.md --json $(RESULTS)/decode.json
 
 # Mutation testing of the gate and the export (docs/testing.md): mutmut, one mutant at a time,
 # each running only the tests that call the mutated function; >= 90% must be killed.

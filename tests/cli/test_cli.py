@@ -31,7 +31,8 @@ def test_help_lists_verbs():
                  "--config", "save_pretrained folder", "--onnx-attention", "--onnx-functions", "--ort-provider", "--html",
                  "--with-past", "present.{i}.key/value"]),
     ("inspect", ["--allow-class", "--trust-model-file", "--require-all"]),
-    ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes", "--ort-provider", "--html"]),
+    ("validate", ["[MODEL] ONNX", "--input", "--json", "--junit", "Exit codes", "--ort-provider", "--html",
+                  "--new-tokens", "generate()"]),
     ("heatmap", ["--layer", "--batch-index", "--format", "--max-layers", "--max-heads", "--input"]),
     ("export", ["--to"]),  # alias of convert
 ])

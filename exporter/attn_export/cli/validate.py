@@ -23,6 +23,8 @@ from attn_export.cli._options import (
 @click.option("--engine", "engine", metavar="FILE", type=click.Path(dir_okay=False),
               help="Also run this TensorRT engine (built from ONNX, e.g. by --to tensorrt) and compare it "
                    "like the other backends. Needs TensorRT, a GPU and the plugin library.")
+@click.option("--new-tokens", "new_tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="A cached export (--with-past): how many greedy tokens the generation gate generates.")
 @ort_options
 @plugin_option
 @runtime_timeout_option
@@ -30,8 +32,8 @@ from attn_export.cli._options import (
 @html_option
 @logging_options
 @common_verb
-def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugin, runtime_timeout, reports,
-                 html_path):
+def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort_args, plugin, runtime_timeout,
+                 reports, html_path):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -39,6 +41,11 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
     (docs/validation.md). A NaN where the reference has none fails. Also fails when an axis
     declared dynamic is static in the ONNX graph. Shapes outside the engine's optimization
     profile are reported as skipped for TensorRT; at least one must run.
+
+    A cached export (--with-past; attn_export.with_past in its metadata) is checked by
+    generation instead: --new-tokens greedy tokens through ONNX Runtime with the cache, from a
+    left-padded batch of prompts, must equal the model's generate() and every step's logits
+    must be within the tolerance; the report shows the prefill's and every step's errors.
 
     ONNX Runtime runs on the CPU unless --ort-provider says otherwise (cuda, tensorrt: one row
     each; docs/validation.md). Prints one row per case; --json / --junit / --html write the
@@ -85,7 +92,7 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort_args, plugi
         model, inputs = _cached_decoder(session, model, inputs, onnx_path, input_args.seed)
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout,
+                          engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout, new_tokens=new_tokens,
                           **ort_args.validate_kwargs())
     write_html(session, report, html_path)
     return finish_validation(session, report, reports)

@@ -14,10 +14,13 @@ the attention nodes and their function are there.
 Modules: ``runners`` (one class per backend), ``providers`` (ONNX Runtime's execution
 providers: which, available or not, their session options), ``gate`` (validate: the runners against the
 reference), ``tolerances`` (the comparison rule), ``checks`` (graph and engine checks),
-``report`` (results and their renderings).
+``report`` (results and their renderings), ``generation`` (a cached export: greedy generation
+with the cache against ``generate()``; ``generation_gate`` makes its report).
 """
 from attn_export.shapes import graph_axes, label_kinds, shape_cases
 from attn_export.validation.gate import run_cases, validate
+from attn_export.validation.generation import check_generation
+from attn_export.validation.generation_result import GenerationResult
 from attn_export.validation.providers import ProviderSetup, ProviderUnavailable
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
 from attn_export.validation.runners import (
@@ -34,7 +37,7 @@ from attn_export.validation.runners import (
 from attn_export.validation.tolerances import TOLERANCE_FACTOR, compare, reduction_length, tolerance
 
 __all__ = [
-    "validate", "run_cases", "ValidationReport", "CaseResult", "CheckResult", "environment",
+    "validate", "run_cases", "check_generation", "GenerationResult", "ValidationReport", "CaseResult", "CheckResult", "environment",
     "Runner", "RunnerError", "TorchRunner", "OnnxRuntimeRunner", "TensorRTRunner", "ProviderSetup",
     "ProviderUnavailable",
     "BACKEND_REFERENCE", "BACKEND_REPLACED", "BACKEND_ORT", "BACKEND_TRT",

@@ -40,6 +40,8 @@ from attn_export.validation.runners import (
     prestart_onnxruntime,
 )
 from attn_export.validation.cases import run_cases
+from attn_export.validation.generation import cache_layout
+from attn_export.validation.generation_gate import DEFAULT_NEW_TOKENS, validate_generation
 from attn_export.validation.tolerances import TOLERANCE_FACTOR, reduction_length, tolerance
 
 DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -63,6 +65,8 @@ def validate(
     ort_providers: Sequence[str] = DEFAULT_PROVIDERS,
     ort_trt_cache_dir: Optional[str | Path] = None,
     ort_trt_fp16: bool = False,
+    generation: Optional[bool] = None,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> ValidationReport:
     """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
     ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
@@ -91,6 +95,12 @@ def validate(
             install; a session that silently fell back to the CPU is a failed row.
         ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
         ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
+        generation: a cached export (``attn_export.with_past`` in the file's metadata) is checked
+            by generating ``new_tokens`` greedy tokens through ONNX Runtime with its cache against
+            ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
+            ``example_inputs`` are then not used). None: so when the file is a cached export and
+            ``model`` has ``generate``; True: the file must be a cached export (InputError
+            otherwise); False: the shape cases whatever the file.
 
     A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
     failed case that says which runtime, which step, the signal or timeout and the
@@ -100,6 +110,15 @@ def validate(
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
+    # By default a cached export of a model that generates is checked by generating; a model
+    # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
+    # cases.
+    if generation or (generation is None and cache_layout(onnx_model) is not None and hasattr(model, "generate")):
+        if engine is not None:
+            raise InputError("the generation gate runs ONNX Runtime only: validate the engine of a cached export "
+                             "is not supported yet (drop --engine)")
+        return validate_generation(model, onnx_path, onnx_model, new_tokens=new_tokens, seed=seed,
+                                   providers=ort_providers, timeout_s=runtime_timeout_s, say=say)
     prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
     setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
                              trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)

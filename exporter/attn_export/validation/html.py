@@ -124,6 +124,30 @@ def _coverage_section(coverage: Dict[str, object]) -> str:
             + "".join(f"<p>note: {_e(n)}</p>" for n in coverage.get("notes", [])))
 
 
+def _generation_section(generation: Dict[str, object]) -> str:
+    """A cached export's tokens: the reference's and each backend's greedy choice per prompt, the
+    first diverging step marked (the per-step errors are the cases' rows)."""
+    if not generation:
+        return ""
+    reference = generation["reference_tokens"]
+    rows, classes = [], []
+    for run in generation["runs"]:
+        for row, tokens in enumerate(run["tokens"]):
+            same = tokens == reference[row]
+            rows.append([_e(run["backend"]), _e(row), _e(generation["prompt_lengths"][row]),
+                         _e(" ".join(map(str, reference[row]))), _e(" ".join(map(str, tokens))),
+                         _status("passed" if same else "failed")])
+            classes.append("" if same else "failed")
+        if run["first_divergence"] is not None:
+            where = f"first diverging step {run['first_divergence']}: {run['divergence']}"
+            rows.append([_e(run["backend"]), "", "", "", _e(where), ""])
+            classes.append("failed")
+    return (f"<h2>Generation</h2><p>{_e(generation['new_tokens'])} greedy tokens per prompt; each step's logits are a "
+            f"case below (rtol {_num(generation['rtol'])}).</p>"
+            + _table(("backend", "prompt", "prompt length", "reference tokens", "backend tokens", "result"),
+                     rows, classes))
+
+
 def render(report) -> str:
     """The page for a ValidationReport (MissingPlotting when matplotlib is absent)."""
     plt = require_matplotlib("the HTML report")
@@ -149,6 +173,7 @@ def render(report) -> str:
         ("check", "result", "message"),
         [[_e(c.name), _status("passed" if c.passed else "failed"), _e(c.message)] for c in report.checks],
         ["" if c.passed else "failed" for c in report.checks]))
+    parts.append(_generation_section(report.generation))
     parts.append("<h2>Cases</h2>" + _table(
         ("case", "input shapes", "backend", "output", "max abs err", "max rel err", "atol", "rtol", "result",
          "message"),

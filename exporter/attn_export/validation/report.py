@@ -59,6 +59,9 @@ class ValidationReport:
     # Which attention flavor the file uses (--onnx-attention; attn_export.onnx.attention_flavor),
     # read from the file when not given.
     attention_flavor: Optional[Dict[str, object]] = None
+    # A cached export's generation gate (GenerationResult.to_dict(); validation/generation.py):
+    # the tokens and the first diverging step; its prefill and step errors are the cases.
+    generation: Dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.attention_flavor is None:
@@ -101,6 +104,7 @@ class ValidationReport:
             "notes": self.notes,
             "diagnosis": self.diagnosis,
             "environment": self.environment,
+            **({"generation": self.generation} if self.generation else {}),
         })
 
     def to_json(self) -> str:

@@ -1,0 +1,222 @@
+"""The generation gate: greedy decoding through ONNX Runtime with the key/value cache of a cached
+export (``attn_export.with_past`` in its metadata), against the PyTorch model's own
+``generate()`` (docs/validation.md, "Generation").
+
+    >>> result = check_generation(model, "model.onnx", new_tokens=16)
+    >>> result.passed, result.failures, result.to_dict()
+
+A left-padded batch of prompts of different lengths is prefilled with an empty past of the
+shapes the metadata gives, then one token per step is fed with the presents of the step before,
+the attention mask grown by one column and ``position_ids = cumsum(attention_mask) - 1`` (clipped
+at 0), as ``generate()`` does. Passes when every step picks the reference's token and every
+step's logits (and the prefill's, at the prompts' valid tokens) are within the dtype's
+tolerance at the scale of those logits (validation/tolerances.py).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from attn_export.errors import InputError, first_line
+from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
+from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
+from attn_export.validation.runners import OnnxRuntimeRunner, RunnerError
+from attn_export.validation.tolerances import compare, reduction_length, tolerance
+
+WITH_PAST = "with_past"  # the metadata key after attn_export.onnx.read_metadata strips "attn_export."
+DEFAULT_PROMPT_LENGTHS = (5, 9, 12)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The metadata's ``attn_export.with_past``: what an empty past looks like."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    position_ids: bool
+    dtype: str
+
+    def empty_past(self, batch: int) -> dict:
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)
+        return {f"past_key_values.{i}.{kind}": torch.zeros(shape, dtype=DTYPES[self.dtype])
+                for i in range(self.num_layers) for kind in ("key", "value")}
+
+
+def cache_layout(onnx_model) -> Optional[CacheLayout]:
+    """The cache layout a cached export records, None for a file without a cache."""
+    from attn_export.onnx import read_metadata
+
+    raw = read_metadata(onnx_model).get(WITH_PAST)
+    if raw is None:
+        return None
+    try:
+        fields = json.loads(raw)
+        return CacheLayout(int(fields["num_layers"]), int(fields["num_kv_heads"]), int(fields["head_dim"]),
+                           bool(fields["position_ids"]), str(fields.get("dtype", "fp32")))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"the metadata attn_export.with_past is not the JSON the exporter writes ({raw!r}: "
+                         f"{first_line(exc)}); re-export the model with its cache") from exc
+
+
+def require_cache_layout(onnx_model, onnx_path) -> CacheLayout:
+    layout = cache_layout(onnx_model)
+    if layout is None:
+        raise InputError(f"{onnx_path} has no key/value cache (no attn_export.with_past metadata): export it with "
+                         "--with-past (ConvertOptions(with_past=True)) to check generation")
+    return layout
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """position_ids of every column of a 0/1 attention mask, as generate() derives them."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of the prompts, left-padded to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def random_prompts(vocab_size: int, lengths: Sequence[int], seed: int, avoid: Sequence[int] = ()) -> List[List[int]]:
+    """Prompts of the given lengths from the vocabulary (seeded), without the special tokens."""
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)])
+    gen = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(len(allowed), (n,), generator=gen)].tolist() for n in lengths]
+
+
+def _special_tokens(config) -> List[int]:
+    ids = [getattr(config, name, None) for name in ("pad_token_id", "eos_token_id", "bos_token_id")]
+    flat = [i for x in ids for i in (x if isinstance(x, (list, tuple)) else [x])]
+    return [int(i) for i in flat if i is not None]
+
+
+def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int,
+                         takes_positions: bool):
+    """The model's own greedy generate(): tokens [B, N], each step's logits [N, B, V] (before any
+    logits processor) and the prefill's logits [B, S, V]. EOS does not end generation: every row
+    runs N steps."""
+    import transformers
+
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0,
+                                           eos_token_id=None, pad_token_id=pad_id, use_cache=True,
+                                           output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        extra = {"position_ids": positions(mask)} if takes_positions else {}
+        prefill = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
+    if len(out.logits) != new_tokens:
+        raise InputError(f"the model's generate() stopped after {len(out.logits)} of {new_tokens} tokens")
+    return out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits]), prefill.float()
+
+
+def _decode(runner, layout: CacheLayout, output_names: List[str], ids, mask,
+            tokens) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The backend's prefill logits [B, S, V] and each step's last-position logits [B, V], fed
+    ``tokens`` (the reference's) one per step with the presents of the step before."""
+    feed = {"input_ids": ids, "attention_mask": mask, **layout.empty_past(ids.shape[0])}
+    steps, prefill = [], None
+    for k in range(tokens.shape[1]):
+        if layout.position_ids:
+            feed["position_ids"] = positions(feed["attention_mask"])[:, -feed["input_ids"].shape[1]:]
+        outs = dict(zip(output_names, runner.run(feed)))
+        prefill = outs["logits"] if prefill is None else prefill
+        steps.append(outs["logits"][:, -1])
+        feed = {"input_ids": tokens[:, k:k + 1],
+                "attention_mask": torch.cat([feed["attention_mask"], torch.ones_like(mask[:, :1])], dim=1),
+                **{f"past_key_values.{name[len('present.'):]}": value
+                   for name, value in outs.items() if name.startswith("present.")}}
+    return prefill, steps
+
+
+def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens: torch.Tensor) -> str:
+    """Which rows picked another token at this step, and the reference's margin between its
+    top two logits there (a near tie flips under rounding alone)."""
+    chosen = step_logits.argmax(-1)
+    parts = []
+    for row in torch.nonzero(chosen != ref_tokens).flatten().tolist():
+        top2 = ref_logits[row].double().topk(2).values
+        parts.append(f"row {row}: token {int(chosen[row])} instead of {int(ref_tokens[row])} "
+                     f"(reference margin between its top two logits {float(top2[0] - top2[1]):.3e})")
+    return "; ".join(parts)
+
+
+def run_backend(runner, layout: CacheLayout, output_names: List[str], ids, mask, reference,
+                rtol: float) -> BackendGeneration:
+    """One backend against the reference (tokens, step logits, prefill logits)."""
+    ref_tokens, ref_steps, ref_prefill = reference
+    result = BackendGeneration(runner.name)
+    try:
+        prefill, steps = _decode(runner, layout, output_names, ids, mask, ref_tokens)
+    except (RunnerError, RuntimeError) as exc:
+        result.error = f"ONNX Runtime failed during generation: {first_line(exc)}"
+        return result
+    valid = (mask != 0)[..., None].expand(ref_prefill.shape) if prefill.shape == ref_prefill.shape else None
+    result.prefill = Comparison.of(compare(prefill.float(), ref_prefill, rtol, valid=valid), prefill.shape)
+    result.steps = [Comparison.of(compare(s.float(), r, rtol), s.shape) for s, r in zip(steps, ref_steps)]
+    result.tokens = torch.stack([s.argmax(-1) for s in steps], dim=1).tolist()
+    for k, (s, r) in enumerate(zip(steps, ref_steps)):
+        if not torch.equal(s.argmax(-1), ref_tokens[:, k]):
+            result.first_divergence, result.divergence = k, _divergence(s, r, ref_tokens[:, k])
+            break
+    return result
+
+
+def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int = 16,
+                     prompts: Optional[Sequence[Sequence[int]]] = None, providers: Sequence[str] = ("cpu",),
+                     seed: int = 0, prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
+                     timeout_s: float = DEFAULT_TIMEOUT_S, onnx_model=None) -> GenerationResult:
+    """Greedy generation of ``new_tokens`` tokens through ONNX Runtime (each of ``providers``)
+    with the cache, against ``model.generate()`` (the ORIGINAL transformers decoder, run in
+    float32; not modified). ``prompts``: token id lists (default: random prompts of
+    ``prompt_lengths`` tokens, seeded), left-padded into one batch."""
+    import onnx
+
+    from attn_export.validation.providers import provider_setups
+
+    onnx_model = onnx_model if onnx_model is not None else onnx.load(str(onnx_path), load_external_data=False)
+    layout = require_cache_layout(onnx_model, onnx_path)
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise InputError("the generation gate needs a transformers causal LM (a model with generate() and a config)")
+    if new_tokens < 1:
+        raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
+    reference_model = copy.deepcopy(model).float().eval()
+    special = _special_tokens(reference_model.config)
+    pad_id = special[0] if special else 0
+    prompts = list(prompts) if prompts is not None else random_prompts(
+        reference_model.config.vocab_size, prompt_lengths, seed, avoid=special)
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise InputError("every prompt needs at least one token")
+    vocab = reference_model.config.vocab_size
+    if any(not 0 <= int(t) < vocab for p in prompts for t in p):
+        raise InputError(f"prompt token ids must lie in [0, {vocab}), the model's vocabulary")
+    ids, mask = left_padded(prompts, pad_id)
+    reference = reference_generation(reference_model, ids, mask, new_tokens, pad_id, layout.position_ids)
+    k = max(reduction_length(reference_model, {}, {}), ids.shape[1] + new_tokens)
+    rtol = tolerance(DTYPES[layout.dtype], k)
+    result = GenerationResult(new_tokens=new_tokens, prompt_lengths=[len(p) for p in prompts], dtype=layout.dtype,
+                              rtol=rtol, reduction_length=k, reference_tokens=reference[0].tolist())
+    output_names = [o.name for o in onnx_model.graph.output]
+    for setup in provider_setups(providers, onnx_model, timeout_s=timeout_s):
+        with OnnxRuntimeRunner(onnx_path, setup, timeout_s=timeout_s) as runner:
+            try:
+                runner.load()
+            except RunnerError as exc:
+                result.runs.append(BackendGeneration(runner.name, error=str(exc)))
+                continue
+            result.runtime_version = result.runtime_version or runner.version
+            result.runs.append(run_backend(runner, layout, output_names, ids, mask, reference, rtol))
+    return result

@@ -1,0 +1,58 @@
+"""``validate`` for a cached export: the graph checks of the cache's contract, then the
+generation gate (validation/generation.py) as the report's cases, one row per backend for the
+prefill and for every step (output ``logits``), and one check per backend for the tokens."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from attn_export.validation import cache_contract
+from attn_export.validation import checks as _checks
+from attn_export.validation.generation import DEFAULT_PROMPT_LENGTHS, DTYPES, check_generation, require_cache_layout
+from attn_export.validation.report import ValidationReport, environment
+from attn_export.validation.tolerances import TOLERANCE_FACTOR
+
+DEFAULT_NEW_TOKENS = 16
+
+
+def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int = DEFAULT_NEW_TOKENS, seed: int = 0,
+                        providers: Sequence[str] = ("cpu",), timeout_s: float,
+                        say: Callable[[str], None]) -> ValidationReport:
+    """The report of a cached export (``attn_export.with_past`` in ``onnx_model``'s metadata)."""
+    from attn_export import shapes as _shapes
+    from attn_export.onnx import attention_flavor, read_metadata
+
+    layout = require_cache_layout(onnx_model, onnx_path)
+    init_names = {i.name for i in onnx_model.graph.initializer}
+    graph_inputs = [v.name for v in onnx_model.graph.input if v.name not in init_names]
+    checks = [cache_contract.cache_contract_check(onnx_model, layout),
+              _checks.dynamic_axes_check(cache_contract.declared_axes(layout),
+                                         _shapes.graph_axes(onnx_model, graph_inputs))]
+    checks += _checks.attention_checks(onnx_model, read_metadata(onnx_model))
+    say(f"generating {new_tokens} tokens with the cache, against the model's generate()")
+    result = check_generation(model, onnx_path, new_tokens=new_tokens, providers=providers, seed=seed,
+                              timeout_s=timeout_s, onnx_model=onnx_model)
+    backends = [run.backend for run in result.runs]
+    return ValidationReport(
+        cases=result.case_results(), checks=checks + result.checks(), dtype=result.dtype,
+        tolerance={
+            "rule": "per step: pass iff max|actual - reference| <= rtol * max|reference logits of that step| "
+                    "(prefill: at the prompts' valid tokens), and every step's greedy token equals the reference's; "
+                    "rtol = factor * eps(dtype) * sqrt(K)",
+            "factor": TOLERANCE_FACTOR, "eps": torch.finfo(DTYPES[result.dtype]).eps,
+            "reduction_length": result.reduction_length, "rtol": result.rtol,
+            "reference": "original PyTorch model, float32, generate(do_sample=False)",
+        },
+        environment=environment(seed, providers=backends, onnxruntime_version=result.runtime_version),
+        onnx_path=str(onnx_path), input_names=graph_inputs,
+        output_names=[o.name for o in onnx_model.graph.output],
+        notes=[f"cached export: greedy generation of {new_tokens} tokens from {len(result.prompt_lengths)} "
+               f"left-padded prompts of lengths {result.prompt_lengths} (seed {seed}) replaces the shape cases; "
+               "each step feeds the reference's previous token and the presents of the step before"],
+        attention_flavor=attention_flavor(onnx_model), generation=result.to_dict(),
+    )
+
+
+__all__ = ["validate_generation", "DEFAULT_NEW_TOKENS", "DEFAULT_PROMPT_LENGTHS"]
