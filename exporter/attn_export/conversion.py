@@ -190,13 +190,14 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
 
 
 def _validated(model, inputs, export, options: ConvertOptions, progress: Progress):
-    """The model and inputs the gate compares the file with: as given; for a cached export
-    where the generation gate is not installed, the decoder with its cache as flat tensors (the
-    file's inputs) at a non-empty past, whose shape cases that change one length alone (a
-    sequence without the mask over it) the decoder rejects and the gate reports skipped."""
-    from attn_export.onnx.with_past import for_validation, generation_gate_installed
+    """The model and inputs the gate compares the file with: as given (a cached export of a
+    model with ``generate()`` is checked by the generation gate); for a cached export of a model
+    without it, the decoder with its cache as flat tensors (the file's inputs) at a non-empty
+    past, whose shape cases that change one length alone (a sequence without the mask over it)
+    the decoder rejects and the gate reports skipped."""
+    from attn_export.onnx.with_past import for_validation, generates
 
-    if not options.with_past or generation_gate_installed():
+    if not options.with_past or generates(model):
         return model, inputs  # the gate generates with the original model (validation/generation.py)
 
     wrapped, checked = for_validation(model, inputs, export.dtype, seed=options.seed)

@@ -416,25 +416,15 @@ def test_the_cli_refuses_the_cache_with_a_tensorrt_target(llama_config, tmp_path
 
 
 def check_gate_ran(report):
-    """The generation gate's steps where it is installed (validation/generation.py checks a
-    cached export itself), else the parity gate on the wrapped decoder: example and batch 1 run,
-    the cases that resize one length alone skipped by the decoder's length check."""
-    from attn_export.onnx.with_past import generation_gate_installed
-
+    """The generation gate ran and passed: the prefill and the greedy steps in ONNX Runtime."""
     ran = {(c["case"], c["backend"]) for c in report["cases"] if c["status"] == "passed"}
-    if generation_gate_installed():
-        assert report["generation"]["passed"] and ("generate/prefill", "onnxruntime") in ran
-        return
-    assert {("example", "onnxruntime"), ("batch=1", "onnxruntime")} <= ran
-    skipped = [c for c in report["cases"] if c["status"] == "skipped"]
-    assert skipped and all("give the mask over past + new tokens" in c["message"] for c in skipped)
+    assert report["generation"]["passed"] and ("generate/prefill", "onnxruntime") in ran
 
 
 @pytest.mark.slow
 def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_config, tmp_path):
-    """The issue's command: exit 0; the parity gate compares new tokens after a non-empty past
-    (example and batch=1), and reports the cases that resize one length alone as skipped; so
-    does ``attn-export validate`` on the file."""
+    """The issue's command: exit 0 with the generation gate passed; so does ``attn-export
+    validate`` on the file."""
     from helpers import invoke
 
     out = tmp_path / "llama.onnx"
@@ -452,6 +442,26 @@ def test_the_cli_exports_a_gqa_llama_with_its_cache_and_the_gate_passes(llama_co
                   "--json", tmp_path / "validate.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_gate_ran(json.loads((tmp_path / "validate.json").read_text()))
+
+
+@pytest.mark.slow
+def test_a_decoder_without_generate_is_compared_after_a_non_empty_past(tmp_path):
+    """Without ``generate()`` there is no generation reference: the parity gate runs the wrapped
+    decoder on new tokens after a past (example and batch=1) and reports the cases that resize
+    one length alone as skipped (the decoder's own length check)."""
+    from attn_export import ConvertOptions, convert
+
+    model = tiny_gpt2()
+    model.generate = None  # an instance attribute hides the method
+    result = convert(model, padded_batch(PROMPT_LENGTHS, 5, left=True),
+                     ConvertOptions(output=tmp_path / "m.onnx", with_past=True))
+    assert result.passed
+    report = result.report.to_dict()
+    assert report.get("generation") is None
+    ran = {(c["case"], c["backend"]) for c in report["cases"] if c["status"] == "passed"}
+    assert {("example", "onnxruntime"), ("batch=1", "onnxruntime")} <= ran
+    skipped = [c for c in report["cases"] if c["status"] == "skipped"]
+    assert skipped and all("give the mask over past + new tokens" in c["message"] for c in skipped)
 
 
 # --------------------------------------------------------------------------------------------

@@ -99,14 +99,14 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
 
 
 def _cached_decoder(session, model, inputs, onnx_path, seed: int):
-    """A cached export (``attn_export.with_past`` in the file) where the generation gate is not
-    installed: the decoder with its cache as the file's flat inputs, after a non-empty past
-    (docs/huggingface.md); else as given."""
+    """A cached export (``attn_export.with_past`` in the file) of a model without
+    ``generate()``, which the generation gate needs: the decoder with its cache as the file's
+    flat inputs, after a non-empty past (docs/huggingface.md); else as given."""
     from pathlib import Path
 
-    from attn_export.onnx.with_past import file_geometry, for_validation, generation_gate_installed
+    from attn_export.onnx.with_past import file_geometry, for_validation, generates
 
-    if generation_gate_installed() or not Path(onnx_path).is_file():
+    if generates(model) or not Path(onnx_path).is_file():
         return model, inputs  # the generation gate checks a cached export itself; a missing file: the gate says so
     geometry = file_geometry(onnx_path)
     if geometry is None:

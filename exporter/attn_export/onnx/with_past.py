@@ -99,13 +99,12 @@ def unify_symbols(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]])
     _rename_symbols(proto, mapping)
 
 
-def generation_gate_installed() -> bool:
-    """Whether ``attn_export.validation`` has the generation gate, which checks a cached export
-    itself (validate() reads ``attn_export.with_past`` and generates with the original model);
-    without it, the parity gate runs the wrapped decoder (:func:`for_validation`)."""
-    import importlib.util
-
-    return importlib.util.find_spec("attn_export.validation.generation_gate") is not None
+def generates(model) -> bool:
+    """Whether the generation gate checks a cached export of ``model`` itself (validate() reads
+    ``attn_export.with_past`` and compares greedy tokens with ``model.generate()``); a model
+    without ``generate()`` is compared by the parity gate through the wrapped decoder
+    (:func:`for_validation`)."""
+    return callable(getattr(model, "generate", None))
 
 
 def for_validation(model: nn.Module, inputs: Mapping[str, torch.Tensor], dtype: str,
