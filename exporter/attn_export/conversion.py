@@ -39,6 +39,8 @@ class ConvertOptions:
     dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16"; default: the model's own
     # A transformers decoder-only causal LM exported with its key/value cache (onnx/with_past.py).
     with_past: bool = False
+    # With with_past: genai_config.json beside the ONNX file, for ONNX Runtime GenAI (genai_config.py).
+    genai_config: bool = False
     replace: bool = True
     validate: bool = True
     dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None
@@ -62,6 +64,8 @@ class ConvertOptions:
         if self.to not in TARGETS:
             raise InputError(f"unknown target {self.to!r}: one of {', '.join(TARGETS)}")
         check_choices(self.attention, self.functions)
+        if self.genai_config and not self.with_past:
+            raise InputError("genai_config (--genai-config) describes a cached export: add with_past (--with-past)")
         if self.with_past and self.to != "onnx":
             raise InputError("--with-past goes with --to onnx (a TensorRT engine of the cached export needs an "
                              "optimization profile over the past's length, which is not derived yet)")
@@ -281,6 +285,11 @@ def _export(model, inputs, onnx_path: Path, options: ConvertOptions, progress: P
                              functions=options.functions, with_past=options.with_past)
     for note in export.notes + (export.replacement.notes if export.replacement else []):
         progress.note(f"note: {note}")
+    if options.genai_config:
+        from attn_export.genai_config import write_genai_config
+
+        written = write_genai_config(onnx_path, model.config)
+        progress.note(f"wrote {written} (ONNX Runtime GenAI reads the export's directory)")
     return export
 
 

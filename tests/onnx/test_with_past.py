@@ -464,6 +464,28 @@ def test_a_decoder_without_generate_is_compared_after_a_non_empty_past(tmp_path)
     assert skipped and all("give the mask over past + new tokens" in c["message"] for c in skipped)
 
 
+def test_genai_config_goes_with_the_cache(tmp_path):
+    from attn_export import ConvertOptions
+
+    with pytest.raises(InputError, match="add with_past"):
+        ConvertOptions(output=tmp_path / "m.onnx", genai_config=True)
+
+
+@pytest.mark.slow
+def test_convert_writes_the_genai_config_beside_a_cached_export(tmp_path):
+    """``--genai-config``: the file ONNX Runtime GenAI reads, naming the export and the cache's
+    geometry (the runtime itself runs in test_onnxruntime_genai_generates_the_models_tokens)."""
+    from attn_export import ConvertOptions, convert
+
+    model = tiny_llama()
+    convert(model, padded_batch(PROMPT_LENGTHS, 5, left=True),
+            ConvertOptions(output=tmp_path / "m.onnx", with_past=True, genai_config=True, validate=False))
+    decoder = json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["filename"] == "m.onnx"
+    assert (decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (2, model.config.num_hidden_layers)
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+
+
 # --------------------------------------------------------------------------------------------
 # A generation runtime nobody here wrote
 # --------------------------------------------------------------------------------------------

@@ -110,6 +110,9 @@ def default_output(model_path, factory, to: str) -> Path:
 @click.option("--with-past", "with_past", is_flag=True,
               help="Export a transformers decoder-only causal LM with its key/value cache (past_key_values.* in, "
                    "present.* out): one graph for prefill and decode (--to onnx).")
+@click.option("--genai-config", "genai_config", is_flag=True,
+              help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime GenAI "
+                   "generates with the export's directory (docs/onnx_consumers.md).")
 @click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
 @click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
 @ort_options
@@ -122,7 +125,7 @@ def default_output(model_path, factory, to: str) -> Path:
 @logging_options
 @common_verb
 def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, onnx_functions, dtype,
-            with_past, no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
+            with_past, genai_config, no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
     import torch
 
     from attn_export.conversion import ConvertOptions, convert as run_conversion, preflight
@@ -140,7 +143,8 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
     shapes = profile_args.shape_specs() if to == "tensorrt" else {"min": {}, "opt": {}, "max": {}}
     options = ConvertOptions(
         output=output or default_output(model_path, model_args.factory, to), to=to, onnx_output=onnx_output,
-        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, with_past=with_past, replace=not no_replace, validate=not no_validate,
+        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, with_past=with_past, genai_config=genai_config,
+        replace=not no_replace, validate=not no_validate,
         seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
         ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
         plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],
