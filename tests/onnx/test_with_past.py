@@ -281,6 +281,21 @@ def test_decoders_export_with_the_cache_and_generate_like_pytorch(exports, name)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma2", "phi"])
+def test_every_family_passes_the_generation_gate(exports, name):
+    """The issue's bar for each decoder family: 16 greedy tokens through ONNX Runtime with the
+    cache, from a left-padded batch of prompts of different lengths, equal ``generate()``'s, and
+    every step's logits are within tolerance (validation/generation.py)."""
+    from attn_export.validation import check_generation as generation_gate
+
+    model, result, _ = exports(name)
+    outcome = generation_gate(model, result.path, new_tokens=16)
+    assert outcome.passed, outcome.failures
+    (run,) = outcome.runs
+    assert len(run.steps) == 16 and run.first_divergence is None and run.tokens == outcome.reference_tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_standard_flavor_folds_the_cache_into_attention(exports, name):
     model, result, proto = exports(name, "standard")
