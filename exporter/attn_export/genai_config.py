@@ -29,6 +29,10 @@ def _token(config, name: str):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
+def _first_given(*values):
+    return next((v for v in values if v is not None), None)
+
+
 def genai_config(onnx_model, filename: str, config, *, context_length: Optional[int] = None) -> Dict[str, object]:
     """The config for the cached export ``onnx_model`` (saved as ``filename``) of a transformers
     decoder with ``config`` (its PretrainedConfig)."""
@@ -43,6 +47,9 @@ def genai_config(onnx_model, filename: str, config, *, context_length: Optional[
     if layout.position_ids:
         inputs["position_ids"] = "position_ids"
     eos = _token(config, "eos_token_id")
+    if eos is None:
+        raise InputError("the model's config has no eos_token_id, which ONNX Runtime GenAI requires: set "
+                         "config.eos_token_id (the token that ends a generated sequence)")
     pad = _token(config, "pad_token_id")
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)  # as generate() pads
     decoder = {
@@ -55,7 +62,8 @@ def genai_config(onnx_model, filename: str, config, *, context_length: Optional[
         "num_key_value_heads": layout.num_kv_heads,
     }
     return {
-        "model": {"bos_token_id": _token(config, "bos_token_id"), "context_length": int(context), "decoder": decoder,
+        # GenAI requires a number; some configs (Qwen2) have no begin-of-sequence token.
+        "model": {"bos_token_id": _first_given(_token(config, "bos_token_id"), pad), "context_length": int(context), "decoder": decoder,
                   "eos_token_id": eos, "pad_token_id": pad,
                   "type": MODEL_TYPE, "vocab_size": config.vocab_size},
         "search": {"do_sample": False, "num_beams": 1, "max_length": int(context), "min_length": 0,

@@ -94,6 +94,20 @@ def test_config_names_the_contract(tmp_path):
         genai_config(graph, "model.onnx", model.config)
 
 
+def test_a_config_without_an_end_token_is_refused_and_bos_falls_back(tmp_path):
+    """GenAI reads every special token as a number: no eos_token_id is an error naming the
+    fix; no bos_token_id (Qwen2's configs) falls back to the pad token."""
+    model = tiny_gpt2()
+    path = tmp_path / "model.onnx"
+    export_stock_cached(model, path)
+    graph = onnx.load(str(path))
+    model.config.bos_token_id, model.config.pad_token_id = None, 5
+    assert genai_config(graph, "model.onnx", model.config)["model"]["bos_token_id"] == 5
+    model.config.eos_token_id = None
+    with pytest.raises(InputError, match="set config.eos_token_id"):
+        genai_config(graph, "model.onnx", model.config)
+
+
 def test_genai_generates_gpt2_tokens_like_transformers(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     check_same_tokens(tmp_path, tiny_gpt2())
