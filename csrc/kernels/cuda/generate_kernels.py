@@ -40,7 +40,7 @@ HEADER = (
 def flash_files() -> dict[str, str]:
     files = {}
     for direction, word, header, signature in (
-        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, cudaStream_t"),
+        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, const SplitKv&, cudaStream_t"),
         ("bwd", "backward", "flash_bwd_kernel.cuh", "const AttentionBackwardParams&, float*, const float*, cudaStream_t"),
     ):
         for suffix, ctype in FLASH_DTYPES:
