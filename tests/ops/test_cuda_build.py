@@ -112,8 +112,9 @@ def _compile_verbose(unit: pathlib.Path, out_dir: pathlib.Path) -> str:
 
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
 def test_flash_kernels_do_not_spill(tmp_path):
-    """Every flash instantiation (instantiations/flash_*.cu), compiled for sm_80 and sm_90 with
-    `-Xptxas -v`: no kernel may spill (about 4 min on 2 cores)."""
+    """Every flash instantiation (instantiations/flash_*.cu: the forward, its split-KV variant and
+    combine kernel, the backward), compiled for sm_80 and sm_90 with `-Xptxas -v`: no kernel may
+    spill (about 6 min on 2 cores)."""
     from concurrent.futures import ThreadPoolExecutor
 
     units = sorted((KERNELS / "cuda" / "instantiations").glob("flash_*.cu"))
@@ -125,6 +126,8 @@ def test_flash_kernels_do_not_spill(tmp_path):
         spills.update(ptxas_spills(log))
     kernels = {name for name, _ in spills if "flash_fwd_kernel" in name or "flash_bwd_kernel" in name}
     assert len(kernels) == len(units), f"expected one flash kernel per file, found {len(kernels)}"
+    split = {name for name, _ in spills if "flash_fwd_split_kernel" in name}  # split-KV, beside each forward
+    assert len(split) == len([u for u in units if u.name.startswith("flash_fwd_")]), f"found {len(split)} split-KV kernels"
     assert {arch for _, arch in spills} == {f"sm_{a}" for a in SPILL_ARCHS}
     spilling = [f"{name} on {arch}: {stores} bytes spill stores, {loads} bytes spill loads"
                 for (name, arch), (stores, loads) in sorted(spills.items()) if stores or loads]
