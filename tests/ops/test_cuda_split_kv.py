@@ -192,6 +192,22 @@ def test_default_dispatch_never_splits(default):
     default.set_preview(False)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_head_dim_128_backward(default, causal):
+    """Head dim 128 without the preview: the backward's verified tiles (4 warps, no column split)."""
+    dtype, B, H, Lq, Lk, D = torch.bfloat16, 1, 2, 45, 77, 128
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype) for L in (Lq, Lk, Lk))
+    out, lse, _ = default.forward(q, k, v, None, None, causal, None, False)
+    g = torch.randn_like(out)
+    grads = default.backward(g, None, q, k, v, lse, None, None, causal, None)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*ref_in, is_causal=causal)
+    want = torch.autograd.grad(ref, ref_in, g.double())
+    assert_parity(out, ref, TOL[dtype], "output", scale=1.0)
+    for got, w, name in zip(grads, want, "qkv"):
+        assert_parity(got, w, 4 * EPS[dtype], f"grad {name}", scale=1.0)
+
+
 @pytest.mark.parametrize("group,alignment,Lq,Lk,mask", [
     (2, 1, 5, 37, "none"),          # bottom-right, Lq < Lk: the diagonal as a bool mask
     (4, 1, 37, 5, "bool"),          # Lq > Lk: rows that see no key, merged with a bool mask

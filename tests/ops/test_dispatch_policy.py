@@ -19,7 +19,8 @@ CUDA_KERNELS = ROOT / "csrc" / "kernels" / "cuda"
 
 # What f427ebe's attention_cuda.cu dispatched to the flash kernels: head_dim == head_dim_v in
 # {32, 64, 128} (its switch_flash_head_dim), every key/value head its own query head's (no
-# num_heads_k), causality top-left only (no causal_alignment), one program per query tile.
+# num_heads_k), causality top-left only (no causal_alignment), one program per query tile, and
+# the head-dim-128 backward on 4 warps without a column split (its FlashBwdTraits).
 VERIFIED_FLASH_HEAD_DIMS = {32, 64, 128}
 
 PROGRAM = r"""
@@ -50,6 +51,8 @@ int main() {
               policy::allowed(policy::kSplitKv, false), policy::allowed(policy::kSplitKv | policy::kBottomRight, true));
   std::printf("\"env\": [%d, %d, %d, %d, %d], ", policy::preview_from_env(nullptr), policy::preview_from_env("1"),
               policy::preview_from_env("0"), policy::preview_from_env("10"), policy::preview_from_env(""));
+  std::printf("\"bwd_col_split_128\": [%d, %d], ", policy::flash_bwd_col_split_128(false),
+              policy::flash_bwd_col_split_128(true));
   std::printf("\"env_var\": \"%s\", \"splits\": [", policy::kPreviewEnvVar);
   const long long cases[][3] = {{2, 16, 2}, {2, 16, 3}, {2, 16, 8}, {2, 16, 132}, {132, 64, 132}, {1, 1, 132},
                                 {1, 3, 132}, {1, 4096, 132}, {4, 2, 132}, {0, 5, 132}};
@@ -87,6 +90,10 @@ def test_grouped_heads_and_a_shifted_diagonal_need_the_preview(policy):
     assert policy["allowed"] == [1, 0, 0, 1]  # nothing but the verified set without the preview
 
 
+def test_the_head_dim_128_backward_keeps_the_verified_tiles(policy):
+    assert policy["bwd_col_split_128"] == [1, 2]
+
+
 def test_the_switch_is_on_for_1_only(policy):
     assert policy["env_var"] == "ATTN_EXPORT_CUDA_PREVIEW"
     assert policy["env"] == [0, 1, 0, 0, 0]
@@ -110,5 +117,6 @@ def test_the_dispatch_reads_the_policy():
     """attention_cuda.cu routes every choice through the policy (a rename or a removed check fails here)."""
     text = (CUDA_KERNELS / "attention_cuda.cu").read_text()
     for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::needed_features(p)",
-                "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&"):
+                "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&",
+                "policy::flash_bwd_col_split_128(attention_preview_enabled())"):
         assert use in text, use

@@ -380,7 +380,15 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
           }
           return switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_bwd_<T, decltype(dim)::value, decltype(causal)::value>(p, dq_accum, delta, stream);
+              constexpr int kDim = decltype(dim)::value;
+              constexpr bool kCausal = decltype(causal)::value;
+              static_assert(kFlashBwdUnsplitHeadDim == 128, "the policy names head dim 128");
+              if constexpr (kDim == kFlashBwdUnsplitHeadDim) {
+                if (policy::flash_bwd_col_split_128(attention_preview_enabled()) == 1) {
+                  return run_flash_bwd_<T, kDim, kCausal, 1>(p, dq_accum, delta, stream);
+                }
+              }
+              return run_flash_bwd_<T, kDim, kCausal>(p, dq_accum, delta, stream);
             });
           });
         }

@@ -16,7 +16,8 @@ namespace attn_export::cuda {
 template <typename Element, int kHeadDim, bool kIsCausal>
 cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, cudaStream_t stream);
 
-template <typename Element, int kHeadDim, bool kIsCausal>
+// kColSplit: FlashBwdTraits's column split (kernel_traits.h); the default is the tiles' choice.
+template <typename Element, int kHeadDim, bool kIsCausal, int kColSplit = flash_bwd_col_split(kHeadDim)>
 cudaError_t run_flash_bwd_(const AttentionBackwardParams& params, float* dq_accum, const float* delta,
                            cudaStream_t stream);
 

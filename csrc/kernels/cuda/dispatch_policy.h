@@ -3,10 +3,11 @@
 // The project's rule: GPU work that was not run on a GPU stays built and tested (the SIMT
 // emulator, tests/ops/cuda_emulator/) but undispatched, until a GPU session verifies it. The
 // verified set is what ran on an NVIDIA H200 at commit f427ebe (docs/cuda.md "Verification"):
-// the flash kernels at head_dim == head_dim_v in {32, 64, 128}, every key/value head its own
-// query head's, causality top-left only, one program per query tile. Everything else the
-// kernels can do (further head dims and padded ones, grouped-query heads, the bottom-right
-// causal alignment, split-KV decoding) runs only with the preview switch on:
+// the flash kernels at head_dim == head_dim_v in {32, 64, 128} (the backward at 128 with 4 warps,
+// no column split), every key/value head its own query head's, causality top-left only, one
+// program per query tile. Everything else the kernels can do (further head dims and padded ones,
+// grouped-query heads, the bottom-right causal alignment, split-KV decoding, the column-split
+// head-dim-128 backward) runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
@@ -35,7 +36,9 @@ enum PreviewFeature : unsigned {
   kGroupedQuery = 1u << 1,  // num_heads_k < num_heads read in place by the kernels
   kBottomRight = 1u << 2,   // a nonzero causal shift in the kernels (bottom-right, seqlen_q != seqlen_k)
   kSplitKv = 1u << 3,       // split-KV decoding: partial results per key chunk, then a combine kernel
+  kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
 };
+
 
 inline bool verified_flash_head_dims(int64_t head_dim, int64_t head_dim_v) {
   if (head_dim != head_dim_v) {
@@ -66,6 +69,12 @@ inline unsigned needed_features(const AttentionParams& p) {
 // May the dispatch use `features`? Everything with the preview on; only what was verified without it.
 inline bool allowed(unsigned features, bool preview) {
   return preview || features == 0;
+}
+
+// The column split of the flash backward at head dim 128 (kernel_traits.h): the tiles' choice
+// (2, no spills) with the preview; the tiles verified at f427ebe (1) without it.
+inline int flash_bwd_col_split_128(bool preview) {
+  return allowed(kBwdColumnSplit, preview) ? 2 : 1;
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.
