@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import shlex
@@ -92,7 +93,9 @@ def environment(device: str) -> dict:
     import torch
     import attn_export
     env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-               attn_export=attn_export.__version__, commit=_run(["git", "rev-parse", "--short", "HEAD"]))
+               attn_export=attn_export.__version__, commit=_run(["git", "rev-parse", "--short", "HEAD"]),
+               # the paths not yet verified on a GPU run only with it (docs/cuda.md "Preview")
+               ATTN_EXPORT_CUDA_PREVIEW=os.environ.get("ATTN_EXPORT_CUDA_PREVIEW", ""))
     if device != "cuda":
         return dict(device="cpu (dry run)", **env)
     return dict(gpu=torch.cuda.get_device_name(0),

@@ -5,13 +5,15 @@
 #   2. runs the GPU tests (the `cuda`-marked tests: tests/ops/test_cuda.py, the device-parametrized
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
 #      tests/validation/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
-#      if installed, else with tests/run_without_pytest.py),
+#      if installed, else with tests/run_without_pytest.py), then tests/ops/test_cuda.py again with
+#      ATTN_EXPORT_CUDA_PREVIEW=1: the paths that wait for a GPU (docs/cuda.md "Preview"),
 #   3. runs every kernel path once under compute-sanitizer's memcheck, and a few under racecheck,
 #      initcheck and synccheck (scripts/gpu_sanitize.py; skipped with a line in the summary where
-#      the tool is missing),
+#      the tool is missing), with the preview paths on (CHECK_PREVIEW, default 1),
 #   4. runs the GPU benchmark (benchmarks/gpu.py: attn_export against every SDPA backend; GPU_BENCH_ARGS),
+#      with the preview paths on (CHECK_PREVIEW; CHECK_PREVIEW=0 measures the default dispatch),
 # and writes everything under $OUT if set, else ./gpu_check_out:
-#   environment.txt  build.log  test_cuda.log  test_cuda.xml  sanitize.log  bench_gpu.log
+#   environment.txt  build.log  test_cuda.log  test_cuda.xml  test_cuda_preview.log  sanitize.log  bench_gpu.log
 #   bench_gpu.md  bench_gpu.json  summary.txt  gpu_check.log
 # Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed;
 # 4 the sanitizer reported an error in attn_export's kernels, or the program failed under it.
@@ -101,6 +103,29 @@ tests_step() {
                          || summary "FAILED tests (exit $TEST_RC): $(tail -1 "$OUT_DIR/test_cuda.log")"
     STATUS=2
   fi
+  preview_tests
+}
+
+# The same GPU tests of the kernels with the preview switch on: further flash head dims, grouped-query
+# heads and the bottom-right alignment in the kernels, split-KV decoding (docs/cuda.md "Preview").
+preview_tests() {
+  [ "${CHECK_PREVIEW:-1}" = 1 ] || { summary "SKIPPED preview tests: CHECK_PREVIEW=${CHECK_PREVIEW}"; return 0; }
+  local T0=$SECONDS rc
+  log "running tests/ops/test_cuda.py with ATTN_EXPORT_CUDA_PREVIEW=1"
+  if "$PY" -c 'import pytest' 2>/dev/null; then
+    ATTN_EXPORT_CUDA_PREVIEW=1 timeout 240 "$PY" -m pytest -m cuda tests/ops/test_cuda.py -q -rf -p no:cacheprovider \
+      > "$OUT_DIR/test_cuda_preview.log" 2>&1
+  else
+    ATTN_EXPORT_CUDA_PREVIEW=1 timeout 240 "$PY" tests/run_without_pytest.py ops/test_cuda > "$OUT_DIR/test_cuda_preview.log" 2>&1
+  fi
+  rc=$?
+  tail -5 "$OUT_DIR/test_cuda_preview.log"
+  if [ $rc -eq 0 ]; then
+    summary "PASSED preview tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_preview.log")"
+  else
+    summary "FAILED preview tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_preview.log")"
+    STATUS=2
+  fi
 }
 
 # ---- 3. compute-sanitizer: out-of-bounds accesses, uninitialized reads and shared-memory races the
@@ -119,7 +144,7 @@ sanitize_step() {
   for tool in memcheck racecheck initcheck synccheck; do
     log="$OUT_DIR/sanitize_$tool.log"
     # No caching allocator: every tensor its own allocation, so an overrun leaves it.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$sanitizer" --tool $tool \
+    ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1} PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$sanitizer" --tool $tool \
       --print-limit 1000 --error-exitcode 9 "$PY" scripts/gpu_sanitize.py $([ $tool = memcheck ] || echo --quick) \
       $([ $tool = initcheck ] && echo --no-layer) > "$log" 2>&1
     rc=$?
@@ -152,7 +177,7 @@ bench_step() {
   log "benchmark, budget ${BUDGET} s, arguments: ${GPU_BENCH_ARGS---quick}"
   T0=$SECONDS
   # shellcheck disable=SC2086  # GPU_BENCH_ARGS is a list of arguments
-  if timeout $((BUDGET + 60)) "$PY" -m benchmarks.gpu --out "$OUT_DIR" --budget-s "$BUDGET" ${GPU_BENCH_ARGS---quick} \
+  if ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1} timeout $((BUDGET + 60)) "$PY" -m benchmarks.gpu --out "$OUT_DIR" --budget-s "$BUDGET" ${GPU_BENCH_ARGS---quick} \
       > "$OUT_DIR/bench_gpu.log" 2>&1; then
     summary "PASSED benchmark in $((SECONDS - T0)) s (bench_gpu.md): $(tail -1 "$OUT_DIR/bench_gpu.log")"
   else

@@ -13,8 +13,11 @@ Lengths 67 and 131 leave partial query and key tiles on every path; the cases co
 kernels (float16/bfloat16, head dims 32/64/96/128/192/256, causal or not, masks; 80 and 160
 padded to the next compiled size), the generic kernels (float32, float64, a head dim off the
 tensor-core list, a value head dim unlike the key's), grouped-query heads, the bottom-right causal
-alignment, the weights kernel and the backward of each. Only the kernels' memory behaviour is checked here;
-the numbers are the tests' job.
+alignment, split-KV decoding (one query row over 2053 keys), the weights kernel and the backward of
+each. Only the kernels' memory behaviour is checked here; the numbers are the tests' job.
+
+The paths not yet verified on a GPU (docs/cuda.md "Preview") run only with ATTN_EXPORT_CUDA_PREVIEW=1,
+which gpu_check.sh sets for the sanitizer; without it the same cases run the verified kernels.
 
 initcheck follows the writes of plain kernels (torch.randn's) but not those of cuBLAS's Hopper
 GEMMs: on an H200 it reported every read of the layer's projected q and k, exactly the valid
@@ -35,7 +38,7 @@ ops = torch.ops.attn_export
 
 # (dtype, head dim, value head dim, causal, spec): spec is "" or a '+'-joined subset of the masks
 # padding, bool, float, and of gqa (4 query heads on 2 key/value heads), bottom_right (the causal
-# alignment).
+# alignment), decode (one query row over 2053 keys: split-KV under the preview switch).
 CASES = [
     *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
       for causal in (False, True)],
@@ -51,6 +54,8 @@ CASES = [
     (torch.float16, 64, 64, True, "gqa+bottom_right"),
     (torch.bfloat16, 128, 128, True, "gqa+padding"),
     (torch.float32, 64, 64, True, "gqa+bottom_right"),
+    (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
+    (torch.float16, 64, 64, False, "padding+decode"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -61,6 +66,7 @@ QUICK = [
     (torch.float32, 64, 64, True, "padding+bool"),
     (torch.float16, 36, 36, False, ""),
     (torch.float16, 64, 64, True, "gqa+bottom_right"),
+    (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
 ]
 assert all(case in CASES for case in QUICK)
 
@@ -83,6 +89,8 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     pair, its backward without the saved output, so the binding's recomputing forward runs too),
     and, with ``layer``, the layer returning weights. The names of the results that are not finite."""
     B, H, Hkv = (2, 4, 2) if "gqa" in spec else (2, 3, 3)
+    if "decode" in spec:
+        Lq, Lk = 1, 2053
     alignment = 1 if "bottom_right" in spec else 0
     q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, d, dtype=dtype, device=device, requires_grad=True)

@@ -134,3 +134,28 @@ def test_gpu_check_runs_the_benchmark_within_its_budget(tmp_path):
     assert "--quick" not in args  # set but empty: the full default set
     _, args = run_bench_step(tmp_path, {"GPU_BENCH_ARGS": "--cases decode,hdims"})
     assert args[-2:] == ["--cases", "decode,hdims"]
+
+
+def test_gpu_check_measures_and_sanitizes_the_preview_paths(tmp_path):
+    """The benchmark and the sanitizer run with ATTN_EXPORT_CUDA_PREVIEW=1 unless CHECK_PREVIEW=0,
+    and the test step runs tests/ops/test_cuda.py once more with it (docs/cuda.md "Preview")."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    step = script[script.index("bench_step() {"):]
+    step = step[:step.index("\n}\n") + 3]
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "preview=$ATTN_EXPORT_CUDA_PREVIEW" > "$(dirname "$0")/env"\necho done\n')
+    fake.chmod(0o755)
+    for check, want in (({}, "preview=1"), ({"CHECK_PREVIEW": "0"}, "preview=0")):
+        driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
+{step}
+bench_step
+"""
+        subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
+                       env={"PATH": "/usr/bin:/bin", **check}, timeout=60)
+        assert (tmp_path / "env").read_text().strip() == want
+    sanitize = script[script.index("sanitize_step() {"):]
+    assert "ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1}" in sanitize[:sanitize.index("\n}\n")]
+    preview = script[script.index("preview_tests() {"):]
+    assert "ATTN_EXPORT_CUDA_PREVIEW=1 timeout" in preview and "tests/ops/test_cuda.py" in preview
+    assert "  preview_tests\n}" in script[script.index("tests_step() {"):]

@@ -301,8 +301,20 @@ size_t FusedAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTenso
   if (inputs == nullptr || nbInputs != spec::kNumInputs) {
     return 0;
   }
-  const nvinfer1::Dims& q = inputs[spec::kInputQuery].max;
-  return workspace_bytes(mConfig, q.d[0], q.d[1]);
+  try {
+    // [the kernels' lse][the forward's own workspace: split-KV partials, bounded for every shape
+    // of the profile up to its largest, whether or not the preview switch is on at run time].
+    Shape largest[spec::kNumInputs];
+    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+      largest[i] = to_shape(inputs[i].max);
+    }
+    const void* const none[spec::kNumInputs] = {};
+    const AttentionParams p = make_params(mConfig, largest, kernel_type(inputs[0].desc.type), none, nullptr, nullptr);
+    const nvinfer1::Dims& q = inputs[spec::kInputQuery].max;
+    return workspace_bytes(mConfig, q.d[0], q.d[1]) + cuda::attention_forward_workspace_bound(p);
+  } catch (...) {
+    return 0;
+  }
 }
 
 const char* FusedAttentionPlugin::getTimingCacheID() noexcept { return mDescription.c_str(); }
@@ -347,7 +359,12 @@ int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
     if (const char* why = cuda::attention_params_error(params)) {
       return fail(why);
     }
-    const cudaError_t err = cuda::run_attention_forward(params, stream);
+    // After the lse, what getWorkspaceSize reserved for the forward: at least the bound at these
+    // (smaller or equal) shapes, the bound being monotone in batch and seqlen_q.
+    const size_t lse_bytes = workspace_bytes(mConfig, batch, seqlen_q);
+    void* forward_workspace = workspace == nullptr ? nullptr : static_cast<unsigned char*>(workspace) + lse_bytes;
+    const size_t forward_bytes = workspace == nullptr ? 0 : cuda::attention_forward_workspace_bound(params);
+    const cudaError_t err = cuda::run_attention_forward(params, forward_workspace, forward_bytes, stream);
     if (err != cudaSuccess) {
       return fail(std::string("the attention kernel failed: ") + cudaGetErrorName(err) + " (" +
                   cudaGetErrorString(err) + ")");

@@ -10,7 +10,12 @@ parameter in tests/ops/test_attention_op.py and tests/ops/test_module_parity.py;
 carry the `cuda` marker too (`pytest -m cuda tests/` runs them all).
 
 Every test carries the `cuda` marker and is skipped without a GPU (conftest.py). On a GPU,
-scripts/gpu_check.sh builds the extension for the device and runs this file.
+scripts/gpu_check.sh builds the extension for the device and runs this file twice: as dispatched
+by default (only the paths verified on a GPU; grouped-query heads and the bottom-right alignment
+routed onto them, csrc/ops/verified_route.h), and with ATTN_EXPORT_CUDA_PREVIEW=1, where the same
+tests run the paths that wait for a GPU: the flash kernels at head dims 96/192/256 and padded
+ones, grouped-query heads and the causal shift in the kernels, split-KV decoding (docs/cuda.md
+"Preview"). Both runs must pass.
 
 Tolerances are derived, FlashAttention style: the fused result's error against a float64
 reference may be at most twice the error of the same computation done the plain way in the
@@ -18,6 +23,8 @@ same dtype (matmul, softmax, matmul; or the stock nn.MultiheadAttention), plus a
 dtype's rounding (helpers.assert_within).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -29,6 +36,8 @@ pytestmark = pytest.mark.cuda
 
 ops = torch.ops.attn_export
 DEVICE = "cuda"
+# Read once by the kernels' host code as well (csrc/kernels/cuda/dispatch_policy.h).
+PREVIEW = os.environ.get("ATTN_EXPORT_CUDA_PREVIEW") == "1"
 
 
 def _require_cuda_kernels():
@@ -80,6 +89,29 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
     for g, p, w, t, name in zip(got, plain_grads, want, (q, k, v), "qkv"):
         assert g.shape == t.shape, f"grad {name}"
         assert_within(g, p, w, dtype, f"grad {name}", n, scale=w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads_k", [32, 8])
+@pytest.mark.parametrize("Lq,Lk", [(1, 4096), (4, 32768), (3, 1000)])
+@pytest.mark.parametrize("mask", ["none", "padding", "bottom_right"])
+def test_decode(dtype, heads_k, Lq, Lk, mask):
+    """A decode step over a KV cache (B2 H32 head dim 128): split-KV with the preview switch (the
+    query tiles are far fewer than the SMs), one program per query tile without it."""
+    _require_cuda_kernels()
+    B, H, D = 2, 32, 128
+    q = torch.randn(B, H, Lq, D, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(B, heads_k, Lk, D, dtype=dtype, device=DEVICE) for _ in range(2))
+    masks = {}
+    if mask == "padding":
+        masks["key_padding_mask"] = torch.arange(Lk, device=DEVICE)[None, :] >= torch.tensor([[Lk], [Lk // 3]], device=DEVICE)
+    elif mask == "bottom_right":
+        masks = {"is_causal": True, "causal_alignment": 1}
+    out = attn_export.attention(q, k, v, **masks)
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert out.shape == exact.shape and torch.isfinite(out).all()
+    assert_within(out, plain, exact, dtype, "output", Lk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -38,9 +38,14 @@ TOL_GRAD = {torch.float64: 1e-12, torch.float32: 16 * EPS[torch.float32], torch.
 
 @pytest.fixture(scope="module")
 def emu_ops():
+    """The emulated kernels with the preview switch on (csrc/kernels/cuda/dispatch_policy.h): these
+    tests check every path the kernels have, the ones still waiting for a GPU included;
+    tests/ops/test_cuda_split_kv.py checks what runs with the switch off."""
     from cuda_emulator.build import load
 
-    return load()
+    ops = load()
+    ops.set_preview(True)
+    return ops
 
 
 # The emulated device and cp.async ordering the current tests run under (see the emu fixture).

@@ -7,13 +7,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 
 #include "attention_launchers.h"
+#include "dispatch_policy.h"
 #include "kernel_traits.h"
+#include "split_kv.h"
 
 namespace attn_export::cuda {
 namespace {
@@ -76,6 +80,10 @@ cudaError_t switch_generic_regs(int64_t max_dim, F&& f) {
   return f(std::integral_constant<int, 16>{});
 }
 
+// ---- The preview switch (dispatch_policy.h): -1 until first read.
+
+std::atomic<int> g_preview{-1};
+
 // ---- Path selection.
 
 // Compute capability major of the current device, cached per device.
@@ -94,6 +102,16 @@ int device_major() {
     cache[device].store(major, std::memory_order_relaxed);
   }
   return major;
+}
+
+// Streaming multiprocessors of the current device (not cached: the query is a host-side lookup).
+int device_sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return count;
 }
 
 // Every row of a 16-bit [batch, heads, seqlen, dim] operand starts on a 16-byte boundary, as
@@ -129,18 +147,65 @@ int64_t max_head_dim(const AttentionParams& p) {
 
 // The compiled flash head dim a problem runs on, its columns past head_dim (q, k) and
 // head_dim_v (v, out) masked; 0 when none fits. Both dims must be multiples of 8 elements (16
-// bytes): the padded loads and stores work in 16-byte chunks and element pairs.
+// bytes): the padded loads and stores work in 16-byte chunks and element pairs. Without the
+// preview switch only the verified head dims run here (the others on the generic kernels).
 int flash_tile_dim(const AttentionParams& p) {
   const bool chunked = p.head_dim > 0 && p.head_dim_v > 0 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0;
+  if (!attention_preview_enabled() && !policy::verified_flash_head_dims(p.head_dim, p.head_dim_v)) {
+    return 0;
+  }
   return chunked ? flash_tile_head_dim(max_head_dim(p)) : 0;
 }
 
-// ---- Backward workspace: [delta: batch*heads*seqlen_q accumulation type]
-//                           [dq_accum: batch*heads*seqlen_q*head_dim float, flash path only]
+// ---- Forward workspace (preview only): the split-KV partial results, [out_accum][lse_accum].
+
+struct ForwardWorkspace {
+  SplitCount count;
+  size_t out_bytes = 0, lse_bytes = 0;
+  size_t total() const { return out_bytes + lse_bytes; }
+};
 
 size_t round_up_256(size_t bytes) {
   return (bytes + 255) / 256 * 256;
 }
+
+// The flash forward's tile sizes (kBlockM, kBlockN) at this problem's compiled head dim.
+void flash_fwd_blocks(const AttentionParams& p, int& block_m, int& block_n) {
+  switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
+    block_m = FlashFwdTraits<decltype(dim)::value>::kBlockM;
+    block_n = FlashFwdTraits<decltype(dim)::value>::kBlockN;
+    return cudaSuccess;
+  });
+}
+
+bool split_kv_candidate(const AttentionParams& p) {
+  return attention_preview_enabled() && attention_params_error(p) == nullptr && p.batch > 0 && p.num_heads > 0 &&
+      p.seqlen_q > 0 && attention_uses_tensor_cores(p);
+}
+
+ForwardWorkspace forward_workspace(const AttentionParams& p, int sm_count) {
+  ForwardWorkspace w;
+  if (!split_kv_candidate(p)) {
+    return w;
+  }
+  int block_m = 0, block_n = 0;
+  flash_fwd_blocks(p, block_m, block_n);
+  // The keys any row sees: under causality, none past the last row's diagonal.
+  const int64_t key_end = p.is_causal ? std::max<int64_t>(0, std::min(p.seqlen_k, p.seqlen_q + p.causal_shift()))
+                                      : p.seqlen_k;
+  const int64_t programs = p.batch * p.num_heads * ((p.seqlen_q + block_m - 1) / block_m);
+  w.count = split_count(programs, (key_end + block_n - 1) / block_n, sm_count);
+  if (w.count.num_splits < 2 || p.batch * w.count.num_splits > 65535) {  // grid z holds batch * chunks
+    return ForwardWorkspace{};
+  }
+  const size_t rows = static_cast<size_t>(w.count.num_splits * p.batch * p.num_heads * p.seqlen_q);
+  w.out_bytes = round_up_256(rows * static_cast<size_t>(p.head_dim_v) * sizeof(float));
+  w.lse_bytes = round_up_256(rows * sizeof(float));
+  return w;
+}
+
+// ---- Backward workspace: [delta: batch*heads*seqlen_q accumulation type]
+//                           [dq_accum: batch*heads*seqlen_q*head_dim float, flash path only]
 
 struct WorkspaceLayout {
   size_t delta_bytes = 0;
@@ -160,6 +225,20 @@ WorkspaceLayout workspace_layout(const AttentionBackwardParams& p) {
 }
 
 }  // namespace
+
+bool attention_preview_enabled() {
+  int value = g_preview.load(std::memory_order_relaxed);
+  if (value < 0) {
+    int unread = -1;
+    g_preview.compare_exchange_strong(unread, policy::preview_from_env(std::getenv(policy::kPreviewEnvVar)) ? 1 : 0);
+    value = g_preview.load(std::memory_order_relaxed);
+  }
+  return value == 1;
+}
+
+void set_attention_preview(bool enabled) {
+  g_preview.store(enabled ? 1 : 0, std::memory_order_relaxed);
+}
 
 const char* attention_params_error(const AttentionParams& p) {
   if (!valid_dtype(p.dtype)) {
@@ -183,6 +262,12 @@ const char* attention_params_error(const AttentionParams& p) {
     return "attention (CUDA): masks must be bool (one byte per element) or float16, bfloat16, "
            "float32 or float64";
   }
+  if (!policy::allowed(policy::needed_features(p), attention_preview_enabled())) {
+    return "attention (CUDA): grouped-query heads (num_heads_k < num_heads) and the bottom-right causal "
+           "alignment with seqlen_q != seqlen_k are not yet verified on a GPU in these kernels; set "
+           "ATTN_EXPORT_CUDA_PREVIEW=1 to run them, or expand key/value to every query head and pass the "
+           "causal diagonal as a mask (the PyTorch operator does this itself)";
+  }
   return nullptr;
 }
 
@@ -197,7 +282,31 @@ bool attention_uses_tensor_cores(const AttentionParams& p) {
       device_major() >= 8;
 }
 
-cudaError_t run_attention_forward(const AttentionParams& p, cudaStream_t stream) {
+size_t attention_forward_workspace_size(const AttentionParams& p) {
+  return forward_workspace(p, device_sm_count()).total();
+}
+
+size_t attention_forward_workspace_bound(const AttentionParams& p) {
+  // Whether or not the preview is on now: a host may size its workspace before the switch is
+  // read for the run (a TensorRT engine is built once and run later).
+  const int sm_count = device_sm_count();
+  const bool half = p.dtype == DataType::kFloat16 || p.dtype == DataType::kBFloat16;
+  if (!half || max_head_dim(p) > kMaxFlashHeadDim || sm_count <= 0 || p.batch <= 0 || p.num_heads <= 0 ||
+      p.seqlen_q <= 0) {
+    return 0;
+  }
+  // split_count gives chunks <= 2 * sm_count / programs + 1 with programs < sm_count, and each
+  // program covers at most kBlockM rows: chunks * rows < 3 * sm_count * kBlockM.
+  constexpr int kBlockM = FlashFwdTraits<kMaxFlashHeadDim>::kBlockM;
+  static_assert(FlashFwdTraits<kFlashHeadDims[0]>::kBlockM == kBlockM, "one kBlockM for every head dim");
+  const size_t by_sms = 3 * static_cast<size_t>(sm_count) * static_cast<size_t>(kBlockM);
+  const size_t by_shape = static_cast<size_t>(kMaxSplits * p.batch * p.num_heads * p.seqlen_q);
+  const size_t rows = std::min(by_sms, by_shape);
+  return round_up_256(rows * static_cast<size_t>(p.head_dim_v) * sizeof(float)) + round_up_256(rows * sizeof(float));
+}
+
+cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes,
+                                  cudaStream_t stream) {
   if (attention_params_error(p) != nullptr) {
     return cudaErrorInvalidValue;
   }
@@ -205,6 +314,16 @@ cudaError_t run_attention_forward(const AttentionParams& p, cudaStream_t stream)
     return cudaSuccess;
   }
   const bool flash = attention_uses_tensor_cores(p);
+  SplitKv split;
+  if (flash && workspace != nullptr) {
+    const ForwardWorkspace w = forward_workspace(p, device_sm_count());
+    if (w.count.num_splits > 1 && workspace_bytes >= w.total()) {
+      split.num_splits = w.count.num_splits;
+      split.blocks_per_split = w.count.blocks_per_split;
+      split.out_accum = static_cast<float*>(workspace);
+      split.lse_accum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + w.out_bytes);
+    }
+  }
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     return switch_generic_regs(max_head_dim(p), [&](auto regs) -> cudaError_t {
@@ -213,7 +332,7 @@ cudaError_t run_attention_forward(const AttentionParams& p, cudaStream_t stream)
         if (flash) {
           err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(p, stream);
+              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(p, split, stream);
             });
           });
         }
@@ -261,7 +380,15 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
           }
           return switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_bwd_<T, decltype(dim)::value, decltype(causal)::value>(p, dq_accum, delta, stream);
+              constexpr int kDim = decltype(dim)::value;
+              constexpr bool kCausal = decltype(causal)::value;
+              static_assert(kFlashBwdUnsplitHeadDim == 128, "the policy names head dim 128");
+              if constexpr (kDim == kFlashBwdUnsplitHeadDim) {
+                if (policy::flash_bwd_col_split_128(attention_preview_enabled()) == 1) {
+                  return run_flash_bwd_<T, kDim, kCausal, 1>(p, dq_accum, delta, stream);
+                }
+              }
+              return run_flash_bwd_<T, kDim, kCausal>(p, dq_accum, delta, stream);
             });
           });
         }

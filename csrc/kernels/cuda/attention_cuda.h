@@ -20,8 +20,17 @@
 namespace attn_export::cuda {
 
 // nullptr when the kernels accept `params`, otherwise a sentence saying why not
-// (unsupported dtype, head dim above kMaxHeadDim, grid limits, mask dtype).
+// (unsupported dtype, head dim above kMaxHeadDim, grid limits, mask dtype; without the preview
+// switch, grouped-query heads and a shifted causal diagonal, which wait for a GPU: see below).
 const char* attention_params_error(const AttentionParams& params);
+
+// The preview switch (dispatch_policy.h): whether the paths not yet verified on a GPU may run
+// (further flash head dims, grouped-query heads in the kernels, the bottom-right causal
+// alignment, split-KV decoding). Read once from ATTN_EXPORT_CUDA_PREVIEW ("1" = on) unless
+// set_attention_preview() was called; set_attention_preview overrides it for the process (tests,
+// hosts with their own configuration).
+bool attention_preview_enabled();
+void set_attention_preview(bool enabled);
 
 // The largest head_dim / head_dim_v the kernels handle (the generic path's register tiles).
 inline constexpr int kMaxHeadDim = 512;
@@ -34,9 +43,23 @@ inline constexpr int kMaxHeadDim = 512;
 // Everything else runs the generic kernels (same semantics, CUDA cores, any head dim).
 bool attention_uses_tensor_cores(const AttentionParams& params);
 
+// Bytes of scratch memory the forward can use for these params on the current device: the
+// split-KV partial results (split_kv.h) when the preview switch is on and the query tiles
+// cannot fill the GPU; 0 otherwise.
+size_t attention_forward_workspace_size(const AttentionParams& params);
+
+// An upper bound of attention_forward_workspace_size over every batch <= params.batch and
+// seqlen_q <= params.seqlen_q (any seqlen_k; same heads and head dims) on the current device,
+// with the preview switch on or off: what a host that sizes its workspace once for a range of
+// shapes, before the switch matters (a TensorRT plugin's getWorkspaceSize), reserves.
+size_t attention_forward_workspace_bound(const AttentionParams& params);
+
 // out, lse (and weights when params.weights != nullptr) from q, k, v and the masks.
-// Semantics are those documented in attention_params.h.
-cudaError_t run_attention_forward(const AttentionParams& params, cudaStream_t stream);
+// Semantics are those documented in attention_params.h. `workspace` (256-byte aligned,
+// `workspace_bytes` long, no zeroing needed) may be null: the forward then runs without
+// split-KV, as it also does whenever workspace_bytes < attention_forward_workspace_size(params).
+cudaError_t run_attention_forward(const AttentionParams& params, void* workspace, size_t workspace_bytes,
+                                  cudaStream_t stream);
 
 // Bytes of scratch memory run_attention_backward needs for these params (zero-initialization
 // is not required: the backward clears what it needs on `stream`).

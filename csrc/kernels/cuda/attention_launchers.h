@@ -8,13 +8,16 @@
 
 #include "../../attention_params.h"
 #include "kernel_traits.h"
+#include "split_kv.h"
 
 namespace attn_export::cuda {
 
+// split.num_splits > 1: split-KV (split_kv.h) into split's fp32 buffers, then the combine kernel.
 template <typename Element, int kHeadDim, bool kIsCausal>
-cudaError_t run_flash_fwd_(const AttentionParams& params, cudaStream_t stream);
+cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, cudaStream_t stream);
 
-template <typename Element, int kHeadDim, bool kIsCausal>
+// kColSplit: FlashBwdTraits's column split (kernel_traits.h); the default is the tiles' choice.
+template <typename Element, int kHeadDim, bool kIsCausal, int kColSplit = flash_bwd_col_split(kHeadDim)>
 cudaError_t run_flash_bwd_(const AttentionBackwardParams& params, float* dq_accum, const float* delta,
                            cudaStream_t stream);
 

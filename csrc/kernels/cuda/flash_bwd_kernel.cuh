@@ -289,10 +289,10 @@ __global__ void flash_bwd_dq_kernel(const AttentionBackwardParams params, const 
 // any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8. `dq_accum`
 // ([batch, heads, seqlen_q, head_dim] float, the problem's own head_dim) must be zeroed and `delta` ([batch, heads,
 // seqlen_q] float) computed, on `stream`, before this runs.
-template <typename Element, int kHeadDim, bool kIsCausal>
+template <typename Element, int kHeadDim, bool kIsCausal, int kColSplit>
 cudaError_t run_flash_bwd_(const AttentionBackwardParams& params, float* dq_accum, const float* delta,
                            cudaStream_t stream) {
-  using Traits = FlashBwdTraits<kHeadDim>;
+  using Traits = FlashBwdTraits<kHeadDim, kColSplit>;
   static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
   const dim3 grid(static_cast<unsigned>((params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN),
                   static_cast<unsigned>(params.num_heads), static_cast<unsigned>(params.batch));

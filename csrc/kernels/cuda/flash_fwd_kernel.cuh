@@ -17,6 +17,8 @@
 #include "element.cuh"
 #include "kernel_traits.h"
 #include "launch.h"
+#include "split_kv.h"
+#include "split_kv_combine.cuh"
 
 namespace attn_export::cuda {
 namespace device {
@@ -67,8 +69,29 @@ __device__ __forceinline__ void store_row(Element* row, const float (&acc)[kTile
   }
 }
 
-template <typename Traits, typename Element, bool kIsCausal>
-__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const AttentionParams params) {
+// Writes the chunk's partial result of one accumulator row (split-KV, split_kv.h): the output
+// normalized over the chunk (scaled by `inv`) in float32, columns below `cols` only, and (by
+// the quad's first thread) the chunk's log-sum-exp.
+template <int kTiles>
+__device__ __forceinline__ void store_partial_row(float* row, float* lse, const float (&acc)[kTiles][4], int r,
+                                                  float inv, float row_lse, int col_in_tile, int cols, int lane) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    if (t * 8 < cols) {
+      row[t * 8 + col_in_tile] = acc[t][2 * r] * inv;
+      row[t * 8 + col_in_tile + 1] = acc[t][2 * r + 1] * inv;
+    }
+  }
+  if (lane % 4 == 0) {
+    *lse = row_lse;
+  }
+}
+
+// The body of both forward kernels below. kSplit: this program covers key chunk
+// blockIdx.z % split.num_splits of batch row blockIdx.z / split.num_splits only, and writes a
+// partial result (split_kv.h) instead of out/lse.
+template <typename Traits, typename Element, bool kIsCausal, bool kSplit>
+__device__ __forceinline__ void flash_fwd_program(const AttentionParams& params, const SplitKv split) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int kD = Traits::kHeadDim, kBM = Traits::kBlockM, kBN = Traits::kBlockN;
   constexpr int kRS = Traits::kRowStride, kNT = Traits::kNThreads;
@@ -80,7 +103,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   Element* sV = sK + kBN * kRS;
 
   const int m0 = blockIdx.x * kBM;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t h = blockIdx.y;
+  const int64_t b = kSplit ? blockIdx.z / split.num_splits : blockIdx.z;
+  const int chunk = kSplit ? static_cast<int>(blockIdx.z % split.num_splits) : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int seqlen_q = static_cast<int>(params.seqlen_q), seqlen_k = static_cast<int>(params.seqlen_k);
   const int dim = static_cast<int>(params.head_dim), dim_v = static_cast<int>(params.head_dim_v);
@@ -94,18 +119,21 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   // m0 + kBM + shift: those tiles are skipped (all of them for a block of rows that see no key).
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
   const int key_end = kIsCausal ? imax(0, imin(seqlen_k, m0 + kBM + shift)) : seqlen_k;
-  const int n_blocks = (key_end + kBN - 1) / kBN;
+  const int n_blocks_all = (key_end + kBN - 1) / kBN;
+  // Without a split, tiles [0, n_blocks_all); with one, this chunk's share of them (maybe none).
+  const int n_begin = kSplit ? imin(n_blocks_all, chunk * split.blocks_per_split) : 0;
+  const int n_blocks = kSplit ? imin(n_blocks_all, n_begin + split.blocks_per_split) : n_blocks_all;
 
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
   // empty). "Wait until at most one group is pending" therefore always means "the tile about
   // to be used has landed" while the next one is still in flight.
   load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q, dim);
-  if (n_blocks > 0) {
-    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, 0, seqlen_k, dim);
+  if (n_blocks > n_begin) {
+    load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n_begin * kBN, seqlen_k, dim);
   }
   cp_async_commit();
-  if (n_blocks > 0) {
-    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, 0, seqlen_k, dim_v);
+  if (n_blocks > n_begin) {
+    load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n_begin * kBN, seqlen_k, dim_v);
   }
   cp_async_commit();
 
@@ -121,7 +149,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
   float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
   float row_sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
 
-  for (int n = 0; n < n_blocks; ++n) {
+  for (int n = n_begin; n < n_blocks; ++n) {
     const int n0 = n * kBN;
     cp_async_wait<1>();
     __syncthreads();  // Q and K(n) are in shared memory, for every thread
@@ -225,8 +253,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
 
   // Normalize and write O and the log-sum-exp (natural log: lse = max * ln 2 + ln(sum)).
   // A row with no visible key has sum 0: zero output and lse = -inf, as the CPU kernel.
+  const int64_t row0 = (b * params.num_heads + h) * params.seqlen_q;  // of this (batch, head) in lse
+  const int64_t chunk_row0 = kSplit ? chunk * params.batch * params.num_heads * params.seqlen_q + row0 : 0;
   Element* out = static_cast<Element*>(params.out) + b * params.out_batch_stride + h * params.out_head_stride;
-  float* lse = static_cast<float*>(params.lse) + (b * params.num_heads + h) * params.seqlen_q;
+  float* lse = static_cast<float*>(params.lse) + row0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
@@ -235,28 +265,58 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const Atte
     const int row = row_a + r * 8;
     const bool visible = sum > 0.f;
     const float inv = visible ? 1.f / sum : 0.f;
+    const float row_lse = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
     if (row < seqlen_q) {
-      store_row(out + row * params.out_row_stride + col_in_tile, acc_o, r, inv, 0, dim_v);
-      if (lane % 4 == 0) {
-        lse[row] = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
+      if constexpr (kSplit) {
+        const int64_t at = chunk_row0 + row;
+        store_partial_row(split.out_accum + at * dim_v, split.lse_accum + at, acc_o, r, inv, row_lse, col_in_tile,
+                          dim_v, lane);
+      } else {
+        store_row(out + row * params.out_row_stride + col_in_tile, acc_o, r, inv, 0, dim_v);
+        if (lane % 4 == 0) {
+          lse[row] = row_lse;
+        }
       }
     }
   }
 #endif
 }
 
+template <typename Traits, typename Element, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const AttentionParams params) {
+  flash_fwd_program<Traits, Element, kIsCausal, false>(params, SplitKv{});
+}
+
+// Split-KV. The minimum of one block per SM lets ptxas use the registers it needs: without it, it
+// capped the head-dim-128 program at 128 registers and spilled (the fp32 partial stores).
+template <typename Traits, typename Element, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_split_kernel(const AttentionParams params,
+                                                                              const SplitKv split) {
+  flash_fwd_program<Traits, Element, kIsCausal, true>(params, split);
+}
+
 }  // namespace device
 
 // Host launcher, instantiated per (dtype, compiled head dim, causal) in flash_fwd_hdim*.cu; it
 // runs any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8.
+// With split.num_splits > 1 it launches one program per key chunk too (grid z = batch * chunks),
+// then the combine kernel (split_kv_combine.cuh) that writes out and lse.
 template <typename Element, int kHeadDim, bool kIsCausal>
-cudaError_t run_flash_fwd_(const AttentionParams& params, cudaStream_t stream) {
+cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, cudaStream_t stream) {
   using Traits = FlashFwdTraits<kHeadDim>;
   static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
-  const dim3 grid(static_cast<unsigned>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM),
-                  static_cast<unsigned>(params.num_heads), static_cast<unsigned>(params.batch));
-  return launch_kernel(device::flash_fwd_kernel<Traits, Element, kIsCausal>, grid,
-                       dim3(Traits::kNThreads), Traits::template smem_bytes<Element>(), stream, params);
+  const unsigned q_tiles = static_cast<unsigned>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(params.num_heads), batch = static_cast<unsigned>(params.batch);
+  constexpr size_t kSmem = Traits::template smem_bytes<Element>();
+  if (split.num_splits <= 1) {
+    return launch_kernel(device::flash_fwd_kernel<Traits, Element, kIsCausal>, dim3(q_tiles, heads, batch),
+                         dim3(Traits::kNThreads), kSmem, stream, params);
+  }
+  const cudaError_t err =
+      launch_kernel(device::flash_fwd_split_kernel<Traits, Element, kIsCausal>,
+                    dim3(q_tiles, heads, batch * static_cast<unsigned>(split.num_splits)), dim3(Traits::kNThreads),
+                    kSmem, stream, params, split);
+  return err != cudaSuccess ? err : run_split_kv_combine<Element>(params, split, stream);
 }
 
 }  // namespace attn_export::cuda

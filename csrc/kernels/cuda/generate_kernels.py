@@ -28,6 +28,18 @@ def _flash_head_dims() -> list[int]:
 
 
 FLASH_HEAD_DIMS = _flash_head_dims()
+
+
+def _unsplit_backward_head_dim() -> int:
+    """kFlashBwdUnsplitHeadDim of kernel_traits.h: the head dim whose backward is compiled with
+    the column split (the tiles' choice) and without it (the tiling verified on a GPU)."""
+    found = re.search(r"kFlashBwdUnsplitHeadDim\s*=\s*(\d+)", (HERE / "kernel_traits.h").read_text())
+    if found is None:
+        raise SystemExit("kernel_traits.h declares no kFlashBwdUnsplitHeadDim = ...")
+    return int(found.group(1))
+
+
+UNSPLIT_BACKWARD_HEAD_DIM = _unsplit_backward_head_dim()
 GENERIC_DTYPES = [("fp16", "__half"), ("bf16", "__nv_bfloat16"), ("fp32", "float"), ("fp64", "double")]
 GENERIC_REGS = [2, 4, 8, 16]  # head dims up to 64, 128, 256, 512
 
@@ -37,24 +49,38 @@ HEADER = (
 )
 
 
+def _variants(direction: str, head_dim: int) -> list[tuple[str, str, str]]:
+    """(file-name tag, extra template argument, description) of one head dim's kernels: the
+    backward's column split is the tiles' choice, and at UNSPLIT_BACKWARD_HEAD_DIM also none."""
+    if direction == "fwd":
+        return [("", "", "")]
+    variants = [("", f", flash_bwd_col_split({head_dim})", "")]
+    if head_dim == UNSPLIT_BACKWARD_HEAD_DIM:
+        variants.append(("_unsplit", ", 1", ", no column split (the tiles verified on a GPU)"))
+    return variants
+
+
 def flash_files() -> dict[str, str]:
     files = {}
     for direction, word, header, signature in (
-        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, cudaStream_t"),
+        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, const SplitKv&, cudaStream_t"),
         ("bwd", "backward", "flash_bwd_kernel.cuh", "const AttentionBackwardParams&, float*, const float*, cudaStream_t"),
     ):
         for suffix, ctype in FLASH_DTYPES:
             for head_dim in FLASH_HEAD_DIMS:
-                for causal in (False, True):
-                    name = f"flash_{direction}_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
-                    what = f"Flash {word} kernel for {suffix}, head dim {head_dim}, {'causal' if causal else 'not causal'}."
-                    files[name] = (
-                        HEADER.format(what=what)
-                        + f'#include "../{header}"\n\n'
-                        + "namespace attn_export::cuda {\n\n"
-                        + f"template cudaError_t run_flash_{direction}_<{ctype}, {head_dim}, {'true' if causal else 'false'}>({signature});\n\n"
-                        + "}  // namespace attn_export::cuda\n"
-                    )
+                for tag, extra, note in _variants(direction, head_dim):
+                    for causal in (False, True):
+                        name = f"flash_{direction}_hdim{head_dim}_{suffix}{tag}{'_causal' if causal else ''}.cu"
+                        what = (f"Flash {word} kernel for {suffix}, head dim {head_dim}, "
+                                f"{'causal' if causal else 'not causal'}{note}.")
+                        args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}{extra}"
+                        files[name] = (
+                            HEADER.format(what=what)
+                            + f'#include "../{header}"\n\n'
+                            + "namespace attn_export::cuda {\n\n"
+                            + f"template cudaError_t run_flash_{direction}_<{args}>({signature});\n\n"
+                            + "}  // namespace attn_export::cuda\n"
+                        )
     return files
 
 

@@ -73,11 +73,20 @@ struct FlashFwdTraits {
 // the head dim of dK and dV is split over kColSplit warps that share the same 16 keys: each
 // recomputes their S^T and dP^T (the two products that reduce over the head dim, so 2 of the
 // 5 matrix products are done twice) and accumulates only its kHeadDim / kColSplit columns.
-template <int kHeadDim_>
+constexpr int flash_bwd_col_split(int head_dim) {
+  return head_dim <= 96 ? 1 : 2;
+}
+// The head dim whose backward is also compiled without the split (kColSplit 1: 4 warps, 64 keys
+// x 32 queries), the tiling verified on a GPU at f427ebe, which the dispatch runs unless the
+// preview switch is on (dispatch_policy.h). It spills a little, as it did there (now 20/16 B on
+// sm_80, 4/8 B on sm_90, not causal); the spill gate allows it up to f427ebe's 96 B, no other kernel any.
+inline constexpr int kFlashBwdUnsplitHeadDim = 128;
+
+template <int kHeadDim_, int kColSplit_ = flash_bwd_col_split(kHeadDim_)>
 struct FlashBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kKeyWarps = 4;
-  static constexpr int kColSplit = kHeadDim <= 96 ? 1 : 2;
+  static constexpr int kColSplit = kColSplit_;
   static constexpr int kNWarps = kKeyWarps * kColSplit;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockN = 16 * kKeyWarps;            // keys owned by a block

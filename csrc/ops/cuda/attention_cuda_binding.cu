@@ -5,7 +5,9 @@
 // input dtype, or an empty tensor.
 //
 // Unlike the CPU binding, float16/bfloat16 are not upcast: the kernels read them natively and
-// accumulate in float32 (tensor cores for head dims 32/64/128, CUDA cores otherwise).
+// accumulate in float32 (tensor cores for head dims 32/64/128, CUDA cores otherwise). Without the
+// preview switch (csrc/kernels/cuda/dispatch_policy.h) every call is first routed onto the paths
+// verified on a GPU (verified_route.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,6 +19,7 @@
 #include "../../attention_spec.h"
 #include "../../kernels/cuda/attention_cuda.h"
 #include "../attention_binding.h"
+#include "../verified_route.h"
 
 namespace attn_export::ops {
 namespace {
@@ -34,13 +37,27 @@ cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
 
+// The forward's scratch memory (split-KV partial results; empty when the dispatch needs none).
+at::Tensor forward_workspace(const AttentionParams& params, const at::Tensor& like) {
+  const auto bytes = static_cast<int64_t>(cuda::attention_forward_workspace_size(params));
+  return at::empty({bytes}, like.options().dtype(at::kByte));
+}
+
+void run_forward(const AttentionParams& params, const at::Tensor& like, cudaStream_t stream, const char* what) {
+  check_supported(params);
+  const at::Tensor workspace = forward_workspace(params, like);
+  check_launch(cuda::run_attention_forward(params, workspace.numel() > 0 ? workspace.data_ptr() : nullptr,
+                                           static_cast<size_t>(workspace.numel()), stream),
+               what);
+}
+
 ForwardResults attention_forward_cuda(const ForwardArgs& a) {
   const c10::cuda::CUDAGuard device_guard(a.query.device());
+  const ForwardArgs routed = verified_forward_args(a, cuda::attention_preview_enabled());
   // float16/bfloat16 stay as they are: the kernels read them natively.
   const AttentionForward forward =
-      prepare_attention_forward(a, a.query.scalar_type(), /*masks_in_compute_dtype=*/false);
-  check_supported(forward.params);
-  check_launch(cuda::run_attention_forward(forward.params, current_stream(a.query)), "attention forward");
+      prepare_attention_forward(routed, a.query.scalar_type(), /*masks_in_compute_dtype=*/false);
+  run_forward(forward.params, a.query, current_stream(a.query), "attention forward");
   return attention_forward_results(forward, a.query);
 }
 
@@ -48,10 +65,14 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const at::Tensor &grad_output = a.grad_output, &query = a.query, &key = a.key, &value = a.value;
   const at::Tensor& logsumexp = a.logsumexp;
   const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;
-  const std::optional<at::Tensor>&attn_mask = a.options.attn_mask, &key_padding_mask = a.options.key_padding_mask;
-  check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
+  check_attention_inputs(query, key, value, a.options.attn_mask, a.options.key_padding_mask);
   check_core_attributes(a.options);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
+  // The kernels' key/value and options (verified_route.h); key and value keep their own shapes
+  // for the gradients.
+  const KernelRoute route = verified_route(query, key, value, a.options, cuda::attention_preview_enabled());
+  const CoreOptions& options = route.options;
+  const std::optional<at::Tensor>&attn_mask = options.attn_mask, &key_padding_mask = options.key_padding_mask;
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = current_stream(query);
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
@@ -59,8 +80,8 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
 
   const at::Tensor q = kernel_operand(query);
-  const at::Tensor k = kernel_operand(key);
-  const at::Tensor v = kernel_operand(value);
+  const at::Tensor k = kernel_operand(route.key);
+  const at::Tensor v = kernel_operand(route.value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
   // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
@@ -78,9 +99,8 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
     out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward =
-        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, a.options);
-    check_supported(forward);
-    check_launch(cuda::run_attention_forward(forward, stream), "attention backward (recomputing the output)");
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, options);
+    run_forward(forward, query, stream, "attention backward (recomputing the output)");
   }
 
   std::optional<at::Tensor> gw;
@@ -92,7 +112,7 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   at::Tensor grad_k = empty_kernel_kv_grad(key, heads, query.options());
   at::Tensor grad_v = empty_kernel_kv_grad(value, heads, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, a.options),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
   at::Tensor workspace = at::empty(
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},

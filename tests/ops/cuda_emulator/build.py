@@ -86,7 +86,8 @@ def load(verbose: bool = False):
         + sorted(KERNELS.glob("*.h"))
         + sorted(HERE.glob("*.h"))
         + sorted(HERE.glob("*.cpp"))
-        + [CSRC / "attention_params.h", CSRC / "ops" / "attention_binding.h", CSRC / "ops" / "attention_binding.cpp"]
+        + [CSRC / "attention_params.h", CSRC / "ops" / "attention_binding.h", CSRC / "ops" / "attention_binding.cpp",
+           CSRC / "ops" / "verified_route.h", CSRC / "ops" / "verified_route.cpp"]
     )
     name = f"attn_export_emu_{_build_hash(inputs)}"
     build_dir = pathlib.Path(os.environ.get("ATTN_EXPORT_EMU_BUILD", pathlib.Path.home() / ".cache" / "attn_export_emu")) / name
@@ -109,7 +110,7 @@ def load(verbose: bool = False):
         sources.append(str(unit))
     sources += [str(HERE / f) for f in ("emulator_runtime.cpp", "emulator_ops.cpp", "emulator_selftest.cpp",
                                         "guarded_memory.cpp")]
-    sources.append(str(CSRC / "ops" / "attention_binding.cpp"))
+    sources += [str(CSRC / "ops" / "attention_binding.cpp"), str(CSRC / "ops" / "verified_route.cpp")]
 
     cflags = [
         "-std=c++20", "-O2", "-g0", "-pthread", "-fno-strict-aliasing",

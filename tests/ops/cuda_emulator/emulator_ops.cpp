@@ -1,9 +1,11 @@
 // Test-only operators that run the CUDA kernels under the SIMT emulator on CPU tensors:
-// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores}. They mirror the CUDA
+// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores, forward_workspace_size}. They mirror the CUDA
 // binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
 // stream; the forward's setup is the bindings' own (prepare_attention_forward). Every tensor
 // the kernels see lives in guarded memory (guarded_memory.h): the inputs are copied there first.
-// set_arch and set_cp_async_order choose the emulated device and the cp.async ordering.
+// set_arch and set_cp_async_order choose the emulated device and the cp.async ordering,
+// set_sm_count its number of SMs (which decides split-KV), set_preview the preview switch
+// (csrc/kernels/cuda/dispatch_policy.h; off unless ATTN_EXPORT_CUDA_PREVIEW=1, as on a GPU).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -14,6 +16,7 @@
 #include "guarded_memory_scope.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "ops/attention_binding.h"
+#include "ops/verified_route.h"
 #include "simt_emulator.h"
 
 namespace attn_export::ops {
@@ -41,6 +44,23 @@ std::optional<at::Tensor> guarded(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(guarded_memory::guarded_copy(*t)) : std::nullopt;
 }
 
+// Exactly `bytes` between guards, 256-byte aligned by the guarded allocator, and filled with
+// garbage: the kernels must not rely on a zeroed workspace.
+at::Tensor garbage_workspace(size_t bytes, const at::Tensor& like) {
+  at::Tensor workspace = at::full({static_cast<int64_t>(bytes)}, 0x7f, like.options().dtype(at::kByte));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 256 == 0, "workspace not 256-byte aligned");
+  return workspace;
+}
+
+// The forward as the CUDA binding runs it: with the workspace the dispatch asks for.
+void run_forward(const AttentionParams& params, const at::Tensor& like) {
+  const char* why = cuda::attention_params_error(params);
+  TORCH_CHECK(why == nullptr, why);
+  const size_t bytes = cuda::attention_forward_workspace_size(params);
+  const at::Tensor workspace = garbage_workspace(bytes, like);
+  check(cuda::run_attention_forward(params, bytes > 0 ? workspace.data_ptr() : nullptr, bytes, nullptr), params);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
@@ -49,10 +69,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   const at::Tensor query = guarded_memory::guarded_copy(query_in), key = guarded_memory::guarded_copy(key_in),
                    value = guarded_memory::guarded_copy(value_in);
   const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
-  const AttentionForward f = prepare_attention_forward(
+  const ForwardArgs routed = verified_forward_args(
       {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment}, need_weights},
-      query.scalar_type(), /*masks_in_compute_dtype=*/false);
-  check(cuda::run_attention_forward(f.params, nullptr), f.params);
+      cuda::attention_preview_enabled());
+  const AttentionForward f = prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
+  run_forward(f.params, query);
   call.finish();
   return attention_forward_results(f, query);
 }
@@ -68,24 +89,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                    key = guarded_copy(key_in), value = guarded_copy(value_in), logsumexp = guarded_copy(logsumexp_in);
   const auto grad_weights = guarded(grad_weights_in), attn_mask = guarded(attn_mask_in),
              key_padding_mask = guarded(key_padding_mask_in);
-  const CoreOptions options{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment};
+  const CoreOptions given{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment};
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
-  check_core_attributes(options);
+  check_core_attributes(given);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
+  const KernelRoute route = verified_route(query, key, value, given, cuda::attention_preview_enabled());
+  const CoreOptions& options = route.options;
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
-  const at::Tensor q = kernel_operand(query), k = kernel_operand(key), v = kernel_operand(value);
+  const at::Tensor q = kernel_operand(query), k = kernel_operand(route.key), v = kernel_operand(route.value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
-  const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k);
+  const auto mask4d = kernel_attn_mask(options.attn_mask, batch, heads, seqlen_q, seqlen_k);
 
   at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
   {
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward =
-        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, options);
-    check(cuda::run_attention_forward(forward, nullptr), forward);
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, options.key_padding_mask, options);
+    run_forward(forward, query);
   }
   std::optional<at::Tensor> gw;
   if (grad_weights.has_value() && grad_weights->defined()) {
@@ -96,15 +119,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor grad_k = empty_kernel_kv_grad(key_in, heads, query.options());
   at::Tensor grad_v = empty_kernel_kv_grad(value_in, heads, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, options.key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
-  // Exactly the size asked for, between guards, 256-byte aligned by the guarded allocator, and
-  // filled with garbage: the kernels must not rely on a zeroed workspace.
-  at::Tensor workspace = at::full(
-      {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))}, 0x7f, query.options().dtype(at::kByte));
-  void* aligned = workspace.data_ptr();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(aligned) % 256 == 0, "workspace not 256-byte aligned");
-  check(cuda::run_attention_backward(params, aligned, nullptr), params);
+  const at::Tensor workspace = garbage_workspace(cuda::attention_backward_workspace_size(params), query);
+  check(cuda::run_attention_backward(params, workspace.data_ptr(), nullptr), params);
   call.finish();
   return std::make_tuple(grad_q, kv_grad(grad_k, key_in), kv_grad(grad_v, value_in));
 }
@@ -116,6 +134,27 @@ bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at:
   return cuda::attention_uses_tensor_cores(
       make_attention_params(q, k, v, out, lse, std::nullopt, std::nullopt, std::nullopt, CoreOptions{}));
 }
+
+// Bytes of forward workspace (split-KV partial results) the dispatch asks for on these inputs,
+// as the CUDA binding routes them (0: no split).
+int64_t forward_workspace_size(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               bool is_causal, int64_t causal_alignment) {
+  CoreOptions options;
+  options.is_causal = is_causal;
+  options.causal_alignment = causal_alignment;
+  const ForwardArgs routed = verified_forward_args({query, key, value, options, false}, cuda::attention_preview_enabled());
+  const AttentionForward f = prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
+  return static_cast<int64_t>(cuda::attention_forward_workspace_size(f.params));
+}
+
+void set_sm_count(int64_t count) {
+  TORCH_CHECK(count > 0, "set_sm_count: ", count, "; use a positive count");
+  simt_emulator::sm_count = static_cast<int>(count);
+}
+
+void set_preview(bool enabled) { cuda::set_attention_preview(enabled); }
+
+bool preview_enabled() { return cuda::attention_preview_enabled(); }
 
 void set_arch(int64_t arch) {
   TORCH_CHECK(simt_emulator::select_arch(static_cast<int>(arch)), "set_arch: no emulated device sm_", arch,
@@ -141,6 +180,10 @@ TORCH_LIBRARY(attn_export_emu, m) {
         "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
         "float softcap=0.0, int causal_alignment=0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
+  m.def("forward_workspace_size(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
+  m.def("set_sm_count(int count) -> ()", &set_sm_count);
+  m.def("set_preview(bool enabled) -> ()", &set_preview);
+  m.def("preview_enabled() -> bool", &preview_enabled);
   m.def("set_arch(int arch) -> ()", &set_arch);
   m.def("set_cp_async_order(str order) -> ()", &set_cp_async_order);
   m.def("selftest(str name) -> str", &emulator_selftest);
@@ -154,6 +197,7 @@ TORCH_LIBRARY_IMPL(attn_export_emu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(attn_export_emu, CompositeExplicitAutograd, m) {
   m.impl("uses_tensor_cores", &uses_tensor_cores);
+  m.impl("forward_workspace_size", &forward_workspace_size);
 }
 
 }  // namespace attn_export::ops

@@ -22,6 +22,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(d.smem_optin); return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(simt_emulator::kDefaultSmemLimit); return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = static_cast<int>(simt_emulator::kMaxThreadsPerBlock); return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount: *value = simt_emulator::sm_count.load(); return cudaSuccess;
     default:
       simt_emulator::fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: attribute ", static_cast<int>(attr),
                           " is not emulated");

@@ -140,6 +140,9 @@ inline constexpr unsigned kMaxGridDim[3] = {2147483647u, 65535, 65535};
 inline constexpr size_t kDefaultSmemLimit = 48 * 1024;
 
 inline std::atomic<int> current_device{kDeviceCount - 1};
+// cudaDevAttrMultiProcessorCount of every emulated device (an H200's by default); tests change it
+// to steer split-KV (csrc/kernels/cuda/split_kv.h).
+inline std::atomic<int> sm_count{132};
 
 // Selects the device with compute capability major.minor = arch / 10, arch % 10; false if none.
 inline bool select_arch(int arch) {

@@ -4,6 +4,6 @@
 
 namespace attn_export::cuda {
 
-template cudaError_t run_flash_bwd_<__nv_bfloat16, 128, false>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
+template cudaError_t run_flash_bwd_<__nv_bfloat16, 128, false, flash_bwd_col_split(128)>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
 
 }  // namespace attn_export::cuda

@@ -4,6 +4,6 @@
 
 namespace attn_export::cuda {
 
-template cudaError_t run_flash_bwd_<__half, 192, true>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
+template cudaError_t run_flash_bwd_<__half, 192, true, flash_bwd_col_split(192)>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
 
 }  // namespace attn_export::cuda

@@ -4,6 +4,6 @@
 
 namespace attn_export::cuda {
 
-template cudaError_t run_flash_bwd_<__half, 32, false>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
+template cudaError_t run_flash_bwd_<__half, 32, false, flash_bwd_col_split(32)>(const AttentionBackwardParams&, float*, const float*, cudaStream_t);
 
 }  // namespace attn_export::cuda

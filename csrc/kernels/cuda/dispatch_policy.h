@@ -1,0 +1,85 @@
+// What the CUDA dispatch may run by default: only the paths measured on a GPU.
+//
+// The project's rule: GPU work that was not run on a GPU stays built and tested (the SIMT
+// emulator, tests/ops/cuda_emulator/) but undispatched, until a GPU session verifies it. The
+// verified set is what ran on an NVIDIA H200 at commit f427ebe (docs/cuda.md "Verification"):
+// the flash kernels at head_dim == head_dim_v in {32, 64, 128} (the backward at 128 with 4 warps,
+// no column split), every key/value head its own query head's, causality top-left only, one
+// program per query tile. Everything else the kernels can do (further head dims and padded ones,
+// grouped-query heads, the bottom-right causal alignment, split-KV decoding, the column-split
+// head-dim-128 backward) runs only with the preview switch on:
+//
+//     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
+//
+// Without it, the PyTorch binding reaches the same results through verified code (key/value
+// expanded to every query head, the bottom-right diagonal passed as a mask: csrc/ops/
+// verified_route.h), and the kernels' own entry points refuse the two features they cannot
+// route around without memory (attention_params_error).
+//
+// Pure host code over AttentionParams, so a test compiles it alone (tests/ops/test_dispatch_policy.py).
+#pragma once
+
+#include <cstdint>
+
+#include "../../attention_params.h"
+
+namespace attn_export::cuda::policy {
+
+inline constexpr const char kPreviewEnvVar[] = "ATTN_EXPORT_CUDA_PREVIEW";
+
+// The flash head dims verified on a GPU (each with head_dim_v equal to it).
+inline constexpr int kVerifiedFlashHeadDims[] = {32, 64, 128};
+
+// The paths that wait for a GPU, one bit each.
+enum PreviewFeature : unsigned {
+  kFlashHeadDim = 1u << 0,  // the flash kernels at any head dim pair but the verified ones
+  kGroupedQuery = 1u << 1,  // num_heads_k < num_heads read in place by the kernels
+  kBottomRight = 1u << 2,   // a nonzero causal shift in the kernels (bottom-right, seqlen_q != seqlen_k)
+  kSplitKv = 1u << 3,       // split-KV decoding: partial results per key chunk, then a combine kernel
+  kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
+};
+
+
+inline bool verified_flash_head_dims(int64_t head_dim, int64_t head_dim_v) {
+  if (head_dim != head_dim_v) {
+    return false;
+  }
+  for (int d : kVerifiedFlashHeadDims) {
+    if (head_dim == d) {
+      return true;
+    }
+  }
+  return false;
+}
+
+inline bool grouped_query(const AttentionParams& p) {
+  return p.num_heads_k > 0 && p.num_heads_k != p.num_heads;
+}
+
+inline bool shifted_causal(const AttentionParams& p) {
+  return p.is_causal && p.causal_shift() != 0;
+}
+
+// The features of the kernels these params need whatever path runs them (the flash head dims
+// and split-KV are choices of the dispatch, not needs of the problem).
+inline unsigned needed_features(const AttentionParams& p) {
+  return (grouped_query(p) ? kGroupedQuery : 0u) | (shifted_causal(p) ? kBottomRight : 0u);
+}
+
+// May the dispatch use `features`? Everything with the preview on; only what was verified without it.
+inline bool allowed(unsigned features, bool preview) {
+  return preview || features == 0;
+}
+
+// The column split of the flash backward at head dim 128 (kernel_traits.h): the tiles' choice
+// (2, no spills) with the preview; the tiles verified at f427ebe (1) without it.
+inline int flash_bwd_col_split_128(bool preview) {
+  return allowed(kBwdColumnSplit, preview) ? 2 : 1;
+}
+
+// The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.
+inline bool preview_from_env(const char* value) {
+  return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
+}  // namespace attn_export::cuda::policy

@@ -1,0 +1,70 @@
+#include "verified_route.h"
+
+#include <limits>
+
+#include "attention_binding.h"
+
+namespace attn_export::ops {
+namespace {
+
+// [B, Hkv, L, D] -> [B, H, L, D], query head h reading head h / (H / Hkv) as the kernels would.
+at::Tensor expand_heads(const at::Tensor& t, int64_t heads) {
+  const int64_t heads_k = t.size(1);
+  if (heads_k == heads) {
+    return t;
+  }
+  return t.unsqueeze(2).expand({t.size(0), heads_k, heads / heads_k, t.size(2), t.size(3)}).flatten(1, 2);
+}
+
+// The attention mask with the bottom-right causal diagonal merged in: true/-inf where key j is
+// past query i's diagonal, j > i + (Lk - Lq).
+at::Tensor with_bottom_right_diagonal(const std::optional<at::Tensor>& mask, int64_t seqlen_q, int64_t seqlen_k,
+                                      at::Device device) {
+  const auto index = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor rows = at::arange(seqlen_q, index).unsqueeze(1);
+  const at::Tensor cols = at::arange(seqlen_k, index).unsqueeze(0);
+  const at::Tensor hidden = cols > rows + (seqlen_k - seqlen_q);  // [Lq, Lk]
+  if (!mask.has_value() || !mask->defined()) {
+    return hidden;
+  }
+  if (mask->scalar_type() == at::kBool) {
+    return at::logical_or(*mask, hidden);
+  }
+  return at::where(hidden, at::scalar_tensor(-std::numeric_limits<double>::infinity(), mask->options()), *mask);
+}
+
+}  // namespace
+
+KernelRoute verified_route(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const CoreOptions& options, bool preview) {
+  KernelRoute route{key, value, options};
+  if (preview) {
+    return route;
+  }
+  const int64_t heads = query.size(1);
+  if (key.size(1) != heads && key.size(1) > 0 && heads % key.size(1) == 0) {
+    route.key = expand_heads(key, heads);
+    route.value = expand_heads(value, heads);
+  }
+  CoreOptions& o = route.options;
+  if (o.is_causal && o.causal_alignment == kCausalBottomRight) {
+    const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
+    if (seqlen_q == 1 && seqlen_k >= 1) {
+      o.is_causal = false;  // the one query row sees keys j <= Lk - 1: all of them
+    } else if (seqlen_q != seqlen_k) {
+      o.attn_mask = with_bottom_right_diagonal(o.attn_mask, seqlen_q, seqlen_k, query.device());
+      o.is_causal = false;
+    }
+    o.causal_alignment = kCausalTopLeft;
+  }
+  return route;
+}
+
+ForwardArgs verified_forward_args(const ForwardArgs& a, bool preview) {
+  check_attention_inputs(a.query, a.key, a.value, a.options.attn_mask, a.options.key_padding_mask);
+  check_core_attributes(a.options);
+  KernelRoute route = verified_route(a.query, a.key, a.value, a.options, preview);
+  return ForwardArgs{a.query, std::move(route.key), std::move(route.value), std::move(route.options), a.need_weights};
+}
+
+}  // namespace attn_export::ops

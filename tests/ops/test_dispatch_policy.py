@@ -1,0 +1,122 @@
+"""The CUDA dispatch policy (csrc/kernels/cuda/dispatch_policy.h) and the split-KV chunk count
+(split_kv.h), compiled alone with the host compiler and asked over a table of cases: without
+the preview switch, nothing beyond what ran on the H200 at commit f427ebe may be dispatched.
+
+The dispatch itself (attention_cuda.cu consulting the policy) is checked by running it under the
+SIMT emulator in tests/ops/test_cuda_split_kv.py (slow); this file is the fast tier's check.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CUDA_KERNELS = ROOT / "csrc" / "kernels" / "cuda"
+
+# What f427ebe's attention_cuda.cu dispatched to the flash kernels: head_dim == head_dim_v in
+# {32, 64, 128} (its switch_flash_head_dim), every key/value head its own query head's (no
+# num_heads_k), causality top-left only (no causal_alignment), one program per query tile, and
+# the head-dim-128 backward on 4 warps without a column split (its FlashBwdTraits).
+VERIFIED_FLASH_HEAD_DIMS = {32, 64, 128}
+
+PROGRAM = r"""
+#include <cstdio>
+#include "kernels/cuda/dispatch_policy.h"
+#include "kernels/cuda/split_kv.h"
+using namespace attn_export;
+using namespace attn_export::cuda;
+
+int main() {
+  std::printf("{\"flash\": [");
+  const char* sep = "";
+  for (int d = 8; d <= 256; d += 8) {
+    for (int dv = 8; dv <= 256; dv += 8) {
+      if (policy::verified_flash_head_dims(d, dv)) { std::printf("%s[%d, %d]", sep, d, dv); sep = ", "; }
+    }
+  }
+  std::printf("], \"features\": {");
+  AttentionParams p;
+  p.batch = 2; p.num_heads = 8; p.num_heads_k = 8; p.seqlen_q = 5; p.seqlen_k = 9; p.is_causal = true;
+  std::printf("\"mha\": %u, ", policy::needed_features(p));
+  p.num_heads_k = 0; std::printf("\"mha_unset\": %u, ", policy::needed_features(p));
+  p.num_heads_k = 2; std::printf("\"gqa\": %u, ", policy::needed_features(p));
+  p.num_heads_k = 8; p.causal_alignment = kCausalBottomRight; std::printf("\"bottom_right\": %u, ", policy::needed_features(p));
+  p.seqlen_k = 5; std::printf("\"bottom_right_square\": %u, ", policy::needed_features(p));
+  p.seqlen_k = 9; p.is_causal = false; std::printf("\"bottom_right_not_causal\": %u", policy::needed_features(p));
+  std::printf("}, \"allowed\": [%d, %d, %d, %d], ", policy::allowed(0, false), policy::allowed(policy::kGroupedQuery, false),
+              policy::allowed(policy::kSplitKv, false), policy::allowed(policy::kSplitKv | policy::kBottomRight, true));
+  std::printf("\"env\": [%d, %d, %d, %d, %d], ", policy::preview_from_env(nullptr), policy::preview_from_env("1"),
+              policy::preview_from_env("0"), policy::preview_from_env("10"), policy::preview_from_env(""));
+  std::printf("\"bwd_col_split_128\": [%d, %d], ", policy::flash_bwd_col_split_128(false),
+              policy::flash_bwd_col_split_128(true));
+  std::printf("\"env_var\": \"%s\", \"splits\": [", policy::kPreviewEnvVar);
+  const long long cases[][3] = {{2, 16, 2}, {2, 16, 3}, {2, 16, 8}, {2, 16, 132}, {132, 64, 132}, {1, 1, 132},
+                                {1, 3, 132}, {1, 4096, 132}, {4, 2, 132}, {0, 5, 132}};
+  sep = "";
+  for (const auto& c : cases) {
+    const SplitCount s = split_count(c[0], c[1], static_cast<int>(c[2]));
+    std::printf("%s[%lld, %lld, %lld, %d, %d]", sep, c[0], c[1], c[2], s.num_splits, s.blocks_per_split);
+    sep = ", ";
+  }
+  std::printf("]}\n");
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler")
+    folder = tmp_path_factory.mktemp("policy")
+    (folder / "policy.cpp").write_text(PROGRAM)
+    subprocess.run([compiler, "-std=c++17", "-O0", "-I", str(ROOT / "csrc"), str(folder / "policy.cpp"),
+                    "-o", str(folder / "policy")], check=True, capture_output=True, text=True)
+    return json.loads(subprocess.run([str(folder / "policy")], check=True, capture_output=True, text=True).stdout)
+
+
+def test_only_the_verified_flash_head_dims_run_by_default(policy):
+    assert {tuple(pair) for pair in policy["flash"]} == {(d, d) for d in VERIFIED_FLASH_HEAD_DIMS}
+
+
+def test_grouped_heads_and_a_shifted_diagonal_need_the_preview(policy):
+    f = policy["features"]
+    assert f["mha"] == 0 and f["mha_unset"] == 0 and f["bottom_right_square"] == 0 and f["bottom_right_not_causal"] == 0
+    assert f["gqa"] != 0 and f["bottom_right"] != 0 and f["gqa"] != f["bottom_right"]
+    assert policy["allowed"] == [1, 0, 0, 1]  # nothing but the verified set without the preview
+
+
+def test_the_head_dim_128_backward_keeps_the_verified_tiles(policy):
+    assert policy["bwd_col_split_128"] == [1, 2]
+
+
+def test_the_switch_is_on_for_1_only(policy):
+    assert policy["env_var"] == "ATTN_EXPORT_CUDA_PREVIEW"
+    assert policy["env"] == [0, 1, 0, 0, 0]
+
+
+def test_split_counts(policy):
+    """[programs, key tiles, SMs, chunks, tiles per chunk]: no split once the programs fill the
+    SMs or with fewer than 2 x 2 key tiles; otherwise about 2 programs per SM, no empty chunk."""
+    got = {tuple(c[:3]): tuple(c[3:]) for c in policy["splits"]}
+    assert got[(2, 16, 2)][0] == 1 and got[(132, 64, 132)][0] == 1 and got[(0, 5, 132)][0] == 1
+    assert got[(1, 1, 132)][0] == 1 and got[(1, 3, 132)][0] == 1
+    assert got[(2, 16, 3)] == (3, 6) and got[(2, 16, 8)] == (8, 2) and got[(2, 16, 132)] == (8, 2)
+    assert got[(1, 4096, 132)] == (128, 32)  # capped at kMaxSplits
+    assert got[(4, 2, 132)] == (1, 0)
+    for (programs, tiles, _), (chunks, per) in got.items():
+        if chunks > 1:
+            assert (chunks - 1) * per < tiles <= chunks * per, "every chunk holds at least one key tile"
+
+
+def test_the_dispatch_reads_the_policy():
+    """attention_cuda.cu routes every choice through the policy (a rename or a removed check fails here)."""
+    text = (CUDA_KERNELS / "attention_cuda.cu").read_text()
+    for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::needed_features(p)",
+                "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&",
+                "policy::flash_bwd_col_split_128(attention_preview_enabled())"):
+        assert use in text, use
