@@ -10,17 +10,22 @@ always does it, never does it, or selects it at run time from the calling node's
 The body, in the order it computes (each step one function below):
 
     q, k, v = Cast(query/key/value, float32)             not float32
-    k, v = repeat kv heads: Reshape(Expand(Reshape(x, [0, 0, Hkv, 1, -1]), [1, 1, 1, H/Hkv, 1]),
-                                    [0, 0, H, -1])  grouped-query (kv_num_heads < num_heads)
-    q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))
+    q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))     [B, H, Lq, D], [B, H, D, Lk], ...
+      grouped (Hkv = kv_num_heads or H, G = H / Hkv; K/V never repeated, read once):
+        q = Reshape(Transpose(Reshape(query, [0, 0, Hkv, G, -1]), [0, 2, 3, 1, 4]), [0, 0, -1, D])
+                                                         [B, Hkv, G*Lq, D]: one MatMul per kv head
+        kt, v = Transpose(Reshape(key/value, [0, 0, Hkv, -1]))           [B, Hkv, D, Lk], [B, Hkv, Lk, Dv]
     x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
     x = softcap * Tanh(x / softcap)                      soft-capping
     bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
         causal = Trilu(-inf [Lq, Lk], k = 1 + (bottom-right ? Lk - Lq : 0), upper=1)
-    ctx = MatMul(Softmax(x + bias), v)
+        grouped: x viewed [B, Hkv, G, Lq, Lk] (Reshape), the padding mask [B, 1, 1, 1, Lk], the
+        attn_mask's head axis split into (Hkv, G)
+    ctx = MatMul(Softmax(x + bias), v)                   grouped: viewed [B, Hkv, G, Lq, Dv]
     ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      rows the bias empties are 0 (a mask, or
                                                          bottom-right causal with Lq > Lk)
     output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
+                                                         grouped: perm [0, 3, 1, 2, 4]
 
 A new attribute is one step here (and, when lean bodies specialize on it, one field of the
 plan and of ``BodyVariant``).
