@@ -12,7 +12,7 @@ The body, in the order it computes (each step one function below):
     q, k, v = Cast(query/key/value, float32)             not float32
     q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))     [B, H, Lq, D], [B, H, D, Lk], ...
       grouped (Hkv = kv_num_heads or H, G = H / Hkv; K/V never repeated, read once):
-        q = Reshape(Transpose(Reshape(query, [0, 0, Hkv, G, -1]), [0, 2, 3, 1, 4]), [0, 0, -1, D])
+        q = Reshape(Transpose(Reshape(query, [0, 0, Hkv, G, -1]), [0, 2, 3, 1, 4]), [0, 0, G*Lq, -1])
                                                          [B, Hkv, G*Lq, D]: one MatMul per kv head
         kt, v = Transpose(Reshape(key/value, [0, 0, Hkv, -1]))           [B, Hkv, D, Lk], [B, Hkv, Lk, Dv]
     x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
@@ -146,7 +146,7 @@ def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
         scores = b.op("Add", groups.view(b, flat, "scores5") if groups else flat, bias, out="scores")
     probs = b.op("Softmax", scores, out="probs", axis=-1)
     if groups and bias is not None:
-        probs = b.op("Reshape", probs, b.op("Shape", flat, out="scores_flat_shape"), out="probs_flat")
+        probs = groups.flat(b, probs, "probs_flat")
     ctx = b.op("MatMul", probs, v, out="ctx_raw")
     if groups:
         ctx = groups.view(b, ctx, "ctx5")
@@ -201,6 +201,13 @@ class _Groups:
         return cls(b.op("Unsqueeze", kv, axis0, out="kv_heads1"),
                    b.op("Unsqueeze", b.op("Div", heads, kv, out="group_size"), axis0, out="group1"))
 
+    def flat(self, b: "_Body", x: str, out: str) -> str:
+        """[B, Hkv, G, Lq, N] -> [B, Hkv, G*Lq, N]."""
+        rows = b.once("Mul", self.group, _length(b, 0), out="group_rows")
+        shape = b.once("Concat", b.const("zero2", [0, 0]), rows, b.const("minus1", [-1]), out="group_flat_shape",
+                       axis=0)
+        return b.op("Reshape", x, shape, out=out)
+
     def view(self, b: "_Body", x: str, out: str) -> str:
         """[B, Hkv, G*Lq, N] -> [B, Hkv, G, Lq, N]."""
         shape = b.once("Concat", b.const("zero2", [0, 0]), self.group, _length(b, 0), b.const("minus1", [-1]),
@@ -216,10 +223,9 @@ def _split_grouped_heads(b: _Body, query: str, key: str, value: str, unread: Lis
     empty = [b.op("Shape", name, out=f"{name}_no_dims", start=0, end=0) for name in unread]
     q_shape = b.op("Concat", zero2, groups.kv_heads, groups.group, minus1, *empty, out="q_split_shape", axis=0)
     q5 = b.op("Transpose", b.op("Reshape", query, q_shape, out="q5"), out="q5t", perm=[0, 2, 3, 1, 4])
-    rows = b.op("Concat", zero2, minus1, b.op("Shape", q5, out="head_dim", start=4), out="q_rows_shape", axis=0)
     kv_shape = b.op("Concat", zero2, groups.kv_heads, minus1, out="kv_split_shape", axis=0)
     k4, v4 = (b.op("Reshape", x, kv_shape, out=out) for x, out in ((key, "k4"), (value, "v4")))
-    return (b.op("Reshape", q5, rows, out="q"), b.op("Transpose", k4, out="kt", perm=[0, 2, 3, 1]),
+    return (groups.flat(b, q5, "q"), b.op("Transpose", k4, out="kt", perm=[0, 2, 3, 1]),
             b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
 
 
