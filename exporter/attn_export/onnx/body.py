@@ -191,7 +191,7 @@ class _Groups:
     group: str  # [1]: G = H / Hkv
 
     @classmethod
-    def of(cls, b: "_Body") -> "_Groups":
+    def of(cls, b: _Body) -> "_Groups":
         s = _spec.load()
         heads = b.attribute(s.attr_num_heads, INT64, out="heads_q")
         kv_attr = b.attribute(s.attr_kv_num_heads, INT64, out="kv_heads_attr")
@@ -201,14 +201,14 @@ class _Groups:
         return cls(b.op("Unsqueeze", kv, axis0, out="kv_heads1"),
                    b.op("Unsqueeze", b.op("Div", heads, kv, out="group_size"), axis0, out="group1"))
 
-    def flat(self, b: "_Body", x: str, out: str) -> str:
+    def flat(self, b: _Body, x: str, out: str) -> str:
         """[B, Hkv, G, Lq, N] -> [B, Hkv, G*Lq, N]."""
         rows = b.once("Mul", self.group, _length(b, 0), out="group_rows")
         shape = b.once("Concat", b.const("zero2", [0, 0]), rows, b.const("minus1", [-1]), out="group_flat_shape",
                        axis=0)
         return b.op("Reshape", x, shape, out=out)
 
-    def view(self, b: "_Body", x: str, out: str) -> str:
+    def view(self, b: _Body, x: str, out: str) -> str:
         """[B, Hkv, G*Lq, N] -> [B, Hkv, G, Lq, N]."""
         shape = b.once("Concat", b.const("zero2", [0, 0]), self.group, _length(b, 0), b.const("minus1", [-1]),
                        out="group_view_shape", axis=0)
