@@ -1,11 +1,12 @@
 """Token-by-token generation on ONNX Runtime (CPU): prefill latency and decode latency per token
 at a given context, the stock cached export (benchmarks/stock_cached.py: torch.onnx of the
-unmodified model with its cache) against attn-export's cached export (``--ours``, the same
-contract) and attn-export's cache-less export, which recomputes the whole prefix for every new
-token (docs/benchmarks.md, "Decoding with the cache").
+unmodified model with its cache) against attn-export's cached export (``with_past=True``, the
+same contract; exported here unless ``--ours FILE`` gives one) and attn-export's cache-less
+export, which recomputes the whole prefix for every new token (docs/benchmarks.md, "Decoding
+with the cache").
 
-    python -m benchmarks.decode --contexts 128,1024 --markdown benchmarks/results/decode.md \\
-        --json benchmarks/results/decode.json [--ours llama_cached.onnx]
+    python -m benchmarks.decode --contexts 128,1024,4096 --markdown benchmarks/results/decode.md \\
+        --json benchmarks/results/decode.json [--ours llama_cached.onnx | --no-ours]
 
 The model is a Llama-style decoder with grouped-query attention, random weights (seeded): hidden
 256, 4 layers, 8 query heads over 2 key/value heads (head dim 32), MLP 688, vocabulary 2048.
@@ -61,6 +62,15 @@ def export_cacheless(model, path: Path) -> Path:
 
     ids = torch.randint(1, model.config.vocab_size, (2, 16))
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
+    return path
+
+
+def export_ours(model, path: Path) -> Path:
+    """attn-export's cached export (``with_past=True``: the stock export's names and layouts)."""
+    from attn_export.onnx import export_onnx
+
+    ids = torch.randint(1, model.config.vocab_size, (2, 16))
+    export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True)
     return path
 
 
@@ -160,16 +170,19 @@ def markdown(results: List[Timing], command: str, facts: Dict[str, str], threads
 
 
 def prepare_files(work: Path, ours: Optional[Path], cacheless: Optional[Path], no_cacheless: bool, seed: int,
-                  progress: Callable[[str], None]) -> Dict[str, Path]:
-    """The ONNX files: the stock cached export (always written here), ours as given, the
-    cache-less export as given or written here."""
+                  progress: Callable[[str], None], no_ours: bool = False) -> Dict[str, Path]:
+    """The ONNX files: the stock cached export (always written here), ours and the cache-less
+    export as given or written here."""
     from benchmarks.stock_cached import export_stock_cached
 
     model = bench_model(seed)
     files = {STOCK: work / "stock_cached.onnx"}
     progress("exporting the stock cached model (torch.onnx)")
     export_stock_cached(model, files[STOCK])
-    if ours is not None:
+    if not no_ours:
+        if ours is None:
+            progress("exporting attn-export's cached model")
+            ours = export_ours(model, work / "ours_cached.onnx")
         files[OURS] = ours
     if not no_cacheless:
         if cacheless is None:
@@ -186,7 +199,9 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated, e.g. 128,1024,4096")
-    parser.add_argument("--ours", type=Path, help="attn-export's cached export of the same model (--seed)")
+    parser.add_argument("--ours", type=Path, help="attn-export's cached export of the same model (--seed; "
+                        "default: exported here)")
+    parser.add_argument("--no-ours", action="store_true", help="leave attn-export's cached export out")
     parser.add_argument("--cacheless", type=Path, help="attn-export's cache-less export (default: exported here)")
     parser.add_argument("--no-cacheless", action="store_true", help="leave the cache-less export out")
     parser.add_argument("--threads", type=int, default=2)
@@ -201,7 +216,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        files = prepare_files(work, args.ours, args.cacheless, args.no_cacheless, args.seed, say)
+        files = prepare_files(work, args.ours, args.cacheless, args.no_cacheless, args.seed, say, args.no_ours)
         contexts = [int(c) for c in args.contexts.split(",")]
         results = run_benchmark(files, contexts, threads=args.threads, rounds=args.rounds,
                                 min_run_time=args.min_run_time, progress=say)

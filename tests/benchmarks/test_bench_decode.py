@@ -1,6 +1,7 @@
 """The decode benchmark (benchmarks/decode.py) times what it says: its decode call continues its
-prefill through the cache (the same next-token logits as the cache-less export fed the whole
-prefix, and as PyTorch), and its table's ratios are to the stock export."""
+prefill through the cache (the stock cached export's and ours: the same next-token logits as the
+cache-less export fed the whole prefix, and as PyTorch), and its table's ratios are to the stock
+export."""
 import numpy as np
 import pytest
 import torch
@@ -24,14 +25,16 @@ def test_table_gives_ratios_to_the_stock_export():
     assert "2 intra-op thread(s)" in text and "`python -m benchmarks.decode`" in text
 
 
-@pytest.mark.slow  # two exports of the tiny Llama (~15 s)
+@pytest.mark.slow  # three exports of the tiny Llama (~25 s)
 def test_decode_call_continues_the_prefill(tmp_path):
     model = tiny_llama()
     stock = tmp_path / "stock.onnx"
     export_stock_cached(model, stock)
     plain = decode.export_cacheless(model, tmp_path / "plain.onnx")
+    ours = decode.export_ours(model, tmp_path / "ours.onnx")
     context = 9
     cached_logits = decode.calls(onnx_session(stock, 1), True, context)["decode"]()[0]
+    ours_logits = decode.calls(onnx_session(ours, 1), True, context)["decode"]()[0]
     plain_logits = decode.calls(onnx_session(plain, 1), False, context)["decode"]()[0]
     assert cached_logits.shape == (1, 1, model.config.vocab_size)
     assert plain_logits.shape == (1, context + 1, model.config.vocab_size)
@@ -39,5 +42,6 @@ def test_decode_call_continues_the_prefill(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=torch.from_numpy(prompt)).logits[0, -1].double()
     scale = float(expected.abs().max())
-    for got in (cached_logits[0, -1], plain_logits[0, -1]):
+    assert ours_logits.shape == cached_logits.shape
+    for got in (cached_logits[0, -1], ours_logits[0, -1], plain_logits[0, -1]):
         assert float((torch.from_numpy(got).double() - expected).abs().max()) <= 1e-5 * scale

@@ -78,7 +78,8 @@ def one_node_model(function, attrs, elem):
 
 def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_alignment=0):
     """Inputs rounded to T (so the graph's Cast to T is exact), masks with a fully masked row:
-    batch 1 sees only its first two keys; head 1, query 2 sees none (attn mask)."""
+    batch 1 sees only its first two keys; head 1, query 2 (query 0 when Lq = 1) sees
+    none (attn mask)."""
     is_causal, kpm, mask, softcap = flags
     rng = np.random.default_rng(seed)
 
@@ -95,7 +96,7 @@ def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_ali
     attn = np.zeros((1, 1, 1, 1), np.float32)
     if mask:
         attn = rng.standard_normal((1, heads, lq, lk)).astype(np.float32)
-        attn[0, 1, 2] = -np.inf
+        attn[0, 1, min(2, lq - 1)] = -np.inf
     feeds.update({S.input_names[3]: padding, S.input_names[4]: attn})
     attrs = onnx_node.node_attributes(heads, 0.45, is_causal, kpm, mask, softcap=1.5 if softcap else 0.0,
                                       causal_alignment=causal_alignment, kv_num_heads=kv_heads)
@@ -167,9 +168,9 @@ def test_the_generic_body_selects_causal_and_softcap_from_the_attributes():
 
 # (heads, kv_heads): one key/value head per query head, two groups of two, one shared (multi-query).
 GROUPINGS = [(3, 3), (4, 2), (4, 1)]
-# (Lq, Lk): a decoder's chunk over a longer cache, and more queries than keys (bottom-right leaves
-# the first Lq - Lk queries without a key).
-LENGTHS = [(5, 7), (7, 4)]
+# (Lq, Lk): a decoder's chunk over a longer cache, more queries than keys (bottom-right leaves
+# the first Lq - Lk queries without a key), and one decode step (one query over the cache).
+LENGTHS = [(5, 7), (7, 4), (1, 6)]
 GQA_FLAGS = [(causal, kpm, mask, False) for causal, kpm, mask in itertools.product([False, True], repeat=3)]
 
 
@@ -215,10 +216,29 @@ def test_lean_bodies_group_and_align_only_when_their_node_does():
         function = onnx_node.lean_function_proto(OPSET, variant)
         ops = [n.op_type for n in function.node]
         refs = {a.ref_attr_name for n in function.node for a in n.attribute if a.ref_attr_name}
-        assert ("Expand" in ops) == grouped and (S.attr_kv_num_heads in refs) == grouped
+        assert "Expand" not in ops and (S.attr_kv_num_heads in refs) == grouped  # K/V never repeated
         assert ("Sub" in ops) == bottom_right and ("IsInf" in ops) == bottom_right  # Lq > Lk may empty a row
         assert S.attr_causal_alignment not in refs  # fixed by the variant, not read at run time
         assert variant.name == "f32_causal" + "_br" * bottom_right + "_gqa" * grouped
+
+
+@pytest.mark.parametrize("flags", GQA_FLAGS, ids=map(flag_id, GQA_FLAGS))
+def test_a_grouped_body_reads_key_and_value_once(flags):
+    """Key and value go through one Reshape and one Transpose each, straight into their MatMul:
+    no Expand, Tile or Concat copies a key/value head for its group, whatever the masks."""
+    causal, kpm, mask, _ = flags
+    variant = onnx_node.BodyVariant(causal, kpm, mask, False, True, bottom_right=causal, grouped=True)
+    nodes = onnx_node.lean_function_proto(OPSET, variant).node
+    consumers = {}
+    for n in nodes:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    for name in S.input_names[1:3]:
+        (reshape,) = [n for n in consumers[name] if n.op_type != "Shape"]
+        (transpose,) = consumers[reshape.output[0]]
+        (matmul,) = consumers[transpose.output[0]]
+        assert (reshape.op_type, transpose.op_type, matmul.op_type) == ("Reshape", "Transpose", "MatMul")
+    assert not {"Expand", "Tile"} & {n.op_type for n in nodes}
 
 
 def test_a_body_refuses_a_value_name_twice():

@@ -10,17 +10,22 @@ always does it, never does it, or selects it at run time from the calling node's
 The body, in the order it computes (each step one function below):
 
     q, k, v = Cast(query/key/value, float32)             not float32
-    k, v = repeat kv heads: Reshape(Expand(Reshape(x, [0, 0, Hkv, 1, -1]), [1, 1, 1, H/Hkv, 1]),
-                                    [0, 0, H, -1])  grouped-query (kv_num_heads < num_heads)
-    q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))
+    q, kt, v = split heads: Transpose(Reshape(x, [0, 0, H, -1]))     [B, H, Lq, D], [B, H, D, Lk], ...
+      grouped (Hkv = kv_num_heads or H, G = H / Hkv; K/V never repeated, read once):
+        q = Reshape(Transpose(Reshape(query, [0, 0, Hkv, G, -1]), [0, 2, 3, 1, 4]), [0, 0, G*Lq, -1])
+                                                         [B, Hkv, G*Lq, D]: one MatMul per kv head
+        kt, v = Transpose(Reshape(key/value, [0, 0, Hkv, -1]))           [B, Hkv, D, Lk], [B, Hkv, Lk, Dv]
     x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
     x = softcap * Tanh(x / softcap)                      soft-capping
     bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
         causal = Trilu(-inf [Lq, Lk], k = 1 + (bottom-right ? Lk - Lq : 0), upper=1)
-    ctx = MatMul(Softmax(x + bias), v)
+        grouped: x viewed [B, Hkv, G, Lq, Lk] (Reshape), the padding mask [B, 1, 1, 1, Lk], the
+        attn_mask's head axis split into (Hkv, G)
+    ctx = MatMul(Softmax(x + bias), v)                   grouped: viewed [B, Hkv, G, Lq, Dv]
     ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      rows the bias empties are 0 (a mask, or
                                                          bottom-right causal with Lq > Lk)
     output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
+                                                         grouped: perm [0, 3, 1, 2, 4]
 
 A new attribute is one step here (and, when lean bodies specialize on it, one field of the
 plan and of ``BodyVariant``).
@@ -95,6 +100,11 @@ class _Body:
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attributes))
         return out
 
+    def once(self, op_type: str, *inputs: str, out: str, **attributes) -> str:
+        """op(), or ``out`` itself when an earlier once() made it: one node for a value that
+        several steps read."""
+        return out if out in self._outputs else self.op(op_type, *inputs, out=out, **attributes)
+
     def const(self, name: str, value) -> str:
         """A Constant: a list is 1-D, a number 0-D; ints are int64, floats float32. A value
         asked for again is the first one's output."""
@@ -125,19 +135,24 @@ def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
     query, key, value = _in_float32(b, plan.float32)
     unread = [name for name, read in ((s.input_names[3], plan.key_padding_mask), (s.input_names[4], plan.attn_mask))
               if not read]
-    if plan.grouped:
-        key, value = _repeat_kv_heads(b, key, value)
-    q, kt, v = _split_heads(b, query, key, value, unread)
+    groups = _Groups.of(b) if plan.grouped else None
+    q, kt, v = (_split_grouped_heads(b, query, key, value, unread, groups) if groups
+                else _split_heads(b, query, key, value, unread))
     scores = b.op("MatMul", b.op("Mul", q, b.attribute(s.attr_scale, FLOAT, out="scale"), out="q_scaled"), kt,
                   out="scaled")
-    scores = _soft_cap(b, scores, plan.softcap)
-    bias = _bias(b, plan)
+    scores = flat = _soft_cap(b, scores, plan.softcap)
+    bias = _bias(b, plan, groups)
     if bias is not None:
-        scores = b.op("Add", scores, bias, out="scores")
-    ctx = b.op("MatMul", b.op("Softmax", scores, out="probs", axis=-1), v, out="ctx_raw")
+        scores = b.op("Add", groups.view(b, flat, "scores5") if groups else flat, bias, out="scores")
+    probs = b.op("Softmax", scores, out="probs", axis=-1)
+    if groups and bias is not None:
+        probs = groups.flat(b, probs, "probs_flat")
+    ctx = b.op("MatMul", probs, v, out="ctx_raw")
+    if groups:
+        ctx = groups.view(b, ctx, "ctx5")
     if plan.guards_dead_rows:
         ctx = _zero_dead_rows(b, ctx, bias)
-    _merge_heads(b, ctx, plan.float32)
+    _merge_heads(b, ctx, plan.float32, grouped=groups is not None)
     return b.nodes
 
 
@@ -164,22 +179,72 @@ def _split_heads(b: _Body, query: str, key: str, value: str, unread: List[str]) 
             b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
 
 
-def _repeat_kv_heads(b: _Body, key: str, value: str) -> Tuple[str, str]:
-    """[B, Lk, Hkv*D] -> [B, Lk, Hkv, H/Hkv, D]: key/value head g repeated for the H/Hkv query
-    heads of its group (query head h reads g = h // (H/Hkv)), which the head split then reads
-    as [B, Lk, H, D]. kv_num_heads 0 (absent) is num_heads: a group of one."""
+@dataclass(frozen=True)
+class _Groups:
+    """Grouped-query heads without repeating key/value: query head h = g * G + j (G = H / Hkv)
+    is row j of key/value head g's group, so q is viewed as [B, Hkv, G*Lq, D] and one MatMul
+    per key/value head serves its whole group (K and V are read once, never expanded). Scores
+    and context are viewed [B, Hkv, G, Lq, .] (a Reshape, no copy) where the masks, which are
+    per query, are added."""
+
+    kv_heads: str  # [1]: Hkv (kv_num_heads, or num_heads when 0)
+    group: str  # [1]: G = H / Hkv
+
+    @classmethod
+    def of(cls, b: _Body) -> "_Groups":
+        s = _spec.load()
+        heads = b.attribute(s.attr_num_heads, INT64, out="heads_q")
+        kv_attr = b.attribute(s.attr_kv_num_heads, INT64, out="kv_heads_attr")
+        kv = b.op("Where", b.op("Equal", kv_attr, b.const("zero_i", 0), out="kv_heads_unset"), heads, kv_attr,
+                  out="kv_heads")
+        axis0 = b.const("axis0", [0])
+        return cls(b.op("Unsqueeze", kv, axis0, out="kv_heads1"),
+                   b.op("Unsqueeze", b.op("Div", heads, kv, out="group_size"), axis0, out="group1"))
+
+    def flat(self, b: _Body, x: str, out: str) -> str:
+        """[B, Hkv, G, Lq, N] -> [B, Hkv, G*Lq, N]."""
+        rows = b.once("Mul", self.group, _length(b, 0), out="group_rows")
+        shape = b.once("Concat", b.const("zero2", [0, 0]), rows, b.const("minus1", [-1]), out="group_flat_shape",
+                       axis=0)
+        return b.op("Reshape", x, shape, out=out)
+
+    def view(self, b: _Body, x: str, out: str) -> str:
+        """[B, Hkv, G*Lq, N] -> [B, Hkv, G, Lq, N]."""
+        shape = b.once("Concat", b.const("zero2", [0, 0]), self.group, _length(b, 0), b.const("minus1", [-1]),
+                       out="group_view_shape", axis=0)
+        return b.op("Reshape", x, shape, out=out)
+
+
+def _split_grouped_heads(b: _Body, query: str, key: str, value: str, unread: List[str],
+                         groups: _Groups) -> Tuple[str, str, str]:
+    """q [B, Hkv, G*Lq, D] (query [B, Lq, Hkv*G*D] through [B, Hkv, G, Lq, D]), kt [B, Hkv, D, Lk],
+    v [B, Hkv, Lk, Dv]; ``unread`` joins a shape as in :func:`_split_heads`."""
+    zero2, minus1 = b.const("zero2", [0, 0]), b.const("minus1", [-1])
+    empty = [b.op("Shape", name, out=f"{name}_no_dims", start=0, end=0) for name in unread]
+    q_shape = b.op("Concat", zero2, groups.kv_heads, groups.group, minus1, *empty, out="q_split_shape", axis=0)
+    q5 = b.op("Transpose", b.op("Reshape", query, q_shape, out="q5"), out="q5t", perm=[0, 2, 3, 1, 4])
+    kv_shape = b.op("Concat", zero2, groups.kv_heads, minus1, out="kv_split_shape", axis=0)
+    k4, v4 = (b.op("Reshape", x, kv_shape, out=out) for x, out in ((key, "k4"), (value, "v4")))
+    return (groups.flat(b, q5, "q"), b.op("Transpose", k4, out="kt", perm=[0, 2, 3, 1]),
+            b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
+
+
+def _length(b: _Body, which: int) -> str:
+    """[1]: Lq (``which`` 0, from query) or Lk (1, from key), one Shape node for every reader."""
     s = _spec.load()
-    heads = b.attribute(s.attr_num_heads, INT64, out="heads_q")
-    kv_attr = b.attribute(s.attr_kv_num_heads, INT64, out="kv_heads_attr")
-    kv = b.op("Where", b.op("Equal", kv_attr, b.const("zero_i", 0), out="kv_heads_unset"), heads, kv_attr,
-              out="kv_heads")
-    axis0 = b.const("axis0", [0])
-    group = b.op("Unsqueeze", b.op("Div", heads, kv, out="group_size"), axis0, out="group1")
-    kv_shape = b.op("Concat", b.const("zero2", [0, 0]), b.op("Unsqueeze", kv, axis0, out="kv_heads1"),
-                    b.const("one_minus1", [1, -1]), out="kv_split_shape", axis=0)
-    repeat = b.op("Concat", b.const("ones3", [1, 1, 1]), group, b.const("one1", [1]), out="group_shape", axis=0)
-    return tuple(b.op("Expand", b.op("Reshape", x, kv_shape, out=f"{x}_kv5"), repeat, out=f"{x}_grouped")
-                 for x in (key, value))
+    return b.once("Shape", s.input_names[which], out=("lq", "lk")[which], start=1, end=2)
+
+
+def _grouped_attn_mask(b: _Body, groups: _Groups) -> str:
+    """attn_mask [B|1, H|1, Lq|1, Lk|1] viewed [B|1, Hkv|1, G|1, Lq|1, Lk|1], as the grouped
+    scores: a head axis H splits into (Hkv, G) (Min(H, G) = G), a broadcast 1 into (1, 1)."""
+    mask = _spec.load().input_names[4]
+    mask_heads = b.op("Shape", mask, out="mask_heads", start=1, end=2)
+    mask_group = b.op("Min", mask_heads, groups.group, out="mask_group")
+    shape = b.op("Concat", b.op("Shape", mask, out="mask_batch", start=0, end=1),
+                 b.op("Div", mask_heads, mask_group, out="mask_kv_heads"), mask_group,
+                 b.op("Shape", mask, out="mask_qk", start=2, end=4), out="mask_group_shape", axis=0)
+    return b.op("Reshape", mask, shape, out="attn_mask5")
 
 
 def _soft_cap(b: _Body, scores: str, when: When) -> str:
@@ -200,14 +265,17 @@ def _capped(b: _Body, scores: str, cap: str) -> str:
     return b.op("Mul", b.op("Tanh", over, out="tanh_scaled"), cap, out="capped")
 
 
-def _bias(b: _Body, plan: BodyPlan) -> Optional[str]:
-    """The sum of the additive terms the plan has (None: no term, no Add at all)."""
+def _bias(b: _Body, plan: BodyPlan, groups: Optional[_Groups]) -> Optional[str]:
+    """The sum of the additive terms the plan has (None: no term, no Add at all), shaped for the
+    scores: [B, H, Lq, Lk], or [B, Hkv, G, Lq, Lk] grouped (each term broadcast from its own
+    smaller shape: a padding mask stays [B, 1, 1, (1,) Lk])."""
     s = _spec.load()
     terms = []
     if plan.key_padding_mask:
-        terms.append(b.op("Unsqueeze", s.input_names[3], b.const("axes12", [1, 2]), out="kpm4"))
+        axes = b.const("axes123", [1, 2, 3]) if groups else b.const("axes12", [1, 2])
+        terms.append(b.op("Unsqueeze", s.input_names[3], axes, out="kpm4"))
     if plan.attn_mask:
-        terms.append(s.input_names[4])
+        terms.append(_grouped_attn_mask(b, groups) if groups else s.input_names[4])
     if plan.causal is not When.NEVER:
         terms.append(_causal_bias(b, plan.causal, plan.bottom_right))
     bias = terms[0] if terms else None
@@ -220,8 +288,7 @@ def _causal_bias(b: _Body, when: When, bottom_right: When) -> str:
     """[Lq, Lk]: -inf strictly above the diagonal, 0 elsewhere: key j > query i (top-left) or
     j > i + Lk - Lq (bottom-right, from the run-time lengths)."""
     s = _spec.load()
-    lq = b.op("Shape", s.input_names[0], out="lq", start=1, end=2)
-    lk = b.op("Shape", s.input_names[1], out="lk", start=1, end=2)
+    lq, lk = _length(b, 0), _length(b, 1)
     all_inf = b.op("ConstantOfShape", b.op("Concat", lq, lk, out="qk_shape", axis=0), out="all_inf",
                    value=helper.make_tensor("neg_inf", FLOAT, [1], [-math.inf]))
     # Trilu's k is a 0-D tensor in the operator's spec (ONNX Runtime also takes [1]; others need not).
@@ -254,11 +321,12 @@ def _zero_dead_rows(b: _Body, ctx: str, bias: str) -> str:
     return b.op("Where", dead, b.const("zero_f", 0.0), ctx, out="ctx")
 
 
-def _merge_heads(b: _Body, ctx: str, float32: bool) -> None:
-    """[B, H, Lq, Dv] -> the output [B, Lq, H*Dv], in T."""
+def _merge_heads(b: _Body, ctx: str, float32: bool, grouped: bool) -> None:
+    """[B, H, Lq, Dv] (grouped: [B, Hkv, G, Lq, Dv]) -> the output [B, Lq, H*Dv], in T."""
     s = _spec.load()
     (output,) = s.output_names
-    merged = b.op("Reshape", b.op("Transpose", ctx, out="ctx_t", perm=[0, 2, 1, 3]),
+    perm = [0, 3, 1, 2, 4] if grouped else [0, 2, 1, 3]
+    merged = b.op("Reshape", b.op("Transpose", ctx, out="ctx_t", perm=perm),
                   b.const("merge_shape", [0, 0, -1]), out=output if float32 else "ctx32")
     if not float32:
         b.op("CastLike", merged, s.input_names[0], out=output)
