@@ -109,6 +109,9 @@ struct AttentionParams {
 
   double scale = 1.0;  // multiplies q.k before the masks are added
   bool is_causal = false;
+  // Set by the CUDA dispatch only (never by a binding): the flash kernels skip the key tiles the
+  // key-padding mask pads entirely (kernels/cuda/key_tile_range.cuh).
+  bool skip_padded_key_tiles = false;
   ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, causal_alignment, ...
 
   // The key/value head query head h reads.

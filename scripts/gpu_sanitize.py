@@ -13,7 +13,8 @@ Lengths 67 and 131 leave partial query and key tiles on every path; the cases co
 kernels (float16/bfloat16, head dims 32/64/96/128/192/256, causal or not, masks; 80 and 160
 padded to the next compiled size), the generic kernels (float32, float64, a head dim off the
 tensor-core list, a value head dim unlike the key's), grouped-query heads, the bottom-right causal
-alignment, split-KV decoding (one query row over 2053 keys), the weights kernel and the backward of
+alignment, split-KV decoding (one query row over 2053 keys), key tiles skipped for left and right
+padding and a batch row with no key (preview), the weights kernel and the backward of
 each. Only the kernels' memory behaviour is checked here; the numbers are the tests' job.
 
 The paths not yet verified on a GPU (docs/cuda.md "Preview") run only with ATTN_EXPORT_CUDA_PREVIEW=1,
@@ -37,8 +38,9 @@ import attn_export
 ops = torch.ops.attn_export
 
 # (dtype, head dim, value head dim, causal, spec): spec is "" or a '+'-joined subset of the masks
-# padding, bool, float, and of gqa (4 query heads on 2 key/value heads), bottom_right (the causal
-# alignment), decode (one query row over 2053 keys: split-KV under the preview switch).
+# padding, skip (left and right padding), nokeys (a batch row all padded), bool, float, and of gqa
+# (4 query heads on 2 key/value heads), bottom_right (the causal alignment), decode (one query row
+# over 2053 keys: split-KV under the preview switch).
 CASES = [
     *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
       for causal in (False, True)],
@@ -56,6 +58,12 @@ CASES = [
     (torch.float32, 64, 64, True, "gqa+bottom_right"),
     (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
     (torch.float16, 64, 64, False, "padding+decode"),
+    # Key tiles skipped under the preview switch (key_tile_range.cuh): right and left padding whose
+    # whole tiles the kernels never load, a batch row with every key padded, split-KV over them.
+    (torch.float16, 64, 64, False, "skip"),
+    (torch.bfloat16, 128, 128, True, "skip+gqa+bottom_right"),
+    (torch.float16, 64, 64, False, "skip+decode"),
+    (torch.float16, 128, 128, False, "nokeys"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -67,6 +75,7 @@ QUICK = [
     (torch.float16, 36, 36, False, ""),
     (torch.float16, 64, 64, True, "gqa+bottom_right"),
     (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
+    (torch.float16, 64, 64, False, "skip"),
 ]
 assert all(case in CASES for case in QUICK)
 
@@ -76,6 +85,15 @@ def masks_for(spec, B, Lq, Lk, dtype, device):
     if "padding" in spec:
         padding = torch.zeros(B, Lk, dtype=torch.bool, device=device)
         padding[0, Lk // 2:] = True
+        masks["key_padding_mask"] = padding
+    if "skip" in spec:  # row 0 right-padded, row 1 left-padded: whole key tiles of each skipped
+        padding = torch.zeros(B, Lk, dtype=torch.bool, device=device)
+        padding[0, Lk // 3:] = True
+        padding[1, : 2 * Lk // 3] = True
+        masks["key_padding_mask"] = padding
+    if "nokeys" in spec:  # row 1 sees no key: every tile skipped, zero output and gradients
+        padding = torch.zeros(B, Lk, dtype=torch.bool, device=device)
+        padding[1:] = True
         masks["key_padding_mask"] = padding
     if "bool" in spec:
         masks["attn_mask"] = torch.rand(Lq, Lk, device=device) < 0.2

@@ -53,6 +53,12 @@ int main() {
               policy::preview_from_env("0"), policy::preview_from_env("10"), policy::preview_from_env(""));
   std::printf("\"bwd_col_split_128\": [%d, %d], ", policy::flash_bwd_col_split_128(false),
               policy::flash_bwd_col_split_128(true));
+  AttentionParams padded;
+  const unsigned char pad_row[1] = {1};
+  std::printf("\"skip_tiles\": [%d, %d, ", policy::skip_padded_key_tiles(padded, false),
+              policy::skip_padded_key_tiles(padded, true));
+  padded.key_padding_mask.ptr = pad_row; padded.key_padding_mask.kind = MaskKind::kBool;
+  std::printf("%d, %d], ", policy::skip_padded_key_tiles(padded, false), policy::skip_padded_key_tiles(padded, true));
   std::printf("\"env_var\": \"%s\", \"splits\": [", policy::kPreviewEnvVar);
   const long long cases[][3] = {{2, 16, 2}, {2, 16, 3}, {2, 16, 8}, {2, 16, 132}, {132, 64, 132}, {1, 1, 132},
                                 {1, 3, 132}, {1, 4096, 132}, {4, 2, 132}, {0, 5, 132}};
@@ -94,6 +100,12 @@ def test_the_head_dim_128_backward_keeps_the_verified_tiles(policy):
     assert policy["bwd_col_split_128"] == [1, 2]
 
 
+def test_padded_key_tiles_are_skipped_with_the_preview_only(policy):
+    """[no mask, preview off], [no mask, on], [key-padding mask, off], [mask, on]: computing and
+    masking the padded tiles is what ran at f427ebe; skipping them waits for a GPU."""
+    assert policy["skip_tiles"] == [0, 0, 0, 1]
+
+
 def test_the_switch_is_on_for_1_only(policy):
     assert policy["env_var"] == "ATTN_EXPORT_CUDA_PREVIEW"
     assert policy["env"] == [0, 1, 0, 0, 0]
@@ -118,5 +130,6 @@ def test_the_dispatch_reads_the_policy():
     text = (CUDA_KERNELS / "attention_cuda.cu").read_text()
     for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::needed_features(p)",
                 "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&",
-                "policy::flash_bwd_col_split_128(attention_preview_enabled())"):
+                "policy::flash_bwd_col_split_128(attention_preview_enabled())",
+                "policy::skip_padded_key_tiles(p, attention_preview_enabled())"):
         assert use in text, use

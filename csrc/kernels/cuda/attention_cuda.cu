@@ -324,6 +324,8 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
       split.lse_accum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + w.out_bytes);
     }
   }
+  AttentionParams flash_params = p;
+  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     return switch_generic_regs(max_head_dim(p), [&](auto regs) -> cudaError_t {
@@ -332,7 +334,7 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
         if (flash) {
           err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(p, split, stream);
+              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, stream);
             });
           });
         }
@@ -361,6 +363,8 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
   }
   const bool flash = flash_backward(p);
   const WorkspaceLayout layout = workspace_layout(p);
+  AttentionBackwardParams flash_params = p;
+  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     using Acc = acc_t<T>;
@@ -385,10 +389,10 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
               static_assert(kFlashBwdUnsplitHeadDim == 128, "the policy names head dim 128");
               if constexpr (kDim == kFlashBwdUnsplitHeadDim) {
                 if (policy::flash_bwd_col_split_128(attention_preview_enabled()) == 1) {
-                  return run_flash_bwd_<T, kDim, kCausal, 1>(p, dq_accum, delta, stream);
+                  return run_flash_bwd_<T, kDim, kCausal, 1>(flash_params, dq_accum, delta, stream);
                 }
               }
-              return run_flash_bwd_<T, kDim, kCausal>(p, dq_accum, delta, stream);
+              return run_flash_bwd_<T, kDim, kCausal>(flash_params, dq_accum, delta, stream);
             });
           });
         }

@@ -7,7 +7,7 @@
 // no column split), every key/value head its own query head's, causality top-left only, one
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
 // grouped-query heads, the bottom-right causal alignment, split-KV decoding, the column-split
-// head-dim-128 backward) runs only with the preview switch on:
+// head-dim-128 backward, skipping fully padded key tiles) runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
@@ -37,6 +37,7 @@ enum PreviewFeature : unsigned {
   kBottomRight = 1u << 2,   // a nonzero causal shift in the kernels (bottom-right, seqlen_q != seqlen_k)
   kSplitKv = 1u << 3,       // split-KV decoding: partial results per key chunk, then a combine kernel
   kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
+  kKeyTileSkip = 1u << 5,     // the flash kernels skip the key tiles a key-padding mask pads entirely
 };
 
 
@@ -75,6 +76,12 @@ inline bool allowed(unsigned features, bool preview) {
 // (2, no spills) with the preview; the tiles verified at f427ebe (1) without it.
 inline int flash_bwd_col_split_128(bool preview) {
   return allowed(kBwdColumnSplit, preview) ? 2 : 1;
+}
+
+// Whether the flash kernels skip the key tiles a key-padding mask pads entirely (key_tile_range.cuh):
+// with the preview; without it they compute and mask those tiles, as verified at f427ebe.
+inline bool skip_padded_key_tiles(const AttentionParams& p, bool preview) {
+  return allowed(kKeyTileSkip, preview) && p.key_padding_mask.present();
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.

@@ -22,6 +22,7 @@
 #include "element.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "kernel_traits.h"
+#include "key_tile_range.cuh"
 #include "launch.h"
 
 namespace attn_export::cuda {
@@ -75,6 +76,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
   const int m_begin = kIsCausal ? imax(0, n0 - shift) / kBM : 0;
   const int m_blocks = (seqlen_q + kBM - 1) / kBM;
+  // A block whose keys the padding mask pads entirely: dK = dV = 0, and nothing for dQ (sK is free yet).
+  const KeyTiles own = key_tile_range<kBN, kNT>(params, b, n0 / kBN, n0 / kBN + 1, reinterpret_cast<int*>(sK));
 
   // Query block m into buffer `buf`: Q and dO by cp.async; lse (log2 domain) and delta by
   // plain loads. A row without any visible key (lse = -inf), and the padding rows of a
@@ -101,7 +104,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   float acc_dk[kDTiles][4] = {};
   float acc_dv[kDTiles][4] = {};
 
-  if (m_begin < m_blocks) {  // else no query sees these keys: dK = dV = 0
+  if (m_begin < m_blocks && own.begin < own.end) {  // else no query sees these keys: dK = dV = 0
     load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n0, seqlen_k, dim);
     load_tile_async<kBN, kD, kRS, kNT>(sV, v, params.v_row_stride, n0, seqlen_k, dim_v);
     load_query_block(m_begin, 0);

@@ -16,6 +16,7 @@
 #include "device_primitives.cuh"
 #include "element.cuh"
 #include "kernel_traits.h"
+#include "key_tile_range.cuh"
 #include "launch.h"
 #include "split_kv.h"
 #include "split_kv_combine.cuh"
@@ -120,9 +121,12 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
   const int key_end = kIsCausal ? imax(0, imin(seqlen_k, m0 + kBM + shift)) : seqlen_k;
   const int n_blocks_all = (key_end + kBN - 1) / kBN;
-  // Without a split, tiles [0, n_blocks_all); with one, this chunk's share of them (maybe none).
-  const int n_begin = kSplit ? imin(n_blocks_all, chunk * split.blocks_per_split) : 0;
-  const int n_blocks = kSplit ? imin(n_blocks_all, n_begin + split.blocks_per_split) : n_blocks_all;
+  // Without a split, tiles [0, n_blocks_all); with one, this chunk's share of them (maybe none);
+  // either clamped to the tiles holding a key the padding mask leaves visible (sK is free yet).
+  const int chunk_begin = kSplit ? imin(n_blocks_all, chunk * split.blocks_per_split) : 0;
+  const int chunk_end = kSplit ? imin(n_blocks_all, chunk_begin + split.blocks_per_split) : n_blocks_all;
+  const KeyTiles tiles = key_tile_range<kBN, kNT>(params, b, chunk_begin, chunk_end, reinterpret_cast<int*>(sK));
+  const int n_begin = tiles.begin, n_blocks = tiles.end;
 
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
   // empty). "Wait until at most one group is pending" therefore always means "the tile about

@@ -6,7 +6,7 @@
 //
 // What it models, each from the CUDA programming guide / PTX ISA definition:
 //   threadIdx/blockIdx/blockDim/gridDim; __syncthreads (a barrier over the block's threads);
-//   __shfl_xor_sync (a warp-wide exchange); atomicAdd (std::atomic_ref);
+//   __shfl_xor_sync (a warp-wide exchange); atomicAdd, atomicMin/Max on int (std::atomic_ref);
 //   mma.sync.m16n8k16 (f16/bf16 -> f32) and ldmatrix.x4 (.trans) from the PTX ISA's fragment
 //   tables (see mma_16816 and ldmatrix_x4_impl below), not from the kernels' comments;
 //   cp.async with commit/wait groups, under one of two orderings (set_cp_async_order):
@@ -488,6 +488,21 @@ inline float atomicAdd(float* address, float value) {
 }
 inline double atomicAdd(double* address, double value) {
   return std::atomic_ref<double>(*address).fetch_add(value);
+}
+// atomicMin / atomicMax on int (any address space): the old value, as CUDA's.
+inline int atomicMin(int* address, int value) {
+  std::atomic_ref<int> word(*address);
+  int old = word.load();
+  while (value < old && !word.compare_exchange_weak(old, value)) {
+  }
+  return old;
+}
+inline int atomicMax(int* address, int value) {
+  std::atomic_ref<int> word(*address);
+  int old = word.load();
+  while (value > old && !word.compare_exchange_weak(old, value)) {
+  }
+  return old;
 }
 
 // The primitives of csrc/kernels/cuda/device_primitives.cuh.
