@@ -176,7 +176,8 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
     cp_async_commit();
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
-    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift);
+    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
+        mask.window_reaches(m0 + kBM - 1, n0);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
