@@ -123,9 +123,11 @@ struct ScoreMask {
   // kernels, whose scores are kept in the log2 domain.
   Acc mask_scale = 1;
 
-  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask)
+  // with_window false: the caller applies the window itself (the flash kernels read it from the
+  // kernel parameters, so that it holds no registers in their tight loops: flash_window_hides).
+  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask, bool with_window = true)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()),
-        window(p.is_causal ? p.window : 0), mask_scale(scale_of_mask) {
+        window(with_window && p.is_causal ? p.window : 0), mask_scale(scale_of_mask) {
     if (mask_present(p.attn_mask)) {
       attn = p.attn_mask.ptr;
       attn_kind = p.attn_mask.kind;
@@ -181,5 +183,12 @@ struct ScoreMask {
     return s;
   }
 };
+
+// Whether the sliding window hides key col from query row (any key up to col from some query up
+// to row, with row a tile's last query and col its first key): the flash kernels' window, read
+// from the kernel parameters at each use. shift: the kernel's causal shift.
+__device__ __forceinline__ bool flash_window_hides(const AttentionParams& p, int row, int col, int shift) {
+  return p.window > 0 && col <= row + shift - p.window;
+}
 
 }  // namespace attn_export::cuda::device
