@@ -42,9 +42,17 @@
 //     to (-softcap, softcap); the backward multiplies dS by 1 - tanh^2(x / softcap).
 //   causal_alignment: where the causal diagonal sits when is_causal (kCausalTopLeft = 0: query i
 //     sees keys j <= i; kCausalBottomRight = 1: j <= i + seqlen_k - seqlen_q). Ignored otherwise.
+//   window: sliding-window causal attention (Mistral, Gemma 2's local layers, Qwen2 with
+//     use_sliding_window). 0 = no window (the default); w > 0, which requires is_causal (the
+//     bindings refuse it otherwise), lets query i see only the last w keys up to its causal
+//     diagonal: causal_key_begin(i) <= j < causal_key_end(i), with causal_key_begin(i) =
+//     i + 1 + causal_shift() - w (clamped). In absolute positions under a KV cache (bottom-right,
+//     query position p = i + seqlen_k - seqlen_q) that is transformers' sliding_window_overlay,
+//     kv > p - w. A window that reaches the first key (w >= i + 1 + shift) changes nothing.
 #define ATTN_EXPORT_TRAILING_ATTRIBUTES(X) \
   X(double, softcap, 0.0)                  \
-  X(int64_t, causal_alignment, 0)
+  X(int64_t, causal_alignment, 0)          \
+  X(int64_t, window, 0)
 
 // The list expanded into members with their defaults (AttentionParams, ops/core_args.h's CoreOptions).
 #define ATTN_EXPORT_ATTRIBUTE_FIELD(type, name, default_value) type name = default_value;
@@ -112,7 +120,7 @@ struct AttentionParams {
   // Set by the CUDA dispatch only (never by a binding): the flash kernels skip the key tiles the
   // key-padding mask pads entirely (kernels/cuda/key_tile_range.cuh).
   bool skip_padded_key_tiles = false;
-  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, causal_alignment, ...
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, causal_alignment, window
 
   // The key/value head query head h reads.
   ATTN_EXPORT_HOST_DEVICE int64_t kv_head(int64_t h) const {
@@ -126,6 +134,15 @@ struct AttentionParams {
   ATTN_EXPORT_HOST_DEVICE int64_t causal_key_end(int64_t i) const {
     const int64_t end = i + 1 + causal_shift();
     return end < 0 ? 0 : (end > seqlen_k ? seqlen_k : end);
+  }
+  // Under is_causal, query i sees keys [causal_key_begin(i), causal_key_end(i)): 0 without a
+  // window, else the first of the last `window` keys up to the diagonal (clamped to [0, seqlen_k]).
+  ATTN_EXPORT_HOST_DEVICE int64_t causal_key_begin(int64_t i) const {
+    if (window <= 0) {
+      return 0;
+    }
+    const int64_t begin = i + 1 + causal_shift() - window;
+    return begin < 0 ? 0 : (begin > seqlen_k ? seqlen_k : begin);
   }
 };
 

@@ -8,7 +8,8 @@
 //
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump
 // kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute; version
-// 3 added kv_num_heads (grouped-query attention) and causal_alignment (bottom-right causal).
+// 3 added kv_num_heads (grouped-query attention) and causal_alignment (bottom-right causal);
+// version 4 added window (sliding-window causal attention).
 //
 // ---------------------------------------------------------------------------------------------
 // The node: the attention core, heads packed, token-major (no transposes in the graph; the
@@ -33,6 +34,10 @@
 //                                                  (logit soft-capping, Gemma 2 / Grok style)
 //     s[b,h,i,j] = c[b,h,i,j] + key_padding_mask[b,j] + attn_mask[b,h,i,j]
 //                  + (is_causal && j > i + a ? -inf : 0)        (causal mask)
+//                  + (is_causal && window > 0 && j <= i + a - window ? -inf : 0)
+//                                                  (sliding window: the last `window` keys up
+//                                                  to the causal diagonal, as transformers'
+//                                                  sliding_window_overlay kv > q - window)
 //     a          = causal_alignment == 1 ? Lk - Lq : 0
 //                  (0: top-left, query i sees keys j <= i; 1: bottom-right, j <= i + Lk - Lq,
 //                  the last query sees every key: a decoder step over a KV cache)
@@ -69,13 +74,13 @@ namespace attn_export::spec {
 
 // ONNX identity of the node and of its model-local function (same domain and name).
 inline constexpr const char* kOnnxDomain = "attn_export";
-inline constexpr int kOnnxDomainVersion = 3;
+inline constexpr int kOnnxDomainVersion = 4;
 inline constexpr const char* kOpType = "FusedAttention";
 
 // TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
 // attributes plugin_version / plugin_namespace, which the exporter writes on every node.
 inline constexpr const char* kPluginName = "FusedAttention";
-inline constexpr const char* kPluginVersion = "3";
+inline constexpr const char* kPluginVersion = "4";
 inline constexpr const char* kPluginNamespace = "";
 
 // Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
@@ -88,6 +93,7 @@ inline constexpr const char* kAttrHasAttnMask = "has_attn_mask";             // 
 inline constexpr const char* kAttrSoftcap = "softcap";                       // FLOAT >= 0, 0 = off
 inline constexpr const char* kAttrCausalAlignment = "causal_alignment";     // INT   0 top-left | 1 bottom-right
 inline constexpr const char* kAttrKvNumHeads = "kv_num_heads";              // INT   Hkv | 0 = num_heads
+inline constexpr const char* kAttrWindow = "window";                         // INT   >= 0, 0 = no window
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
@@ -113,8 +119,8 @@ struct Attribute {
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
 // itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
 // on every node, so a node always names this version).
-inline constexpr int kNumAttributes = 10;
-inline constexpr int kNumPluginFields = 8;
+inline constexpr int kNumAttributes = 11;
+inline constexpr int kNumPluginFields = 9;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
     {kAttrScale, kAttrTypeFloat, true, 0, 0.0, ""},
@@ -124,6 +130,7 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrSoftcap, kAttrTypeFloat, false, 0, 0.0, ""},
     {kAttrCausalAlignment, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrKvNumHeads, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrWindow, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
@@ -144,11 +151,12 @@ struct AttributeRange {
   const char* meaning;
 };
 
-inline constexpr int kNumAttributeRanges = 2;
+inline constexpr int kNumAttributeRanges = 3;
 inline constexpr AttributeRange kAttributeRanges[kNumAttributeRanges] = {
     {kAttrSoftcap, 0.0, false, 0.0, "0 = off"},
     {kAttrCausalAlignment, 0.0, true, 1.0,
      "0 = top-left: query i sees keys j <= i; 1 = bottom-right: keys j <= i + Lk - Lq"},
+    {kAttrWindow, 0.0, false, 0.0, "0 = no window; w > 0 = each query sees its last w keys up to the causal diagonal"},
 };
 
 // Element types: the values of ONNX's TensorProto.DataType, with the names the exporter and
@@ -211,9 +219,11 @@ inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_mult
 // when softcap > 0 (logit soft-capping, Gemma 2 / Grok), the identity when softcap = 0.
 // is_causal hides keys j > i + shift from query i: shift 0 when causal_alignment = 0
 // (top-left), Lk - Lq when 1 (bottom-right, the KV-cache case; PyTorch's causal_lower_right).
+// window > 0 (only with is_causal) also hides keys j <= i + shift - window: a sliding window of
+// the last `window` keys up to the diagonal (Mistral, Gemma 2's local layers); 0 = no window.
 inline constexpr const char* kSchemaAttention =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0) -> Tensor";
+    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0, int window=0) -> Tensor";
 
 // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and the
 // attention probabilities when need_weights is set (an empty tensor otherwise). The backward
@@ -221,12 +231,12 @@ inline constexpr const char* kSchemaAttention =
 // kernels ignore what they do not need and recompute what is not given.
 inline constexpr const char* kSchemaAttentionForward =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0) "
+    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0) "
     "-> (Tensor output, Tensor logsumexp, Tensor weights)";
 inline constexpr const char* kSchemaAttentionBackward =
     "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
     "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-    "Tensor? output=None, float softcap=0.0, int causal_alignment=0) "
+    "Tensor? output=None, float softcap=0.0, int causal_alignment=0, int window=0) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
 
 // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention, output

@@ -94,7 +94,7 @@ def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.fl
 
 
 def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                        dtype=torch.float64, softcap=None, causal_alignment=0):
+                        dtype=torch.float64, softcap=None, causal_alignment=0, window=0):
     """softmax(cap(scale q k^T) + masks) v written from the definition, computed the plain way in
     `dtype` (float64: the exact reference; the inputs' dtype: the plain same-precision
     computation), on the inputs' device, with nn.MultiheadAttention's mask conventions (bool
@@ -102,7 +102,8 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     cap(x) = softcap * tanh(x / softcap) (transformers' Gemma 2 soft-capping, before the masks)
     when softcap is given and nonzero, else x. k and v may have fewer heads Hkv (dividing H):
     each is repeated for its group of H / Hkv query heads, as SDPA's enable_gqa. is_causal hides
-    keys j > i, or j > i + Lk - Lq with causal_alignment=1 (bottom-right)."""
+    keys j > i, or j > i + Lk - Lq with causal_alignment=1 (bottom-right); window > 0 (with
+    is_causal) also hides keys j <= i + shift - window (transformers' sliding_window_overlay)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -123,6 +124,9 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     if is_causal:
         shift = Lk - Lq if causal_alignment == 1 else 0
         bias = bias.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1 + shift), -math.inf)
+        if window > 0:
+            before = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(shift - window)
+            bias = bias.masked_fill(before, -math.inf)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)

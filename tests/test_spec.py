@@ -29,7 +29,7 @@ int main() {
   s("attr_num_heads", kAttrNumHeads); s("attr_scale", kAttrScale); s("attr_is_causal", kAttrIsCausal);
   s("attr_has_key_padding_mask", kAttrHasKeyPaddingMask); s("attr_has_attn_mask", kAttrHasAttnMask);
   s("attr_softcap", kAttrSoftcap);
-  s("attr_causal_alignment", kAttrCausalAlignment); s("attr_kv_num_heads", kAttrKvNumHeads);
+  s("attr_causal_alignment", kAttrCausalAlignment); s("attr_kv_num_heads", kAttrKvNumHeads); s("attr_window", kAttrWindow);
   s("attr_plugin_namespace", kAttrPluginNamespace); s("attr_plugin_version", kAttrPluginVersion);
   i("output_rank", kOutputRank); i("min_onnx_opset", kMinOnnxOpset);
   std::printf("\"input_names\": [");
@@ -123,7 +123,7 @@ def test_spec_values_the_plugin_relies_on():
     assert s.op_type == s.plugin_name
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
-    assert s.plugin_version == "3" and s.domain_version == 3
+    assert s.plugin_version == "4" and s.domain_version == 4
 
 
 def test_spec_types_defaults_and_operators():
@@ -140,7 +140,8 @@ def test_spec_types_defaults_and_operators():
     a = s.attribute
     assert [(f.name, f.plugin_field_type) for f in s.plugin_fields] == [
         ("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"), ("has_key_padding_mask", "INT32"),
-        ("has_attn_mask", "INT32"), ("softcap", "FLOAT32"), ("causal_alignment", "INT32"), ("kv_num_heads", "INT32")]
+        ("has_attn_mask", "INT32"), ("softcap", "FLOAT32"), ("causal_alignment", "INT32"), ("kv_num_heads", "INT32"),
+        ("window", "INT32")]
     assert a[s.attr_scale].type == onnx.AttributeProto.FLOAT and a[s.attr_num_heads].type == onnx.AttributeProto.INT
     assert a[s.attr_plugin_version].type == onnx.AttributeProto.STRING
     assert [f.name for f in s.attributes if f.required] == [s.attr_num_heads, s.attr_scale]

@@ -205,6 +205,10 @@ void check_attribute_value(const char* name, T value) {
 
 void check_core_attributes(const CoreOptions& options) {
   ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_CHECK_ATTRIBUTE)
+  // A window is measured back from the causal diagonal, which only is_causal defines.
+  TORCH_CHECK(options.window == 0 || options.is_causal, "attention: window > 0 needs is_causal=True (the window ",
+              "ends at the causal diagonal); got window=", options.window,
+              " with is_causal=False: pass is_causal=True, or window=0 and a boolean attn_mask");
 }
 
 #undef ATTN_EXPORT_CHECK_ATTRIBUTE

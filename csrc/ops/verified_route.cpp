@@ -16,14 +16,18 @@ at::Tensor expand_heads(const at::Tensor& t, int64_t heads) {
   return t.unsqueeze(2).expand({t.size(0), heads_k, heads / heads_k, t.size(2), t.size(3)}).flatten(1, 2);
 }
 
-// The attention mask with the bottom-right causal diagonal merged in: true/-inf where key j is
-// past query i's diagonal, j > i + (Lk - Lq).
-at::Tensor with_bottom_right_diagonal(const std::optional<at::Tensor>& mask, int64_t seqlen_q, int64_t seqlen_k,
-                                      at::Device device) {
+// The attention mask with the causal diagonal (shifted by `shift`) and the sliding window merged
+// in: true/-inf where key j is past query i's diagonal, j > i + shift, or, when window > 0,
+// before its window, j <= i + shift - window.
+at::Tensor with_causal_keys(const std::optional<at::Tensor>& mask, int64_t seqlen_q, int64_t seqlen_k,
+                            int64_t shift, int64_t window, at::Device device) {
   const auto index = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor rows = at::arange(seqlen_q, index).unsqueeze(1);
   const at::Tensor cols = at::arange(seqlen_k, index).unsqueeze(0);
-  const at::Tensor hidden = cols > rows + (seqlen_k - seqlen_q);  // [Lq, Lk]
+  at::Tensor hidden = cols > rows + shift;  // [Lq, Lk]
+  if (window > 0) {
+    hidden = at::logical_or(hidden, cols <= rows + (shift - window));
+  }
   if (!mask.has_value() || !mask->defined()) {
     return hidden;
   }
@@ -47,12 +51,19 @@ KernelRoute verified_route(const at::Tensor& query, const at::Tensor& key, const
     route.value = expand_heads(value, heads);
   }
   CoreOptions& o = route.options;
-  if (o.is_causal && o.causal_alignment == kCausalBottomRight) {
-    const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
+  const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
+  if (o.is_causal && o.window > 0) {
+    // The window is a preview path: the verified kernels get it as a boolean [Lq, Lk] mask.
+    const int64_t shift = o.causal_alignment == kCausalBottomRight ? seqlen_k - seqlen_q : 0;
+    o.attn_mask = with_causal_keys(o.attn_mask, seqlen_q, seqlen_k, shift, o.window, query.device());
+    o.is_causal = false;
+    o.window = 0;
+    o.causal_alignment = kCausalTopLeft;
+  } else if (o.is_causal && o.causal_alignment == kCausalBottomRight) {
     if (seqlen_q == 1 && seqlen_k >= 1) {
       o.is_causal = false;  // the one query row sees keys j <= Lk - 1: all of them
     } else if (seqlen_q != seqlen_k) {
-      o.attn_mask = with_bottom_right_diagonal(o.attn_mask, seqlen_q, seqlen_k, query.device());
+      o.attn_mask = with_causal_keys(o.attn_mask, seqlen_q, seqlen_k, seqlen_k - seqlen_q, 0, query.device());
       o.is_causal = false;
     }
     o.causal_alignment = kCausalTopLeft;

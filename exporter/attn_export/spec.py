@@ -164,6 +164,7 @@ class AttentionSpec:
     attr_softcap: str
     attr_causal_alignment: str
     attr_kv_num_heads: str
+    attr_window: str
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
@@ -246,6 +247,7 @@ _FIELDS = {
     "attr_softcap": "kAttrSoftcap",
     "attr_causal_alignment": "kAttrCausalAlignment",
     "attr_kv_num_heads": "kAttrKvNumHeads",
+    "attr_window": "kAttrWindow",
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",

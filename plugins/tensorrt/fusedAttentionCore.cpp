@@ -41,7 +41,8 @@ void* slot(Config& c, int32_t i) {
     case 4: return &c.has_attn_mask;
     case 5: return &c.softcap;
     case 6: return &c.causal_alignment;
-    default: return &c.kv_num_heads;
+    case 7: return &c.kv_num_heads;
+    default: return &c.window;
   }
 }
 
@@ -67,6 +68,10 @@ std::string validate_config(const Config& c) {
     // Query head h reads key/value head h / (H / Hkv): the groups must be whole.
     why << spec::kAttrKvNumHeads << " must divide " << spec::kAttrNumHeads << "=" << c.num_heads
         << " (0 = " << spec::kAttrNumHeads << "); got " << c.kv_num_heads;
+  } else if (c.window < 0 || (c.window > 0 && c.is_causal == 0)) {
+    // The window ends at the causal diagonal: only causal attention has one.
+    why << spec::kAttrWindow << " must be >= 0 (0 = no window), and > 0 only with " << spec::kAttrIsCausal
+        << "=1; got " << spec::kAttrWindow << "=" << c.window << " " << spec::kAttrIsCausal << "=" << c.is_causal;
   } else {
     const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask, c.causal_alignment};
     const char* const names[] = {kFields[2].name, kFields[3].name, kFields[4].name, kFields[6].name};
@@ -135,7 +140,7 @@ std::string describe(const Config& c) {
       << spec::kAttrIsCausal << "=" << c.is_causal << " " << spec::kAttrHasKeyPaddingMask << "="
       << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask << " "
       << spec::kAttrSoftcap << "=" << c.softcap << " " << spec::kAttrCausalAlignment << "=" << c.causal_alignment
-      << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads;
+      << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads << " " << spec::kAttrWindow << "=" << c.window;
   return out.str();
 }
 
@@ -270,6 +275,7 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   p.softcap = c.softcap;
   p.is_causal = c.is_causal != 0;
   p.causal_alignment = c.causal_alignment;
+  p.window = c.window;
   return p;
 }
 

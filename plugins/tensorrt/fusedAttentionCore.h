@@ -51,20 +51,22 @@ inline constexpr int32_t kNumFields = spec::kNumPluginFields;
 inline constexpr FieldSpec kFields[kNumFields] = {
     field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
     field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]), field_spec(spec::kAttributes[5]),
-    field_spec(spec::kAttributes[6]), field_spec(spec::kAttributes[7]),
+    field_spec(spec::kAttributes[6]), field_spec(spec::kAttributes[7]), field_spec(spec::kAttributes[8]),
 };
 
-// Config holds the fields in this order; the optional flags, causal_alignment and kv_num_heads
-// are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
-static_assert(kNumFields == 8 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+// Config holds the fields in this order; the optional flags, causal_alignment, kv_num_heads and
+// window are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
+static_assert(kNumFields == 9 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
                   kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
                   kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap &&
-                  kFields[6].name == spec::kAttrCausalAlignment && kFields[7].name == spec::kAttrKvNumHeads,
+                  kFields[6].name == spec::kAttrCausalAlignment && kFields[7].name == spec::kAttrKvNumHeads &&
+                  kFields[8].name == spec::kAttrWindow,
               "Config and slot() follow the spec's attribute order");
 static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
                   kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
                   kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32 &&
-                  kFields[6].type == FieldType::kInt32 && kFields[7].type == FieldType::kInt32,
+                  kFields[6].type == FieldType::kInt32 && kFields[7].type == FieldType::kInt32 &&
+                  kFields[8].type == FieldType::kInt32,
               "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
@@ -85,6 +87,7 @@ struct Config {
   float softcap = kFields[5].default_float;  // 0 = off; else softcap * tanh(x / softcap)
   int32_t causal_alignment = kFields[6].default_int;  // 0 top-left, 1 bottom-right
   int32_t kv_num_heads = kFields[7].default_int;      // Hkv dividing num_heads; 0 = num_heads
+  int32_t window = kFields[8].default_int;            // with is_causal: the last `window` keys; 0 = all
 
   // The key/value heads Hkv (kv_num_heads, or num_heads when 0).
   int32_t kv_heads() const { return kv_num_heads > 0 ? kv_num_heads : num_heads; }
@@ -102,7 +105,7 @@ std::string validate_config(const Config& config);
 void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
 
 // "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0
-//  causal_alignment=0 kv_num_heads=0"
+//  causal_alignment=0 kv_num_heads=0 window=0"
 std::string describe(const Config& config);
 
 // A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.

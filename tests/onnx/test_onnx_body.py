@@ -34,10 +34,11 @@ def flag_id(flags):
 
 
 def spec_reference(query, key, value, key_padding_mask, attn_mask, *, num_heads, scale, is_causal, softcap,
-                   kv_num_heads=0, causal_alignment=0):
+                   kv_num_heads=0, causal_alignment=0, window=0):
     """The node's output in float64, written from csrc/attention_spec.h: query head h reads
     key/value head h // (H / Hkv); x = scale <q, k>; c = softcap tanh(x / softcap) when
-    softcap > 0; s = c + masks (+ -inf where j > i + a, causal, a = Lk - Lq bottom-right);
+    softcap > 0; s = c + masks (+ -inf where j > i + a, causal, a = Lk - Lq bottom-right; and
+    where j <= i + a - window with a window);
     p = softmax_j(s), or 0 where every s is -inf; output = sum_j p v, heads packed."""
     def heads(t, n):  # [B, L, n*D] -> [B, n, L, D]
         return t.reshape(t.shape[0], t.shape[1], n, -1).transpose(0, 2, 1, 3)
@@ -52,6 +53,8 @@ def spec_reference(query, key, value, key_padding_mask, attn_mask, *, num_heads,
         lq, lk = s.shape[-2:]
         offset = lk - lq if causal_alignment == 1 else 0
         s = s + np.where(np.triu(np.ones((lq, lk), bool), 1 + offset), -np.inf, 0.0)
+        if window > 0:
+            s = s + np.where(np.tril(np.ones((lq, lk), bool), offset - window), -np.inf, 0.0)
     dead = np.isneginf(s).all(-1, keepdims=True)
     e = np.exp(s - np.where(dead, 0.0, s.max(-1, keepdims=True)))
     p = np.where(dead, 0.0, e / np.where(dead, 1.0, e.sum(-1, keepdims=True)))
@@ -76,7 +79,7 @@ def one_node_model(function, attrs, elem):
         helper.make_opsetid("", OPSET), helper.make_opsetid(function.domain, S.domain_version)])
 
 
-def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_alignment=0):
+def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_alignment=0, window=0):
     """Inputs rounded to T (so the graph's Cast to T is exact), masks with a fully masked row:
     batch 1 sees only its first two keys; head 1, query 2 (query 0 when Lq = 1) sees
     none (attn mask)."""
@@ -99,7 +102,7 @@ def random_case(flags, elem, seed, heads=H, kv_heads=H, lq=LQ, lk=LK, causal_ali
         attn[0, 1, min(2, lq - 1)] = -np.inf
     feeds.update({S.input_names[3]: padding, S.input_names[4]: attn})
     attrs = onnx_node.node_attributes(heads, 0.45, is_causal, kpm, mask, softcap=1.5 if softcap else 0.0,
-                                      causal_alignment=causal_alignment, kv_num_heads=kv_heads)
+                                      causal_alignment=causal_alignment, kv_num_heads=kv_heads, window=window)
     return feeds, attrs
 
 
@@ -162,7 +165,7 @@ def test_the_generic_body_selects_causal_and_softcap_from_the_attributes():
     ops = [n.op_type for n in onnx_node.function_proto(OPSET).node]
     refs = {a.ref_attr_name for n in onnx_node.function_proto(OPSET).node for a in n.attribute if a.ref_attr_name}
     assert refs == {S.attr_num_heads, S.attr_scale, S.attr_is_causal, S.attr_softcap, S.attr_causal_alignment,
-                    S.attr_kv_num_heads}
+                    S.attr_kv_num_heads, S.attr_window}
     assert {"Trilu", "Tanh", "Greater", "IsInf", "Cast", "CastLike"} <= set(ops)
 
 
@@ -239,6 +242,56 @@ def test_a_grouped_body_reads_key_and_value_once(flags):
         (matmul,) = consumers[transpose.output[0]]
         assert (reshape.op_type, transpose.op_type, matmul.op_type) == ("Reshape", "Transpose", "MatMul")
     assert not {"Expand", "Tile"} & {n.op_type for n in nodes}
+
+
+WINDOWS = [1, 2, 5, 9]  # the diagonal alone, short, and reaching past every key (no effect)
+
+
+@pytest.mark.parametrize("body", ["lean", "generic"])
+@pytest.mark.parametrize("kpm", [False, True], ids=["no_kpm", "kpm"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: f"lq{x[0]}-lk{x[1]}")
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_windows_match_the_spec_formula(window, alignment, lengths, kpm, body):
+    (lq, lk) = lengths
+    feeds, attrs = random_case((True, kpm, False, False), TensorProto.FLOAT, seed=window, heads=4, kv_heads=2,
+                               lq=lq, lk=lk, causal_alignment=alignment, window=window)
+    variant, out, args = run_body(body, attrs, TensorProto.FLOAT, TensorProto.FLOAT, feeds)
+    assert variant.windowed and "win" in variant.name
+    expected = spec_reference(*args, num_heads=4, scale=attrs[S.attr_scale], is_causal=True, softcap=0.0,
+                              kv_num_heads=2, causal_alignment=alignment, window=window)
+    plain = spec_reference(*args, num_heads=4, scale=attrs[S.attr_scale], is_causal=True, softcap=0.0,
+                           kv_num_heads=2, causal_alignment=alignment)
+    if window < 4:
+        assert np.abs(expected - plain).max() > 1e-3  # the window matters here: the check can fail
+    assert np.isfinite(out).all()
+    assert_parity(torch.from_numpy(out), torch.from_numpy(expected), 2e-6, f"{body} body of {variant.name}")
+
+
+def test_the_window_reference_is_the_torch_reference():
+    from helpers import reference_attention
+
+    feeds, attrs = random_case((True, True, False, False), TensorProto.FLOAT, seed=8, lq=7, lk=4, window=2)
+    q, k, v = (torch.from_numpy(feeds[n]).double().reshape(B, -1, H, d).transpose(1, 2)
+               for n, d in (("query_f32", D), ("key_f32", D), ("value_f32", DV)))
+    kpm = torch.from_numpy(feeds[S.input_names[3]]).double()
+    ref, _ = reference_attention(q, k, v, key_padding_mask=kpm, is_causal=True, scale=0.45, window=2)
+    ours = spec_reference(*(feeds[n].astype(np.float64) for n in ("query_f32", "key_f32", "value_f32",
+                                                                  *S.input_names[3:])),
+                          num_heads=H, scale=0.45, is_causal=True, softcap=0.0, window=2)
+    np.testing.assert_allclose(ours, ref.transpose(1, 2).reshape(B, 7, H * DV).numpy(), rtol=0, atol=1e-12)
+    assert (ours[:, 5:] == 0).all()  # top-left, Lq > Lk: queries 5 and 6 have no key in their window
+
+
+def test_only_windowed_lean_bodies_build_the_window():
+    for windowed in (False, True):
+        variant = onnx_node.BodyVariant(True, False, False, False, True, windowed=windowed)
+        function = onnx_node.lean_function_proto(OPSET, variant)
+        ops = [n.op_type for n in function.node]
+        refs = {a.ref_attr_name for n in function.node for a in n.attribute if a.ref_attr_name}
+        assert ops.count("Trilu") == 1 + windowed and (S.attr_window in refs) == windowed
+        assert "Greater" not in ops  # the window is > 0 by the variant: nothing selected at run time
+        assert variant.name == "f32_causal" + "_win" * windowed
 
 
 def test_a_body_refuses_a_value_name_twice():

@@ -226,22 +226,22 @@ def test_the_registered_schema_spells_out_the_spec():
     assert constraints == {"T": ["tensor(bfloat16)", "tensor(float)", "tensor(float16)"], "M": ["tensor(float)"]}
     attrs = schema.attributes
     assert sorted(attrs) == sorted(["num_heads", "scale", "is_causal", "has_key_padding_mask", "has_attn_mask",
-                                    "softcap", "causal_alignment", "kv_num_heads", "plugin_namespace",
+                                    "softcap", "causal_alignment", "kv_num_heads", "window", "plugin_namespace",
                                     "plugin_version"])
     assert {n for n, a in attrs.items() if a.required} == {"num_heads", "scale"}
     A = onnx.defs.OpSchema.AttrType
     assert (attrs["num_heads"].type, attrs["scale"].type, attrs["softcap"].type) == (A.INT, A.FLOAT, A.FLOAT)
     defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items() if not a.required}
     assert defaults == {"is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-                        "causal_alignment": 0, "kv_num_heads": 0, "plugin_namespace": b"", "plugin_version": b"3"}
+                        "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "plugin_namespace": b"", "plugin_version": b"4"}
     assert all(a.description for a in attrs.values())
 
 
 def test_node_attributes_are_the_spec_names_with_normalized_values():
     attrs = onnx_node.node_attributes(np.int64(4), 1, 1, 0, 2, softcap=3)
     assert attrs == {"num_heads": 4, "scale": 1.0, "is_causal": 1, "has_key_padding_mask": 0, "has_attn_mask": 1,
-                     "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "plugin_namespace": "",
-                     "plugin_version": "3"}
+                     "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "window": 0, "plugin_namespace": "",
+                     "plugin_version": "4"}
     assert [type(attrs[n]) for n in ("num_heads", "scale", "is_causal", "softcap")] == [int, float, int, float]
     assert onnx_node.node_attributes(1, -0.5, False, False, False)["num_heads"] == 1  # the smallest head count
 
@@ -333,7 +333,7 @@ def test_both_bodies_declare_the_spec_attributes():
         assert list(function.attribute) == ["num_heads", "scale"]
         assert {a.name: helper.get_attribute_value(a) for a in function.attribute_proto} == {
             "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-            "causal_alignment": 0, "kv_num_heads": 0, "plugin_namespace": b"", "plugin_version": b"3"}
+            "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "plugin_namespace": b"", "plugin_version": b"4"}
         assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]
 
 
@@ -363,13 +363,15 @@ def test_rows_one_mask_alone_empties_are_zero(mask, causal, body):
     assert_parity(out, expected, 2e-6)
 
 
+@pytest.mark.parametrize("window", [0, 3], ids=["no_window", "window"])
 @pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal, alignment):
+def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal, alignment, window):
     # ONNX's Trilu takes its k as "a 0-D tensor"; ONNX Runtime and onnx's reference evaluator
     # also accept a one-element vector, stricter parsers need not. Both bodies, every Trilu; a k
-    # computed from the lengths (bottom-right) is 0-D by shape inference of the inlined body.
-    attrs = onnx_node.node_attributes(2, 0.5, causal, True, True, causal_alignment=alignment)
+    # computed from the lengths (bottom-right, the window's) is 0-D by shape inference of the inlined body.
+    window = window if causal else 0
+    attrs = onnx_node.node_attributes(2, 0.5, causal, True, True, causal_alignment=alignment, window=window)
     node = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
     variant = onnx_node.BodyVariant.of_node(node, TensorProto.FLOAT)
     bodies = [onnx_node.function_proto(OPSET), onnx_node.lean_function_proto(OPSET, variant)]
@@ -389,7 +391,8 @@ def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal, al
                 trilus += 1
                 if len(body_node.input) > 1 and body_node.input[1]:
                     assert ranks[body_node.input[1]] == 0, f"{function.name}: Trilu's k is not 0-D"
-    assert trilus == (2 if causal else 1)  # the generic body always holds its causal Trilu
+    # The generic body always holds its causal and window Trilus; the lean one what the node needs.
+    assert trilus == 2 + ((2 if window else 1) if causal else 0)
 
 
 # Attributes that ONNX's operator specs define as boolean flags (an int, 0 or 1).

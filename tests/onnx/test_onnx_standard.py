@@ -158,8 +158,23 @@ def test_an_attribute_the_rewrite_does_not_express_keeps_the_custom_node():
     attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
     plain = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs)
     assert why_not_standard(plain) is None
-    extra = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs, window=3)
-    assert why_not_standard(extra) == "attribute window has no counterpart in the standard Attention operator"
+    extra = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=S.domain, **attrs, future_attribute=3)
+    assert why_not_standard(extra) == "attribute future_attribute has no counterpart in the standard Attention operator"
+
+
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+def test_a_sliding_window_keeps_the_custom_node_and_says_why(alignment):
+    """Opset 23 Attention has no window: a windowed causal layer stays custom (with its function,
+    so it still runs), named in kept; the same node without a window converts."""
+    plain, rewrite = standard_model(onnx_node.node_attributes(2, 0.5, True, False, False, causal_alignment=alignment))
+    assert rewrite.converted == 1 and not rewrite.kept
+    model, rewrite = standard_model(onnx_node.node_attributes(2, 0.5, True, False, False, causal_alignment=alignment,
+                                                              window=3))
+    assert rewrite.converted == 0
+    (reason,) = rewrite.kept
+    assert "sliding window (window=3)" in reason and "opset 23 Attention has no window" in reason
+    assert attention_flavor(model)["flavor"] == "custom"
+    assert [f.name for f in model.functions] == [S.op_type]
 
 
 def test_opset_below_23_is_refused():

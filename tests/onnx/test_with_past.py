@@ -25,10 +25,10 @@ PROMPT_LENGTHS = (5, 3)  # left-padded to 5
 DECODE_STEPS = 3
 
 
-def tiny_mistral():
+def tiny_mistral(sliding_window=64):
     config = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                                        sliding_window=64)
+                                        sliding_window=sliding_window)
     torch.manual_seed(0)
     return transformers.MistralForCausalLM(config).eval()
 
@@ -58,7 +58,8 @@ def tiny_phi():
 
 
 MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2,
-          "gemma2": tiny_gemma2, "phi": tiny_phi}
+          "gemma2": tiny_gemma2, "phi": tiny_phi,
+          "mistral-window4": lambda: tiny_mistral(sliding_window=4)}  # a window shorter than the prompts
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +270,26 @@ def test_plain_causal_decoders_get_the_compact_mask_on_the_node(exports, name):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["is_causal"], attrs["causal_alignment"], attrs["has_key_padding_mask"], attrs["has_attn_mask"]) \
             == (1, 1, 1, 0), attrs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,windowed", [("mistral-window4", 2), ("gemma2", 1)])
+def test_sliding_window_decoders_get_the_window_on_the_node(exports, name, windowed):
+    """Sliding-window layers (window 4, shorter than the 5-token prompts plus the decode steps)
+    keep the compact mask too: causal bottom-right, the padding as the key-padding mask, and the
+    window as the node's window attribute; generation through ONNX Runtime with the cache matches
+    the stock model's (transformers' own sliding-window cache) at every step."""
+    from attn_export.onnx.graph import attention_nodes
+
+    model, result, proto = exports(name)
+    windows = []
+    for node in attention_nodes(proto):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["is_causal"], attrs["causal_alignment"], attrs["has_key_padding_mask"], attrs["has_attn_mask"]) \
+            == (1, 1, 1, 0), attrs
+        windows.append(attrs["window"])
+    assert sorted(windows) == [0] * (model.config.num_hidden_layers - windowed) + [4] * windowed
+    check_generation(model, result, proto)
 
 
 @pytest.mark.slow

@@ -88,19 +88,20 @@ MASKS["float16_4d_broadcast_heads"] = lambda B, H, Lq, Lk: {"attn_mask": torch.r
 def _run(emu, dtype, B, H, Lq, Lk, D, Dv=None, masks=None, need_weights=False, grad_weights=False, make=None,
          softcap=0.0, scale=None, heads_k=None):
     """Forward and backward through the emulated kernels, and the float64 reference's. heads_k:
-    the key/value heads (grouped-query attention), H unless given; masks may hold causal_alignment."""
+    the key/value heads (grouped-query attention), H unless given; masks may hold causal_alignment
+    and window."""
     Dv = D if Dv is None else Dv
     Hkv = H if heads_k is None else heads_k
     make = make or (lambda *shape: torch.randn(*shape, dtype=dtype))
     q, k, v = make(B, H, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
     masks = masks or {}
     am, kpm, causal = masks.get("attn_mask"), masks.get("key_padding_mask"), masks.get("is_causal", False)
-    alignment = int(masks.get("causal_alignment", 0))
-    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, scale, need_weights, softcap, alignment)
+    alignment, window = int(masks.get("causal_alignment", 0)), int(masks.get("window", 0))
+    out, lse, weights = emu.forward(q, k, v, am, kpm, causal, scale, need_weights, softcap, alignment, window)
     grad_out = torch.randn(B, H, Lq, Dv, dtype=dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gw = torch.randn(B, H, Lq, Lk, dtype=acc) if grad_weights else None
-    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, scale, softcap, alignment)
+    grads = emu.backward(grad_out, gw, q, k, v, lse, am, kpm, causal, scale, softcap, alignment, window)
 
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_p = reference_attention(*ref_in, scale=scale, softcap=softcap, **masks)

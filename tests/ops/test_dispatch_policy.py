@@ -46,7 +46,9 @@ int main() {
   p.num_heads_k = 2; std::printf("\"gqa\": %u, ", policy::needed_features(p));
   p.num_heads_k = 8; p.causal_alignment = kCausalBottomRight; std::printf("\"bottom_right\": %u, ", policy::needed_features(p));
   p.seqlen_k = 5; std::printf("\"bottom_right_square\": %u, ", policy::needed_features(p));
-  p.seqlen_k = 9; p.is_causal = false; std::printf("\"bottom_right_not_causal\": %u", policy::needed_features(p));
+  p.seqlen_k = 9; p.is_causal = false; std::printf("\"bottom_right_not_causal\": %u, ", policy::needed_features(p));
+  p.causal_alignment = kCausalTopLeft; p.window = 3; std::printf("\"window_not_causal\": %u, ", policy::needed_features(p));
+  p.is_causal = true; std::printf("\"window\": %u", policy::needed_features(p));
   std::printf("}, \"allowed\": [%d, %d, %d, %d], ", policy::allowed(0, false), policy::allowed(policy::kGroupedQuery, false),
               policy::allowed(policy::kSplitKv, false), policy::allowed(policy::kSplitKv | policy::kBottomRight, true));
   std::printf("\"env\": [%d, %d, %d, %d, %d], ", policy::preview_from_env(nullptr), policy::preview_from_env("1"),
@@ -94,6 +96,12 @@ def test_grouped_heads_and_a_shifted_diagonal_need_the_preview(policy):
     assert f["mha"] == 0 and f["mha_unset"] == 0 and f["bottom_right_square"] == 0 and f["bottom_right_not_causal"] == 0
     assert f["gqa"] != 0 and f["bottom_right"] != 0 and f["gqa"] != f["bottom_right"]
     assert policy["allowed"] == [1, 0, 0, 1]  # nothing but the verified set without the preview
+
+
+def test_a_sliding_window_needs_the_preview(policy):
+    f = policy["features"]
+    assert f["window"] != 0 and f["window"] not in (f["gqa"], f["bottom_right"])
+    assert f["window_not_causal"] == 0  # the window is read only under is_causal
 
 
 def test_the_head_dim_128_backward_keeps_the_verified_tiles(policy):

@@ -72,6 +72,17 @@ def test_causal_alignment_checks_agree(alignment):
                            f"1 = bottom-right: keys j <= i + Lk - Lq); got {alignment}")
 
 
+@pytest.mark.parametrize("is_causal,window,words", [
+    (False, 3, "attention: window > 0 needs is_causal=True (the window ends at the causal diagonal); got window=3 "
+               "with is_causal=False: pass is_causal=True, or window=0 and a boolean attn_mask"),
+    (True, -1, "attention: window must be finite and >= 0 (0 = no window; w > 0 = each query sees its last w keys "
+               "up to the causal diagonal); got -1")])
+def test_window_checks_agree(is_causal, window, words):
+    for op, args in ((ops.attention, (q, k, v, None, None, is_causal, None, 0.0, 0, window)),
+                     (ops._attention_forward, (q, k, v, None, None, is_causal, None, False, 0.0, 0, window))):
+        assert _same_error_real_and_fake(op, *args) == words
+
+
 SPEC = attn_export.spec.load()
 RANGES = {r.name: r for r in SPEC.attribute_ranges}
 

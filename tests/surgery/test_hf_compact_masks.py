@@ -1,6 +1,6 @@
 """Compact masks for transformers decoders (issue 49): a plain causal mask reaches the operator as
 ``is_causal`` aligned bottom-right plus a key-padding mask, never as a ``[B, 1, L, L]`` tensor;
-sliding-window layers keep transformers' materialized mask.
+sliding-window layers too, with the layer's window as the operator's ``window``.
 
 Tiny random-weight configs of GPT-2, Llama, Mistral, Qwen2 (with and without its sliding
 window), Gemma 2, Phi and Phi-3 (nothing downloaded), each with a left-padded batch of prompts
@@ -35,7 +35,7 @@ WINDOW = 4  # sliding windows shorter than the prompts, so that they matter
 _DECODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# name -> (model_type, config, the layers that keep a materialized mask: their sliding windows)
+# name -> (model_type, config, the layers with a sliding window: the operator's window on them)
 FAMILIES = {
     "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0,
                           bos_token_id=1, eos_token_id=2), 0),
@@ -76,16 +76,20 @@ def prompts(seed=0):
 
 class MaskSpy:
     """Records, per call of the registered attention function, the mask's rank (2: compact
-    causal, 4: materialized, 0: none) and (Lq, Lk)."""
+    causal, 4: materialized, 0: none) and (Lq, Lk); and in ``windows`` the window each call passes
+    to the operator (0: none)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.windows = []
         original = hf.interface._operator_masks
 
         def spy(query, k_length, attention_mask, causal, kwargs):
             rank = 0 if attention_mask is None else attention_mask.dim()
             self.calls.append((rank, query.shape[2], k_length))
-            return original(query, k_length, attention_mask, causal, kwargs)
+            result = original(query, k_length, attention_mask, causal, kwargs)
+            self.windows.append(result[3])
+            return result
 
         monkeypatch.setattr(hf.interface, "_operator_masks", spy)
 
@@ -139,10 +143,34 @@ def _overlay(batch_idx, head_idx, q_idx, kv_idx):
     return kv_idx >= 0
 
 
-@pytest.mark.parametrize("case", ["tensor offset", "key offset", "sliding window", "overlay", "padding shorter",
-                                  "prefix"])
+@pytest.mark.parametrize("q_length,q_offset,kv_offset", [(7, 0, 0), (1, 6, 0), (3, 4, 0), (1, 0, 0), (1, 9, 7),
+                                                           (2, 8, 6)])
+def test_compact_sliding_window_mask_is_transformers_mask(q_length, q_offset, kv_offset):
+    """A sliding-window causal mask (window 3, shorter than the prompts) over no cache, a full
+    DynamicCache and a sliding-window cache (kv_offset > 0: the keys kept are the last kv_length
+    positions): the compact 2-D padding mask, crossed with bottom-right causality and the window
+    as the operator applies them, is transformers' sdpa mask."""
+    from transformers import masking_utils
+
+    total = q_offset + q_length
+    padding = (torch.arange(total)[None, :] >= torch.tensor([0, total - 2, 1])[:, None])  # left padding
+    kwargs = _mask_kwargs(q_length, q_offset, padding, kv_offset=kv_offset, kv_length=total - kv_offset,
+                          mask_function=masking_utils.sliding_window_causal_mask_function(3), local_size=3)
+    compact = hf.attention_mask(**kwargs)
+    assert compact.shape == (3, total - kv_offset) and compact.dtype == torch.bool
+    want = masking_utils.sdpa_mask(**kwargs)
+    got = masks.materialized(compact, True, q_length, total - kv_offset, padding.device, window=3)
+    assert torch.equal(got.expand_as(want), want)
+    if kv_offset == 0 and total > 3:  # keys past the window: without it the mask differs (the check can fail)
+        plain = masks.materialized(compact, True, q_length, total, padding.device)
+        assert not torch.equal(plain.expand_as(want), want)
+
+
+@pytest.mark.parametrize("case", ["tensor offset", "key offset", "sliding window overlay", "window mismatch",
+                                  "overlay", "padding shorter", "prefix"])
 def test_masks_the_compact_form_cannot_express_are_transformers_sdpa_mask(case):
-    """Static caches (a tensor offset), a key offset, sliding windows, overlays and keys before
+    """Static caches (a tensor offset), a key offset, a sliding window with an overlay or whose
+    window is not the layer's local size, overlays and keys before
     the queries without a cache offset (PEFT's prefix tuning: top-left causal) keep the
     materialized [B, 1, Lq, Lk] mask, equal to transformers' sdpa mask."""
     from transformers import masking_utils
@@ -153,8 +181,13 @@ def test_masks_the_compact_form_cannot_express_are_transformers_sdpa_mask(case):
         kwargs["q_offset"] = torch.tensor(4)
     elif case == "key offset":
         kwargs.update(kv_offset=1, kv_length=5)
-    elif case == "sliding window":
+    elif case == "sliding window overlay":
+        kwargs["mask_function"] = masking_utils.and_masks(masking_utils.sliding_window_causal_mask_function(3),
+                                                          _overlay)
+        kwargs["local_size"] = 3
+    elif case == "window mismatch":
         kwargs["mask_function"] = masking_utils.sliding_window_causal_mask_function(3)
+        kwargs["local_size"] = 2
     elif case == "overlay":
         kwargs["mask_function"] = masking_utils.or_masks(masking_utils.causal_mask_function, _overlay)
     elif case == "prefix":
@@ -222,8 +255,8 @@ def test_left_padded_logits_match_each_prompt_alone_in_float64(name, monkeypatch
     assert torch.isfinite(got).all()  # fully padded query rows give zeros, not NaN
     assert_parity(got[valid].double(), want[valid], TOL, name)
     sliding = FAMILIES[name][2]
-    assert [rank for rank, _, _ in spy.calls].count(4) == sliding  # only the sliding-window layers
-    assert [rank for rank, _, _ in spy.calls].count(2) == 2 - sliding
+    assert [rank for rank, _, _ in spy.calls] == [2, 2]  # every layer compact, sliding windows too
+    assert sorted(spy.windows) == [0] * (2 - sliding) + [WINDOW] * sliding
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -239,11 +272,11 @@ def test_greedy_generation_with_the_cache_gives_the_stock_tokens(name, monkeypat
         spy = MaskSpy(monkeypatch)
         got = model.generate(**batch, **options)
     assert torch.equal(got, want), f"{name}: routed {got[:, -8:].tolist()} != stock {want[:, -8:].tolist()}"
-    decode = [lk for rank, lq, lk in spy.calls if lq == 1 and rank == 2]
-    if FAMILIES[name][2] < 2:  # the layers without a sliding window: compact at every decode step
-        assert len(decode) == 7 * (2 - FAMILIES[name][2]) and all(lk > PROMPTS[1] for lk in decode)
-    if not FAMILIES[name][2]:
-        assert spy.ranks() == {2}  # prefill and decode: the compact mask
+    decode = [(lk, window) for (rank, lq, lk), window in zip(spy.calls, spy.windows) if lq == 1 and rank == 2]
+    assert len(decode) == 7 * 2 and spy.ranks() == {2}  # prefill and every decode step: the compact mask
+    # Global layers see the whole cache; sliding ones (a sliding-window cache) the window's keys.
+    assert all(lk > PROMPTS[1] for lk, window in decode if not window)
+    assert [window for _, window in decode].count(WINDOW) == 7 * FAMILIES[name][2]
 
 
 def test_generation_fails_when_decoding_ignores_the_padding(monkeypatch):
@@ -308,9 +341,9 @@ def _ort_logits(path, batch):
 @pytest.mark.slow  # an ONNX export per family
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_export_has_no_materialized_causal_mask_and_runs_in_onnx_runtime(name, tmp_path):
-    """Plain causal layers: FusedAttention with is_causal=1, causal_alignment=1, the padding as
-    its key-padding mask, no [B, 1, L, L] mask and no Expand/Tile of K/V; sliding-window layers
-    keep the materialized mask. ONNX Runtime matches PyTorch on new left-padded batches, and
+    """Every layer: FusedAttention with is_causal=1, causal_alignment=1, the padding as its
+    key-padding mask, no [B, 1, L, L] mask and no Expand/Tile of K/V; sliding-window layers carry
+    their window (shorter than the prompts) as the window attribute. ONNX Runtime matches PyTorch on new left-padded batches, and
     every input's batch axis is the one `batch` symbol."""
     import onnx
 
@@ -321,7 +354,9 @@ def test_export_has_no_materialized_causal_mask_and_runs_in_onnx_runtime(name, t
     assert len(nodes) == 2
     kv_heads = 4 if name in ("gpt2", "phi") else 2
     compact = [n for n in nodes if _attributes(n)["has_attn_mask"] == 0]
-    assert len(compact) == 2 - FAMILIES[name][2]
+    assert len(compact) == 2
+    assert sorted(_attributes(n)["window"] for n in nodes) == [0] * (2 - FAMILIES[name][2]) + [WINDOW] * FAMILIES[
+        name][2]
     for node in compact:
         attrs = _attributes(node)
         assert (attrs["is_causal"], attrs["causal_alignment"], attrs["has_key_padding_mask"]) == (1, 1, 1), node.name

@@ -131,6 +131,8 @@ void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int
     }
     if (p.is_causal) {
       std::fill(row + std::min(cols, p.causal_key_end(i)), row + cols, -std::numeric_limits<T>::infinity());
+      // The sliding window's keys before causal_key_begin(i) (none without a window).
+      std::fill(row, row + std::min(cols, p.causal_key_begin(i)), -std::numeric_limits<T>::infinity());
     }
   }
 }

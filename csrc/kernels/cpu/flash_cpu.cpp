@@ -358,7 +358,26 @@ ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64
     if (p.is_causal && j0 + cols > p.causal_key_end(i)) {
       std::fill(row + std::max<int64_t>(0, p.causal_key_end(i) - j0), row + cols, kNegInf<T>);
     }
+    if (p.is_causal && p.causal_key_begin(i) > j0) {  // the keys before the sliding window
+      std::fill(row, row + std::min(cols, p.causal_key_begin(i) - j0), kNegInf<T>);
+    }
   }
+}
+
+// The first key block (a multiple of kKeyBlock) that query rows from row0 on can see: the block of
+// row0's sliding-window start, 0 without a window. The blocks before it are never visited.
+inline int64_t first_key_block(const AttentionParams& p, int64_t row0) {
+  return p.is_causal ? p.causal_key_begin(row0) / kKeyBlock * kKeyBlock : 0;
+}
+
+// One past the last query row that sees a key before key_end under the sliding window (rows
+// after it see only later keys); seqlen_q without a window.
+inline int64_t window_rows_end(const AttentionParams& p, int64_t key_end) {
+  if (!p.is_causal || p.window <= 0) {
+    return p.seqlen_q;
+  }
+  // Row i sees key j when j >= i + 1 + shift - window: the last row for j = key_end - 1.
+  return std::clamp<int64_t>(key_end - 1 + p.window - p.causal_shift(), 0, p.seqlen_q);
 }
 
 // exp_approx on a vector of the tile width: the softmax passes run in the registers the
@@ -473,9 +492,10 @@ ATTN_EXPORT_INLINE void forward_block(const AttentionParams& p, int64_t b, int64
     pack_panels<C>(p.seqlen_k, keys_pad, dim_v, dv_pad, v, p.v_row_stride, 1, w.v.data());
     w.head = b * p.num_heads + kv;
   }
-  // Causality: the block's last row sees keys [0, key_end), its other rows fewer.
+  // Causality: the block's last row sees keys [0, key_end), its other rows fewer; the sliding
+  // window hides the blocks before its first row's window.
   const int64_t key_end = p.is_causal ? p.causal_key_end(row0 + rows - 1) : p.seqlen_k;
-  for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+  for (int64_t j0 = first_key_block(p, row0); j0 < key_end; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, key_end - j0), cols_pad = C::pad(cols);
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;
@@ -586,8 +606,10 @@ ATTN_EXPORT_INLINE void backward_block(const AttentionBackwardParams& p, int64_t
   const T inv_cap = p.softcap > 0 ? T(1) / static_cast<T>(p.softcap) : T(0);
 
   // Causality: rows before j0 - causal_shift() see none of these keys.
+  // The sliding window: rows from window_rows_end on see only later keys.
   const int64_t first_row = p.is_causal ? std::max<int64_t>(0, j0 - p.causal_shift()) : 0;
-  for (int64_t row0 = first_row / kQueryBlock * kQueryBlock; row0 < p.seqlen_q; row0 += kQueryBlock) {
+  const int64_t rows_end = window_rows_end(p, j0 + cols);
+  for (int64_t row0 = first_row / kQueryBlock * kQueryBlock; row0 < rows_end; row0 += kQueryBlock) {
     const int64_t rows = std::min(kQueryBlock, p.seqlen_q - row0);
     if (block_hidden(p, b, h, row0, rows, j0, cols)) {
       continue;

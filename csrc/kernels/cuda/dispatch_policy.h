@@ -6,13 +6,14 @@
 // the flash kernels at head_dim == head_dim_v in {32, 64, 128} (the backward at 128 with 4 warps,
 // no column split), every key/value head its own query head's, causality top-left only, one
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
-// grouped-query heads, the bottom-right causal alignment, split-KV decoding, the column-split
-// head-dim-128 backward, skipping fully padded key tiles) runs only with the preview switch on:
+// grouped-query heads, the bottom-right causal alignment, the sliding window, split-KV decoding,
+// the column-split head-dim-128 backward, skipping fully padded key tiles) runs only with the
+// preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
 // Without it, the PyTorch binding reaches the same results through verified code (key/value
-// expanded to every query head, the bottom-right diagonal passed as a mask: csrc/ops/
+// expanded to every query head, the bottom-right diagonal and the window passed as a mask: csrc/ops/
 // verified_route.h), and the kernels' own entry points refuse the two features they cannot
 // route around without memory (attention_params_error).
 //
@@ -38,6 +39,7 @@ enum PreviewFeature : unsigned {
   kSplitKv = 1u << 3,       // split-KV decoding: partial results per key chunk, then a combine kernel
   kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
   kKeyTileSkip = 1u << 5,     // the flash kernels skip the key tiles a key-padding mask pads entirely
+  kWindow = 1u << 6,          // the sliding window (window > 0) masked in the kernels
 };
 
 
@@ -61,10 +63,15 @@ inline bool shifted_causal(const AttentionParams& p) {
   return p.is_causal && p.causal_shift() != 0;
 }
 
+inline bool windowed(const AttentionParams& p) {
+  return p.is_causal && p.window > 0;
+}
+
 // The features of the kernels these params need whatever path runs them (the flash head dims
 // and split-KV are choices of the dispatch, not needs of the problem).
 inline unsigned needed_features(const AttentionParams& p) {
-  return (grouped_query(p) ? kGroupedQuery : 0u) | (shifted_causal(p) ? kBottomRight : 0u);
+  return (grouped_query(p) ? kGroupedQuery : 0u) | (shifted_causal(p) ? kBottomRight : 0u) |
+      (windowed(p) ? kWindow : 0u);
 }
 
 // May the dispatch use `features`? Everything with the preview on; only what was verified without it.

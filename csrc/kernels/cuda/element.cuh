@@ -118,12 +118,16 @@ struct ScoreMask {
   int64_t seqlen_q = 0, seqlen_k = 0;
   bool causal = false;
   int64_t causal_shift = 0;  // query i sees keys j <= i + causal_shift (attention_params.h)
+  int64_t window = 0;        // > 0 (with causal): and keys j > i + causal_shift - window only
   // Multiplies additive mask values: 1 for natural-log scores, log2(e) for the flash
   // kernels, whose scores are kept in the log2 domain.
   Acc mask_scale = 1;
 
-  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask)
-      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()), mask_scale(scale_of_mask) {
+  // with_window false: the caller applies the window itself (the flash kernels read it from the
+  // kernel parameters, so that it holds no registers in their tight loops: flash_window_hides).
+  __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask, bool with_window = true)
+      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()),
+        window(with_window && p.is_causal ? p.window : 0), mask_scale(scale_of_mask) {
     if (mask_present(p.attn_mask)) {
       attn = p.attn_mask.ptr;
       attn_kind = p.attn_mask.kind;
@@ -144,9 +148,16 @@ struct ScoreMask {
   // Whether any mask tensor must be read (causality and bounds are arithmetic).
   __device__ __forceinline__ bool reads_memory() const { return attn != nullptr || pad != nullptr; }
 
+  // Whether the sliding window hides key col from query last_row, and so (its start grows with
+  // the row) some key from col on from some query up to last_row: with col a tile's first key
+  // and last_row its last query, whether the tile needs the mask.
+  __device__ __forceinline__ bool window_reaches(int64_t last_row, int64_t col) const {
+    return window > 0 && col <= last_row + causal_shift - window;
+  }
+
   // `s` with the masks of query `row` and key `col` applied: -inf where attending is not allowed.
   __device__ __forceinline__ Acc apply(Acc s, int64_t row, int64_t col) const {
-    if (row >= seqlen_q || col >= seqlen_k || (causal && col > row + causal_shift)) {
+    if (row >= seqlen_q || col >= seqlen_k || (causal && col > row + causal_shift) || window_reaches(row, col)) {
       return neg_inf<Acc>();
     }
     if (attn != nullptr) {
@@ -172,5 +183,12 @@ struct ScoreMask {
     return s;
   }
 };
+
+// Whether the sliding window hides key col from query row (any key up to col from some query up
+// to row, with row a tile's last query and col its first key): the flash kernels' window, read
+// from the kernel parameters at each use. shift: the kernel's causal shift.
+__device__ __forceinline__ bool flash_window_hides(const AttentionParams& p, int row, int col, int shift) {
+  return p.window > 0 && col <= row + shift - p.window;
+}
 
 }  // namespace attn_export::cuda::device

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int key_a = n0 + key_warp * 16 + lane / 4;
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
-  const ScoreMask<float> mask(params, b, h, kLog2e);
+  const ScoreMask<float> mask(params, b, h, kLog2e, /*with_window=*/false);
   const SoftCap<float> softcap(params);
 
   float acc_dk[kDTiles][4] = {};
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       // P^T = exp2(cap(S^T * scale) * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta),
       // times the soft-cap's derivative 1 - t^2 (t = tanh(S^T * scale / softcap)) when capped.
       const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || m0 + kBM > seqlen_q ||
-          (kIsCausal && n0 + kBN - 1 > m0 + shift);
+          (kIsCausal && n0 + kBN - 1 > m0 + shift) || (kIsCausal && flash_window_hides(params, m0 + kBM - 1, n0, shift));
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
@@ -166,6 +166,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
           }
           if (masked_tile) {
             s = mask.apply(s, m0 + qi, key);
+            if (kIsCausal && flash_window_hides(params, m0 + qi, key, shift)) {
+              s = neg_inf<float>();
+            }
           }
           const float p = fast_exp2(s - cLse[qi]);
           float dp = acc_dp[nt][i];

@@ -146,7 +146,7 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const float scale = static_cast<float>(params.scale);
-  const ScoreMask<float> mask(params, b, h, kLog2e);
+  const ScoreMask<float> mask(params, b, h, kLog2e, /*with_window=*/false);
   const SoftCap<float> softcap(params);
 
   float acc_o[kOTiles][4] = {};
@@ -180,14 +180,19 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
     cp_async_commit();
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
-    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift);
+    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
+        (kIsCausal && flash_window_hides(params, m0 + kBM - 1, n0, shift));
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float s = softcap.on ? softcap.apply(acc_s[nt][i] * scale) * kLog2e : acc_s[nt][i] * scale_log2;
         if (masked_tile) {
-          s = mask.apply(s, row_a + (i / 2) * 8, n0 + nt * 8 + col_in_tile + (i % 2));
+          const int row = row_a + (i / 2) * 8, col = n0 + nt * 8 + col_in_tile + (i % 2);
+          s = mask.apply(s, row, col);
+          if (kIsCausal && flash_window_hides(params, row, col, shift)) {
+            s = neg_inf<float>();
+          }
         }
         acc_s[nt][i] = s;
       }

@@ -19,11 +19,12 @@ The body, in the order it computes (each step one function below):
     x = softcap * Tanh(x / softcap)                      soft-capping
     bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
         causal = Trilu(-inf [Lq, Lk], k = 1 + (bottom-right ? Lk - Lq : 0), upper=1)
+                 + Trilu(-inf [Lq, Lk], k - 1 - window, upper=0)    sliding window (window > 0)
         grouped: x viewed [B, Hkv, G, Lq, Lk] (Reshape), the padding mask [B, 1, 1, 1, Lk], the
         attn_mask's head axis split into (Hkv, G)
     ctx = MatMul(Softmax(x + bias), v)                   grouped: viewed [B, Hkv, G, Lq, Dv]
-    ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      rows the bias empties are 0 (a mask, or
-                                                         bottom-right causal with Lq > Lk)
+    ctx = Where(IsInf(ReduceMax(bias, -1)), 0, ctx)      rows the bias empties are 0 (a mask,
+                                                         bottom-right causal with Lq > Lk, a window)
     output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
                                                          grouped: perm [0, 3, 1, 2, 4]
 
@@ -70,19 +71,24 @@ class BodyPlan:
     # the causal mask is there.
     bottom_right: When = When.NEVER
     grouped: bool = False  # repeats each key/value head for its group (kv_num_heads)
+    # The window attribute's sliding window (ALWAYS: the node's window is > 0); read only when the
+    # causal mask is there.
+    window: When = When.NEVER
 
     @property
     def guards_dead_rows(self) -> bool:
         """Whether rows may lose every key: a mask may empty one, and so may bottom-right causal
-        masking when Lq > Lk (top-left, query i always sees key 0)."""
-        bottom_right_causal = self.causal is not When.NEVER and self.bottom_right is not When.NEVER
-        return self.key_padding_mask or self.attn_mask or bottom_right_causal
+        masking when Lq > Lk (top-left, query i always sees key 0), and a window when Lq > Lk (a
+        top-left row past the last key)."""
+        causal = self.causal is not When.NEVER
+        shaped = causal and (self.bottom_right is not When.NEVER or self.window is not When.NEVER)
+        return self.key_padding_mask or self.attn_mask or shaped
 
 
 # Right for every node, whatever its attributes and T: a placeholder mask adds zeros, and a
 # group of one key/value head per query head repeats nothing.
 GENERIC = BodyPlan(causal=When.BY_ATTRIBUTE, softcap=When.BY_ATTRIBUTE, key_padding_mask=True, attn_mask=True,
-                   float32=False, bottom_right=When.BY_ATTRIBUTE, grouped=True)
+                   float32=False, bottom_right=When.BY_ATTRIBUTE, grouped=True, window=When.BY_ATTRIBUTE)
 
 
 class _Body:
@@ -277,22 +283,26 @@ def _bias(b: _Body, plan: BodyPlan, groups: Optional[_Groups]) -> Optional[str]:
     if plan.attn_mask:
         terms.append(_grouped_attn_mask(b, groups) if groups else s.input_names[4])
     if plan.causal is not When.NEVER:
-        terms.append(_causal_bias(b, plan.causal, plan.bottom_right))
+        terms.append(_causal_bias(b, plan.causal, plan.bottom_right, plan.window))
     bias = terms[0] if terms else None
     for i, term in enumerate(terms[1:]):
         bias = b.op("Add", bias, term, out=f"bias{i}")
     return bias
 
 
-def _causal_bias(b: _Body, when: When, bottom_right: When) -> str:
+def _causal_bias(b: _Body, when: When, bottom_right: When, window: When = When.NEVER) -> str:
     """[Lq, Lk]: -inf strictly above the diagonal, 0 elsewhere: key j > query i (top-left) or
-    j > i + Lk - Lq (bottom-right, from the run-time lengths)."""
+    j > i + Lk - Lq (bottom-right, from the run-time lengths); with a window, -inf also on and
+    below the diagonal `window` keys back."""
     s = _spec.load()
     lq, lk = _length(b, 0), _length(b, 1)
     all_inf = b.op("ConstantOfShape", b.op("Concat", lq, lk, out="qk_shape", axis=0), out="all_inf",
                    value=helper.make_tensor("neg_inf", FLOAT, [1], [-math.inf]))
     # Trilu's k is a 0-D tensor in the operator's spec (ONNX Runtime also takes [1]; others need not).
-    causal = b.op("Trilu", all_inf, _diagonal(b, lq, lk, bottom_right), out="causal_bias", upper=1)
+    diagonal = _diagonal(b, lq, lk, bottom_right)
+    causal = b.op("Trilu", all_inf, diagonal, out="causal_bias", upper=1)
+    if window is not When.NEVER:
+        causal = b.op("Add", causal, _window_bias(b, all_inf, diagonal, lq, lk, window), out="causal_window_bias")
     if when is When.ALWAYS:
         return causal
     on = b.op("Cast", b.attribute(s.attr_is_causal, INT64, out="causal_i"), out="causal_on", to=BOOL)
@@ -309,6 +319,20 @@ def _diagonal(b: _Body, lq: str, lk: str, bottom_right: When) -> str:
         alignment = b.attribute(_spec.load().attr_causal_alignment, INT64, out="alignment")
         shift = b.op("Mul", shift, alignment, out="alignment_shift")
     return b.op("Add", one, shift, out="causal_diagonal")
+
+
+def _window_bias(b: _Body, all_inf: str, diagonal: str, lq: str, lk: str, when: When) -> str:
+    """[Lq, Lk]: -inf where key j <= i + shift - window (before query i's window), 0 elsewhere:
+    the lower triangle from Trilu's diagonal k = diagonal - 1 - window. Window 0 (no window, BY_ATTRIBUTE
+    only) is taken as Lq + Lk, a diagonal below every row: nothing masked."""
+    window = b.attribute(_spec.load().attr_window, INT64, out="window")
+    if when is When.BY_ATTRIBUTE:
+        none = b.op("Squeeze", b.op("Add", lq, lk, out="lq_plus_lk1"), out="lq_plus_lk")
+        window = b.op("Where", b.op("Greater", window, b.const("zero_i", 0), out="window_on"), window, none,
+                      out="window_or_all")
+    first_kept = b.op("Sub", diagonal, window, out="window_diagonal1")
+    return b.op("Trilu", all_inf, b.op("Sub", first_kept, b.const("one", 1), out="window_diagonal"),
+                out="window_bias", upper=0)
 
 
 def _zero_dead_rows(b: _Body, ctx: str, bias: str) -> str:

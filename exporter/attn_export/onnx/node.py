@@ -42,6 +42,8 @@ _ATTRIBUTE_DOCS = {
     "softcap": "> 0: the scaled score x becomes softcap * tanh(x / softcap) before the masks; 0: off",
     "causal_alignment": "with is_causal, 0: query i sees keys j <= i (top-left); 1: j <= i + Lk - Lq (bottom-right)",
     "kv_num_heads": "key/value heads Hkv dividing num_heads (grouped-query attention); 0: num_heads",
+    "window": "with is_causal, > 0: query i sees only the last `window` keys up to its causal diagonal "
+              "(sliding window); 0: no window",
     "plugin_namespace": "TensorRT plugin namespace",
     "plugin_version": "TensorRT plugin version",
 }
@@ -91,7 +93,7 @@ _ATTRIBUTE_TYPES = {"INT": int, "FLOAT": float, "STRING": str}
 
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
                     has_attn_mask: bool, softcap: float = 0.0, causal_alignment: int = 0,
-                    kv_num_heads: Optional[int] = None) -> dict:
+                    kv_num_heads: Optional[int] = None, window: int = 0) -> dict:
     """The attributes every exported node carries, by their spec names; ``kv_num_heads`` None
     is num_heads (no grouping). Every attribute is written, also at its default: a body's
     attribute references then never rely on the function's defaults, which not every tool
@@ -112,12 +114,15 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         s.attr_softcap: softcap,
         s.attr_causal_alignment: causal_alignment,
         s.attr_kv_num_heads: num_heads if kv_num_heads is None else kv_num_heads,
+        s.attr_window: window,
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
     refusals = [f"{name} must be an integer; got {value}" for name, value in given.items()
                 if s.attribute[name].type_name == "INT" and not float(value).is_integer()]
     refusals += s.refusals(given)
+    if window and not is_causal:
+        refusals.append(f"window > 0 needs is_causal (the window ends at the causal diagonal); got window={window}")
     if refusals:
         raise ValueError(refusals[0])
     return {name: _ATTRIBUTE_TYPES[s.attribute[name].type_name](value) for name, value in given.items()}
@@ -154,13 +159,14 @@ class BodyVariant:
     float32: bool  # T is float32: no casts
     bottom_right: bool = False  # causal, aligned bottom-right (causal_alignment 1)
     grouped: bool = False  # grouped-query: kv_num_heads set and < num_heads
+    windowed: bool = False  # causal with a sliding window (window > 0)
 
     @property
     def name(self) -> str:
         """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``
-        (``br``: bottom-right causal, ``gqa``: grouped-query)."""
+        (``br``: bottom-right causal, ``win``: sliding window, ``gqa``: grouped-query)."""
         parts = ["f32" if self.float32 else "cast"]
-        parts += [name for name, on in (("causal", self.is_causal), ("br", self.bottom_right),
+        parts += [name for name, on in (("causal", self.is_causal), ("br", self.bottom_right), ("win", self.windowed),
                                         ("kpm", self.has_key_padding_mask), ("mask", self.has_attn_mask),
                                         ("softcap", self.softcap), ("gqa", self.grouped)) if on]
         return "_".join(parts)
@@ -176,7 +182,7 @@ class BodyVariant:
         return _body.BodyPlan(causal=_body.When.of(self.is_causal), softcap=_body.When.of(self.softcap),
                               key_padding_mask=self.has_key_padding_mask, attn_mask=self.has_attn_mask,
                               float32=self.float32, bottom_right=_body.When.of(self.bottom_right),
-                              grouped=self.grouped)
+                              grouped=self.grouped, window=_body.When.of(self.windowed))
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
@@ -194,7 +200,8 @@ class BodyVariant:
         return cls(causal, bool(get(s.attr_has_key_padding_mask)), bool(get(s.attr_has_attn_mask)),
                    float(get(s.attr_softcap)) > 0, query_type == TensorProto.FLOAT,
                    bottom_right=causal and int(get(s.attr_causal_alignment)) == 1,
-                   grouped=kv_heads not in (0, int(get(s.attr_num_heads))))
+                   grouped=kv_heads not in (0, int(get(s.attr_num_heads))),
+                   windowed=causal and int(get(s.attr_window)) > 0)
 
 
 def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:

@@ -20,7 +20,8 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
 
 A node the operator cannot express keeps the custom node (and its function), and the rewrite
 says which and why: soft-capping together with a mask or causal masking, where opset 23 puts
-the cap after the mask (a masked key comes back as -softcap) and runtimes disagree.
+the cap after the mask (a masked key comes back as -softcap) and runtimes disagree; a sliding
+window (``window > 0``), which opset 23 does not have.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _attrs(node: onnx.NodeProto) -> Dict[str, object]:
 def _expressed(s) -> set:
     """The node attributes the rewrite below carries over to the standard operator."""
     return {s.attr_num_heads, s.attr_scale, s.attr_is_causal, s.attr_has_key_padding_mask, s.attr_has_attn_mask,
-            s.attr_softcap, s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_plugin_namespace,
+            s.attr_softcap, s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_window, s.attr_plugin_namespace,
             s.attr_plugin_version}
 
 
@@ -75,6 +76,9 @@ def why_not_standard(node: onnx.NodeProto) -> str | None:
                      and (name not in s.attribute or a[name] != s.attribute[name].default))
     if unknown:
         return f"attribute {', '.join(unknown)} has no counterpart in the standard Attention operator"
+    if a[s.attr_is_causal] and int(a[s.attr_window]) > 0:
+        return (f"sliding window (window={int(a[s.attr_window])}): opset 23 Attention has no window, and a "
+                "materialized [Lq, Lk] mask would undo the compact mask")
     heads, kv_heads = int(a[s.attr_num_heads]), int(a[s.attr_kv_num_heads])
     if kv_heads < 0 or (kv_heads and heads % kv_heads):
         return f"kv_num_heads={kv_heads} does not divide num_heads={heads}"

@@ -251,6 +251,12 @@ def check_core_attributes(attributes: dict) -> None:
     the trailing attributes softcap, causal_alignment, ...) must lie in it."""
     for refusal in _OPS.refusals(attributes):
         torch._check(False, lambda refusal=refusal: f"attention: {refusal}")
+    window, is_causal = attributes.get("window", 0), attributes.get("is_causal", False)
+    torch._check(
+        window == 0 or is_causal,
+        lambda: "attention: window > 0 needs is_causal=True (the window ends at the causal diagonal); "
+        f"got window={window} with is_causal=False: pass is_causal=True, or window=0 and a boolean attn_mask",
+    )
 
 
 def check_softcap(softcap) -> None:

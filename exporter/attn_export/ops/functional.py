@@ -30,6 +30,7 @@ def attention(
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
     causal_alignment: int = CausalAlignment.TOP_LEFT,
+    window: int = 0,
 ) -> Tensor:
     """Scaled dot-product attention, ``softmax(cap(scale * q k^T) + masks) v``, as one operator.
 
@@ -55,6 +56,12 @@ def attention(
             Must be finite and >= 0 (``ValueError`` otherwise).
         causal_alignment: a :class:`CausalAlignment` (or its int, 0 or 1); only read with
             ``is_causal``.
+        window: sliding-window attention (Mistral, Gemma 2's local layers): with ``is_causal``,
+            query ``i`` sees only the last ``window`` keys up to its causal diagonal,
+            ``d - window < j <= d`` for the diagonal ``d = i`` (top-left) or ``i + Lk - Lq``
+            (bottom-right): transformers' ``kv_idx > q_idx - sliding_window`` in absolute
+            positions. 0 (the default): no window. ``window > 0`` without ``is_causal`` is
+            refused (the window ends at the causal diagonal).
 
     Returns:
         ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
@@ -64,11 +71,10 @@ def attention(
     """
     # The attributes left at the operator's defaults are not passed: graphs traced without them
     # look as they did before they existed.
-    attributes = []
-    if causal_alignment != CausalAlignment.TOP_LEFT:
-        attributes = [0.0 if softcap is None else _checked_softcap(softcap), int(causal_alignment)]
-    elif softcap is not None and softcap != 0:
-        attributes = [_checked_softcap(softcap)]
+    attributes = [0.0 if softcap is None else _checked_softcap(softcap), int(causal_alignment),
+                  _checked_window(window)]
+    while attributes and attributes[-1] == 0:  # softcap 0.0, TOP_LEFT and window 0 are the defaults
+        attributes.pop()
     return torch.ops.attn_export.attention.default(
         query, key, value, attn_mask, key_padding_mask, is_causal, scale, *attributes
     )
@@ -83,6 +89,15 @@ def _checked_softcap(softcap) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (None or 0 = off); got {softcap!r}")
     return value
+
+
+def _checked_window(window) -> int:
+    """A window >= 0 as an int; TypeError for a non-integer, ValueError for a negative one."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"window must be an int (0 = no window); got {type(window).__name__}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = no window); got {window!r}")
+    return int(window)
 
 
 def multi_head_attention(

@@ -58,6 +58,7 @@ void test_fields_round_trip() {
   c.softcap = 30.0F;
   c.causal_alignment = 1;
   c.kv_num_heads = 2;
+  c.window = 3;
   Field fields[kNumFields];
   fields_to_serialize(c, fields);
   for (int32_t i = 0; i < kNumFields; ++i) {
@@ -69,10 +70,11 @@ void test_fields_round_trip() {
   const std::string why = parse_fields(fields, kNumFields, back);
   check(why.empty(), "round trip parses: " + why);
   check(back.num_heads == 4 && back.scale == 0.125F && back.is_causal == 1 && back.has_key_padding_mask == 1 &&
-            back.has_attn_mask == 0 && back.softcap == 30.0F && back.causal_alignment == 1 && back.kv_num_heads == 2,
+            back.has_attn_mask == 0 && back.softcap == 30.0F && back.causal_alignment == 1 && back.kv_num_heads == 2 &&
+            back.window == 3,
         "round trip keeps every value");
   check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
-                          "causal_alignment=1 kv_num_heads=2",
+                          "causal_alignment=1 kv_num_heads=2 window=3",
         "describe: " + describe(back));
 }
 

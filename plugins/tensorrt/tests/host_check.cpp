@@ -386,7 +386,7 @@ int main() {
   check(build->getMetadataString() != nullptr &&
             std::string(build->getMetadataString()) ==
                 "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
-                "causal_alignment=0 kv_num_heads=0",
+                "causal_alignment=0 kv_num_heads=0 window=0",
         "metadata string names the fields");
 
   // ---- serialization round trip (engine build -> engine load).

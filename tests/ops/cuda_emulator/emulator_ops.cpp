@@ -64,13 +64,15 @@ void run_forward(const AttentionParams& params, const at::Tensor& like) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
-    bool is_causal, std::optional<double> scale, bool need_weights, double softcap, int64_t causal_alignment) {
+    bool is_causal, std::optional<double> scale, bool need_weights, double softcap, int64_t causal_alignment,
+    int64_t window) {
   EmulatedCall call;
   const at::Tensor query = guarded_memory::guarded_copy(query_in), key = guarded_memory::guarded_copy(key_in),
                    value = guarded_memory::guarded_copy(value_in);
   const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
   const ForwardArgs routed = verified_forward_args(
-      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment}, need_weights},
+      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment, window},
+       need_weights},
       cuda::attention_preview_enabled());
   const AttentionForward f = prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
   run_forward(f.params, query);
@@ -82,14 +84,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_output_in, const std::optional<at::Tensor>& grad_weights_in,
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& logsumexp_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
-    bool is_causal, std::optional<double> scale, double softcap, int64_t causal_alignment) {
+    bool is_causal, std::optional<double> scale, double softcap, int64_t causal_alignment, int64_t window) {
   EmulatedCall call;
   using guarded_memory::guarded_copy;
   const at::Tensor grad_output = guarded_copy(grad_output_in), query = guarded_copy(query_in),
                    key = guarded_copy(key_in), value = guarded_copy(value_in), logsumexp = guarded_copy(logsumexp_in);
   const auto grad_weights = guarded(grad_weights_in), attn_mask = guarded(attn_mask_in),
              key_padding_mask = guarded(key_padding_mask_in);
-  const CoreOptions given{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment};
+  const CoreOptions given{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment, window};
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_core_attributes(given);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
@@ -174,11 +176,11 @@ at::Tensor emulator_mma_product(const at::Tensor& a, const at::Tensor& b, bool b
 
 TORCH_LIBRARY(attn_export_emu, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-        "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0) "
+        "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
         "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-        "float softcap=0.0, int causal_alignment=0) -> (Tensor, Tensor, Tensor)");
+        "float softcap=0.0, int causal_alignment=0, int window=0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
   m.def("forward_workspace_size(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
   m.def("set_sm_count(int count) -> ()", &set_sm_count);

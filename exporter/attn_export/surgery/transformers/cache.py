@@ -13,7 +13,7 @@ past_sequence + sequence, head_dim]. One graph serves prefill (past length 0) an
 
 The cache is rebuilt from the flat tensors in every call (``DynamicCache.update`` per layer),
 so the model's own code appends the new keys and values: the exported Concat is the model's.
-Every layer keeps its whole past, also under a sliding window (the mask applies the window).
+Every layer keeps its whole past, also under a sliding window (the operator's window applies it).
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def _full_cache():
     """A DynamicCache whose every layer keeps the whole past: built from a config, transformers
     gives sliding-window layers (Mistral, Gemma 2) a cache that drops keys beyond the window,
     a length-dependent branch and presents shorter than past + new tokens; with the whole past
-    kept, the model's mask applies the window (as Optimum's exports do)."""
+    kept, the operator's window (or the model's mask) applies the window (as Optimum's exports do)."""
     from transformers import DynamicCache
 
     return DynamicCache()

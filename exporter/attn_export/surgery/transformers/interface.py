@@ -108,7 +108,8 @@ def attention_forward(
 
     Also served: ``position_bias`` (T5's relative position bias: added to the operator's
     additive mask), ``softcap`` (Gemma 2's logit soft-capping: the operator's ``softcap``),
-    ``sliding_window`` (held by the mask transformers builds; made explicit when there is none).
+    ``sliding_window`` (the operator's ``window`` on causal calls: the compact mask and no mask;
+    a materialized mask holds it already).
 
     Calls the operator cannot compute run transformers' eager attention of the layer's modeling
     file and are counted in :func:`unfused_calls` (see :func:`unfused_reason`); ``dropout > 0``
@@ -132,11 +133,14 @@ def attention_forward(
     from attn_export.ops.functional import CausalAlignment, attention
 
     # Grouped-query heads go in as they are: the operator reads key/value head h // (H / Hkv).
-    attn_mask, key_padding_mask, causal = _operator_masks(query, key.shape[2], attention_mask, causal, kwargs)
+    attn_mask, key_padding_mask, causal, window = _operator_masks(query, key.shape[2], attention_mask, causal,
+                                                                  kwargs)
     softcap = kwargs.get("softcap")
     extra = {"softcap": float(softcap)} if softcap else {}
     if causal:  # bottom-right: with a cache the queries are the last positions (one query sees every key)
         extra["causal_alignment"] = CausalAlignment.BOTTOM_RIGHT
+        if window:
+            extra["window"] = window
     out = attention(query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                     is_causal=causal, scale=scaling, **extra)
     _count_fused(module)
@@ -145,22 +149,19 @@ def attention_forward(
 
 
 def _operator_masks(query: torch.Tensor, k_length, attention_mask, causal: bool, kwargs: dict):
-    """(attn_mask, key_padding_mask, is_causal) for the operator from what the layer was given:
-    transformers' mask, a sliding window and T5's position bias."""
+    """(attn_mask, key_padding_mask, is_causal, window) for the operator from what the layer was
+    given: transformers' mask, a sliding window and T5's position bias. A causal call (the compact
+    2-D mask, or none) of a sliding-window layer gets the layer's window as the operator's
+    ``window`` (0: none); a materialized 4-D mask already holds the window."""
     window = kwargs.get("sliding_window")
-    if causal and isinstance(window, int):
-        # transformers builds the window into the mask (never a compact one); should it skip the
-        # mask, the window must still apply (explicitly, and without comparing lengths: no guard
-        # on a symbolic length). The operator has no window attribute.
-        attention_mask = materialized(attention_mask, causal, query.shape[2], k_length, query.device, window)
-        causal = False
+    window = window if causal and isinstance(window, int) and not isinstance(window, bool) and window > 0 else 0
     attn_mask, key_padding_mask = to_operator_masks(attention_mask, query.shape[0], k_length)
     bias = kwargs.get("position_bias")
     if bias is not None:
         attn_mask = bias if attn_mask is None else _additive(attn_mask, query.dtype) + bias
     if attn_mask is not None and attn_mask.dtype.is_floating_point and attn_mask.dtype != query.dtype:
         attn_mask = attn_mask.to(query.dtype)
-    return attn_mask, key_padding_mask, causal
+    return attn_mask, key_padding_mask, causal, window
 
 
 def register() -> None:

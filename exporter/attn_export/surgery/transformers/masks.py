@@ -8,10 +8,14 @@ Two masks are kept compact (one row per key, never ``[B, 1, Lq, Lk]``):
 * a plain causal mask whose queries are the last ``Lq`` of the ``Lk`` keys (no cache, or a
   ``DynamicCache``): the 2-D padding mask ``[B, Lk]`` (booleans, ``True`` = attend) or ``None``,
   which the attention function turns into ``is_causal`` aligned bottom-right plus the
-  ``key_padding_mask`` (as transformers' FlashAttention-2 mask: the kernel applies causality).
+  ``key_padding_mask`` (as transformers' FlashAttention-2 mask: the kernel applies causality);
+* the same with a sliding window (transformers' ``sliding_window_causal_mask_function``: Mistral,
+  Gemma 2's local layers, Qwen2 with ``use_sliding_window``), also over a sliding-window cache
+  whose first key is not position 0: the same 2-D padding mask, and the attention function
+  passes the layer's ``sliding_window`` to the operator's ``window``.
 
-Everything else (sliding windows, chunked attention, packed sequences, ``or``/``and`` overlays,
-static caches with a tensor offset) is transformers' ``sdpa`` mask, built by its own function.
+Everything else (chunked attention, packed sequences, ``or``/``and`` overlays, static caches
+with a tensor offset) is transformers' ``sdpa`` mask, built by its own function.
 """
 from __future__ import annotations
 
@@ -100,6 +104,9 @@ def attention_mask(*args, **kwargs):
             compact = _bidirectional_padding(kwargs)
         elif mask_function is masking_utils.causal_mask_function:
             compact = _causal_padding(kwargs)
+        elif sliding_window_of(mask_function) is not None and sliding_window_of(mask_function) == kwargs.get(
+                "local_size"):
+            compact = _causal_padding(kwargs, windowed=True)
         if compact is not _NOT_COMPACT:
             return compact
     sdpa_mask = masking_utils.AttentionMaskInterface._global_mapping["sdpa"]
@@ -118,6 +125,29 @@ def _plain(kwargs) -> bool:
     return isinstance(kv_offset, int) and kv_offset == 0 and kwargs.get("local_size") is None
 
 
+def sliding_window_of(mask_function) -> Optional[int]:
+    """The window of exactly ``sliding_window_causal_mask_function(window)`` (transformers' and_masks
+    of its sliding_window_overlay and causal_mask_function, read from the closures); None for any
+    other mask function (an overlay, a packed-sequence remap, ...)."""
+    from transformers import masking_utils
+
+    parts = _closure_values(mask_function, "and_masks")
+    if parts is None or len(parts) != 1 or not isinstance(parts[0], tuple) or len(parts[0]) != 2:
+        return None
+    overlay, causal = parts[0]
+    window = _closure_values(overlay, "sliding_window_overlay")
+    if causal is not masking_utils.causal_mask_function or window is None or len(window) != 1:
+        return None
+    return window[0] if isinstance(window[0], int) and not isinstance(window[0], bool) and window[0] > 0 else None
+
+
+def _closure_values(function, factory: str):
+    """The values a function made by ``factory`` (a function of masking_utils) closes over, or None."""
+    if not callable(function) or not getattr(function, "__qualname__", "").startswith(f"{factory}.<locals>."):
+        return None
+    return tuple(cell.cell_contents for cell in function.__closure__ or ())
+
+
 def _bidirectional_padding(kwargs):
     q_offset = kwargs.get("q_offset", 0)
     if not (_plain(kwargs) and isinstance(q_offset, int) and q_offset == 0):
@@ -130,13 +160,21 @@ def _bidirectional_padding(kwargs):
     return _NOT_COMPACT
 
 
-def _causal_padding(kwargs):
+def _causal_padding(kwargs, windowed: bool = False):
     """The 2-D padding mask (or None) for a causal mask whose queries are the last of the keys:
-    ``q_offset + q_length == kv_length`` (a ``DynamicCache``: the offset is the past length;
-    without a cache 0 and ``kv_length == q_length``). Decided from sizes known without a guard;
-    a tensor offset (static caches) is never compact."""
+    ``q_offset + q_length == kv_offset + kv_length`` (a ``DynamicCache``: the offset is the past
+    length; without a cache 0 and ``kv_length == q_length``; a sliding-window cache: kv_offset
+    the first key kept, an int). Decided from sizes known without a guard; a tensor offset
+    (static caches) is never compact. ``windowed``: the mask has the sliding window of
+    ``local_size``, which the attention function applies from the layer's ``sliding_window``."""
     q_offset, q_length, kv_length = kwargs.get("q_offset", 0), kwargs.get("q_length"), kwargs["kv_length"]
-    if not _plain(kwargs) or isinstance(q_offset, torch.Tensor) or q_length is None:
+    kv_offset = kwargs.get("kv_offset", 0)
+    plain = _plain(dict(kwargs, local_size=None)) if windowed else _plain(kwargs)
+    if windowed and isinstance(kv_offset, int) and isinstance(q_offset, int) and kv_offset > 0:
+        # A sliding-window cache: the keys kept are the last kv_length positions, as the queries'.
+        plain = isinstance(q_length, int) and isinstance(kv_length, int) and q_offset + q_length == kv_offset + kv_length
+        q_offset -= kv_offset
+    if not plain or isinstance(q_offset, torch.Tensor) or q_length is None:
         return _NOT_COMPACT
     if not _same_size(q_offset + q_length, kv_length):
         if not (isinstance(q_offset, int) and q_offset == 0 and _traced_equal(q_length, kv_length)):
