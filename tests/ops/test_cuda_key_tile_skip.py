@@ -34,7 +34,7 @@ pytestmark = [
 
 TOL_OUT = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
 TOL_GRAD = {torch.float16: 4 * EPS[torch.float16], torch.bfloat16: 4 * EPS[torch.bfloat16]}
-H200_SMS = 132
+from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
 LK = 300  # keys: not a multiple of any tile
 SPAN = 128  # every flash kernel's key tile (32, 64 or 128 keys) divides it
 
@@ -70,13 +70,9 @@ def _poisoned(t: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def emu_ops():
-    from cuda_emulator.build import load
+    from cuda_emulator.build import ops_restored_after
 
-    ops = load()
-    before = ops.preview_enabled()
-    yield ops
-    ops.set_preview(before)
-    ops.set_sm_count(H200_SMS)
+    yield from ops_restored_after()
 
 
 def _run(ops, dtype, *, Lq, H, Hkv, D, masks, mask_dtype=torch.bool):

@@ -32,18 +32,14 @@ pytestmark = [
 ]
 
 TOL = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
-H200_SMS = 132
+from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
 
 
 @pytest.fixture(scope="module")
 def emu_ops():
-    from cuda_emulator.build import load
+    from cuda_emulator.build import ops_restored_after
 
-    ops = load()
-    before = ops.preview_enabled()
-    yield ops
-    ops.set_preview(before)
-    ops.set_sm_count(H200_SMS)
+    yield from ops_restored_after()
 
 
 @pytest.fixture

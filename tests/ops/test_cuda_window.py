@@ -28,18 +28,14 @@ TOL_OUT = {torch.float32: 8 * EPS[torch.float32], torch.float16: 2 * EPS[torch.f
            torch.bfloat16: 2 * EPS[torch.bfloat16]}
 TOL_GRAD = {torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch.float16],
             torch.bfloat16: 4 * EPS[torch.bfloat16]}
-H200_SMS = 132
+from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
 
 
 @pytest.fixture(scope="module")
 def emu_ops():
-    from cuda_emulator.build import load
+    from cuda_emulator.build import ops_restored_after
 
-    ops = load()
-    before = ops.preview_enabled()
-    yield ops
-    ops.set_preview(before)
-    ops.set_sm_count(H200_SMS)
+    yield from ops_restored_after()
 
 
 def run_and_check(ops, dtype, B, H, Hkv, Lq, Lk, D, alignment, window, padded=True):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from attn_export.errors import InputError, first_line
+from attn_export.surgery.transformers.cache import CacheGeometry, empty_past
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.runners import OnnxRuntimeRunner, RunnerError
@@ -34,23 +34,7 @@ DEFAULT_PROMPT_LENGTHS = (5, 9, 12)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """The metadata's ``attn_export.with_past``: what an empty past looks like."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    position_ids: bool
-    dtype: str
-
-    def empty_past(self, batch: int) -> dict:
-        shape = (batch, self.num_kv_heads, 0, self.head_dim)
-        return {f"past_key_values.{i}.{kind}": torch.zeros(shape, dtype=DTYPES[self.dtype])
-                for i in range(self.num_layers) for kind in ("key", "value")}
-
-
-def cache_layout(onnx_model) -> Optional[CacheLayout]:
+def cache_layout(onnx_model) -> Optional[CacheGeometry]:
     """The cache layout a cached export records, None for a file without a cache."""
     from attn_export.onnx import read_metadata
 
@@ -59,14 +43,14 @@ def cache_layout(onnx_model) -> Optional[CacheLayout]:
         return None
     try:
         fields = json.loads(raw)
-        return CacheLayout(int(fields["num_layers"]), int(fields["num_kv_heads"]), int(fields["head_dim"]),
+        return CacheGeometry(int(fields["num_layers"]), int(fields["num_kv_heads"]), int(fields["head_dim"]),
                            bool(fields["position_ids"]), str(fields.get("dtype", "fp32")))
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"the metadata attn_export.with_past is not the JSON the exporter writes ({raw!r}: "
                          f"{first_line(exc)}); re-export the model with its cache") from exc
 
 
-def require_cache_layout(onnx_model, onnx_path) -> CacheLayout:
+def require_cache_layout(onnx_model, onnx_path) -> CacheGeometry:
     layout = cache_layout(onnx_model)
     if layout is None:
         raise InputError(f"{onnx_path} has no key/value cache (no attn_export.with_past metadata): export it with "
@@ -123,11 +107,11 @@ def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits]), prefill.float()
 
 
-def _decode(runner, layout: CacheLayout, output_names: List[str], ids, mask,
+def _decode(runner, layout: CacheGeometry, output_names: List[str], ids, mask,
             tokens) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The backend's prefill logits [B, S, V] and each step's last-position logits [B, V], fed
     ``tokens`` (the reference's) one per step with the presents of the step before."""
-    feed = {"input_ids": ids, "attention_mask": mask, **layout.empty_past(ids.shape[0])}
+    feed = {"input_ids": ids, "attention_mask": mask, **empty_past(layout, ids.shape[0], DTYPES[layout.dtype])}
     steps, prefill = [], None
     for k in range(tokens.shape[1]):
         if layout.position_ids:
@@ -154,7 +138,7 @@ def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens:
     return "; ".join(parts)
 
 
-def run_backend(runner, layout: CacheLayout, output_names: List[str], ids, mask, reference,
+def run_backend(runner, layout: CacheGeometry, output_names: List[str], ids, mask, reference,
                 rtol: float) -> BackendGeneration:
     """One backend against the reference (tokens, step logits, prefill logits)."""
     ref_tokens, ref_steps, ref_prefill = reference

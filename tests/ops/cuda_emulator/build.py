@@ -134,3 +134,16 @@ def load(verbose: bool = False):
         verbose=verbose,
     )
     return torch.ops.attn_export_emu
+
+
+H200_SMS = 132  # the multiprocessor count the emulated device reports unless a test sets another
+
+
+def ops_restored_after():
+    """A fixture body: the emulator's ops, and afterwards its preview switch as it was and its
+    multiprocessor count back at an H200's, for the tests that change them."""
+    ops = load()
+    before = ops.preview_enabled()
+    yield ops
+    ops.set_preview(before)
+    ops.set_sm_count(H200_SMS)
