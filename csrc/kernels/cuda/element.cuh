@@ -123,8 +123,9 @@ struct ScoreMask {
   // kernels, whose scores are kept in the log2 domain.
   Acc mask_scale = 1;
 
-  // with_window false: the caller applies the window itself (the flash kernels read it from the
-  // kernel parameters, so that it holds no registers in their tight loops: flash_window_hides).
+  // with_window false: the caller applies the window itself (the flash backward reads it from the
+  // kernel parameters, so that it holds no registers in its tight loops: flash_window_hides; the
+  // flash forward spills the other way round, with the window outside the mask).
   __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask, bool with_window = true)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()),
         window(with_window && p.is_causal ? p.window : 0), mask_scale(scale_of_mask) {

@@ -146,7 +146,7 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const float scale = static_cast<float>(params.scale);
-  const ScoreMask<float> mask(params, b, h, kLog2e, /*with_window=*/false);
+  const ScoreMask<float> mask(params, b, h, kLog2e);
   const SoftCap<float> softcap(params);
 
   float acc_o[kOTiles][4] = {};
@@ -190,9 +190,6 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
         if (masked_tile) {
           const int row = row_a + (i / 2) * 8, col = n0 + nt * 8 + col_in_tile + (i % 2);
           s = mask.apply(s, row, col);
-          if (kIsCausal && flash_window_hides(params, row, col, shift)) {
-            s = neg_inf<float>();
-          }
         }
         acc_s[nt][i] = s;
       }
