@@ -346,3 +346,20 @@ def test_validate_generates_through_the_engine_steps(tmp_path, monkeypatch):
     assert not report["passed"]
     (failure,) = [f for f in report["failures"] if "tensorrt" in f]
     assert "outside the engine's profile" in failure and "--max-context" in failure
+
+
+def test_the_worker_backend_steps_the_engine_and_returns_the_logits_only(graph_file, monkeypatch):
+    """TensorRT's child process (worker backend ``tensorrt-cached``), run in this process with
+    the stand-in: numpy feeds of the tokens in, the logits out, the cache kept inside."""
+    from attn_export.validation import worker
+
+    monkeypatch.setattr(attn_trt, "EngineRunner", lambda engine, plugin=None: stand_in(graph_file))
+    backend = worker.BACKENDS["tensorrt-cached"]("x.engine", None)
+    assert set(backend.info()["profile"]) == set(LAYOUT.input_names())
+    ids, tokens = torch.tensor([[1, 2]]), torch.tensor([[3]])
+    outs = [backend.run({n: t.numpy() for n, t in feed.items()}) for feed in steps_feeds(ids, tokens)]
+    assert [set(o) for o in outs] == [{"logits"}, {"logits"}]
+    logits, kind = outs[1]["logits"]
+    assert kind == "torch.float32" and logits.shape == (1, 1, VOCAB)
+    # 16 * (1 + 2 + 3) from the cache, 3 mask columns, position 2, and the token's own one-hot
+    assert logits[0, 0, 3] == 16 * 6 + 3 + 2 + 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
