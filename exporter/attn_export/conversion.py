@@ -57,6 +57,9 @@ class ConvertOptions:
     opt_shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
     max_shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
     workspace_mib: Optional[int] = None
+    # With with_past and to="tensorrt": the longest context (past + new tokens) the engine takes
+    # (default: the model config's max_position_embeddings; tensorrt/cache_profile.py).
+    max_context: Optional[int] = None
     runtime_timeout_s: float = 300.0
     verbose: bool = False
 
@@ -66,9 +69,9 @@ class ConvertOptions:
         check_choices(self.attention, self.functions)
         if self.genai_config and not self.with_past:
             raise InputError("genai_config (--genai-config) describes a cached export: add with_past (--with-past)")
-        if self.with_past and self.to != "onnx":
-            raise InputError("--with-past goes with --to onnx (a TensorRT engine of the cached export needs an "
-                             "optimization profile over the past's length, which is not derived yet)")
+        if self.max_context is not None and not (self.with_past and self.to == "tensorrt"):
+            raise InputError("max_context (--max-context) sizes the engine of a cached export: it goes with "
+                             "--with-past --to tensorrt")
 
 
 class Progress(Protocol):
@@ -158,6 +161,7 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
 
     from attn_export.surgery.replace import inspect_attention
 
+    max_context = _max_context(model, options) if engine_path is not None and options.with_past else None
     result = ConvertResult(onnx_path=onnx_path, engine_path=engine_path, plan=inspect_attention(model, inputs))
     if options.replace:
         progress.plan(result.plan, after_export=False)
@@ -178,7 +182,8 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
             result.coverage_problem = f"{problem} (when the model ran)"
             return result
     if engine_path is not None:
-        result.engine = _build_engine(onnx_path, engine_path, inputs, result.export, plugin, options, progress)
+        result.engine = _build_engine(onnx_path, engine_path, inputs, result.export, plugin, options, progress,
+                                      max_context)
         progress.engine_built(engine_path, result.engine)
     if options.validate:
         from attn_export.validation import validate
@@ -293,17 +298,40 @@ def _export(model, inputs, onnx_path: Path, options: ConvertOptions, progress: P
     return export
 
 
-def _build_engine(onnx_path: Path, engine_path: Path, inputs, export, plugin: Optional[str],
-                  options: ConvertOptions, progress: Progress):
+def _max_context(model, options: ConvertOptions) -> int:
+    """The longest context of a cached export's engine, checked before anything is exported."""
+    from attn_export.tensorrt.cache_profile import max_context_of
+
+    return max_context_of(getattr(model, "config", None), options.max_context)
+
+
+def _profile(onnx_path: Path, inputs, options: ConvertOptions, max_context: Optional[int]):
+    """The engine's optimization profile: from the graph's symbolic dimensions, or for a cached
+    export from the cache's contract and the longest context (tensorrt/cache_profile.py)."""
     import onnx
 
+    from attn_export import tensorrt as attn_trt
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    overrides = {"min_shapes": dict(options.min_shapes), "opt_shapes": dict(options.opt_shapes),
+                 "max_shapes": dict(options.max_shapes)}
+    if max_context is None:
+        return attn_trt.derive_profile(model, inputs, **overrides)
+    from attn_export.validation.generation import require_cache_layout
+
+    layout = require_cache_layout(model, onnx_path)
+    return attn_trt.cached_profile(model, layout, max_context=max_context, batch=int(inputs["input_ids"].shape[0]),
+                                   **overrides)
+
+
+def _build_engine(onnx_path: Path, engine_path: Path, inputs, export, plugin: Optional[str],
+                  options: ConvertOptions, progress: Progress, max_context: Optional[int] = None):
     from attn_export import tensorrt as attn_trt
 
     if export.num_attention_nodes and not plugin:
         raise InputError(f"{export.num_attention_nodes} layer(s) kept the custom node (see the notes), so the "
                          "engine needs the FusedAttention plugin: give --plugin, or build it (docs/tensorrt.md)")
-    profile = attn_trt.derive_profile(onnx.load(str(onnx_path)), inputs, min_shapes=dict(options.min_shapes),
-                                      opt_shapes=dict(options.opt_shapes), max_shapes=dict(options.max_shapes))
+    profile = _profile(onnx_path, inputs, options, max_context)
     for line in profile.lines():
         progress.note(f"profile {line}")
     with progress.step(f"building the TensorRT engine {engine_path}") as update:

@@ -442,16 +442,6 @@ def llama_config(tmp_path):
     return tmp_path / "config.json"
 
 
-def test_the_cli_refuses_the_cache_with_a_tensorrt_target(llama_config, tmp_path):
-    from helpers import invoke
-
-    proc = invoke("--model", "transformers:AutoModelForCausalLM", "--config", llama_config, "--with-past",
-                  "--to", "tensorrt", "-o", tmp_path / "m.engine")
-    assert proc.returncode == 2
-    assert "--with-past goes with --to onnx" in proc.stderr
-    assert not (tmp_path / "m.onnx").exists()
-
-
 def check_gate_ran(report):
     """The generation gate ran and passed: the prefill and the greedy steps in ONNX Runtime."""
     ran = {(c["case"], c["backend"]) for c in report["cases"] if c["status"] == "passed"}

@@ -68,3 +68,24 @@ def test_cli_to_tensorrt(tmp_path, plugin):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and report["engine"]["plugin_layers"] == 2
     assert any(c["backend"] == "tensorrt" and c["status"] == "passed" for c in report["cases"])
+
+
+@needs_tensorrt
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_cached_decoder_generates_through_the_engine(tmp_path, plugin, dtype):
+    """--with-past --to tensorrt: the engine's profile runs the past from 0 (the prefill) to
+    --max-context - 1, and the generation gate's 16 greedy tokens through the engine (its cache
+    kept on the GPU, CachedEngineSteps) equal generate()'s, every step within tolerance."""
+    transformers = pytest.importorskip("transformers")
+    from hf_models import tiny_llama
+
+    assert transformers
+    tiny_llama().config.save_pretrained(tmp_path)
+    run("--model", "transformers:AutoModelForCausalLM", "--config", "config.json", "--with-past", "--to", "tensorrt",
+        "--dtype", dtype, "--max-context", "64", "--plugin", plugin, "-o", "llama.engine", "--json", "report.json",
+        cwd=tmp_path, expect=0)
+    report = json.loads((tmp_path / "report.json").read_text())
+    runs = {r["backend"]: r for r in report["generation"]["runs"]}
+    assert report["passed"] and runs["tensorrt"]["tokens"] == report["generation"]["reference_tokens"]
+    past = report["engine"]["profile"]["inputs"]["past_key_values.0.key"]
+    assert past["min"][2] == 0 and past["max"][2] == 63

@@ -127,16 +127,18 @@ class ReportArgs:
 
 @dataclass(frozen=True)
 class ProfileArgs:
-    """The TensorRT optimization profile (--min/--opt/--max-shapes, --workspace-mib)."""
+    """The TensorRT optimization profile (--min/--opt/--max-shapes, --workspace-mib, --max-context)."""
 
     min_shapes: Tuple[str, ...]
     opt_shapes: Tuple[str, ...]
     max_shapes: Tuple[str, ...]
     workspace_mib: Optional[int]
+    max_context: Optional[int]
 
     @property
     def given(self) -> bool:
-        return bool(self.min_shapes or self.opt_shapes or self.max_shapes or self.workspace_mib)
+        return bool(self.min_shapes or self.opt_shapes or self.max_shapes or self.workspace_mib
+                    or self.max_context is not None)
 
     def shape_specs(self) -> dict:
         """{"min"|"opt"|"max": {input: dims}}, parsed (InputError on a malformed spec)."""
@@ -332,4 +334,8 @@ def profile_options(f):
                           "size the validation sweeps."),
         click.option("--workspace-mib", type=click.IntRange(min=1), metavar="MIB",
                      help="TensorRT's workspace memory limit (default: TensorRT's, the GPU's memory)."),
+        click.option("--max-context", "max_context", type=click.IntRange(min=2), metavar="N",
+                     help="With --with-past: the longest context (past + new tokens) the engine takes; the past "
+                          "axis runs from 0 to N-1, the attention mask's to N. Default: the model config's "
+                          "max_position_embeddings (docs/tensorrt.md, \"Cached decoders\")."),
     ])(f)

@@ -57,12 +57,14 @@ parser (10.14+) maps the standard Attention nodes itself. --onnx-functions inlin
 custom nodes' bodies into the graph, for runtimes that do not read model-local functions
 (OpenVINO, onnx.version_converter; docs/onnx_consumers.md).
 
---with-past (transformers decoder-only causal LMs, --to onnx) exports the model with its
-key/value cache: one graph for prefill (past length 0) and decode, with Optimum's names
-(input_ids, attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value
-in; logits, present.{i}.key/value out) and the cache's geometry in the metadata property
-attn_export.with_past (docs/huggingface.md). The parity gate then runs new tokens after a
-non-empty past.
+--with-past (transformers decoder-only causal LMs) exports the model with its key/value cache:
+one graph for prefill (past length 0) and decode, with Optimum's names (input_ids,
+attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value in; logits,
+present.{i}.key/value out) and the cache's geometry in the metadata property
+attn_export.with_past (docs/huggingface.md). The gate then generates greedy tokens with the
+cache (or, for a model without generate(), runs new tokens after a non-empty past). With --to
+tensorrt the engine's profile runs the past from 0 to --max-context - 1 tokens (default: the
+config's max_position_embeddings) and the gate generates through the engine too.
 
 \b
 Examples:
@@ -73,6 +75,8 @@ Examples:
   attn-export ./bert-tiny --to onnx --input input_ids:2x16:int64 --input attention_mask:2x16:int64
   attn-export --model transformers:AutoModelForCausalLM --config gpt2-config.json -o gpt2.onnx
   attn-export --model transformers:AutoModelForCausalLM --config llama-config.json --with-past -o llama.onnx
+  attn-export --model transformers:AutoModelForCausalLM --config llama-config.json --with-past \\
+      --to tensorrt --max-context 2048 -o llama.engine
   attn-export model.pt --to tensorrt --dtype fp16 --plugin build/tensorrt/libattn_export_trt_plugin.so \\
       --max-shapes src:8x512x64
   attn-export model.pt --to onnx --ort-provider cuda --ort-provider tensorrt --ort-trt-cache trt-cache/
@@ -109,7 +113,8 @@ def default_output(model_path, factory, to: str) -> Path:
               help="Export in this precision (default: the model's own).")
 @click.option("--with-past", "with_past", is_flag=True,
               help="Export a transformers decoder-only causal LM with its key/value cache (past_key_values.* in, "
-                   "present.* out): one graph for prefill and decode (--to onnx).")
+                   "present.* out): one graph for prefill and decode (--to onnx, or --to tensorrt with "
+                   "--max-context).")
 @click.option("--genai-config", "genai_config", is_flag=True,
               help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime GenAI "
                    "generates with the export's directory (docs/onnx_consumers.md).")
@@ -135,8 +140,8 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         raise InputError("--html writes the validation report: it does not go with --no-validate")
     check_html(html_path)
     if to == "onnx" and (onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given):
-        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes and --workspace-mib go with --to tensorrt "
-                         "(--plugin also with --ort-provider tensorrt)")
+        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes, --workspace-mib and --max-context go "
+                         "with --to tensorrt (--plugin also with --ort-provider tensorrt)")
     if no_validate and ort_args.given:
         raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
                          "drop them or --no-validate")
@@ -148,7 +153,7 @@ def convert(session, model_path, to, output, onnx_output, model_args, input_args
         seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
         ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
         plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],
-        workspace_mib=profile_args.workspace_mib, runtime_timeout_s=runtime_timeout, verbose=session.verbose)
+        workspace_mib=profile_args.workspace_mib, max_context=profile_args.max_context, runtime_timeout_s=runtime_timeout, verbose=session.verbose)
     progress = ConsoleProgress(session, onnx_attention)
     target = preflight(options, progress)
     with session.step("loading the model"):

@@ -43,9 +43,10 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
     profile are reported as skipped for TensorRT; at least one must run.
 
     A cached export (--with-past; attn_export.with_past in its metadata) is checked by
-    generation instead: --new-tokens greedy tokens through ONNX Runtime with the cache, from a
-    left-padded batch of prompts, must equal the model's generate() and every step's logits
-    must be within the tolerance; the report shows the prefill's and every step's errors.
+    generation instead: --new-tokens greedy tokens through ONNX Runtime (and the --engine, its
+    cache kept on the GPU) with the cache, from a left-padded batch of prompts, must equal the
+    model's generate() and every step's logits must be within the tolerance; the report shows
+    the prefill's and every step's errors.
 
     ONNX Runtime runs on the CPU unless --ort-provider says otherwise (cuda, tensorrt: one row
     each; docs/validation.md). Prints one row per case; --json / --junit / --html write the

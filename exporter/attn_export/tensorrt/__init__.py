@@ -6,6 +6,10 @@
     >>> info = attn_trt.build_engine("model.onnx", "model.engine", plugin=plugin, profile=profile)
     >>> outputs = attn_trt.EngineRunner("model.engine", plugin=plugin).run(example_inputs)
 
+A cached decoder export (``--with-past``) gets its profile from :func:`cached_profile` (the past
+from 0 to ``max_context - 1`` tokens) and generates through :class:`CachedEngineSteps` (the
+cache stays on the GPU between steps).
+
 The plugin (plugins/tensorrt/) runs the ``attn_export.FusedAttention`` nodes with the same CUDA
 kernels as the PyTorch operator. Before anything is built, :func:`preflight` checks that the
 library loads, that it registers a creator under exactly the name/version/namespace the nodes
@@ -22,7 +26,8 @@ install when TensorRT or a GPU is missing.
 
 Modules, one job each: ``runtime`` (TensorRT, the GPU, errors), ``plugin_library`` (find, check,
 register the library), ``requests`` (what the nodes ask for), ``preflight``, ``profiles``,
-``build`` (engines), ``run`` (EngineRunner).
+``build`` (engines), ``run`` (EngineRunner), ``cache_profile`` (the profile of a cached export),
+``generation`` (CachedEngineSteps).
 """
 from attn_export.tensorrt.build import ENGINE_META_SUFFIX, EngineInfo, build_engine, read_engine_metadata
 from attn_export.tensorrt.plugin_library import (
@@ -37,6 +42,8 @@ from attn_export.tensorrt.plugin_library import (
     find_plugin_library,
     register_plugin_library,
 )
+from attn_export.tensorrt.cache_profile import MAX_CONTEXT_FLAG, cached_profile, max_context_of
+from attn_export.tensorrt.generation import CachedEngineSteps
 from attn_export.tensorrt.preflight import PreflightReport, preflight
 from attn_export.tensorrt.profiles import Dims, ShapeProfile, derive_profile, graph_input_dims, parse_shape_specs
 from attn_export.tensorrt.requests import (
@@ -66,5 +73,5 @@ __all__ = [
     "parse_shape_specs", "derive_profile", "graph_input_dims", "build_engine", "EngineInfo", "read_engine_metadata",
     "EngineRunner", "environment", "ENGINE_META_SUFFIX", "BUILD_PLUGIN", "ENTRY_POINTS", "PLUGIN_ENV",
     "PLUGIN_FILENAME", "default_plugin_paths", "file_sha256", "Dims", "MASK_ONNX_TYPE", "SUPPORTED_ONNX_TYPES",
-    "INSTALL_TENSORRT",
+    "INSTALL_TENSORRT", "cached_profile", "max_context_of", "MAX_CONTEXT_FLAG", "CachedEngineSteps",
 ]

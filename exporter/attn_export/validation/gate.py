@@ -96,8 +96,8 @@ def validate(
         ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
         ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
         generation: a cached export (``attn_export.with_past`` in the file's metadata) is checked
-            by generating ``new_tokens`` greedy tokens through ONNX Runtime with its cache against
-            ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
+            by generating ``new_tokens`` greedy tokens through ONNX Runtime (and ``engine``) with
+            its cache against ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
             ``example_inputs`` are then not used). None: so when the file is a cached export and
             ``model`` has ``generate``; True: the file must be a cached export (InputError
             otherwise); False: the shape cases whatever the file.
@@ -114,11 +114,9 @@ def validate(
     # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
     # cases.
     if generation or (generation is None and cache_layout(onnx_model) is not None and hasattr(model, "generate")):
-        if engine is not None:
-            raise InputError("the generation gate runs ONNX Runtime only: validate the engine of a cached export "
-                             "is not supported yet (drop --engine)")
         return validate_generation(model, onnx_path, onnx_model, new_tokens=new_tokens, seed=seed,
-                                   providers=ort_providers, timeout_s=runtime_timeout_s, say=say)
+                                   providers=ort_providers, timeout_s=runtime_timeout_s, say=say,
+                                   engine=engine, plugin=plugin, isolate=isolate)
     prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
     setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
                              trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)

@@ -17,21 +17,21 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from attn_export.errors import InputError, first_line
-from attn_export.surgery.transformers.cache import CacheGeometry, empty_past
+from attn_export.surgery.transformers.cache import CacheGeometry
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
-from attn_export.validation.runners import OnnxRuntimeRunner, RunnerError
+from attn_export.validation.generation_steps import DTYPES, EngineSteps, OrtSteps
+from attn_export.validation.runners import BACKEND_TRT, OnnxRuntimeRunner, RunnerError
 from attn_export.validation.tolerances import compare, reduction_length, tolerance
 
 WITH_PAST = "with_past"  # the metadata key after attn_export.onnx.read_metadata strips "attn_export."
 DEFAULT_PROMPT_LENGTHS = (5, 9, 12)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def cache_layout(onnx_model) -> Optional[CacheGeometry]:
@@ -107,23 +107,21 @@ def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits]), prefill.float()
 
 
-def _decode(runner, layout: CacheGeometry, output_names: List[str], ids, mask,
-            tokens) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def _decode(steps, ids, mask, tokens, takes_positions: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The backend's prefill logits [B, S, V] and each step's last-position logits [B, V], fed
-    ``tokens`` (the reference's) one per step with the presents of the step before."""
-    feed = {"input_ids": ids, "attention_mask": mask, **empty_past(layout, ids.shape[0], DTYPES[layout.dtype])}
-    steps, prefill = [], None
+    ``tokens`` (the reference's) one per step; ``steps`` (generation_steps.py) holds the cache
+    and feeds each step the presents of the step before."""
+    feed = {"input_ids": ids, "attention_mask": mask}
+    steps_logits, prefill = [], None
     for k in range(tokens.shape[1]):
-        if layout.position_ids:
+        if takes_positions:
             feed["position_ids"] = positions(feed["attention_mask"])[:, -feed["input_ids"].shape[1]:]
-        outs = dict(zip(output_names, runner.run(feed)))
-        prefill = outs["logits"] if prefill is None else prefill
-        steps.append(outs["logits"][:, -1])
+        logits = steps.step(feed)["logits"]
+        prefill = logits if prefill is None else prefill
+        steps_logits.append(logits[:, -1])
         feed = {"input_ids": tokens[:, k:k + 1],
-                "attention_mask": torch.cat([feed["attention_mask"], torch.ones_like(mask[:, :1])], dim=1),
-                **{f"past_key_values.{name[len('present.'):]}": value
-                   for name, value in outs.items() if name.startswith("present.")}}
-    return prefill, steps
+                "attention_mask": torch.cat([feed["attention_mask"], torch.ones_like(mask[:, :1])], dim=1)}
+    return prefill, steps_logits
 
 
 def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens: torch.Tensor) -> str:
@@ -138,15 +136,16 @@ def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens:
     return "; ".join(parts)
 
 
-def run_backend(runner, layout: CacheGeometry, output_names: List[str], ids, mask, reference,
-                rtol: float) -> BackendGeneration:
-    """One backend against the reference (tokens, step logits, prefill logits)."""
+def run_backend(steps, layout: CacheGeometry, ids, mask, reference, rtol: float) -> BackendGeneration:
+    """One backend (a step runner, generation_steps.py) against the reference (tokens, step
+    logits, prefill logits)."""
     ref_tokens, ref_steps, ref_prefill = reference
-    result = BackendGeneration(runner.name)
+    result = BackendGeneration(steps.name)
     try:
-        prefill, steps = _decode(runner, layout, output_names, ids, mask, ref_tokens)
-    except (RunnerError, RuntimeError) as exc:
-        result.error = f"ONNX Runtime failed during generation: {first_line(exc)}"
+        prefill, steps = _decode(steps, ids, mask, ref_tokens, layout.position_ids)
+    except (RunnerError, RuntimeError, InputError) as exc:
+        runtime = "TensorRT" if result.backend == BACKEND_TRT else "ONNX Runtime"
+        result.error = f"{runtime} failed during generation: {first_line(exc)}"
         return result
     valid = (mask != 0)[..., None].expand(ref_prefill.shape) if prefill.shape == ref_prefill.shape else None
     result.prefill = Comparison.of(compare(prefill.float(), ref_prefill, rtol, valid=valid), prefill.shape)
@@ -162,11 +161,13 @@ def run_backend(runner, layout: CacheGeometry, output_names: List[str], ids, mas
 def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int = 16,
                      prompts: Optional[Sequence[Sequence[int]]] = None, providers: Sequence[str] = ("cpu",),
                      seed: int = 0, prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, onnx_model=None) -> GenerationResult:
+                     timeout_s: float = DEFAULT_TIMEOUT_S, onnx_model=None, engine: Optional[str | Path] = None,
+                     plugin: Optional[str | Path] = None, isolate: bool = True) -> GenerationResult:
     """Greedy generation of ``new_tokens`` tokens through ONNX Runtime (each of ``providers``)
-    with the cache, against ``model.generate()`` (the ORIGINAL transformers decoder, run in
-    float32; not modified). ``prompts``: token id lists (default: random prompts of
-    ``prompt_lengths`` tokens, seeded), left-padded into one batch."""
+    and, with ``engine``, a TensorRT engine of the file (the FusedAttention ``plugin``; in a
+    child process unless ``isolate=False``), with the cache, against ``model.generate()`` (the
+    ORIGINAL transformers decoder, run in float32; not modified). ``prompts``: token id lists
+    (default: random prompts of ``prompt_lengths`` tokens, seeded), left-padded into one batch."""
     import onnx
 
     from attn_export.validation.providers import provider_setups
@@ -202,5 +203,20 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
                 result.runs.append(BackendGeneration(runner.name, error=str(exc)))
                 continue
             result.runtime_version = result.runtime_version or runner.version
-            result.runs.append(run_backend(runner, layout, output_names, ids, mask, reference, rtol))
+            result.runs.append(run_backend(OrtSteps(runner, layout, output_names), layout, ids, mask, reference, rtol))
+    if engine is not None:
+        result.runs.append(_engine_run(engine, plugin, isolate, timeout_s, layout, ids, mask, reference, rtol))
     return result
+
+
+def _engine_run(engine, plugin, isolate: bool, timeout_s: float, layout, ids, mask, reference,
+                rtol: float) -> BackendGeneration:
+    """The engine's generation; a crash of TensorRT while it loads the engine is its error."""
+    try:
+        steps = EngineSteps(engine, plugin, isolate=isolate, timeout_s=timeout_s)
+    except RunnerError as exc:
+        return BackendGeneration(BACKEND_TRT, error=f"TensorRT could not load {engine}: {first_line(exc)}")
+    try:
+        return run_backend(steps, layout, ids, mask, reference, rtol)
+    finally:
+        steps.close()

@@ -18,9 +18,10 @@ DEFAULT_NEW_TOKENS = 16
 
 
 def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int = DEFAULT_NEW_TOKENS, seed: int = 0,
-                        providers: Sequence[str] = ("cpu",), timeout_s: float,
-                        say: Callable[[str], None]) -> ValidationReport:
-    """The report of a cached export (``attn_export.with_past`` in ``onnx_model``'s metadata)."""
+                        providers: Sequence[str] = ("cpu",), timeout_s: float, say: Callable[[str], None],
+                        engine=None, plugin=None, isolate: bool = True) -> ValidationReport:
+    """The report of a cached export (``attn_export.with_past`` in ``onnx_model``'s metadata);
+    with ``engine``, a TensorRT engine of it generates too (its own backend rows)."""
     from attn_export import shapes as _shapes
     from attn_export.onnx import attention_flavor, read_metadata
 
@@ -33,7 +34,8 @@ def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int =
     checks += _checks.attention_checks(onnx_model, read_metadata(onnx_model))
     say(f"generating {new_tokens} tokens with the cache, against the model's generate()")
     result = check_generation(model, onnx_path, new_tokens=new_tokens, providers=providers, seed=seed,
-                              timeout_s=timeout_s, onnx_model=onnx_model)
+                              timeout_s=timeout_s, onnx_model=onnx_model, engine=engine, plugin=plugin,
+                              isolate=isolate)
     backends = [run.backend for run in result.runs]
     return ValidationReport(
         cases=result.case_results(), checks=checks + result.checks(), dtype=result.dtype,
@@ -45,7 +47,7 @@ def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int =
             "reduction_length": result.reduction_length, "rtol": result.rtol,
             "reference": "original PyTorch model, float32, generate(do_sample=False)",
         },
-        environment=environment(seed, providers=backends, onnxruntime_version=result.runtime_version),
+        environment=_environment(seed, backends, result.runtime_version, engine),
         onnx_path=str(onnx_path), input_names=graph_inputs,
         output_names=[o.name for o in onnx_model.graph.output],
         notes=[f"cached export: greedy generation of {new_tokens} tokens from {len(result.prompt_lengths)} "
@@ -53,6 +55,15 @@ def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int =
                "each step feeds the reference's previous token and the presents of the step before"],
         attention_flavor=attention_flavor(onnx_model), generation=result.to_dict(),
     )
+
+
+def _environment(seed: int, backends, runtime_version, engine) -> dict:
+    env = environment(seed, providers=backends, onnxruntime_version=runtime_version)
+    if engine is not None:
+        from attn_export.tensorrt import environment as trt_environment
+
+        env.update(trt_environment(), engine=str(engine))
+    return env
 
 
 __all__ = ["validate_generation", "DEFAULT_NEW_TOKENS", "DEFAULT_PROMPT_LENGTHS"]

@@ -245,9 +245,13 @@ class IsolatedEngine:
     engine loads is raised as RunnerError (the gate reports it as a failed case); an ordinary
     error (bad engine file, plugin missing) as EngineError (exit 2), as in-process."""
 
-    def __init__(self, engine: str | Path, plugin: Optional[str | Path], timeout_s: float) -> None:
+    def __init__(self, engine: str | Path, plugin: Optional[str | Path], timeout_s: float,
+                 backend: str = "tensorrt") -> None:
+        """``backend``: the worker's (worker.BACKENDS): ``tensorrt`` runs the engine on whole
+        inputs; ``tensorrt-cached`` steps a cached export, its cache kept in the child."""
         from attn_export.tensorrt import EngineError, LibraryInfo, ShapeProfile
 
+        self._backend = backend
         self._args = {"engine": str(Path(engine).resolve()),
                       "plugin": None if plugin is None else str(Path(plugin).resolve())}
         self._timeout_s = timeout_s
@@ -266,7 +270,7 @@ class IsolatedEngine:
     def _start(self) -> dict:
         self._worker = WorkerProcess(self._timeout_s)
         try:
-            return self._worker.load("tensorrt", **self._args)
+            return self._worker.load(self._backend, runtime="tensorrt", **self._args)
         except RuntimeCrash as exc:
             self.close()
             raise RunnerError(str(exc), step="load", crash=exc.info) from exc

@@ -105,7 +105,26 @@ class TensorRTBackend:
                 for n, t in named.items()}
 
 
-BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend}
+class CachedTensorRTBackend(TensorRTBackend):
+    """An engine of a cached export stepped by attn_export.tensorrt.CachedEngineSteps: a run
+    takes the step's tokens (input_ids, attention_mask, position_ids) and returns the logits;
+    the cache stays on the GPU here, between runs."""
+
+    def __init__(self, engine: str, plugin):
+        super().__init__(engine, plugin)
+        from attn_export.tensorrt.generation import CachedEngineSteps
+
+        self.steps = CachedEngineSteps(self.engine)
+
+    def run(self, feeds):
+        import torch
+
+        named = self.steps.step({n: torch.from_numpy(a) for n, a in feeds.items()})
+        return {n: (t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy(), str(t.dtype))
+                for n, t in named.items()}
+
+
+BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend, "tensorrt-cached": CachedTensorRTBackend}
 
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 75, 76
 
