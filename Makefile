@@ -59,7 +59,10 @@ demo: install
 # would be a second OpenMP thread pool or CUDA context. With a CUDA torch and nvcc the wheel has
 # the CUDA kernels for CUDA_ARCHS, e.g.
 #   make wheel VENV=.venv-cu130 TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
-CUDA_ARCHS ?= 8.0;9.0
+# 9.0a: Hopper code with its own instructions (wgmma, setmaxnreg), which the sm_90a forward needs; it
+# builds on the CUTLASS headers, so the build venv needs `pip install nvidia-cutlass==4.2.0.0` (the
+# cuda-build extra). CUDA_ARCHS="8.0;9.0" builds without them (no Hopper forward).
+CUDA_ARCHS ?= 8.0;9.0a
 WHEEL_BUILD := build/wheel
 # The list lives in scripts/wheel_check.py, which checks that auditwheel wants nothing else.
 TORCH_LIBS = $(shell $(PYTHON) scripts/wheel_check.py --torch-libs)
