@@ -37,11 +37,15 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+pytestmark = pytest.mark.cuda
 
 
 def _kernels_run(fn) -> set[str]:
-    """Names of the CUDA kernels fn() launched."""
+    """Names of the CUDA kernels fn() launched (skips the test where the sm_90a forward cannot run:
+    a call, not a skipif mark, so that tests/run_without_pytest.py skips it too)."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -101,6 +105,7 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
 def test_fully_masked_rows_give_zero_and_minus_inf_lse(head_dim):
     """Batch row 1 pads every key: zero output; the backward (which reads lse) stays finite."""
     B, H, L = 2, 2, 130
+    _kernels_run(lambda: None)  # skips where the sm_90a forward cannot run
     q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
     pad = padding_mask(B, L, device=DEVICE)
     pad[1] = True
