@@ -12,7 +12,8 @@ Environment switches:
   ATTN_EXPORT_CUDA=0|1   force the CUDA kernels off/on (default: on when torch has CUDA and nvcc exists)
   ATTN_EXPORT_DEBUG=1    -O0 -g instead of -O3
   TORCH_CUDA_ARCH_LIST   with 9.0a in it, the Hopper (sm_90a) forward is built too; it needs the
-                         CUTLASS/CuTe headers of the nvidia-cutlass package (CUTLASS_PIN), or of
+                         CUTLASS/CuTe headers of the nvidia-cutlass package (CUTLASS_PIN; install
+                         it with --no-deps: only its headers are read), or of
                          ATTN_EXPORT_CUTLASS_INCLUDE=<dir holding cute/ and cutlass/>
 """
 import glob
@@ -99,12 +100,12 @@ def _cutlass_include():
     if spec is None or not spec.submodule_search_locations:
         sys.exit(f"TORCH_CUDA_ARCH_LIST holds 9.0a, which builds the Hopper kernels on CUTLASS/CuTe, and the\n"
                  f"nvidia-cutlass package was not found. Install it (headers only, build time only):\n"
-                 f"    pip install nvidia-cutlass=={CUTLASS_PIN}\n"
+                 f"    pip install --no-deps nvidia-cutlass=={CUTLASS_PIN}\n"
                  f"or set ATTN_EXPORT_CUTLASS_INCLUDE to a CUTLASS include/ folder, or drop 9.0a from the list.")
     found = importlib.metadata.version("nvidia-cutlass")
     if found != CUTLASS_PIN:
         sys.exit(f"nvidia-cutlass {found} is installed; the Hopper kernels are built and checked against "
-                 f"{CUTLASS_PIN}: pip install nvidia-cutlass=={CUTLASS_PIN}")
+                 f"{CUTLASS_PIN}: pip install --no-deps nvidia-cutlass=={CUTLASS_PIN}")
     return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
 
 

@@ -4,10 +4,11 @@ instructions -- HGMMA (wgmma), UTMALDG (TMA loads), USETMAXREG (register realloc
 HMMA (the sm80 path's mma.sync); plus its host-side dispatch rules (dispatch_policy.h,
 hopper/flash_fwd_sm90.h), compiled alone.
 
-Needs nvcc, the CUTLASS/CuTe headers (`pip install nvidia-cutlass==4.2.0.0`, the cuda-build extra,
-or ATTN_EXPORT_CUTLASS_INCLUDE) and cuobjdump (the CUDA toolkit's, or `pip install
-nvidia-cuda-cuobjdump`); each test skips naming what is missing. CI compiles GATE_UNITS (two of the
-eight instantiations, ~1 min on 2 cores); ATTN_EXPORT_SM90_GATE=all compiles every one.
+Needs nvcc, the CUTLASS/CuTe headers (`pip install --no-deps nvidia-cutlass==4.2.0.0`, which `make
+install` runs, or ATTN_EXPORT_CUTLASS_INCLUDE) and cuobjdump with nvdisasm (the CUDA toolkit's, or the
+wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm of the `test` extra); each test skips naming what
+is missing. CI compiles GATE_UNITS, two of the eight instantiations (~90 s wall on 2 busy cores);
+ATTN_EXPORT_SM90_GATE=all compiles every one.
 """
 from __future__ import annotations
 
@@ -207,8 +208,9 @@ def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[s
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
 @pytest.mark.skipif(_cutlass_include() is None,
-                    reason="needs the CUTLASS headers: pip install nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
-@pytest.mark.skipif(_cuobjdump() is None, reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump (CUDA 13)")
+                    reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
+@pytest.mark.skipif(_cuobjdump() is None,
+                    reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
 def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     units = _gate_units()
     start = time.monotonic()
@@ -218,7 +220,10 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     for log, obj in built:
         assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
         spills.update(ptxas_spills(log))
-        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True).stdout
+        # cuobjdump runs nvdisasm, which the wheels install beside it
+        env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
+                              env=env).stdout
         kernels.update({name: body for name, body in sass_functions(sass).items() if KERNEL in name})
     assert len(kernels) == len(units), f"expected one {KERNEL} per file, found {sorted(kernels)}"
     assert {arch for _, arch in spills} == {"sm_90a"}
