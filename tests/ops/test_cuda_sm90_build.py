@@ -7,7 +7,7 @@ hopper/flash_fwd_sm90.h), compiled alone.
 Needs nvcc, the CUTLASS/CuTe headers (`pip install --no-deps nvidia-cutlass==4.2.0.0`, which `make
 install` runs, or ATTN_EXPORT_CUTLASS_INCLUDE) and cuobjdump with nvdisasm (the CUDA toolkit's, or the
 wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm of the `test` extra); each test skips naming what
-is missing. CI compiles GATE_UNITS, two of the eight instantiations (~90 s wall on 2 busy cores);
+is missing. CI compiles GATE_UNITS, three of the twelve instantiations (~2 min wall on 2 cores);
 ATTN_EXPORT_SM90_GATE=all compiles every one.
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from test_cuda_build import _nvcc, ptxas_spills
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSTANTIATIONS = ROOT / "csrc" / "kernels" / "cuda" / "instantiations"
-# The CI set: both head dims, both element types, both causal variants' code paths between them.
-GATE_UNITS = ("sm90_flash_fwd_hdim128_bf16_causal.cu", "sm90_flash_fwd_hdim64_fp16.cu")
+# The CI set: each tile shape (128-key tiles at head dims 64 and 128 with 3 and 2 stages, 64-key
+# tiles at 256), both element types, causal and not.
+GATE_UNITS = ("sm90_flash_fwd_hdim128_bf16_causal.cu", "sm90_flash_fwd_hdim64_fp16.cu", "sm90_flash_fwd_hdim256_fp16.cu")
 KERNEL = "flash_fwd_sm90_kernel"
 
 
@@ -149,6 +150,7 @@ int main() {
   p.dtype = DataType::kFloat16; std::printf("\"fp16\": %d, ", sm90::supports(p));
   p.dtype = DataType::kFloat32; std::printf("\"fp32\": %d, ", sm90::supports(p));
   p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports(p));
+  p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports(p));
   p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports(p));
   p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports(p));
   p = base(); p.k = buffer + 8; std::printf("\"k_misaligned\": %d, ", sm90::supports(p));
@@ -181,7 +183,7 @@ def test_hopper_dispatch_rules(tmp_path):
     # Only a compute-capability-9 device, and only with both switches.
     assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
     assert result["supports"] == {
-        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d96": 0, "dv_differs": 0, "k_misaligned": 0,
+        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 0, "dv_differs": 0, "k_misaligned": 0,
         "v_row_stride_132": 0, "q_head_stride_0": 0, "out_row_stride_130": 0, "no_keys": 0,
     }
 

@@ -163,6 +163,19 @@ int flash_tile_dim(const AttentionParams& p) {
 // ---- The Hopper forward (dispatch_policy.h kHopperForward; built with ATTN_EXPORT_WITH_SM90 only).
 
 #if defined(ATTN_EXPORT_WITH_SM90)
+// The compiled head dims of the sm_90a forward (sm90::kHeadDims), walked at compile time.
+template <typename T, bool kCausal, int kIndex = 0>
+cudaError_t run_sm90_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kIndex == sm90::kNumHeadDims) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (p.head_dim == sm90::kHeadDims[kIndex]) {
+      return sm90::run_flash_fwd_sm90_<T, sm90::kHeadDims[kIndex], kCausal>(p, stream);
+    }
+    return run_sm90_head_dim<T, kCausal, kIndex + 1>(p, stream);
+  }
+}
+
 // Runs the sm_90a forward when the device, the switches and the params allow it, and sets `ran`.
 // Returned attention weights (a debugging output) stay on the sm80 path, which computes them.
 cudaError_t try_sm90_forward(const AttentionParams& p, cudaStream_t stream, bool& ran) {
@@ -175,12 +188,8 @@ cudaError_t try_sm90_forward(const AttentionParams& p, cudaStream_t stream, bool
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     if constexpr (kIs16Bit<T>) {
-      static_assert(sizeof(sm90::kHeadDims) == 2 * sizeof(int) && sm90::kHeadDims[0] == 64 && sm90::kHeadDims[1] == 128,
-                    "the switch below names the compiled head dims");
-      return switch_bool(p.is_causal, [&](auto causal) -> cudaError_t {
-        constexpr bool kCausal = decltype(causal)::value;
-        return p.head_dim == 64 ? sm90::run_flash_fwd_sm90_<T, 64, kCausal>(p, stream)
-                                : sm90::run_flash_fwd_sm90_<T, 128, kCausal>(p, stream);
+      return switch_bool(p.is_causal, [&](auto causal) {
+        return run_sm90_head_dim<T, decltype(causal)::value>(p, stream);
       });
     }
     return cudaErrorInvalidValue;  // supports() admits 16-bit types only

@@ -15,8 +15,11 @@
 
 namespace attn_export::cuda::sm90 {
 
-// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns).
-inline constexpr int kHeadDims[] = {64, 128};
+// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns): the targets.
+// The traits take any multiple of 16 up to 256 (32, 96 and 192 compile without spills too); each
+// dim here is 4 more instantiations of a CuTe kernel (~30 s of nvcc each), so only these are built.
+inline constexpr int kHeadDims[] = {64, 128, 256};
+inline constexpr int kNumHeadDims = sizeof(kHeadDims) / sizeof(kHeadDims[0]);
 
 inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
   if (head_dim != head_dim_v) {

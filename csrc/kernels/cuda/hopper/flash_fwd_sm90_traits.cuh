@@ -18,14 +18,30 @@ namespace attn_export::cuda::sm90 {
 
 using namespace cute;
 
+// The widest swizzled shared-memory atom whose rows a head dim fills: 128-byte rows (64 two-byte
+// elements) where the head dim is a multiple of 64, else 64-byte (32) or 32-byte (16) ones.
+template <typename Element, int kHeadDim>
+auto smem_atom() {
+  if constexpr (kHeadDim % 64 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kHeadDim % 32 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
 template <typename Element_, int kHeadDim_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "wgmma: K steps of 16, N up to 256");
   static constexpr int kBlockM = 128;
-  // 128-key tiles at both head dims: the scores (64 floats per consumer thread) and O (32 or 64)
-  // fit the consumers' 240 registers; d128's K/V ring is 2 x 2 x 32 KB beside Q's 32 KB.
-  static constexpr int kBlockN = 128;
+  // Key tiles: 128 keys up to head dim 128, where the scores (64 floats per consumer thread) and
+  // O (up to 64) fit the consumers' 240 registers; 64 above, where O alone is up to 128 floats.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  // The K/V ring: 3 slots where 3 fit beside Q (head dim <= 64: 16 KB per K or V tile), else 2
+  // (d128: 32 KB + 2 x 2 x 32 KB; d256: 64 KB + 2 x 2 x 32 KB).
   static constexpr int kStages = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
@@ -33,7 +49,6 @@ struct FwdTraits {
   // = 64512 <= 65536 per SM, one block per SM).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle atom holds 64 two-byte elements per row");
 
   using BlockM = Int<kBlockM>;
   using BlockN = Int<kBlockN>;
@@ -53,9 +68,10 @@ struct FwdTraits {
                            GMMA::Major::MN>(),
       AtomLayout{}));
 
-  // 128-byte swizzled rows: what TMA writes and wgmma reads without bank conflicts.
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<BlockM, HeadDim>{}));
-  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<BlockN, HeadDim, Stages>{}));
+  // Swizzled rows: what TMA writes and wgmma reads without bank conflicts.
+  using SmemAtom = decltype(smem_atom<Element, kHeadDim>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim, Stages>{}));
   using SmemLayoutV = SmemLayoutK;
   // V (keys, dims, stage) viewed as V^T (dims, keys, stage): the same bytes.
   using SmemLayoutVt = decltype(composition(
