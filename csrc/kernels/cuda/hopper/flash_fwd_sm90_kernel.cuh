@@ -234,7 +234,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char attn_export_sm90_smem[];
   auto& shared = *reinterpret_cast<typename T::SharedStorage*>(attn_export_sm90_smem);
   const int warpgroup = threadIdx.x / 128;
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // Causal: the last query blocks see the most keys; launched first, they do not form the tail.
+  const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
 
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = T::kTmaBytesKV;
