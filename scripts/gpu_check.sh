@@ -18,6 +18,12 @@
 # Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed;
 # 4 the sanitizer reported an error in attn_export's kernels, or the program failed under it.
 # GPU_CHECK_STEPS="tests sanitize bench" (the default) picks the steps after the build.
+# The Hopper (sm_90a) forward, not yet run on a GPU (docs/cuda.md "Hopper forward"): on a
+# compute-capability-9 GPU the build targets 9.0a when the CUTLASS headers are at hand (the
+# nvidia-cutlass package, or ATTN_EXPORT_CUTLASS_INCLUDE: this machine has no network, so carry an
+# unpacked `pip download nvidia-cutlass==4.2.0.0`), and the step `sm90` runs tests/ops/test_cuda_sm90.py
+# with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1, then leaves ATTN_EXPORT_CUDA_SM90=1 set for
+# the steps after it: GPU_CHECK_STEPS="sm90 sanitize bench" verifies it in one run.
 #
 #   scripts/gpu_check.sh                 # PYTHON=... to pick the interpreter
 set -uo pipefail
@@ -51,6 +57,11 @@ cat "$OUT_DIR/environment.txt"
 # ---- 1. Build for this GPU
 CAPABILITY=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))') || {
   summary "FAILED build: torch sees no GPU"; exit 1; }
+# Hopper: sm_90a code (the Hopper forward) when its CUTLASS headers can be found, else plain sm_90.
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && [ "$CAPABILITY" = 9.0 ] && { [ -d "${ATTN_EXPORT_CUTLASS_INCLUDE:-/nonexistent}/cute" ] ||
+    "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("cutlass_library") is None)' 2>/dev/null; }; then
+  CAPABILITY=9.0a
+fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAPABILITY}
 export ATTN_EXPORT_CUDA=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -186,6 +197,32 @@ bench_step() {
   fi
 }
 
+# ---- The Hopper forward: its parity tests, then ATTN_EXPORT_CUDA_SM90=1 for the steps after this one.
+sm90_step() {
+  local T0=$SECONDS rc
+  case "$TORCH_CUDA_ARCH_LIST" in
+    *9.0a*) ;;
+    *) summary "SKIPPED sm90: built for $TORCH_CUDA_ARCH_LIST, not 9.0a (no CUTLASS headers: see the header)"; return 0 ;;
+  esac
+  log "running tests/ops/test_cuda_sm90.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
+  if "$PY" -c 'import pytest' 2>/dev/null; then
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 240 "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90.py -q -rfs \
+      -p no:cacheprovider > "$OUT_DIR/test_cuda_sm90.log" 2>&1
+  else
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 240 "$PY" tests/run_without_pytest.py ops/test_cuda_sm90 \
+      > "$OUT_DIR/test_cuda_sm90.log" 2>&1
+  fi
+  rc=$?
+  tail -5 "$OUT_DIR/test_cuda_sm90.log"
+  if [ $rc -eq 0 ]; then
+    summary "PASSED sm90 tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_sm90.log")"
+  else
+    summary "FAILED sm90 tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_sm90.log")"
+    STATUS=2
+  fi
+  export ATTN_EXPORT_CUDA_SM90=1  # the sanitizer and the benchmark after this step run the Hopper forward
+}
+
 # GPU_CHECK_STEPS picks the steps after the build, e.g. GPU_CHECK_STEPS=sanitize to rerun one.
 STATUS=0
 for step in ${GPU_CHECK_STEPS:-tests sanitize bench}; do
@@ -193,7 +230,8 @@ for step in ${GPU_CHECK_STEPS:-tests sanitize bench}; do
     tests) tests_step ;;
     sanitize) sanitize_step ;;
     bench) bench_step ;;
-    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench)"; exit 1 ;;
+    sm90) sm90_step ;;
+    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench, sm90)"; exit 1 ;;
   esac
 done
 

@@ -19,6 +19,9 @@ each. Only the kernels' memory behaviour is checked here; the numbers are the te
 
 The paths not yet verified on a GPU (docs/cuda.md "Preview") run only with ATTN_EXPORT_CUDA_PREVIEW=1,
 which gpu_check.sh sets for the sanitizer; without it the same cases run the verified kernels.
+With ATTN_EXPORT_CUDA_SM90=1 as well, on a Hopper GPU and a 9.0a build, the float16/bfloat16 cases
+at head dims 64 and 128 (masks, causal, grouped-query heads, bottom-right, decode) run the sm_90a
+forward instead (gpu_check.sh's `sm90` step sets it for the steps after it).
 
 initcheck follows the writes of plain kernels (torch.randn's) but not those of cuBLAS's Hopper
 GEMMs: on an H200 it reported every read of the layer's projected q and k, exactly the valid

@@ -86,7 +86,7 @@ SPILL_ARCHS = (80, 90)
 VERIFIED_TILES = "FlashBwdTraitsILi128ELi1EE"
 VERIFIED_TILES_SPILL_LIMIT = 96
 _PTXAS_ENTRY = re.compile(
-    r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>sm_\d+)'.*?"
+    r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>sm_\d+a?)'.*?"
     r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads", re.S)
 
 

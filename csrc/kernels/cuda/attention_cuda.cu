@@ -18,6 +18,9 @@
 #include "dispatch_policy.h"
 #include "kernel_traits.h"
 #include "split_kv.h"
+#if defined(ATTN_EXPORT_WITH_SM90)
+#include "hopper/flash_fwd_sm90.h"
+#endif
 
 namespace attn_export::cuda {
 namespace {
@@ -156,6 +159,43 @@ int flash_tile_dim(const AttentionParams& p) {
   }
   return chunked ? flash_tile_head_dim(max_head_dim(p)) : 0;
 }
+
+// ---- The Hopper forward (dispatch_policy.h kHopperForward; built with ATTN_EXPORT_WITH_SM90 only).
+
+#if defined(ATTN_EXPORT_WITH_SM90)
+// The compiled head dims of the sm_90a forward (sm90::kHeadDims), walked at compile time.
+template <typename T, bool kCausal, int kIndex = 0>
+cudaError_t run_sm90_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (kIndex == sm90::kNumHeadDims) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (p.head_dim == sm90::kHeadDims[kIndex]) {
+      return sm90::run_flash_fwd_sm90_<T, sm90::kHeadDims[kIndex], kCausal>(p, stream);
+    }
+    return run_sm90_head_dim<T, kCausal, kIndex + 1>(p, stream);
+  }
+}
+
+// Runs the sm_90a forward when the device, the switches and the params allow it, and sets `ran`.
+// Returned attention weights (a debugging output) stay on the sm80 path, which computes them.
+cudaError_t try_sm90_forward(const AttentionParams& p, cudaStream_t stream, bool& ran) {
+  static const bool sm90_switch = policy::preview_from_env(std::getenv(policy::kSm90EnvVar));
+  ran = p.weights == nullptr && policy::hopper_forward_allowed(device_major(), attention_preview_enabled(), sm90_switch) &&
+      sm90::supports(p);
+  if (!ran) {
+    return cudaSuccess;
+  }
+  return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
+    using T = typename decltype(type)::type;
+    if constexpr (kIs16Bit<T>) {
+      return switch_bool(p.is_causal, [&](auto causal) {
+        return run_sm90_head_dim<T, decltype(causal)::value>(p, stream);
+      });
+    }
+    return cudaErrorInvalidValue;  // supports() admits 16-bit types only
+  });
+}
+#endif
 
 // ---- Forward workspace (preview only): the split-KV partial results, [out_accum][lse_accum].
 
@@ -313,6 +353,12 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) {
     return cudaSuccess;
   }
+#if defined(ATTN_EXPORT_WITH_SM90)
+  bool sm90_ran = false;
+  if (const cudaError_t err = try_sm90_forward(p, stream, sm90_ran); err != cudaSuccess || sm90_ran) {
+    return err;
+  }
+#endif
   const bool flash = attention_uses_tensor_cores(p);
   SplitKv split;
   if (flash && workspace != nullptr) {

@@ -40,6 +40,7 @@ enum PreviewFeature : unsigned {
   kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
   kKeyTileSkip = 1u << 5,     // the flash kernels skip the key tiles a key-padding mask pads entirely
   kWindow = 1u << 6,          // the sliding window (window > 0) masked in the kernels
+  kHopperForward = 1u << 7,   // the sm_90a forward (kernels/cuda/hopper/): also needs kSm90EnvVar
 };
 
 
@@ -94,6 +95,19 @@ inline bool skip_padded_key_tiles(const AttentionParams& p, bool preview) {
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.
 inline bool preview_from_env(const char* value) {
   return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
+// ---- The Hopper (sm_90a) forward: built when the arch list holds 9.0a, never yet run on a GPU.
+// It runs only on a compute-capability-9 device with the preview on AND its own switch,
+//
+//     ATTN_EXPORT_CUDA_SM90=1         read once per process, on the host
+//
+// so that a preview run of the other features on a Hopper GPU keeps the sm80 forward they were
+// written against, and a GPU session can compare the two paths in one build.
+inline constexpr const char kSm90EnvVar[] = "ATTN_EXPORT_CUDA_SM90";
+
+inline bool hopper_forward_allowed(int device_major, bool preview, bool sm90_switch) {
+  return device_major == 9 && allowed(kHopperForward, preview) && sm90_switch;
 }
 
 }  // namespace attn_export::cuda::policy

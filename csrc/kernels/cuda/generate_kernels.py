@@ -98,8 +98,40 @@ def generic_files() -> dict[str, str]:
     )}
 
 
+def _sm90_head_dims() -> list[int]:
+    """kHeadDims of hopper/flash_fwd_sm90.h, the Hopper forward's compiled head dims."""
+    found = re.search(r"kHeadDims\[\]\s*=\s*\{([^}]*)\}", (HERE / "hopper" / "flash_fwd_sm90.h").read_text())
+    if found is None:
+        raise SystemExit("hopper/flash_fwd_sm90.h declares no kHeadDims[] = {...}")
+    return [int(d) for d in found.group(1).split(",")]
+
+
+def sm90_files() -> dict[str, str]:
+    """The Hopper forward's instantiations. Each compiles to nothing unless the build defines
+    ATTN_EXPORT_WITH_SM90 (an arch list with 9.0a and the CUTLASS headers found: setup.py,
+    csrc/CMakeLists.txt), so every build can glob this folder."""
+    files = {}
+    for suffix, ctype in FLASH_DTYPES:
+        for head_dim in _sm90_head_dims():
+            for causal in (False, True):
+                name = f"sm90_flash_fwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
+                what = (f"Hopper (sm_90a) flash forward for {suffix}, head dim {head_dim}, "
+                        f"{'causal' if causal else 'not causal'}.")
+                args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
+                files[name] = (
+                    HEADER.format(what=what)
+                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
+                    + '#include "../hopper/flash_fwd_sm90_kernel.cuh"\n\n'
+                    + "namespace attn_export::cuda::sm90 {\n\n"
+                    + f"template cudaError_t run_flash_fwd_sm90_<{args}>(const AttentionParams&, cudaStream_t);\n\n"
+                    + "}  // namespace attn_export::cuda::sm90\n"
+                    + "#endif\n"
+                )
+    return files
+
+
 def all_files() -> dict[str, str]:
-    return {**flash_files(), **generic_files()}
+    return {**flash_files(), **generic_files(), **sm90_files()}
 
 
 def main() -> None:

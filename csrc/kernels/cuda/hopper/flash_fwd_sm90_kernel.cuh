@@ -1,0 +1,302 @@
+// The Hopper forward: softmax(cap(scale * Q K^T) + masks) V and the row log-sum-exp, for one
+// (batch, head, block of 128 query rows) per thread block, on sm_90a's own instructions.
+//
+// Warp specialization (FlashAttention-3, CUTLASS's Hopper FMHA): warpgroup 0 produces, one
+// thread issuing TMA bulk tensor loads of Q (once) and of each K and V tile into a kStages-deep
+// ring of shared-memory buffers (cutlass::PipelineTmaAsync: a full barrier that the TMA
+// completes by transaction bytes, an empty barrier the consumers release); warpgroups 1 and 2
+// consume, 64 query rows each: S = Q K^T with wgmma from shared memory (SS), the scale,
+// soft-cap and masks in registers, the online softmax in fp32, and O += P V with wgmma taking P
+// from registers (RS). setmaxnreg moves registers from the producer to the consumers.
+//
+// Semantics are those of the sm80 kernel (flash_fwd_kernel.cuh) through the same ScoreMask:
+// boolean/additive attn_mask and key_padding_mask with broadcast strides, both causal
+// alignments, the sliding window, grouped-query heads (TMA reads key/value head kv_head(h)),
+// fully masked rows -> 0 and lse = -inf. Rows and keys past the sequence ends are zero-filled
+// by the TMA unit (out-of-bounds boxes) and masked.
+//
+// Not yet here (docs/cuda.md "Hopper forward"): ping-pong scheduling of the two consumer
+// warpgroups, softmax overlapped with the next S GEMM, a TMA store epilogue, a persistent
+// scheduler. And nothing here has run: it is compiled and its SASS checked offline only.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../launch.h"
+#include "flash_fwd_sm90.h"
+#include "flash_fwd_sm90_softmax.cuh"
+#include "flash_fwd_sm90_traits.cuh"
+
+// The Hopper instructions exist only in the sm_90a device pass; every other pass (sm_80 in a
+// mixed arch list, the host pass) compiles an empty kernel body.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTN_EXPORT_SM90_DEVICE_PASS 1
+#endif
+
+namespace attn_export::cuda::sm90 {
+
+// CUTLASS's 16-bit types for the CUDA ones the dispatch uses (same bits).
+template <typename T>
+struct CutlassElement;
+template <>
+struct CutlassElement<__half> {
+  using type = cutlass::half_t;
+};
+template <>
+struct CutlassElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+
+// x clamped to [0, seqlen_k].
+__device__ __forceinline__ int64_t clamp_keys(int64_t x, int64_t seqlen_k) {
+  return x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x);
+}
+
+struct KeyTiles {
+  int begin = 0, end = 0;
+};
+
+// The key tiles any row of the block starting at m0 can see: none past the last row's causal
+// diagonal, none before the first row's window. Producer and consumers compute the same range.
+template <typename Traits, bool kIsCausal>
+__device__ __forceinline__ KeyTiles key_tiles(const AttentionParams& p, int m0) {
+  constexpr int kBN = Traits::kBlockN;
+  const int64_t seqlen_k = p.seqlen_k;
+  if constexpr (!kIsCausal) {
+    return {0, static_cast<int>((seqlen_k + kBN - 1) / kBN)};
+  }
+  const int64_t shift = p.causal_shift();
+  const int64_t key_end = clamp_keys(m0 + Traits::kBlockM + shift, seqlen_k);
+  const int end = static_cast<int>((key_end + kBN - 1) / kBN);
+  const int64_t first_key = p.window > 0 ? clamp_keys(m0 + 1 + shift - p.window, seqlen_k) : 0;
+  return {device::imin(end, static_cast<int>(first_key / kBN)), end};
+}
+
+// ---- The producer: one thread of warpgroup 0 issues every TMA load.
+
+template <typename Traits, bool kIsCausal>
+__device__ void produce(const FwdKernelParams<Traits>& kp, typename Traits::SharedStorage& shared,
+                        typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block,
+                        int h, int b) {
+  using T = Traits;
+  const AttentionParams& p = kp.attn;
+  const int heads_k = static_cast<int>(p.num_heads_k > 0 ? p.num_heads_k : p.num_heads);
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename T::SmemLayoutV{});
+  Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(int(p.seqlen_q), int(p.head_dim), int(p.num_heads), int(p.batch)));
+  Tensor mK = kp.tma_k.get_tma_tensor(make_shape(int(p.seqlen_k), int(p.head_dim), heads_k, int(p.batch)));
+  Tensor mV = kp.tma_v.get_tma_tensor(make_shape(int(p.seqlen_k), int(p.head_dim_v), heads_k, int(p.batch)));
+  const int kv = static_cast<int>(p.kv_head(h));  // grouped-query attention: the group's key/value head
+  Tensor gQ = local_tile(mQ(_, _, h, b), Shape<typename T::BlockM, typename T::HeadDim>{}, make_coord(m_block, _0{}));
+  Tensor gK = local_tile(mK(_, _, kv, b), Shape<typename T::BlockN, typename T::HeadDim>{}, make_coord(_, _0{}));
+  Tensor gV = local_tile(mV(_, _, kv, b), Shape<typename T::BlockN, typename T::HeadDim>{}, make_coord(_, _0{}));
+  auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  shared.barrier_q.arrive_and_expect_tx(T::kTmaBytesQ);
+  copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q), 0), tQg, tQs);
+  auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int n = tiles.begin; n < tiles.end; ++n) {
+    pipe_k.producer_acquire(write);  // waits for the slot to be free, then expects its bytes
+    copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, n), tKs(_, write.index()));
+    pipe_v.producer_acquire(write);
+    copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, n), tVs(_, write.index()));
+    ++write;
+  }
+  // Do not exit while the consumers still read: wait until every slot was released.
+  pipe_k.producer_tail(write);
+  pipe_v.producer_tail(write);
+}
+
+// ---- The consumers.
+
+// Scores of one tile into the log2 domain: scaled (and soft-capped), masked where any mask
+// can hide something in the tile. coord: (row, column) within the block of each value of s.
+template <typename Traits, bool kIsCausal, typename TS, typename TC>
+__device__ __forceinline__ void scale_and_mask(TS& s, const TC& coord, const AttentionParams& p,
+                                               const device::ScoreMask<float>& mask,
+                                               const device::SoftCap<float>& softcap, int m0, int n0) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN;
+  const float scale = static_cast<float>(p.scale);
+  const int shift = kIsCausal ? static_cast<int>(p.causal_shift()) : 0;
+  const bool masked = mask.reads_memory() || n0 + kBN > p.seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
+      (kIsCausal && device::flash_window_hides(p, m0 + kBM - 1, n0, shift));
+  CUTE_UNROLL
+  for (int i = 0; i < size(s); ++i) {
+    float x = softcap.on ? softcap.apply(s(i) * scale) * kLog2e : s(i) * (scale * kLog2e);
+    if (masked) {
+      x = mask.apply(x, m0 + get<0>(coord(i)), n0 + get<1>(coord(i)));
+    }
+    s(i) = x;
+  }
+}
+
+// The accumulators (fp32) as the 16-bit A operand of the P V wgmma.
+template <typename Element, typename TS>
+__device__ __forceinline__ auto probabilities_as_operand(const TS& s) {
+  constexpr int kN = decltype(size(s))::value;
+  Tensor p = make_tensor<Element>(acc_as_operand_a(s.layout()));
+  cutlass::NumericArrayConverter<Element, float, kN> convert;
+  *reinterpret_cast<cutlass::Array<Element, kN>*>(p.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(s.data()));
+  return p;
+}
+
+// Normalizes O and writes it with the log-sum-exp (natural log). A row with no visible key has
+// sum 0: zero output and lse = -inf. Two adjacent columns per 4-byte store.
+template <typename Traits, typename RawElement, typename Softmax, typename TO, typename TC>
+__device__ __forceinline__ void store_output(const AttentionParams& p, const TO& o, const TC& coord, Softmax& softmax,
+                                             int m0, int h, int b) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  Tensor o_rc = make_tensor(o.data(), rowcol(o.layout()));
+  Tensor c_rc = make_tensor(coord.data(), rowcol(coord.layout()));
+  RawElement* out = static_cast<RawElement*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride;
+  float* lse = static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(o_rc); ++r) {
+    float sum = softmax.row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const bool visible = sum > 0.f;
+    const float inv = visible ? 1.f / sum : 0.f;
+    const int row = m0 + get<0>(c_rc(r, 0));
+    if (row < p.seqlen_q) {
+      RawElement* dst = out + row * p.out_row_stride;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); c += 2) {
+        *reinterpret_cast<uint32_t*>(dst + get<1>(c_rc(r, c))) =
+            device::pack2<RawElement>(o_rc(r, c) * inv, o_rc(r, c + 1) * inv);
+      }
+      if (threadIdx.x % 4 == 0) {
+        lse[row] = visible ? softmax.row_max[r] * kLn2 + logf(sum) : device::neg_inf<float>();
+      }
+    }
+  }
+}
+
+template <typename Traits, typename RawElement, bool kIsCausal>
+__device__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared, typename Traits::Pipeline& pipe_k,
+                        typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
+  using T = Traits;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int tid = threadIdx.x - 128;  // within the consumers
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(shared.q.data()), typename T::SmemLayoutQ{}));
+  Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(shared.k.data()), typename T::SmemLayoutK{}));
+  Tensor tOrV = thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(shared.v.data()), typename T::SmemLayoutVt{}));
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename T::BlockM, typename T::HeadDim>{});
+  clear(tOrO);
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::BlockN>{}));
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::HeadDim>{}));
+  OnlineSoftmax<decltype(size<0>(rowcol(tOrO.layout())))::value> softmax;
+  const device::ScoreMask<float> mask(p, b, h, kLog2e);
+  const device::SoftCap<float> softcap(p);
+  const int m0 = m_block * T::kBlockM;
+
+  shared.barrier_q.wait(0);
+  typename T::PipelineState read;
+  for (int n = tiles.begin; n < tiles.end; ++n) {
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<typename T::BlockM, typename T::BlockN>{});
+    pipe_k.consumer_wait(read);
+    warpgroup_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pipe_k.consumer_release(read);
+    scale_and_mask<T, kIsCausal>(tSrS, cS, p, mask, softcap, m0, n * T::kBlockN);
+    Tensor s_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    Tensor o_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    softmax.step(s_rc, o_rc);
+    Tensor tOrP = probabilities_as_operand<typename T::Element>(tSrS);
+    pipe_v.consumer_wait(read);
+    warpgroup_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+    pipe_v.consumer_release(read);
+    ++read;
+  }
+  store_output<T, RawElement>(p, tOrO, cO, softmax, m0, h, b);
+}
+
+template <typename Traits, typename RawElement, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ FwdKernelParams<Traits> kp) {
+#if defined(ATTN_EXPORT_SM90_DEVICE_PASS)
+  using T = Traits;
+  using Pipeline = typename T::Pipeline;
+  extern __shared__ __align__(1024) unsigned char attn_export_sm90_smem[];
+  auto& shared = *reinterpret_cast<typename T::SharedStorage*>(attn_export_sm90_smem);
+  const int warpgroup = threadIdx.x / 128;
+  // Causal: the last query blocks see the most keys; launched first, they do not form the tail.
+  const int m_block = kIsCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kTmaBytesKV;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;  // the thread that issues the loads
+  pipe_params.num_consumers = 128 * T::kConsumerWarpgroups;
+  if (threadIdx.x == 0) {
+    shared.barrier_q.init(1);
+    prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+  }
+  Pipeline pipe_k(shared.pipeline_k, pipe_params, typename T::ClusterShape{});
+  Pipeline pipe_v(shared.pipeline_v, pipe_params, typename T::ClusterShape{});
+  __syncthreads();  // barriers initialized before anyone waits on them
+
+  const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
+      produce<T, kIsCausal>(kp, shared, pipe_k, pipe_v, tiles, m_block, h, b);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    consume<T, RawElement, kIsCausal>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
+  }
+#endif
+}
+
+// A TMA descriptor of one [batch, heads, seqlen, dim] operand, tiled as `smem_layout`.
+template <typename Traits, typename SmemLayout, typename Tile>
+auto make_tma(const void* ptr, int64_t seqlen, int64_t dim, int64_t heads, int64_t batch, int64_t row_stride,
+              int64_t head_stride, int64_t batch_stride, SmemLayout smem_layout, Tile tile) {
+  Tensor g = make_tensor(make_gmem_ptr(static_cast<const typename Traits::Element*>(ptr)),
+                         make_shape(int32_t(seqlen), int32_t(dim), int32_t(heads), int32_t(batch)),
+                         make_stride(row_stride, _1{}, head_stride, batch_stride));
+  return make_tma_copy(SM90_TMA_LOAD{}, g, smem_layout, tile, _1{});
+}
+
+// Host launcher: builds the TMA descriptors from the params' pointers and strides, and launches
+// one block per (128 query rows, head, batch). The caller checked supports(params).
+template <typename Element, int kHeadDim, bool kIsCausal>
+cudaError_t run_flash_fwd_sm90_(const AttentionParams& p, cudaStream_t stream) {
+  using T = FwdTraits<typename CutlassElement<Element>::type, kHeadDim>;
+  if (!supports(p) || p.head_dim != kHeadDim) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t heads_k = p.num_heads_k > 0 ? p.num_heads_k : p.num_heads;
+  const FwdKernelParams<T> kp{
+      p,
+      make_tma<T>(p.q, p.seqlen_q, p.head_dim, p.num_heads, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                  typename T::SmemLayoutQ{}, Shape<typename T::BlockM, typename T::HeadDim>{}),
+      make_tma<T>(p.k, p.seqlen_k, p.head_dim, heads_k, p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
+                  take<0, 2>(typename T::SmemLayoutK{}), Shape<typename T::BlockN, typename T::HeadDim>{}),
+      make_tma<T>(p.v, p.seqlen_k, p.head_dim_v, heads_k, p.batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
+                  take<0, 2>(typename T::SmemLayoutV{}), Shape<typename T::BlockN, typename T::HeadDim>{}),
+  };
+  const dim3 grid(static_cast<unsigned>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), static_cast<unsigned>(p.num_heads),
+                  static_cast<unsigned>(p.batch));
+  return launch_kernel(flash_fwd_sm90_kernel<T, Element, kIsCausal>, grid, dim3(T::kThreads), T::kSmemBytes, stream, kp);
+}
+
+}  // namespace attn_export::cuda::sm90

@@ -1,0 +1,237 @@
+"""Offline gates of the Hopper (sm_90a) forward, csrc/kernels/cuda/hopper/ (no GPU needed): its
+instantiations compile for sm_90a, spill no registers, and their SASS runs on Hopper's own
+instructions -- HGMMA (wgmma), UTMALDG (TMA loads), USETMAXREG (register reallocation) and no
+HMMA (the sm80 path's mma.sync); plus its host-side dispatch rules (dispatch_policy.h,
+hopper/flash_fwd_sm90.h), compiled alone.
+
+Needs nvcc, the CUTLASS/CuTe headers (`pip install --no-deps nvidia-cutlass==4.2.0.0`, which `make
+install` runs, or ATTN_EXPORT_CUTLASS_INCLUDE) and cuobjdump with nvdisasm (the CUDA toolkit's, or the
+wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm of the `test` extra); each test skips naming what
+is missing. CI compiles GATE_UNITS, three of the twelve instantiations (~2 min wall on 2 cores);
+ATTN_EXPORT_SM90_GATE=all compiles every one.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_cuda_build import _nvcc, ptxas_spills
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INSTANTIATIONS = ROOT / "csrc" / "kernels" / "cuda" / "instantiations"
+# The CI set: each tile shape (128-key tiles at head dims 64 and 128 with 3 and 2 stages, 64-key
+# tiles at 256), both element types, causal and not.
+GATE_UNITS = ("sm90_flash_fwd_hdim128_bf16_causal.cu", "sm90_flash_fwd_hdim64_fp16.cu", "sm90_flash_fwd_hdim256_fp16.cu")
+KERNEL = "flash_fwd_sm90_kernel"
+
+
+def _cutlass_include() -> str | None:
+    given = os.environ.get("ATTN_EXPORT_CUTLASS_INCLUDE")
+    if given:
+        return given
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    include = pathlib.Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    return str(include) if (include / "cute").is_dir() else None
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    toolkit = pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "cuobjdump"
+    if toolkit.exists():
+        return str(toolkit)
+    spec = importlib.util.find_spec("nvidia")  # the nvidia-cuda-cuobjdump wheel: nvidia/cu13/bin/cuobjdump
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for candidate in sorted(pathlib.Path(folder).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    return None
+
+
+# ---- SASS checks, as a pure function of cuobjdump's text.
+
+REQUIRED_SASS = {
+    "HGMMA": "wgmma (the tensor cores' Hopper instruction)",
+    "UTMALDG": "TMA bulk tensor loads",
+    "USETMAXREG": "setmaxnreg (warp-specialized register reallocation)",
+}
+FORBIDDEN_SASS = {
+    "HMMA": "mma.sync, the sm80 path's tensor-core instruction",
+    "LDL": "local-memory loads (a register array spilled or indexed at run time)",
+    "STL": "local-memory stores",
+}
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """{mangled function name: its SASS} from `cuobjdump -sass`."""
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def sass_problems(body: str) -> list[str]:
+    """What a Hopper kernel's SASS lacks or has that it must not."""
+    opcodes = set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body))
+    problems = [f"no {op} ({why})" for op, why in REQUIRED_SASS.items() if op not in opcodes]
+    problems += [f"{op} ({why})" for op, why in FORBIDDEN_SASS.items() if op in opcodes]
+    return problems
+
+
+HOPPER_SNIPPET = """
+        Function : _Z6kernelv
+        /*0010*/                   USETMAXREG.TRY URZ, 0xf0 ;
+        /*0020*/                   UTMALDG.4D [UR8], [UR4] ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0040*/              @!P0 SYNCS.PHASECHK.TRANS64 P0, [UR4], R3 ;
+"""
+
+
+def test_sass_check_accepts_hopper_code():
+    assert sass_problems(sass_functions(HOPPER_SNIPPET)["_Z6kernelv"]) == []
+
+
+def test_sass_check_fails_a_kernel_on_mma_sync():
+    sm80_like = HOPPER_SNIPPET.replace("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", "HMMA.16816.F32.BF16 R4, R8, R12, R4")
+    sm80_like = sm80_like.replace("UTMALDG.4D [UR8], [UR4]", "LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64]")
+    problems = sass_problems(sass_functions(sm80_like)["_Z6kernelv"])
+    assert any(p.startswith("no HGMMA") for p in problems)
+    assert any(p.startswith("no UTMALDG") for p in problems)
+    assert any(p.startswith("HMMA") for p in problems)
+
+
+def test_sass_check_fails_local_memory():
+    spilled = HOPPER_SNIPPET + "        /*0050*/                   STL.64 [R1+0x8], R4 ;\n"
+    assert sass_problems(sass_functions(spilled)["_Z6kernelv"]) == ["STL (local-memory stores)"]
+
+
+# ---- Host-side rules: the policy and the launcher's operand checks, compiled alone.
+
+POLICY_PROGRAM = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "kernels/cuda/dispatch_policy.h"
+#include "kernels/cuda/hopper/flash_fwd_sm90.h"
+using namespace attn_export;
+using namespace attn_export::cuda;
+
+alignas(16) static unsigned char buffer[1 << 16];
+
+AttentionParams base() {
+  AttentionParams p;
+  p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
+  p.head_dim = p.head_dim_v = 128; p.dtype = DataType::kBFloat16;
+  p.q = p.k = p.v = buffer; p.out = buffer; p.lse = buffer;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = 128;
+  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.out_head_stride = 128 * 300;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 4 * 128 * 300;
+  return p;
+}
+
+int main() {
+  std::printf("{\"allowed\": [");
+  const char* sep = "";
+  for (int major : {8, 9, 10}) for (int preview : {0, 1}) for (int sw : {0, 1}) {
+    std::printf("%s[%d, %d, %d, %d]", sep, major, preview, sw, policy::hopper_forward_allowed(major, preview, sw));
+    sep = ", ";
+  }
+  std::printf("], \"supports\": {");
+  AttentionParams p = base();
+  std::printf("\"base\": %d, ", sm90::supports(p));
+  p.dtype = DataType::kFloat16; std::printf("\"fp16\": %d, ", sm90::supports(p));
+  p.dtype = DataType::kFloat32; std::printf("\"fp32\": %d, ", sm90::supports(p));
+  p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports(p));
+  p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports(p));
+  p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports(p));
+  p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports(p));
+  p = base(); p.k = buffer + 8; std::printf("\"k_misaligned\": %d, ", sm90::supports(p));
+  p = base(); p.v_row_stride = 132; std::printf("\"v_row_stride_132\": %d, ", sm90::supports(p));
+  p = base(); p.q_head_stride = 0; std::printf("\"q_head_stride_0\": %d, ", sm90::supports(p));
+  p = base(); p.out_row_stride = 130; std::printf("\"out_row_stride_130\": %d, ", sm90::supports(p));
+  p = base(); p.seqlen_k = 0; std::printf("\"no_keys\": %d", sm90::supports(p));
+  std::printf("}}\n");
+}
+"""
+
+
+def _host_compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _cuda_include() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+
+
+@pytest.mark.skipif(_host_compiler() is None or not (_cuda_include() / "cuda_runtime_api.h").exists(),
+                    reason="needs a C++ compiler and the CUDA runtime headers")
+def test_hopper_dispatch_rules(tmp_path):
+    source = tmp_path / "policy.cpp"
+    source.write_text(POLICY_PROGRAM)
+    binary = tmp_path / "policy"
+    subprocess.run([_host_compiler(), "-std=c++17", "-I", str(ROOT / "csrc"), "-I", str(_cuda_include()),
+                    str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
+    result = json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
+    # Only a compute-capability-9 device, and only with both switches.
+    assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
+    assert result["supports"] == {
+        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 0, "dv_differs": 0, "k_misaligned": 0,
+        "v_row_stride_132": 0, "q_head_stride_0": 0, "out_row_stride_130": 0, "no_keys": 0,
+    }
+
+
+# ---- The compile gate.
+
+def _gate_units() -> list[pathlib.Path]:
+    if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all":
+        return sorted(INSTANTIATIONS.glob("sm90_flash_fwd_*.cu"))
+    return [INSTANTIATIONS / name for name in GATE_UNITS]
+
+
+def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[str, pathlib.Path]:
+    obj = out_dir / f"{unit.stem}.o"
+    result = subprocess.run(
+        [_nvcc(), "-c", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+         "-gencode=arch=compute_90a,code=sm_90a", "-DATTN_EXPORT_WITH_SM90=1",
+         "-I", str(ROOT / "csrc"), "-I", include, str(unit), "-o", str(obj)],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{unit.name}:\n{result.stderr[-4000:]}"
+    return result.stdout + result.stderr, obj
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+@pytest.mark.skipif(_cutlass_include() is None,
+                    reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
+@pytest.mark.skipif(_cuobjdump() is None,
+                    reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
+def test_sm90_forward_compiles_to_hopper_code(tmp_path):
+    units = _gate_units()
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        built = list(pool.map(lambda unit: _compile(unit, tmp_path, _cutlass_include()), units))
+    spills, kernels = {}, {}
+    for log, obj in built:
+        assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
+        spills.update(ptxas_spills(log))
+        # cuobjdump runs nvdisasm, which the wheels install beside it
+        env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+        kernels.update({name: body for name, body in sass_functions(sass).items() if KERNEL in name})
+    assert len(kernels) == len(units), f"expected one {KERNEL} per file, found {sorted(kernels)}"
+    assert {arch for _, arch in spills} == {"sm_90a"}
+    spilling = [f"{name}: {stores} B stores, {loads} B loads" for (name, _), (stores, loads) in spills.items()
+                if KERNEL in name and (stores or loads)]
+    assert not spilling, "the sm_90a forward spills registers:\n" + "\n".join(spilling)
+    failing = {name: problems for name, body in kernels.items() if (problems := sass_problems(body))}
+    assert not failing, "SASS of the sm_90a forward:\n" + json.dumps(failing, indent=1)
+    print(f"{len(units)} sm_90a instantiations compiled and checked in {time.monotonic() - start:.0f} s")
