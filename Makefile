@@ -42,10 +42,13 @@ install: $(VENV)/.built
 # its whole file in one process), the files of slow tests first (tests/conftest.py);
 # PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
+# The slowest tests named at the end of the log: CI's budget (30 minutes for .ci/run) is kept by
+# looking there first.
+DURATIONS ?= --durations=25
 # The wheel test first: it is short (~2 min) and fails on what the suite cannot see (a file missing
 # from the package, a dependency missing from its metadata), since the suite imports the checkout.
 test: install test-wheel
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) $(DURATIONS)
 
 # The everyday loop: every package's tests without the slow ones (the CUDA emulator, the model
 # zoo, the fuzzers, the other instruction sets, end-to-end runs); under 3 minutes on 2 cores once
