@@ -183,17 +183,18 @@ def check_no_kv_expansion(proto, kv_heads):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["kv_num_heads"] == kv_heads
         for name in node.input[1:3]:
-            chain = []
+            chain = []  # back from the node's new keys/values, through Reshape/Transpose (and a
+            # Concat of rotary parts, phi's partial rotary), never through a past
             while name in producer and producer[name].op_type in ("Reshape", "Transpose", "Concat"):
-                chain.append(producer[name].op_type)
-                if producer[name].op_type == "Concat":
-                    assert producer[name].input[0] in past, producer[name].input
+                made_by = producer[name]
+                chain.append(made_by.op_type)
+                assert not set(made_by.input) & past, chain
+                if made_by.op_type == "Concat":
                     break
-                name = producer[name].input[0]
-            # The past is the node's own input (the Concat folded in): opset-23 Attention's inputs
-            # 4 and 5, the FusedAttention cache form's 5 and 6.
-            assert "Concat" not in chain, chain
-            assert set(node.input[4:6] if node.op_type == "Attention" else node.input[5:7]) <= past
+                name = made_by.input[0]
+        # The past is the node's own input (the Concat folded in): opset-23 Attention's inputs 4
+        # and 5, the FusedAttention cache form's 5 and 6.
+        assert set(node.input[4:6] if node.op_type == "Attention" else node.input[5:7]) <= past
     assert not any(n.op_type == "Expand" and any(i in past for i in n.input) for n in proto.graph.node)
     assert not any(n.op_type in ("Concat", "Transpose") and any(i in past for i in n.input) for n in proto.graph.node)
 
