@@ -95,6 +95,30 @@ std::string check_past(const Config& c, const Shape* in) {
   return why.str();
 }
 
+// The masks whose has_* is 1 against query and the key length (P + S in the cache form).
+std::string check_masks(const Config& c, const Shape* in, const std::string& shapes) {
+  const Shape& q = in[spec::kInputQuery];
+  const int64_t lk = key_length(c, in);
+  if (c.has_key_padding_mask) {
+    const Shape& m = in[spec::kInputKeyPaddingMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], lk)) {
+      return std::string(spec::kInputNames[spec::kInputKeyPaddingMask]) + " must be [B or 1, Lk or 1]; got " +
+          shape_text(m) + " with " + shapes;
+    }
+  }
+  if (c.has_attn_mask) {
+    const Shape& m = in[spec::kInputAttnMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], c.num_heads) || !broadcastable(m.d[2], q.d[1]) ||
+        !broadcastable(m.d[3], lk)) {
+      std::ostringstream why;
+      why << spec::kInputNames[spec::kInputAttnMask] << " must be [B or 1, H or 1, Lq or 1, Lk or 1] with H="
+          << c.num_heads << "; got " << shape_text(m) << " with " << shapes;
+      return why.str();
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string validate_config(const Config& c) {
@@ -236,24 +260,7 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
         << " (Hkv*D with " << spec::kAttrNumHeads << "=" << heads << ", Hkv=" << kv_heads << "); got " << shapes;
     return why.str();
   }
-  const int64_t lk = key_length(c, in);
-  if (c.has_key_padding_mask) {
-    const Shape& m = in[spec::kInputKeyPaddingMask];
-    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], lk)) {
-      return std::string(spec::kInputNames[spec::kInputKeyPaddingMask]) + " must be [B or 1, Lk or 1]; got " +
-          shape_text(m) + " with " + shapes;
-    }
-  }
-  if (c.has_attn_mask) {
-    const Shape& m = in[spec::kInputAttnMask];
-    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], heads) || !broadcastable(m.d[2], q.d[1]) ||
-        !broadcastable(m.d[3], lk)) {
-      why << spec::kInputNames[spec::kInputAttnMask] << " must be [B or 1, H or 1, Lq or 1, Lk or 1] with H="
-          << heads << "; got " << shape_text(m) << " with " << shapes;
-      return why.str();
-    }
-  }
-  return "";
+  return check_masks(c, in, shapes);
 }
 
 Shape output_shape(const Config& c, const Shape* in) {
