@@ -9,7 +9,8 @@
 // Changing a name, an attribute, an input or the semantics is a breaking change: bump
 // kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute; version
 // 3 added kv_num_heads (grouped-query attention) and causal_alignment (bottom-right causal);
-// version 4 added window (sliding-window causal attention).
+// version 4 added window (sliding-window causal attention); version 5 added the key/value cache
+// form (has_past, inputs past_key/past_value, outputs present_key/present_value).
 //
 // ---------------------------------------------------------------------------------------------
 // The node: the attention core, heads packed, token-major (no transposes in the graph; the
@@ -23,6 +24,20 @@
 //     4 attn_mask         M    [B or 1, H or 1, Lq or 1, Lk or 1]     additive
 //   output:
 //     0 output            T    [B, Lq, H*Dv]
+//
+//   The cache form (has_past = 1): two more inputs and two more outputs, nothing else changes.
+//     1 key               T    [B, S, Hkv*D]      the new keys (S tokens), token-major as above
+//     2 value             T    [B, S, Hkv*Dv]
+//     5 past_key          T    [B, Hkv, P, D]     the cache, head-major (Optimum's layout)
+//     6 past_value        T    [B, Hkv, P, Dv]
+//   outputs:
+//     1 present_key       T    [B, Hkv, P+S, D]   past_key then the new keys along axis 2
+//     2 present_value     T    [B, Hkv, P+S, Dv]
+//   and attention runs over the present: Lk = P + S below (key[b, j, g*D:(g+1)*D] reads
+//   present_key[b, g, j, :]); the masks' Lk is P + S; causal_alignment 1 (bottom-right) is the
+//   decoder's alignment (the new tokens are the last S of the P + S). P may be 0 (prefill).
+//   A consumer tells the forms apart by has_past (which the TensorRT plugin needs before it sees
+//   the inputs: getNbOutputs()) and, equivalently, by the node's input count, 5 or 7.
 //   T = float32 | float16 | bfloat16 (kTensorTypes); M = float32 (kMaskType).
 //   H = num_heads; Hkv = kv_num_heads (0 or absent: H), which must divide H: grouped-query
 //   attention, query head h reads key/value head g(h) = h // (H / Hkv) (multi-query: Hkv = 1).
@@ -74,13 +89,13 @@ namespace attn_export::spec {
 
 // ONNX identity of the node and of its model-local function (same domain and name).
 inline constexpr const char* kOnnxDomain = "attn_export";
-inline constexpr int kOnnxDomainVersion = 4;
+inline constexpr int kOnnxDomainVersion = 5;
 inline constexpr const char* kOpType = "FusedAttention";
 
 // TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
 // attributes plugin_version / plugin_namespace, which the exporter writes on every node.
 inline constexpr const char* kPluginName = "FusedAttention";
-inline constexpr const char* kPluginVersion = "4";
+inline constexpr const char* kPluginVersion = "5";
 inline constexpr const char* kPluginNamespace = "";
 
 // Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
@@ -94,6 +109,7 @@ inline constexpr const char* kAttrSoftcap = "softcap";                       // 
 inline constexpr const char* kAttrCausalAlignment = "causal_alignment";     // INT   0 top-left | 1 bottom-right
 inline constexpr const char* kAttrKvNumHeads = "kv_num_heads";              // INT   Hkv | 0 = num_heads
 inline constexpr const char* kAttrWindow = "window";                         // INT   >= 0, 0 = no window
+inline constexpr const char* kAttrHasPast = "has_past";                      // INT   0 | 1: the cache form
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
@@ -119,8 +135,8 @@ struct Attribute {
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
 // itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
 // on every node, so a node always names this version).
-inline constexpr int kNumAttributes = 11;
-inline constexpr int kNumPluginFields = 9;
+inline constexpr int kNumAttributes = 12;
+inline constexpr int kNumPluginFields = 10;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
     {kAttrScale, kAttrTypeFloat, true, 0, 0.0, ""},
@@ -131,6 +147,7 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrCausalAlignment, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrKvNumHeads, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrWindow, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrHasPast, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
@@ -187,6 +204,18 @@ inline constexpr const char* kOutputNames[kNumOutputs] = {"output"};
 // Ranks of the inputs, in input order, and of the output.
 inline constexpr int kInputRanks[kNumInputs] = {3, 3, 3, 2, 4};
 inline constexpr int kOutputRank = 3;
+
+// The cache form (has_past = 1): inputs 5 and 6 after the five above, outputs 1 and 2 after
+// the output, all of rank 4 and type T.
+inline constexpr int kInputPastKey = 5;
+inline constexpr int kInputPastValue = 6;
+inline constexpr int kNumPastInputs = 7;
+inline constexpr int kOutputPresentKey = 1;
+inline constexpr int kOutputPresentValue = 2;
+inline constexpr int kNumPastOutputs = 3;
+inline constexpr const char* kPastInputNames[2] = {"past_key", "past_value"};
+inline constexpr const char* kPresentOutputNames[2] = {"present_key", "present_value"};
+inline constexpr int kCacheRank = 4;
 
 // The PyTorch operators (torch.ops.attn_export.*), by qualified name (csrc/ops/attention.cpp,
 // whose TORCH_LIBRARY block must name kTorchNamespace, defines each from its kSchema* below),

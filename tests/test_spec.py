@@ -30,6 +30,7 @@ int main() {
   s("attr_has_key_padding_mask", kAttrHasKeyPaddingMask); s("attr_has_attn_mask", kAttrHasAttnMask);
   s("attr_softcap", kAttrSoftcap);
   s("attr_causal_alignment", kAttrCausalAlignment); s("attr_kv_num_heads", kAttrKvNumHeads); s("attr_window", kAttrWindow);
+  s("attr_has_past", kAttrHasPast); i("cache_rank", kCacheRank);
   s("attr_plugin_namespace", kAttrPluginNamespace); s("attr_plugin_version", kAttrPluginVersion);
   i("output_rank", kOutputRank); i("min_onnx_opset", kMinOnnxOpset);
   std::printf("\"input_names\": [");
@@ -38,7 +39,9 @@ int main() {
   for (int n = 0; n < kNumInputs; ++n) std::printf("%d%s", kInputRanks[n], n + 1 < kNumInputs ? ", " : "");
   std::printf("], \"output_names\": [");
   for (int n = 0; n < kNumOutputs; ++n) std::printf("\"%s\"%s", kOutputNames[n], n + 1 < kNumOutputs ? ", " : "");
-  std::printf("], \"tensor_types\": [");
+  std::printf("], \"past_input_names\": [\"%s\", \"%s\"]", kPastInputNames[0], kPastInputNames[1]);
+  std::printf(", \"present_output_names\": [\"%s\", \"%s\"]", kPresentOutputNames[0], kPresentOutputNames[1]);
+  std::printf(", \"tensor_types\": [");
   for (int n = 0; n < kNumTensorTypes; ++n) std::printf("%d%s", kTensorTypes[n], n + 1 < kNumTensorTypes ? ", " : "");
   std::printf("], \"tensor_type_names\": [");
   for (int n = 0; n < kNumTensorTypes; ++n) std::printf("\"%s\"%s", kTensorTypeNames[n], n + 1 < kNumTensorTypes ? ", " : "");
@@ -71,8 +74,8 @@ int main() {
   s("torch_schema_multi_head_attention", kSchemaMultiHeadAttention);
   s("torch_schema_multi_head_attention_forward", kSchemaMultiHeadAttentionForward);
   s("torch_schema_multi_head_attention_backward", kSchemaMultiHeadAttentionBackward);
-  std::printf("\"positions\": [%d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
-              kInputKeyPaddingMask, kInputAttnMask);
+  std::printf("\"positions\": [%d, %d, %d, %d, %d, %d, %d, %d, %d]}", kInputQuery, kInputKey, kInputValue,
+              kInputKeyPaddingMask, kInputAttnMask, kInputPastKey, kInputPastValue, kNumPastInputs, kNumPastOutputs);
 }
 """
 
@@ -85,7 +88,7 @@ def test_the_compiled_header_and_the_python_parser_agree(tmp_path):
     subprocess.run(["c++", "-std=c++17", "-Wall", "-Werror", f"-I{HEADER.parent}", str(src), "-o", str(exe)],
                    check=True, capture_output=True)
     compiled = json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
-    assert compiled.pop("positions") == list(range(5))
+    assert compiled.pop("positions") == list(range(7)) + [7, 3]
     parsed = spec_mod.spec_from_header(HEADER.read_text())
     attributes = compiled.pop("attributes")
     assert [[a.name, a.type, a.required, a.default] for a in parsed.attributes] == attributes
@@ -108,6 +111,8 @@ def test_parser_rejects_an_incomplete_or_inconsistent_header():
     swapped = text.replace("kInputKey = 1;", "kInputKey = 2;")
     with pytest.raises(spec_mod.SpecError, match="positions"):
         spec_mod.spec_from_header(swapped)
+    with pytest.raises(spec_mod.SpecError, match="the cache form's positions"):
+        spec_mod.spec_from_header(text.replace("kInputPastKey = 5;", "kInputPastKey = 4;"))
     stray = text.replace("{kAttrSoftcap, 0.0, false", "{kOpType, 0.0, false")
     with pytest.raises(spec_mod.SpecError, match="kAttributeRanges names 'FusedAttention', which is not in kAttributes"):
         spec_mod.spec_from_header(stray)
@@ -123,7 +128,11 @@ def test_spec_values_the_plugin_relies_on():
     assert s.op_type == s.plugin_name
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
-    assert s.plugin_version == "4" and s.domain_version == 4
+    assert s.plugin_version == "5" and s.domain_version == 5
+    # The cache form: inputs 5 and 6, outputs 1 and 2, head-major rank-4 tensors.
+    assert s.node_inputs(True) == s.input_names + ("past_key", "past_value")
+    assert s.node_outputs(True) == ("output", "present_key", "present_value") and s.cache_rank == 4
+    assert s.node_inputs(False) == s.input_names and s.node_outputs(False) == s.output_names
 
 
 def test_spec_types_defaults_and_operators():
@@ -141,7 +150,7 @@ def test_spec_types_defaults_and_operators():
     assert [(f.name, f.plugin_field_type) for f in s.plugin_fields] == [
         ("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"), ("has_key_padding_mask", "INT32"),
         ("has_attn_mask", "INT32"), ("softcap", "FLOAT32"), ("causal_alignment", "INT32"), ("kv_num_heads", "INT32"),
-        ("window", "INT32")]
+        ("window", "INT32"), ("has_past", "INT32")]
     assert a[s.attr_scale].type == onnx.AttributeProto.FLOAT and a[s.attr_num_heads].type == onnx.AttributeProto.INT
     assert a[s.attr_plugin_version].type == onnx.AttributeProto.STRING
     assert [f.name for f in s.attributes if f.required] == [s.attr_num_heads, s.attr_scale]
@@ -161,7 +170,7 @@ def test_spec_types_defaults_and_operators():
 def test_docs_name_every_input_attribute_and_identity():
     doc = (ROOT / "docs" / "onnx_node.md").read_text()
     s = spec_mod.load()
-    for name in (*s.input_names, *s.output_names, *s.attribute_names, s.domain, s.op_type):
+    for name in (*s.node_inputs(True), *s.node_outputs(True), *s.attribute_names, s.domain, s.op_type):
         assert f"`{name}`" in doc, name
 
 

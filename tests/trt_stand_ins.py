@@ -9,20 +9,24 @@ from attn_export import spec as spec_mod
 from attn_export import tensorrt as attn_trt
 
 
-def one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version=None, namespace=""):
-    """One FusedAttention node over query/key/value and both masks, with the plugin identity the
-    TensorRT parser reads."""
+def one_node_model(query_type=TensorProto.FLOAT16, mask_type=TensorProto.FLOAT, version=None, namespace="",
+                   past=False):
+    """One FusedAttention node over query/key/value and both masks (``past``: and the cache,
+    the cache form's 7 inputs and 3 outputs), with the plugin identity the TensorRT parser reads."""
     s = spec_mod.load()
     from attn_export.onnx import node as onnx_node
 
-    shapes = {"query": ["b", "lq", 8], "key": ["b", "lk", 8], "value": ["b", "lk", 8],
-              "key_padding_mask": [1, 1], "attn_mask": [1, 1, 1, 1]}
+    shapes = {"query": ["b", "lq", 8], "key": ["b", "lq" if past else "lk", 8],
+              "value": ["b", "lq" if past else "lk", 8], "key_padding_mask": [1, 1], "attn_mask": [1, 1, 1, 1],
+              "past_key": ["b", 2, "p", 4], "past_value": ["b", 2, "p", 4]}
+    names, outputs = s.node_inputs(past), s.node_outputs(past)
     inputs = [helper.make_tensor_value_info(n, mask_type if n in ("key_padding_mask", "attn_mask") else query_type,
-                                            shapes[n]) for n in s.input_names]
-    attrs = onnx_node.node_attributes(2, 0.5, False, False, False)
+                                            shapes[n]) for n in names]
+    attrs = onnx_node.node_attributes(2, 0.5, past, False, False, causal_alignment=int(past), has_past=past)
     attrs[s.attr_plugin_version], attrs[s.attr_plugin_namespace] = version or s.plugin_version, namespace
-    node = helper.make_node(s.op_type, list(s.input_names), ["output"], name="attn0", domain=s.domain, **attrs)
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("output", query_type, None)])
+    node = helper.make_node(s.op_type, list(names), list(outputs), name="attn0", domain=s.domain, **attrs)
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info(o, query_type, None)
+                                                    for o in outputs])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
                                                    helper.make_opsetid(s.domain, s.domain_version)])
 

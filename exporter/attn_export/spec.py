@@ -165,6 +165,7 @@ class AttentionSpec:
     attr_causal_alignment: str
     attr_kv_num_heads: str
     attr_window: str
+    attr_has_past: str
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
@@ -174,6 +175,10 @@ class AttentionSpec:
     output_names: Tuple[str, ...]
     input_ranks: Tuple[int, ...]
     output_rank: int
+    # The cache form (has_past = 1): inputs 5, 6 and outputs 1, 2 after the ones above, rank 4.
+    past_input_names: Tuple[str, ...]
+    present_output_names: Tuple[str, ...]
+    cache_rank: int
     tensor_types: Tuple[int, ...]  # T: ONNX TensorProto.DataType values
     tensor_type_names: Tuple[str, ...]  # "float32", "float16", "bfloat16"
     mask_type: int  # M: the ONNX TensorProto.DataType of the masks
@@ -192,6 +197,14 @@ class AttentionSpec:
     torch_schema_multi_head_attention_forward: str
     torch_schema_multi_head_attention_backward: str
     min_onnx_opset: int
+
+    def node_inputs(self, has_past: bool = False) -> Tuple[str, ...]:
+        """The node's input names: 5, or 7 in the cache form."""
+        return self.input_names + (self.past_input_names if has_past else ())
+
+    def node_outputs(self, has_past: bool = False) -> Tuple[str, ...]:
+        """The node's output names: 1, or 3 in the cache form."""
+        return self.output_names + (self.present_output_names if has_past else ())
 
     @property
     def attribute_names(self) -> Tuple[str, ...]:
@@ -248,6 +261,7 @@ _FIELDS = {
     "attr_causal_alignment": "kAttrCausalAlignment",
     "attr_kv_num_heads": "kAttrKvNumHeads",
     "attr_window": "kAttrWindow",
+    "attr_has_past": "kAttrHasPast",
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",
@@ -257,6 +271,9 @@ _FIELDS = {
     "output_names": "kOutputNames",
     "input_ranks": "kInputRanks",
     "output_rank": "kOutputRank",
+    "past_input_names": "kPastInputNames",
+    "present_output_names": "kPresentOutputNames",
+    "cache_rank": "kCacheRank",
     "tensor_types": "kTensorTypes",
     "tensor_type_names": "kTensorTypeNames",
     "mask_type": "kMaskType",
@@ -308,6 +325,13 @@ def spec_from_header(text: str) -> AttentionSpec:
     positions = [values.get(f"kInput{''.join(p.title() for p in n.split('_'))}") for n in spec.input_names]
     if positions != list(range(len(spec.input_names))) or values.get("kNumInputs") != len(spec.input_names):
         raise SpecError(f"{_HEADER}: kInput* positions {positions} disagree with kInputNames {spec.input_names}")
+    cache = ([values.get(f"kInput{''.join(p.title() for p in n.split('_'))}") for n in spec.past_input_names],
+             [values.get(f"kOutput{''.join(p.title() for p in n.split('_'))}") for n in spec.present_output_names])
+    inputs, outputs = len(spec.input_names), len(spec.output_names)
+    if (cache != ([inputs, inputs + 1], [outputs, outputs + 1]) or values.get("kNumPastInputs") != inputs + 2
+            or values.get("kNumPastOutputs") != outputs + 2):
+        raise SpecError(f"{_HEADER}: the cache form's positions {cache} must follow the plain form's "
+                        f"{inputs} inputs and {outputs} output(s)")
     if spec.op_type != spec.plugin_name:
         raise SpecError(f"{_HEADER}: kOpType {spec.op_type!r} must equal kPluginName {spec.plugin_name!r}")
     named = {values[k] for k in values if k.startswith("kAttr") and isinstance(values[k], str)}

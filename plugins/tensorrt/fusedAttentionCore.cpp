@@ -42,7 +42,8 @@ void* slot(Config& c, int32_t i) {
     case 5: return &c.softcap;
     case 6: return &c.causal_alignment;
     case 7: return &c.kv_num_heads;
-    default: return &c.window;
+    case 8: return &c.window;
+    default: return &c.has_past;
   }
 }
 
@@ -52,6 +53,71 @@ const void* slot(const Config& c, int32_t i) { return slot(const_cast<Config&>(c
 bool broadcastable(int64_t d, int64_t full) { return !known(d) || !known(full) || d == 1 || d == full; }
 
 int64_t stride_or_zero(int64_t size, int64_t stride) { return size == 1 ? 0 : stride; }
+
+const char* input_name(int32_t i) {
+  return i < spec::kNumInputs ? spec::kInputNames[i] : spec::kPastInputNames[i - spec::kNumInputs];
+}
+
+// Lk: the key length, or in the cache form P + S (-1 when either is unknown).
+int64_t key_length(const Config& c, const Shape* in) {
+  const int64_t s = in[spec::kInputKey].d[1];
+  if (c.has_past == 0) {
+    return s;
+  }
+  const int64_t p = in[spec::kInputPastKey].d[2];
+  return known(p) && known(s) ? p + s : -1;
+}
+
+// The cache form's past_key [B, Hkv, P, D] and past_value [B, Hkv, P, Dv] against query, key and
+// value (ranks already checked). "" when fine.
+std::string check_past(const Config& c, const Shape* in) {
+  const Shape& q = in[spec::kInputQuery];
+  const Shape& pk = in[spec::kInputPastKey];
+  const Shape& pv = in[spec::kInputPastValue];
+  const int64_t kv_heads = c.kv_heads();
+  const auto differ = [](int64_t a, int64_t b) { return known(a) && known(b) && a != b; };
+  const auto head_size = [&](int32_t input) {
+    const int64_t width = in[input].d[2];
+    return known(width) ? width / kv_heads : -1;
+  };
+  const bool bad = differ(pk.d[0], q.d[0]) || differ(pv.d[0], q.d[0]) || differ(pk.d[1], kv_heads) ||
+      differ(pv.d[1], kv_heads) || differ(pk.d[2], pv.d[2]) || differ(pk.d[3], head_size(spec::kInputKey)) ||
+      differ(pv.d[3], head_size(spec::kInputValue));
+  if (!bad) {
+    return "";
+  }
+  std::ostringstream why;
+  why << spec::kPastInputNames[0] << " and " << spec::kPastInputNames[1]
+      << " must be [B, Hkv, P, D] and [B, Hkv, P, Dv] (the key/value heads Hkv=" << kv_heads
+      << ", their head sizes, one past length P); got " << shape_text(pk) << " and " << shape_text(pv) << " with query "
+      << shape_text(q) << ", key " << shape_text(in[spec::kInputKey]) << ", value "
+      << shape_text(in[spec::kInputValue]);
+  return why.str();
+}
+
+// The masks whose has_* is 1 against query and the key length (P + S in the cache form).
+std::string check_masks(const Config& c, const Shape* in, const std::string& shapes) {
+  const Shape& q = in[spec::kInputQuery];
+  const int64_t lk = key_length(c, in);
+  if (c.has_key_padding_mask) {
+    const Shape& m = in[spec::kInputKeyPaddingMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], lk)) {
+      return std::string(spec::kInputNames[spec::kInputKeyPaddingMask]) + " must be [B or 1, Lk or 1]; got " +
+          shape_text(m) + " with " + shapes;
+    }
+  }
+  if (c.has_attn_mask) {
+    const Shape& m = in[spec::kInputAttnMask];
+    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], c.num_heads) || !broadcastable(m.d[2], q.d[1]) ||
+        !broadcastable(m.d[3], lk)) {
+      std::ostringstream why;
+      why << spec::kInputNames[spec::kInputAttnMask] << " must be [B or 1, H or 1, Lq or 1, Lk or 1] with H="
+          << c.num_heads << "; got " << shape_text(m) << " with " << shapes;
+      return why.str();
+    }
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -73,9 +139,9 @@ std::string validate_config(const Config& c) {
     why << spec::kAttrWindow << " must be >= 0 (0 = no window), and > 0 only with " << spec::kAttrIsCausal
         << "=1; got " << spec::kAttrWindow << "=" << c.window << " " << spec::kAttrIsCausal << "=" << c.is_causal;
   } else {
-    const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask, c.causal_alignment};
-    const char* const names[] = {kFields[2].name, kFields[3].name, kFields[4].name, kFields[6].name};
-    for (int32_t i = 0; i < 4; ++i) {
+    const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask, c.causal_alignment, c.has_past};
+    const char* const names[] = {kFields[2].name, kFields[3].name, kFields[4].name, kFields[6].name, kFields[9].name};
+    for (int32_t i = 0; i < 5; ++i) {
       if (flags[i] != 0 && flags[i] != 1) {
         why << names[i] << " must be 0 or 1; got " << flags[i];
         break;
@@ -140,20 +206,23 @@ std::string describe(const Config& c) {
       << spec::kAttrIsCausal << "=" << c.is_causal << " " << spec::kAttrHasKeyPaddingMask << "="
       << c.has_key_padding_mask << " " << spec::kAttrHasAttnMask << "=" << c.has_attn_mask << " "
       << spec::kAttrSoftcap << "=" << c.softcap << " " << spec::kAttrCausalAlignment << "=" << c.causal_alignment
-      << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads << " " << spec::kAttrWindow << "=" << c.window;
+      << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads << " " << spec::kAttrWindow << "=" << c.window << " "
+      << spec::kAttrHasPast << "=" << c.has_past;
   return out.str();
 }
 
 std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
   std::ostringstream why;
-  if (count != spec::kNumInputs || in == nullptr) {
-    why << spec::kOpType << " takes " << spec::kNumInputs << " inputs; got " << count;
+  if (count != c.num_inputs() || in == nullptr) {
+    why << spec::kOpType << " takes " << c.num_inputs() << " inputs with " << spec::kAttrHasPast << "=" << c.has_past
+        << "; got " << count;
     return why.str();
   }
-  for (int32_t i = 0; i < spec::kNumInputs; ++i) {
-    if (in[i].rank != spec::kInputRanks[i]) {
-      why << "input " << i << " (" << spec::kInputNames[i] << ") must have rank " << spec::kInputRanks[i]
-          << "; got " << shape_text(in[i]) << " (rank " << in[i].rank << ")";
+  for (int32_t i = 0; i < count; ++i) {
+    const int32_t rank = i < spec::kNumInputs ? spec::kInputRanks[i] : spec::kCacheRank;
+    if (in[i].rank != rank) {
+      why << "input " << i << " (" << input_name(i) << ") must have rank " << rank << "; got " << shape_text(in[i])
+          << " (rank " << in[i].rank << ")";
       return why.str();
     }
   }
@@ -170,6 +239,12 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
   if (differ(v.d[1], k.d[1])) {
     return "key and value must have the same length Lk; got " + shapes;
   }
+  if (c.has_past != 0) {
+    const std::string past = check_past(c, in);
+    if (!past.empty()) {
+      return past;
+    }
+  }
   for (const int32_t i : {spec::kInputQuery, spec::kInputValue}) {
     const int64_t width = in[i].d[2], n = i == spec::kInputQuery ? heads : kv_heads;
     if (known(width) && (width < n || width % n != 0)) {
@@ -185,23 +260,7 @@ std::string check_shapes(const Config& c, const Shape* in, int32_t count) {
         << " (Hkv*D with " << spec::kAttrNumHeads << "=" << heads << ", Hkv=" << kv_heads << "); got " << shapes;
     return why.str();
   }
-  if (c.has_key_padding_mask) {
-    const Shape& m = in[spec::kInputKeyPaddingMask];
-    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], k.d[1])) {
-      return std::string(spec::kInputNames[spec::kInputKeyPaddingMask]) + " must be [B or 1, Lk or 1]; got " +
-          shape_text(m) + " with " + shapes;
-    }
-  }
-  if (c.has_attn_mask) {
-    const Shape& m = in[spec::kInputAttnMask];
-    if (!broadcastable(m.d[0], q.d[0]) || !broadcastable(m.d[1], heads) || !broadcastable(m.d[2], q.d[1]) ||
-        !broadcastable(m.d[3], k.d[1])) {
-      why << spec::kInputNames[spec::kInputAttnMask] << " must be [B or 1, H or 1, Lq or 1, Lk or 1] with H="
-          << heads << "; got " << shape_text(m) << " with " << shapes;
-      return why.str();
-    }
-  }
-  return "";
+  return check_masks(c, in, shapes);
 }
 
 Shape output_shape(const Config& c, const Shape* in) {
@@ -214,8 +273,45 @@ Shape output_shape(const Config& c, const Shape* in) {
   return out;
 }
 
+Shape present_shape(const Config& c, const Shape* in, int32_t which) {
+  const Shape& past = in[which == 0 ? spec::kInputPastKey : spec::kInputPastValue];
+  Shape out = past;
+  out.rank = spec::kCacheRank;
+  out.d[2] = key_length(c, in);
+  return out;
+}
+
+std::vector<Copy2D> present_copies(const Config& c, const Shape* in, int32_t which, int64_t e) {
+  const int32_t past_input = which == 0 ? spec::kInputPastKey : spec::kInputPastValue;
+  const int32_t new_input = which == 0 ? spec::kInputKey : spec::kInputValue;
+  const int64_t batch = in[spec::kInputQuery].d[0], heads = c.kv_heads();
+  const int64_t p = in[past_input].d[2], s = in[new_input].d[1], d = in[new_input].d[2] / heads, l = p + s;
+  const int64_t row = d * e;  // one head's vector, in bytes
+  std::vector<Copy2D> copies;
+  if (p > 0) {  // every (b, h) block of the past: P*D contiguous in both, at pitch L*D in the present
+    copies.push_back(Copy2D{past_input, 0, p * row, 0, l * row, p * row, batch * heads});
+  }
+  if (s <= 0) {
+    return copies;
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    if (s <= heads) {  // per token: its Hkv heads are consecutive in the input, L*D apart in the present
+      for (int64_t t = 0; t < s; ++t) {
+        copies.push_back(Copy2D{new_input, (b * s + t) * heads * row, row, (b * heads * l + p + t) * row, l * row, row,
+                                heads});
+      }
+    } else {  // per head: its S tokens are Hkv*D apart in the input, consecutive in the present
+      for (int64_t h = 0; h < heads; ++h) {
+        copies.push_back(Copy2D{new_input, (b * s * heads + h) * row, heads * row, ((b * heads + h) * l + p) * row,
+                                row, row, s});
+      }
+    }
+  }
+  return copies;
+}
+
 AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, const void* const* ptrs,
-                            void* output, void* lse) {
+                            void* output, void* lse, const void* present_key, const void* present_value) {
   const Shape& q = in[spec::kInputQuery];
   const Shape& k = in[spec::kInputKey];
   const Shape& v = in[spec::kInputValue];
@@ -227,7 +323,7 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   p.num_heads = heads;
   p.num_heads_k = kv_heads;
   p.seqlen_q = q.d[1];
-  p.seqlen_k = k.d[1];
+  p.seqlen_k = key_length(c, in);
   p.head_dim = width / heads;
   p.head_dim_v = width_v / kv_heads;
   const int64_t width_out = p.head_dim_v * heads;
@@ -247,6 +343,17 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   p.v_batch_stride = p.seqlen_k * width_v;
   p.v_head_stride = p.head_dim_v;
   p.v_row_stride = width_v;
+  if (c.has_past != 0) {
+    // The presents, head-major [B, Hkv, Lk, D]: head g of row j of batch b at (b*Hkv + g)*Lk*D + j*D.
+    p.k = present_key;
+    p.k_batch_stride = kv_heads * p.seqlen_k * p.head_dim;
+    p.k_head_stride = p.seqlen_k * p.head_dim;
+    p.k_row_stride = p.head_dim;
+    p.v = present_value;
+    p.v_batch_stride = kv_heads * p.seqlen_k * p.head_dim_v;
+    p.v_head_stride = p.seqlen_k * p.head_dim_v;
+    p.v_row_stride = p.head_dim_v;
+  }
   p.out = output;
   p.out_batch_stride = p.seqlen_q * width_out;
   p.out_head_stride = p.head_dim_v;

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "attention_params.h"
 #include "attention_spec.h"
@@ -52,21 +53,22 @@ inline constexpr FieldSpec kFields[kNumFields] = {
     field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
     field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]), field_spec(spec::kAttributes[5]),
     field_spec(spec::kAttributes[6]), field_spec(spec::kAttributes[7]), field_spec(spec::kAttributes[8]),
+    field_spec(spec::kAttributes[9]),
 };
 
-// Config holds the fields in this order; the optional flags, causal_alignment, kv_num_heads and
-// window are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
-static_assert(kNumFields == 9 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+// Config holds the fields in this order; the optional flags, causal_alignment, kv_num_heads,
+// window and has_past are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
+static_assert(kNumFields == 10 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
                   kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
                   kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap &&
                   kFields[6].name == spec::kAttrCausalAlignment && kFields[7].name == spec::kAttrKvNumHeads &&
-                  kFields[8].name == spec::kAttrWindow,
+                  kFields[8].name == spec::kAttrWindow && kFields[9].name == spec::kAttrHasPast,
               "Config and slot() follow the spec's attribute order");
 static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
                   kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
                   kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32 &&
                   kFields[6].type == FieldType::kInt32 && kFields[7].type == FieldType::kInt32 &&
-                  kFields[8].type == FieldType::kInt32,
+                  kFields[8].type == FieldType::kInt32 && kFields[9].type == FieldType::kInt32,
               "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
@@ -88,10 +90,17 @@ struct Config {
   int32_t causal_alignment = kFields[6].default_int;  // 0 top-left, 1 bottom-right
   int32_t kv_num_heads = kFields[7].default_int;      // Hkv dividing num_heads; 0 = num_heads
   int32_t window = kFields[8].default_int;            // with is_causal: the last `window` keys; 0 = all
+  int32_t has_past = kFields[9].default_int;          // 1: the cache form (7 inputs, 3 outputs)
 
   // The key/value heads Hkv (kv_num_heads, or num_heads when 0).
   int32_t kv_heads() const { return kv_num_heads > 0 ? kv_num_heads : num_heads; }
+  // The node's input and output counts: 5 and 1, or 7 and 3 in the cache form (has_past).
+  int32_t num_inputs() const { return has_past != 0 ? spec::kNumPastInputs : spec::kNumInputs; }
+  int32_t num_outputs() const { return has_past != 0 ? spec::kNumPastOutputs : spec::kNumOutputs; }
 };
+
+// The most inputs a node has (the cache form's), for arrays indexed by input.
+inline constexpr int32_t kMaxInputs = spec::kNumPastInputs;
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the
 // result. Returns "" on success, otherwise one sentence naming the field and what is wrong.
@@ -105,7 +114,7 @@ std::string validate_config(const Config& config);
 void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
 
 // "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0
-//  causal_alignment=0 kv_num_heads=0 window=0"
+//  causal_alignment=0 kv_num_heads=0 window=0 has_past=0"
 std::string describe(const Config& config);
 
 // A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.
@@ -115,19 +124,43 @@ struct Shape {
 };
 
 // The node's shape rules (docs/onnx_node.md), checked on the dimensions that are known:
-// ranks 3/3/3/2/4, query/key/value sharing the batch, key/value sharing Lk, H dividing the
-// packed query width and Hkv the value width, key Hkv*D wide (D = query width / H), and each
-// mask dimension 1 or equal to the dimension it stands for. Masks whose has_* is 0 are not looked at. "" when fine.
+// config.num_inputs() inputs of ranks 3/3/3/2/4 (cache form: then 4/4), query/key/value sharing
+// the batch, key/value sharing their length, H dividing the packed query width and Hkv the value
+// width, key Hkv*D wide (D = query width / H), and each mask dimension 1 or equal to the
+// dimension it stands for, Lk being the key length or, in the cache form, P + S. The cache form's
+// past_key/past_value are [B, Hkv, P, D] / [B, Hkv, P, Dv] with one P. Masks whose has_* is 0 are
+// not looked at. "" when fine.
 std::string check_shapes(const Config& config, const Shape* inputs, int32_t count);
 
 // The output shape [B, Lq, H*Dv] (Dv = value width / Hkv) for inputs that passed check_shapes.
 Shape output_shape(const Config& config, const Shape* inputs);
 
+// The cache form's present_key (`which` 0) or present_value (1): [B, Hkv, P+S, D or Dv] (-1 where
+// P or S is unknown).
+Shape present_shape(const Config& config, const Shape* inputs, int32_t which);
+
 // The kernels' params for one enqueue(): q/out token-major [B, L, H*D] (row stride H*D, head
-// stride D), k/v [B, Lk, Hkv*D] (num_heads_k = Hkv), the causal alignment as configured, masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
+// stride D), k/v [B, Lk, Hkv*D] (num_heads_k = Hkv), or in the cache form the presents
+// `present_key`/`present_value` head-major [B, Hkv, P+S, D] (Lk = P+S), the causal alignment as
+// configured, masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
 // (workspace_bytes() of float32). `inputs` must have passed check_shapes with known dims.
 AttentionParams make_params(const Config& config, const Shape* inputs, DataType dtype,
-                            const void* const* input_ptrs, void* output, void* lse);
+                            const void* const* input_ptrs, void* output, void* lse,
+                            const void* present_key = nullptr, const void* present_value = nullptr);
+
+// One strided copy, as cudaMemcpy2DAsync takes it (bytes): `height` rows of `width` bytes from
+// input `src` at src_offset + r * src_pitch to the present at dst_offset + r * dst_pitch.
+struct Copy2D {
+  int32_t src = 0;  // the input index: spec::kInputPastKey / kInputKey / ...
+  int64_t src_offset = 0, src_pitch = 0, dst_offset = 0, dst_pitch = 0, width = 0, height = 0;
+};
+
+// The copies that write present_key (`which` 0) or present_value (1) = [past | new] for inputs
+// that passed check_shapes with known dims, elements of `element_bytes`: the past in one copy
+// (B*Hkv rows of P*D), the new tokens token-major [B, S, Hkv*D] -> head-major in B*min(S, Hkv)
+// copies (per batch and token when S <= Hkv, a decode step; per batch and head otherwise).
+// Empty parts (P = 0, S = 0) give no copy.
+std::vector<Copy2D> present_copies(const Config& config, const Shape* inputs, int32_t which, int64_t element_bytes);
 
 // Workspace for the kernels' log-sum-exp output: batch * H * seqlen_q float32, rounded up
 // to 256 bytes (the forward writes it; nothing reads it in inference).

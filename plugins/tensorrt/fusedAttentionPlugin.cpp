@@ -19,6 +19,7 @@ static_assert(static_cast<int32_t>(PluginFieldType::kFLOAT32) == static_cast<int
 static_assert(static_cast<int32_t>(PluginFieldType::kINT32) == static_cast<int32_t>(FieldType::kInt32));
 static_assert(static_cast<int32_t>(PluginFieldType::kCHAR) == static_cast<int32_t>(FieldType::kChar));
 static_assert(spec::kNumOutputs == 1 && spec::kOutputOutput == 0);
+static_assert(spec::kOutputPresentKey == 1 && spec::kOutputPresentValue == 2 && spec::kNumPastOutputs == 3);
 
 namespace {
 
@@ -136,6 +137,33 @@ Shape to_shape(const nvinfer1::DimsExprs& dims) {
   return s;
 }
 
+size_t element_bytes(TrtType t) { return t == TrtType::kFLOAT ? 4 : 2; }
+
+// "expected 7 inputs and 3 outputs (has_past=1); got 5 and 1"
+std::string count_error(const Config& c, int32_t nbInputs, int32_t nbOutputs) {
+  return "expected " + std::to_string(c.num_inputs()) + " inputs and " + std::to_string(c.num_outputs()) +
+      " output(s) (" + spec::kAttrHasPast + "=" + std::to_string(c.has_past) + "); got " + std::to_string(nbInputs) +
+      " and " + std::to_string(nbOutputs);
+}
+
+// present = [past | new] (present_copies), on `stream` before the attention reads it.
+cudaError_t write_presents(const Config& c, const Shape* shapes, size_t element, const void* const* inputs,
+                           void* const* outputs, cudaStream_t stream) {
+  for (int32_t which = 0; which < 2; ++which) {
+    auto* present = static_cast<unsigned char*>(outputs[which == 0 ? spec::kOutputPresentKey : spec::kOutputPresentValue]);
+    for (const Copy2D& copy : present_copies(c, shapes, which, static_cast<int64_t>(element))) {
+      const cudaError_t err = cudaMemcpy2DAsync(
+          present + copy.dst_offset, static_cast<size_t>(copy.dst_pitch),
+          static_cast<const unsigned char*>(inputs[copy.src]) + copy.src_offset, static_cast<size_t>(copy.src_pitch),
+          static_cast<size_t>(copy.width), static_cast<size_t>(copy.height), cudaMemcpyDeviceToDevice, stream);
+      if (err != cudaSuccess) {
+        return err;
+      }
+    }
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -175,11 +203,13 @@ const char* FusedAttentionPlugin::getPluginName() const noexcept { return spec::
 const char* FusedAttentionPlugin::getPluginVersion() const noexcept { return spec::kPluginVersion; }
 const char* FusedAttentionPlugin::getPluginNamespace() const noexcept { return spec::kPluginNamespace; }
 
-int32_t FusedAttentionPlugin::getNbOutputs() const noexcept { return spec::kNumOutputs; }
+// The cache form (has_past) has the presents as outputs 1 and 2: TensorRT asks before it shows
+// the plugin its inputs, so the count comes from the field.
+int32_t FusedAttentionPlugin::getNbOutputs() const noexcept { return mConfig.num_outputs(); }
 
 bool FusedAttentionPlugin::supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPluginTensorDesc* inOut,
                                                      int32_t nbInputs, int32_t nbOutputs) noexcept {
-  if (inOut == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs || pos < 0 ||
+  if (inOut == nullptr || nbInputs != mConfig.num_inputs() || nbOutputs != mConfig.num_outputs() || pos < 0 ||
       pos >= nbInputs + nbOutputs) {
     return false;
   }
@@ -193,16 +223,16 @@ bool FusedAttentionPlugin::supportsFormatCombination(int32_t pos, const nvinfer1
   if (pos == spec::kInputQuery) {
     return supported_type(desc.type);
   }
-  return desc.type == inOut[spec::kInputQuery].desc.type;  // key, value and the output follow query
+  // key, value, the past, the output and the presents follow query
+  return desc.type == inOut[spec::kInputQuery].desc.type;
 }
 
 int32_t FusedAttentionPlugin::getOutputDataTypes(TrtType* outputTypes, int32_t nbOutputs,
                                                  const TrtType* inputTypes, int32_t nbInputs) const noexcept {
   try {
-    if (outputTypes == nullptr || inputTypes == nullptr || nbInputs != spec::kNumInputs ||
-        nbOutputs != spec::kNumOutputs) {
-      return fail("expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output; got " +
-                  std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+    if (outputTypes == nullptr || inputTypes == nullptr || nbInputs != mConfig.num_inputs() ||
+        nbOutputs != mConfig.num_outputs()) {
+      return fail(count_error(mConfig, nbInputs, nbOutputs));
     }
     const TrtType t = inputTypes[spec::kInputQuery];
     if (!supported_type(t) || inputTypes[spec::kInputKey] != t || inputTypes[spec::kInputValue] != t) {
@@ -210,13 +240,21 @@ int32_t FusedAttentionPlugin::getOutputDataTypes(TrtType* outputTypes, int32_t n
                   type_name(t) + ", " + type_name(inputTypes[spec::kInputKey]) + ", " +
                   type_name(inputTypes[spec::kInputValue]));
     }
+    for (int32_t i = spec::kNumInputs; i < nbInputs; ++i) {
+      if (inputTypes[i] != t) {
+        return fail(std::string(spec::kPastInputNames[i - spec::kNumInputs]) + " must have query's type " +
+                    type_name(t) + "; got " + type_name(inputTypes[i]));
+      }
+    }
     for (int32_t i : {spec::kInputKeyPaddingMask, spec::kInputAttnMask}) {
       if (!mask_type(inputTypes[i])) {
         return fail(std::string(spec::kInputNames[i]) + " must be " + mask_type_name() + " (an additive mask); got " +
                     type_name(inputTypes[i]));
       }
     }
-    outputTypes[spec::kOutputOutput] = t;
+    for (int32_t i = 0; i < nbOutputs; ++i) {
+      outputTypes[i] = t;  // the output and the presents
+    }
     return kSuccess;
   } catch (...) {
     return fail("getOutputDataTypes failed");
@@ -228,14 +266,14 @@ int32_t FusedAttentionPlugin::getOutputShapes(const nvinfer1::DimsExprs* inputs,
                                               nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
                                               nvinfer1::IExprBuilder& exprBuilder) noexcept {
   try {
-    if (inputs == nullptr || outputs == nullptr || nbInputs != spec::kNumInputs || nbShapeInputs != 0 ||
-        nbOutputs != spec::kNumOutputs) {
-      return fail("expected " + std::to_string(spec::kNumInputs) + " inputs, no shape input and 1 output");
+    if (inputs == nullptr || outputs == nullptr || nbInputs != mConfig.num_inputs() || nbShapeInputs != 0 ||
+        nbOutputs != mConfig.num_outputs()) {
+      return fail(count_error(mConfig, nbInputs, nbOutputs) + ", and no shape input");
     }
     // Build-time check of what is already known (static widths, heads, mask ranks); the
     // symbolic dimensions are checked again in onShapeChange() with their runtime values.
-    Shape shapes[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape shapes[kMaxInputs];
+    for (int32_t i = 0; i < nbInputs; ++i) {
       shapes[i] = to_shape(inputs[i]);
     }
     const std::string why = check_shapes(mConfig, shapes, nbInputs);
@@ -253,6 +291,16 @@ int32_t FusedAttentionPlugin::getOutputShapes(const nvinfer1::DimsExprs* inputs,
     out.d[2] = group == 1 ? inputs[spec::kInputValue].d[2]
                           : exprBuilder.operation(nvinfer1::DimensionOperation::kPROD, *inputs[spec::kInputValue].d[2],
                                                   *exprBuilder.constant(group));
+    if (mConfig.has_past != 0) {
+      // present [B, Hkv, P+S, D]: the past's dims with P + S (the new keys' length) on axis 2.
+      for (int32_t which = 0; which < 2; ++which) {
+        const nvinfer1::DimsExprs& past = inputs[which == 0 ? spec::kInputPastKey : spec::kInputPastValue];
+        const nvinfer1::DimsExprs& fresh = inputs[which == 0 ? spec::kInputKey : spec::kInputValue];
+        nvinfer1::DimsExprs& present = outputs[which == 0 ? spec::kOutputPresentKey : spec::kOutputPresentValue];
+        present = past;
+        present.d[2] = exprBuilder.operation(nvinfer1::DimensionOperation::kSUM, *past.d[2], *fresh.d[1]);
+      }
+    }
     return kSuccess;
   } catch (...) {
     return fail("getOutputShapes failed");
@@ -263,11 +311,11 @@ int32_t FusedAttentionPlugin::configurePlugin(const nvinfer1::DynamicPluginTenso
                                               const nvinfer1::DynamicPluginTensorDesc* out,
                                               int32_t nbOutputs) noexcept {
   try {
-    if (in == nullptr || out == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs) {
-      return fail("configurePlugin: expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output");
+    if (in == nullptr || out == nullptr || nbInputs != mConfig.num_inputs() || nbOutputs != mConfig.num_outputs()) {
+      return fail("configurePlugin: " + count_error(mConfig, nbInputs, nbOutputs));
     }
-    Shape shapes[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape shapes[kMaxInputs];
+    for (int32_t i = 0; i < nbInputs; ++i) {
       shapes[i] = to_shape(in[i].desc.dims);
     }
     std::string why = check_shapes(mConfig, shapes, nbInputs);
@@ -276,15 +324,15 @@ int32_t FusedAttentionPlugin::configurePlugin(const nvinfer1::DynamicPluginTenso
     }
     // The kernels' limits, checked against the profile's largest shapes so that the engine
     // build fails with a reason instead of an enqueue() failing later.
-    Shape largest[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape largest[kMaxInputs];
+    for (int32_t i = 0; i < nbInputs; ++i) {
       largest[i] = to_shape(in[i].max);
     }
     why = check_shapes(mConfig, largest, nbInputs);
     if (!why.empty()) {
       return fail("at the profile's largest shapes: " + why);
     }
-    const void* const none[spec::kNumInputs] = {};
+    const void* const none[kMaxInputs] = {};
     const AttentionParams p = make_params(mConfig, largest, kernel_type(in[0].desc.type), none, nullptr, nullptr);
     if (const char* limit = cuda::attention_params_error(p)) {
       return fail(std::string("at the profile's largest shapes: ") + limit);
@@ -298,17 +346,17 @@ int32_t FusedAttentionPlugin::configurePlugin(const nvinfer1::DynamicPluginTenso
 size_t FusedAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
                                               const nvinfer1::DynamicPluginTensorDesc* /*outputs*/,
                                               int32_t /*nbOutputs*/) const noexcept {
-  if (inputs == nullptr || nbInputs != spec::kNumInputs) {
+  if (inputs == nullptr || nbInputs != mConfig.num_inputs()) {
     return 0;
   }
   try {
     // [the kernels' lse][the forward's own workspace: split-KV partials, bounded for every shape
     // of the profile up to its largest, whether or not the preview switch is on at run time].
-    Shape largest[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape largest[kMaxInputs];
+    for (int32_t i = 0; i < nbInputs; ++i) {
       largest[i] = to_shape(inputs[i].max);
     }
-    const void* const none[spec::kNumInputs] = {};
+    const void* const none[kMaxInputs] = {};
     const AttentionParams p = make_params(mConfig, largest, kernel_type(inputs[0].desc.type), none, nullptr, nullptr);
     const nvinfer1::Dims& q = inputs[spec::kInputQuery].max;
     return workspace_bytes(mConfig, q.d[0], q.d[1]) + cuda::attention_forward_workspace_bound(p);
@@ -324,11 +372,11 @@ const char* FusedAttentionPlugin::getMetadataString() noexcept { return mDescrip
 int32_t FusedAttentionPlugin::onShapeChange(const nvinfer1::PluginTensorDesc* in, int32_t nbInputs,
                                             const nvinfer1::PluginTensorDesc* out, int32_t nbOutputs) noexcept {
   try {
-    if (in == nullptr || out == nullptr || nbInputs != spec::kNumInputs || nbOutputs != spec::kNumOutputs) {
-      return fail("onShapeChange: expected " + std::to_string(spec::kNumInputs) + " inputs and 1 output");
+    if (in == nullptr || out == nullptr || nbInputs != mConfig.num_inputs() || nbOutputs != mConfig.num_outputs()) {
+      return fail("onShapeChange: " + count_error(mConfig, nbInputs, nbOutputs));
     }
-    Shape shapes[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape shapes[kMaxInputs];
+    for (int32_t i = 0; i < nbInputs; ++i) {
       shapes[i] = to_shape(in[i].dims);
     }
     const std::string why = check_shapes(mConfig, shapes, nbInputs);
@@ -346,16 +394,19 @@ int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
       return fail("enqueue: missing tensor descriptions or pointers");
     }
     // The shapes were checked by onShapeChange(), which TensorRT calls whenever they change.
-    Shape shapes[spec::kNumInputs];
-    for (int32_t i = 0; i < spec::kNumInputs; ++i) {
+    Shape shapes[kMaxInputs];
+    for (int32_t i = 0; i < mConfig.num_inputs(); ++i) {
       shapes[i] = to_shape(inputDesc[i].dims);
     }
     const int64_t batch = shapes[spec::kInputQuery].d[0], seqlen_q = shapes[spec::kInputQuery].d[1];
     if (workspace == nullptr && workspace_bytes(mConfig, batch, seqlen_q) > 0) {
       return fail("enqueue: no workspace (getWorkspaceSize asked for one)");
     }
-    const AttentionParams params = make_params(mConfig, shapes, kernel_type(inputDesc[spec::kInputQuery].type),
-                                               inputs, outputs[spec::kOutputOutput], workspace);
+    const TrtType type = inputDesc[spec::kInputQuery].type;
+    const bool past = mConfig.has_past != 0;
+    const AttentionParams params =
+        make_params(mConfig, shapes, kernel_type(type), inputs, outputs[spec::kOutputOutput], workspace,
+                    past ? outputs[spec::kOutputPresentKey] : nullptr, past ? outputs[spec::kOutputPresentValue] : nullptr);
     if (const char* why = cuda::attention_params_error(params)) {
       return fail(why);
     }
@@ -364,6 +415,13 @@ int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
     const size_t lse_bytes = workspace_bytes(mConfig, batch, seqlen_q);
     void* forward_workspace = workspace == nullptr ? nullptr : static_cast<unsigned char*>(workspace) + lse_bytes;
     const size_t forward_bytes = workspace == nullptr ? 0 : cuda::attention_forward_workspace_bound(params);
+    if (past) {  // the cache form: present = [past | new] first, on the same stream
+      const cudaError_t err = write_presents(mConfig, shapes, element_bytes(type), inputs, outputs, stream);
+      if (err != cudaSuccess) {
+        return fail(std::string("writing the presents failed: ") + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ")");
+      }
+    }
     const cudaError_t err = cuda::run_attention_forward(params, forward_workspace, forward_bytes, stream);
     if (err != cudaSuccess) {
       return fail(std::string("the attention kernel failed: ") + cudaGetErrorName(err) + " (" +

@@ -226,22 +226,23 @@ def test_the_registered_schema_spells_out_the_spec():
     assert constraints == {"T": ["tensor(bfloat16)", "tensor(float)", "tensor(float16)"], "M": ["tensor(float)"]}
     attrs = schema.attributes
     assert sorted(attrs) == sorted(["num_heads", "scale", "is_causal", "has_key_padding_mask", "has_attn_mask",
-                                    "softcap", "causal_alignment", "kv_num_heads", "window", "plugin_namespace",
-                                    "plugin_version"])
+                                    "softcap", "causal_alignment", "kv_num_heads", "window", "has_past",
+                                    "plugin_namespace", "plugin_version"])
     assert {n for n, a in attrs.items() if a.required} == {"num_heads", "scale"}
     A = onnx.defs.OpSchema.AttrType
     assert (attrs["num_heads"].type, attrs["scale"].type, attrs["softcap"].type) == (A.INT, A.FLOAT, A.FLOAT)
     defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items() if not a.required}
     assert defaults == {"is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-                        "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "plugin_namespace": b"", "plugin_version": b"4"}
+                        "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0, "plugin_namespace": b"",
+                        "plugin_version": b"5"}
     assert all(a.description for a in attrs.values())
 
 
 def test_node_attributes_are_the_spec_names_with_normalized_values():
     attrs = onnx_node.node_attributes(np.int64(4), 1, 1, 0, 2, softcap=3)
     assert attrs == {"num_heads": 4, "scale": 1.0, "is_causal": 1, "has_key_padding_mask": 0, "has_attn_mask": 1,
-                     "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "window": 0, "plugin_namespace": "",
-                     "plugin_version": "4"}
+                     "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "window": 0, "has_past": 0,
+                     "plugin_namespace": "", "plugin_version": "5"}
     assert [type(attrs[n]) for n in ("num_heads", "scale", "is_causal", "softcap")] == [int, float, int, float]
     assert onnx_node.node_attributes(1, -0.5, False, False, False)["num_heads"] == 1  # the smallest head count
 
@@ -333,7 +334,8 @@ def test_both_bodies_declare_the_spec_attributes():
         assert list(function.attribute) == ["num_heads", "scale"]
         assert {a.name: helper.get_attribute_value(a) for a in function.attribute_proto} == {
             "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-            "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "plugin_namespace": b"", "plugin_version": b"4"}
+            "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0, "plugin_namespace": b"",
+            "plugin_version": b"5"}
         assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]
 
 

@@ -172,8 +172,9 @@ def check_contract(model, result, proto):
 
 
 def check_no_kv_expansion(proto, kv_heads):
-    """Each attention node reads the keys and values with their own heads: from the past's
-    Concat through Reshape/Transpose alone, and the node says how many heads they are."""
+    """Each attention node takes the past itself (no Concat over a past outside the nodes), reads
+    the new keys and values with their own heads (through Reshape/Transpose alone), and says how
+    many heads they are."""
     producer = {o: n for n in proto.graph.node for o in n.output}
     past = {v.name for v in proto.graph.input if v.name.startswith("past_key_values.")}
     nodes = [n for n in proto.graph.node if n.op_type in ("FusedAttention", "Attention")]
@@ -182,18 +183,20 @@ def check_no_kv_expansion(proto, kv_heads):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["kv_num_heads"] == kv_heads
         for name in node.input[1:3]:
-            chain = []
+            chain = []  # back from the node's new keys/values, through Reshape/Transpose (and a
+            # Concat of rotary parts, phi's partial rotary), never through a past
             while name in producer and producer[name].op_type in ("Reshape", "Transpose", "Concat"):
-                chain.append(producer[name].op_type)
-                if producer[name].op_type == "Concat":
-                    assert producer[name].input[0] in past, producer[name].input
+                made_by = producer[name]
+                chain.append(made_by.op_type)
+                assert not set(made_by.input) & past, chain
+                if made_by.op_type == "Concat":
                     break
-                name = producer[name].input[0]
-            if node.op_type == "Attention":  # the past is the node's own input (the Concat folded in)
-                assert "Concat" not in chain and set(node.input[4:6]) <= past
-            else:
-                assert chain[-1] == "Concat", chain
+                name = made_by.input[0]
+        # The past is the node's own input (the Concat folded in): opset-23 Attention's inputs 4
+        # and 5, the FusedAttention cache form's 5 and 6.
+        assert set(node.input[4:6] if node.op_type == "Attention" else node.input[5:7]) <= past
     assert not any(n.op_type == "Expand" and any(i in past for i in n.input) for n in proto.graph.node)
+    assert not any(n.op_type in ("Concat", "Transpose") and any(i in past for i in n.input) for n in proto.graph.node)
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,6 +433,72 @@ def test_the_standard_rewrite_folds_the_past_into_attention(past, new, padding, 
     err = (torch.from_numpy(out) - expected).abs().max().item()
     assert err <= tolerance(torch.float32, past + new) * expected.abs().max().item(), err
     assert torch.equal(torch.from_numpy(present_k), k) and torch.equal(torch.from_numpy(present_v), v)
+
+
+@pytest.mark.parametrize("past, new", [(0, 3), (4, 3), (6, 1)], ids=["prefill", "prefill-after-past", "decode"])
+@pytest.mark.parametrize("causal, alignment", [(False, 0), (True, 1), (True, 0)],
+                         ids=["plain", "bottom-right", "top-left"])
+def test_the_custom_flavor_folds_the_past_into_the_node(past, new, causal, alignment):
+    """Against the float64 definition over cat(past, new): the FusedAttention node takes the past
+    in its cache form (has_past, 7 inputs, 3 outputs) and writes the presents, whatever its causal
+    alignment (the node keeps its own); no Concat or Transpose reads the past outside the node."""
+    from attn_export import spec
+    from attn_export.onnx.custom_past import fold_past
+    from attn_export.onnx.graph import attach_function
+    from attn_export.onnx import node as onnx_node
+    from helpers import reference_attention
+
+    S = spec.load()
+    B, H, Hkv, D = 2, 4, 2, 8
+    attrs = onnx_node.node_attributes(H, 0.3, causal, True, False, causal_alignment=alignment, kv_num_heads=Hkv)
+    model = cached_node_model(attrs, H, Hkv, D)
+    del model.functions[:]
+    assert fold_past(model) == 1
+    attach_function(model, 23)
+    onnx.checker.check_model(model, full_check=True)
+    (node,) = [n for n in model.graph.node if n.op_type == S.op_type]
+    assert list(node.input[5:]) == ["past_key", "past_value"] and list(node.output) == ["out", "present_key",
+                                                                                       "present_value"]
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}[S.attr_has_past] == 1
+    assert not any(n.op_type in ("Concat", "Transpose") and {"past_key", "past_value"} & set(n.input)
+                   for n in model.graph.node)
+    generic = model.functions[0]  # the generic body, of the nodes' form
+    assert generic.domain == S.domain and len(generic.input) == 7 and len(generic.output) == 3
+
+    gen = torch.Generator().manual_seed(past * 10 + new)
+    q = torch.randn(B, H, new, D, generator=gen)
+    k_past, v_past, k_new, v_new = (torch.randn(B, Hkv, n, D, generator=gen) for n in (past, past, new, new))
+    k, v = torch.cat([k_past, k_new], 2), torch.cat([v_past, v_new], 2)
+    masked = torch.zeros(B, past + new, dtype=torch.bool)
+    masked[1, :2] = True  # left padding of the second sequence
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"query": q.transpose(1, 2).reshape(B, new, H * D), "past_key": k_past, "new_key": k_new,
+             "past_value": v_past, "new_value": v_new, "key_padding_mask": torch.where(masked, float("-inf"), 0.0)}
+    out, present_k, present_v = session.run(None, {n: t.numpy() for n, t in feeds.items()})
+    ref, _ = reference_attention(q, k, v, key_padding_mask=masked, is_causal=causal, scale=0.3,
+                                 causal_alignment=alignment)
+    expected = torch.nan_to_num(ref).transpose(1, 2).reshape(B, new, H * D)
+    err = (torch.from_numpy(out) - expected).abs().max().item()
+    assert err <= tolerance(torch.float32, past + new) * expected.abs().max().item(), err
+    assert torch.equal(torch.from_numpy(present_k), k) and torch.equal(torch.from_numpy(present_v), v)
+
+
+def test_the_custom_fold_is_all_or_none():
+    """A model with a node that does not read a past keeps every node in the plain form: one
+    form per model, so that its generic body (the first function) fits every node."""
+    from attn_export import spec
+    from attn_export.onnx.custom_past import fold_past
+    from attn_export.onnx import node as onnx_node
+
+    S = spec.load()
+    attrs = onnx_node.node_attributes(4, 0.3, True, True, False, causal_alignment=1, kv_num_heads=2)
+    model = cached_node_model(attrs, 4, 2, 8)
+    plain = onnx.helper.make_node(S.op_type, ["query", "query", "query", "key_padding_mask", "attn_mask"], ["out2"],
+                                  domain=S.domain, **onnx_node.node_attributes(4, 0.3, False, False, False))
+    model.graph.node.append(plain)
+    before = [onnx.helper.printable_node(n) for n in model.graph.node]
+    assert fold_past(model) == 0
+    assert [onnx.helper.printable_node(n) for n in model.graph.node] == before
 
 
 # --------------------------------------------------------------------------------------------

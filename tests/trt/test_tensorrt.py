@@ -129,7 +129,7 @@ def test_nodes_ask_for_the_spec_plugin(seq2seq_onnx):
     assert attn_trt.expected_fields() == [("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"),
                                           ("has_key_padding_mask", "INT32"), ("has_attn_mask", "INT32"),
                                           ("softcap", "FLOAT32"), ("causal_alignment", "INT32"),
-                                          ("kv_num_heads", "INT32"), ("window", "INT32")]
+                                          ("kv_num_heads", "INT32"), ("window", "INT32"), ("has_past", "INT32")]
 
 
 def test_node_attributes_decide_version_and_namespace():
@@ -187,9 +187,9 @@ def test_preflight_library_problems(libraries, seq2seq_onnx, which, words):
 
 @pytest.mark.parametrize("creators, words", [
     # A plugin built before window (version 3) and a model exported with it (version 4).
-    ([Creator(version="3")], "3 node(s) ask for plugin FusedAttention version '4' namespace '', but TensorRT has "
+    ([Creator(version="3")], "3 node(s) ask for plugin FusedAttention version '5' namespace '', but TensorRT has "
                              "FusedAttention only as version '3' namespace ''"),
-    ([Creator(namespace="acme")], "only as version '4' namespace 'acme'"),
+    ([Creator(namespace="acme")], "only as version '5' namespace 'acme'"),
     ([Creator("ROIAlign_TRT", "2")], "registered no creator of that name (TensorRT knows 1 creator(s): ROIAlign_TRT)"),
     ([], "registered no creator of that name (TensorRT knows 0 creator(s))"),
     ([Creator(fields=[("num_heads", "INT32"), ("scale", "FLOAT32")])],
@@ -225,6 +225,19 @@ def test_preflight_refuses_unsupported_types_before_loading_anything(libraries, 
         attn_trt.preflight(model, libraries["entry"], registry=registry, compute_capability=capability)
     assert words in str(err.value)
     assert registry.loaded == []
+
+
+def test_preflight_takes_the_cache_form(libraries):
+    """A node in the cache form (has_past: past_key/past_value in, present_key/present_value out)
+    asks for the same plugin, with its T from query, key and value."""
+    model = one_node_model(past=True)
+    (node,) = model.graph.node
+    assert (len(node.input), len(node.output)) == (7, 3)
+    registry = Registry([Creator()])
+    report = attn_trt.preflight(model, libraries["entry"], registry=registry, compute_capability=(8, 0))
+    (request,) = report.requests
+    assert request.identity() == f"FusedAttention version {spec_mod.load().plugin_version!r} namespace ''"
+    assert request.types == {"attn0": "float16"} and registry.loaded == [str(libraries["entry"])]
 
 
 def test_preflight_accepts_bfloat16_on_ampere(libraries):
@@ -485,13 +498,13 @@ def test_plugin_field_collection_uses_the_spec_names_and_types():
                       ("is_causal", "int32", [1], "INT32"), ("has_key_padding_mask", "int32", [0], "INT32"),
                       ("has_attn_mask", "int32", [1], "INT32"), ("softcap", "float32", [0.0], "FLOAT32"),
                       ("causal_alignment", "int32", [0], "INT32"), ("kv_num_heads", "int32", [0], "INT32"),
-                      ("window", "int32", [0], "INT32")]
+                      ("window", "int32", [0], "INT32"), ("has_past", "int32", [0], "INT32")]
     capped = attn_trt.plugin_field_collection(trt, num_heads=4, scale=0.25, softcap=50.0)
     assert capped[5] == ("softcap", "float32", [50.0], "FLOAT32")
     grouped = attn_trt.plugin_field_collection(trt, num_heads=4, scale=0.25, is_causal=True, causal_alignment=1,
-                                               kv_num_heads=2, window=5)
+                                               kv_num_heads=2, window=5, has_past=True)
     assert grouped[6:] == [("causal_alignment", "int32", [1], "INT32"), ("kv_num_heads", "int32", [2], "INT32"),
-                           ("window", "int32", [5], "INT32")]
+                           ("window", "int32", [5], "INT32"), ("has_past", "int32", [1], "INT32")]
 
 
 # --------------------------------------------------------------------------------------------

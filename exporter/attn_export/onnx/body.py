@@ -28,6 +28,18 @@ The body, in the order it computes (each step one function below):
     output = CastLike(Reshape(Transpose(ctx, [0, 2, 1, 3]), [0, 0, -1]), query)
                                                          grouped: perm [0, 3, 1, 2, 4]
 
+The cache form (``past``, has_past = 1) builds the presents first and reads K/V from them:
+
+    present_key = Concat(past_key, Transpose(Reshape(key, [0, 0, Hkv, -1]), [0, 2, 1, 3]), axis 2)
+                                                         [B, Hkv, P+S, D], in T (likewise value)
+    kt = Transpose(Cast(present_key), [0, 1, 3, 2])      [B, Hkv, D, P+S]; ONNX Runtime fuses this
+                                                         Transpose into the MatMul (FusedMatMul
+                                                         transB=1): no pass over the cache
+    v = Cast(present_value)                              [B, Hkv, P+S, Dv], as the MatMul reads it
+    Lk = Shape(present_key)[2]                           for the causal mask
+
+(only the S new tokens are transposed; the cache is read in its own head-major layout).
+
 A new attribute is one step here (and, when lean bodies specialize on it, one field of the
 plan and of ``BodyVariant``).
 """
@@ -74,6 +86,8 @@ class BodyPlan:
     # The window attribute's sliding window (ALWAYS: the node's window is > 0); read only when the
     # causal mask is there.
     window: When = When.NEVER
+    # The cache form: inputs past_key/past_value, outputs present_key/present_value.
+    past: bool = False
 
     @property
     def guards_dead_rows(self) -> bool:
@@ -94,10 +108,12 @@ GENERIC = BodyPlan(causal=When.BY_ATTRIBUTE, softcap=When.BY_ATTRIBUTE, key_padd
 class _Body:
     """A function body's node list, written one op at a time; every op names its output."""
 
-    def __init__(self):
+    def __init__(self, past: bool = False):
         self.nodes: List[onnx.NodeProto] = []
         self._outputs: set = set()
         self._constants: Dict[tuple, str] = {}
+        # Where Lk is read: the key input's axis 1, or the present's axis 2 (the cache form).
+        self.key_length = (_spec.load().present_output_names[0], 2) if past else (_spec.load().input_names[1], 1)
 
     def op(self, op_type: str, *inputs: str, out: str, **attributes) -> str:
         if out in self._outputs:
@@ -137,13 +153,16 @@ def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
     """The nodes of the body ``plan`` describes, reading the spec's input names and writing its
     output name."""
     s = _spec.load()
-    b = _Body()
-    query, key, value = _in_float32(b, plan.float32)
+    b = _Body(plan.past)
     unread = [name for name, read in ((s.input_names[3], plan.key_padding_mask), (s.input_names[4], plan.attn_mask))
               if not read]
     groups = _Groups.of(b) if plan.grouped else None
-    q, kt, v = (_split_grouped_heads(b, query, key, value, unread, groups) if groups
-                else _split_heads(b, query, key, value, unread))
+    if plan.past:
+        q, kt, v = _past_heads(b, plan.float32, unread, groups)
+    else:
+        query, key, value = _in_float32(b, plan.float32)
+        q, kt, v = (_split_grouped_heads(b, query, key, value, unread, groups) if groups
+                    else _split_heads(b, query, key, value, unread))
     scores = b.op("MatMul", b.op("Mul", q, b.attribute(s.attr_scale, FLOAT, out="scale"), out="q_scaled"), kt,
                   out="scaled")
     scores = flat = _soft_cap(b, scores, plan.softcap)
@@ -235,10 +254,43 @@ def _split_grouped_heads(b: _Body, query: str, key: str, value: str, unread: Lis
             b.op("Transpose", v4, out="v", perm=[0, 2, 1, 3]))
 
 
-def _length(b: _Body, which: int) -> str:
-    """[1]: Lq (``which`` 0, from query) or Lk (1, from key), one Shape node for every reader."""
+def _past_heads(b: _Body, float32: bool, unread: List[str], groups: Optional[_Groups]) -> Tuple[str, str, str]:
+    """The cache form: writes present_key/present_value = Concat(past, new keys/values head-major)
+    in T, and returns q (as :func:`_split_heads` / :func:`_split_grouped_heads`), kt [B, Hkv, D, P+S]
+    and v [B, Hkv, P+S, Dv] read from the presents; ``unread`` joins the query's split shape."""
     s = _spec.load()
-    return b.once("Shape", s.input_names[which], out=("lq", "lk")[which], start=1, end=2)
+    query, key, value = s.input_names[:3]
+    present_key, present_value = s.present_output_names
+    kv_heads = groups.kv_heads if groups else b.op(
+        "Unsqueeze", b.attribute(s.attr_num_heads, INT64, out="heads"), b.const("axis0", [0]), out="heads1")
+    kv_shape = b.op("Concat", b.const("zero2", [0, 0]), kv_heads, b.const("minus1", [-1]), out="kv_split_shape", axis=0)
+    for new, past, present in ((key, s.past_input_names[0], present_key), (value, s.past_input_names[1], present_value)):
+        heads_first = b.op("Transpose", b.op("Reshape", new, kv_shape, out=f"{new}_new4"), out=f"{new}_new",
+                           perm=[0, 2, 1, 3])
+        b.op("Concat", past, heads_first, out=present, axis=2)
+    k, v = ((present_key, present_value) if float32 else
+            (b.op("Cast", present_key, out="k32", to=FLOAT), b.op("Cast", present_value, out="v32", to=FLOAT)))
+    q32 = query if float32 else b.op("Cast", query, out="q32", to=FLOAT)
+    empty = [b.op("Shape", name, out=f"{name}_no_dims", start=0, end=0) for name in unread]
+    zero2, minus1 = b.const("zero2", [0, 0]), b.const("minus1", [-1])
+    if groups:
+        q_shape = b.op("Concat", zero2, groups.kv_heads, groups.group, minus1, *empty, out="q_split_shape", axis=0)
+        q5 = b.op("Transpose", b.op("Reshape", q32, q_shape, out="q5"), out="q5t", perm=[0, 2, 3, 1, 4])
+        q = groups.flat(b, q5, "q")
+    else:
+        q_shape = b.op("Concat", zero2, kv_heads, minus1, *empty, out="q_split_shape", axis=0)
+        q = b.op("Transpose", b.op("Reshape", q32, q_shape, out="q4"), out="q", perm=[0, 2, 1, 3])
+    return q, b.op("Transpose", k, out="kt", perm=[0, 1, 3, 2]), v
+
+
+def _length(b: _Body, which: int) -> str:
+    """[1]: Lq (``which`` 0, from query) or Lk (1, from key, or the present in the cache form),
+    one Shape node for every reader."""
+    s = _spec.load()
+    if which == 0:
+        return b.once("Shape", s.input_names[0], out="lq", start=1, end=2)
+    name, axis = b.key_length
+    return b.once("Shape", name, out="lk", start=axis, end=axis + 1)
 
 
 def _grouped_attn_mask(b: _Body, groups: _Groups) -> str:
@@ -370,8 +422,8 @@ def function_proto(plan: BodyPlan, opset: int, domain: str) -> onnx.FunctionProt
     return helper.make_function(
         domain,
         s.op_type,
-        inputs=list(s.input_names),
-        outputs=list(s.output_names),
+        inputs=list(s.node_inputs(plan.past)),
+        outputs=list(s.node_outputs(plan.past)),
         nodes=body_nodes(plan),
         opset_imports=[helper.make_opsetid("", opset)],
         # The required attributes are the function's; the others (is_causal, softcap, ...) have

@@ -153,8 +153,8 @@ def attach_function(model: onnx.ModelProto, opset: int) -> None:
     Nodes already in a variant's domain, and functions the model already carries, are left as
     they are.
 
-    The model's first function named FusedAttention is the generic body, in the spec's domain,
-    called by no node: TensorRT's ONNX parser keys model-local functions by name alone (the first
+    The model's first function named FusedAttention is the generic body (of the nodes' form:
+    the cache form's when they have it), in the spec's domain, called by no node: TensorRT's ONNX parser keys model-local functions by name alone (the first
     one wins), and when it runs a node's function rather than the plugin (parsers before 10.15
     prefer the function; later ones fall back to it without the plugin) it must get a body that
     is right for every node, whatever its variant (docs/onnx_node.md)."""
@@ -184,7 +184,10 @@ def _generic_body_first(model: onnx.ModelProto, opset: int) -> None:
     named = [f for f in model.functions if f.name == s.op_type]
     if named and named[0].domain == s.domain:
         return
-    generic = [f for f in named if f.domain == s.domain] or [onnx_node.function_proto(opset)]
+    # The cache form's nodes (custom_past.fold_past folds all of a model's nodes or none) need
+    # the generic body of their signature: 7 inputs, 3 outputs.
+    past = any(len(n.input) > len(s.input_names) for n in attention_nodes(model))
+    generic = [f for f in named if f.domain == s.domain] or [onnx_node.function_proto(opset, past=past)]
     rest = [f for f in model.functions if f not in generic]
     del model.functions[:]
     model.functions.extend(generic + rest)

@@ -12,6 +12,7 @@ docs/onnx_node.md:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -44,6 +45,8 @@ _ATTRIBUTE_DOCS = {
     "kv_num_heads": "key/value heads Hkv dividing num_heads (grouped-query attention); 0: num_heads",
     "window": "with is_causal, > 0: query i sees only the last `window` keys up to its causal diagonal "
               "(sliding window); 0: no window",
+    "has_past": "1: the cache form: inputs past_key/past_value [B, Hkv, P, D], outputs present_key/present_value "
+                "[B, Hkv, P+S, D] (past then the new keys), attention over the present; 0: five inputs, one output",
     "plugin_namespace": "TensorRT plugin namespace",
     "plugin_version": "TensorRT plugin version",
 }
@@ -63,6 +66,9 @@ def register_schema() -> None:
         return
     OpSchema = onnx.defs.OpSchema
     mask_inputs = {s.input_names[3], s.input_names[4]}
+    # The plain form only: torch's exporter writes it (onnxscript takes the output count from
+    # here); the cache form comes from a graph rewrite after it (custom_past.py) and its nodes
+    # are checked through their model-local functions.
     inputs = [
         OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
     ]
@@ -93,7 +99,7 @@ _ATTRIBUTE_TYPES = {"INT": int, "FLOAT": float, "STRING": str}
 
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
                     has_attn_mask: bool, softcap: float = 0.0, causal_alignment: int = 0,
-                    kv_num_heads: Optional[int] = None, window: int = 0) -> dict:
+                    kv_num_heads: Optional[int] = None, window: int = 0, has_past: bool = False) -> dict:
     """The attributes every exported node carries, by their spec names; ``kv_num_heads`` None
     is num_heads (no grouping). Every attribute is written, also at its default: a body's
     attribute references then never rely on the function's defaults, which not every tool
@@ -115,6 +121,7 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         s.attr_causal_alignment: causal_alignment,
         s.attr_kv_num_heads: num_heads if kv_num_heads is None else kv_num_heads,
         s.attr_window: window,
+        s.attr_has_past: bool(has_past),
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
@@ -136,11 +143,12 @@ def is_attention_domain(domain: str) -> bool:
     return domain == base or domain.startswith(base + ".")
 
 
-def function_proto(opset: int) -> onnx.FunctionProto:
-    """The generic body: the model-local function of the spec's domain, right for every node
-    whatever its attributes and T (docs/onnx_node.md, "How ONNX Runtime runs it"), for a model of
-    default-domain opset ``opset``."""
-    return _body.function_proto(_body.GENERIC, opset, _spec.load().domain)
+def function_proto(opset: int, past: bool = False) -> onnx.FunctionProto:
+    """The generic body: the model-local function of the spec's domain, right for every node of
+    its form (``past``: the cache form's 7 inputs and 3 outputs) whatever its attributes and T
+    (docs/onnx_node.md, "How ONNX Runtime runs it"), for a model of default-domain opset ``opset``."""
+    plan = dataclasses.replace(_body.GENERIC, past=past)
+    return _body.function_proto(plan, opset, _spec.load().domain)
 
 
 @dataclass(frozen=True)
@@ -160,15 +168,17 @@ class BodyVariant:
     bottom_right: bool = False  # causal, aligned bottom-right (causal_alignment 1)
     grouped: bool = False  # grouped-query: kv_num_heads set and < num_heads
     windowed: bool = False  # causal with a sliding window (window > 0)
+    past: bool = False  # the cache form (has_past): 7 inputs, 3 outputs
 
     @property
     def name(self) -> str:
         """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``
-        (``br``: bottom-right causal, ``win``: sliding window, ``gqa``: grouped-query)."""
+        (``br``: bottom-right causal, ``win``: sliding window, ``gqa``: grouped-query, ``past``: the
+        cache form)."""
         parts = ["f32" if self.float32 else "cast"]
         parts += [name for name, on in (("causal", self.is_causal), ("br", self.bottom_right), ("win", self.windowed),
                                         ("kpm", self.has_key_padding_mask), ("mask", self.has_attn_mask),
-                                        ("softcap", self.softcap), ("gqa", self.grouped)) if on]
+                                        ("softcap", self.softcap), ("gqa", self.grouped), ("past", self.past)) if on]
         return "_".join(parts)
 
     @property
@@ -182,7 +192,7 @@ class BodyVariant:
         return _body.BodyPlan(causal=_body.When.of(self.is_causal), softcap=_body.When.of(self.softcap),
                               key_padding_mask=self.has_key_padding_mask, attn_mask=self.has_attn_mask,
                               float32=self.float32, bottom_right=_body.When.of(self.bottom_right),
-                              grouped=self.grouped, window=_body.When.of(self.windowed))
+                              grouped=self.grouped, window=_body.When.of(self.windowed), past=self.past)
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
@@ -201,7 +211,7 @@ class BodyVariant:
                    float(get(s.attr_softcap)) > 0, query_type == TensorProto.FLOAT,
                    bottom_right=causal and int(get(s.attr_causal_alignment)) == 1,
                    grouped=kv_heads not in (0, int(get(s.attr_num_heads))),
-                   windowed=causal and int(get(s.attr_window)) > 0)
+                   windowed=causal and int(get(s.attr_window)) > 0, past=bool(get(s.attr_has_past)))
 
 
 def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:

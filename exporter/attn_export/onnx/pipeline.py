@@ -23,6 +23,7 @@ from attn_export.errors import ExportError, InputError, first_line as _first_lin
 from attn_export.atomic_io import atomic_output
 from attn_export.onnx import dims as _dims
 from attn_export.onnx import with_past as _with_past
+from attn_export.onnx.custom_past import fold_past
 from attn_export.onnx.graph import (
     META_PREFIX,
     apply_axis_labels,
@@ -349,7 +350,8 @@ def _hint(exc: BaseException) -> str:
 def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes: List[str], required: bool):
     """Axis labels (an axis declared dynamic, ``required``, that came out static is an error; a
     default one is dropped with a note), the runtime-safe rewrites, the standard flavor, the
-    function bodies, every value's shape. Returns (labels, the standard rewrite)."""
+    function bodies (a cached export's custom nodes in their cache form), every value's shape. Returns
+    (labels, the standard rewrite)."""
     labels, static = apply_axis_labels(proto, axes)
     if static:
         listed = ", ".join(f"{n}:{a} ({lbl}, came out as {v})" for n, a, lbl, v in static)
@@ -366,6 +368,7 @@ def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes
     if rewrite is not None:
         notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
     if count_attention_nodes(proto):
+        fold_past(proto)  # a cached export: the Concat(past, new) into the nodes' cache form
         attach_function(proto, opset)
         if functions == "inline":
             inline_functions(proto)

@@ -9,6 +9,8 @@ start (the wrapper's output keys). The example past is traced at a length of at 
 0 and 1 would be specialized) and the axes are the contract's: one ``batch``, ``sequence``
 (input_ids, position_ids), ``past_sequence`` (every past tensor, one named Dim) and
 ``total_sequence`` (attention_mask); the presents' length comes out as the trace computes it.
+The model's Concat(past, new) is folded into the attention nodes after the capture: the custom
+node's cache form (onnx/custom_past.py) or opset-23 Attention's past inputs (onnx/standard_past.py).
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def expected_fields() -> List[Tuple[str, str]]:
 def plugin_field_collection(trt, *, num_heads: int, scale: float, is_causal: bool = False,
                             has_key_padding_mask: bool = False, has_attn_mask: bool = False,
                             softcap: float = 0.0, causal_alignment: int = 0, kv_num_heads: int = 0,
-                            window: int = 0):
+                            window: int = 0, has_past: bool = False):
     """The fields for ``creator.create_plugin`` when a network is built by hand (e.g. by the
     torch2trt converter): the spec's names and the types of :func:`expected_fields`."""
     import numpy as np
@@ -51,7 +51,7 @@ def plugin_field_collection(trt, *, num_heads: int, scale: float, is_causal: boo
     values = {s.attr_num_heads: num_heads, s.attr_scale: scale, s.attr_is_causal: int(is_causal),
               s.attr_has_key_padding_mask: int(has_key_padding_mask), s.attr_has_attn_mask: int(has_attn_mask),
               s.attr_softcap: float(softcap), s.attr_causal_alignment: int(causal_alignment),
-              s.attr_kv_num_heads: int(kv_num_heads), s.attr_window: int(window)}
+              s.attr_kv_num_heads: int(kv_num_heads), s.attr_window: int(window), s.attr_has_past: int(has_past)}
     fields = []
     for name, kind in expected_fields():
         array = np.array([values[name]], dtype=np.int32 if kind == "INT32" else np.float32)

@@ -74,7 +74,7 @@ void test_fields_round_trip() {
             back.window == 3,
         "round trip keeps every value");
   check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
-                          "causal_alignment=1 kv_num_heads=2 window=3",
+                          "causal_alignment=1 kv_num_heads=2 window=3 has_past=0",
         "describe: " + describe(back));
 }
 
@@ -178,7 +178,7 @@ void test_shapes() {
   Shape broadcast[] = {shape({2, 3, 8}), shape({2, 5, 8}), shape({2, 5, 12}), shape({1, 5}), shape({1, 2, 1, 5})};
   check(check_shapes(c, broadcast, 5).empty(), "size-1 mask dims broadcast");
 
-  check_error(check_shapes(c, ok, 4), "takes 5 inputs; got 4", "input count");
+  check_error(check_shapes(c, ok, 4), "takes 5 inputs with has_past=0; got 4", "input count");
   Shape rank[] = {shape({2, 3, 2, 4}), shape({2, 5, 8}), shape({2, 5, 12}), shape({2, 5}), shape({2, 2, 3, 5})};
   check_error(check_shapes(c, rank, 5), "input 0 (query) must have rank 3; got [2, 3, 2, 4] (rank 4)", "rank");
   Shape batch[] = {shape({2, 3, 8}), shape({3, 5, 8}), shape({2, 5, 12}), shape({2, 5}), shape({2, 2, 3, 5})};
@@ -368,6 +368,111 @@ void test_params_address_the_node_layout() {
    }
 }
 
+// Runs `copies` the way cudaMemcpy2DAsync would, from the inputs `src` into `dst`.
+void run_copies(const std::vector<Copy2D>& copies, const void* const* src, void* dst) {
+  for (const Copy2D& c : copies)
+    for (int64_t r = 0; r < c.height; ++r)
+      std::memcpy(static_cast<char*>(dst) + c.dst_offset + r * c.dst_pitch,
+                  static_cast<const char*>(src[c.src]) + c.src_offset + r * c.src_pitch, c.width);
+}
+
+void test_cache_form() {
+  // H=4 query heads over Hkv=2, D=4, Dv=2: the presents = [past | new] head-major, attention over
+  // them through the params = the node's formula over cat(past, new) token-major. A decode step
+  // (S=1 <= Hkv: copies per token), a chunk after a past (S=3 > Hkv: per head), an empty past.
+  const int64_t B = 2, H = 4, Hkv = 2, D = 4, Dv = 2;
+  for (const int64_t P : {int64_t{0}, int64_t{5}})
+   for (const int64_t S : {int64_t{1}, int64_t{3}}) {
+    const int64_t L = P + S;
+    Config c = config(static_cast<int32_t>(H), true, false);
+    c.kv_num_heads = static_cast<int32_t>(Hkv);
+    c.is_causal = 1;
+    c.causal_alignment = 1;
+    c.has_past = 1;
+    unsigned seed = static_cast<unsigned>(P * 10 + S);
+    auto rnd = [&seed]() { seed = seed * 1664525u + 1013904223u; return (seed >> 8) / 16777216.0F - 0.5F; };
+    std::vector<float> q(B * S * H * D), k(B * S * Hkv * D), v(B * S * Hkv * Dv), pk(B * Hkv * P * D),
+        pv(B * Hkv * P * Dv), kpm(B * L, 0.0F), mask(B * H * S * L, 0.0F);
+    for (auto* t : {&q, &k, &v, &pk, &pv})
+      for (float& x : *t) x = rnd();
+    kpm[L] = -INFINITY;  // batch 1's first key is padding
+    float placeholder = 0.0F;
+    Shape in[] = {shape({B, S, H * D}), shape({B, S, Hkv * D}), shape({B, S, Hkv * Dv}), shape({B, L}),
+                  shape({1, 1, 1, 1}), shape({B, Hkv, P, D}), shape({B, Hkv, P, Dv})};
+    const std::string why = check_shapes(c, in, 7);
+    check(why.empty(), "cache-form shapes: " + why);
+    const Shape pks = present_shape(c, in, 0), pvs = present_shape(c, in, 1);
+    check(pks.rank == 4 && pks.d[0] == B && pks.d[1] == Hkv && pks.d[2] == L && pks.d[3] == D && pvs.d[3] == Dv,
+          "present shapes [B, Hkv, P+S, D]");
+    const void* ptrs[] = {q.data(), k.data(), v.data(), kpm.data(), &placeholder, pk.data(), pv.data()};
+    std::vector<float> present_k(B * Hkv * L * D, NAN), present_v(B * Hkv * L * Dv, NAN);
+    const std::vector<Copy2D> kc = present_copies(c, in, 0, sizeof(float));
+    run_copies(kc, ptrs, present_k.data());
+    run_copies(present_copies(c, in, 1, sizeof(float)), ptrs, present_v.data());
+    check(kc.size() == static_cast<size_t>((P > 0 ? 1 : 0) + B * std::min(S, Hkv)), "one copy for the past, "
+          "B*min(S, Hkv) for the new tokens");
+    // The concatenation, token-major [B, L, Hkv*D], for the reference; and the presents checked.
+    std::vector<float> k_all(B * L * Hkv * D), v_all(B * L * Hkv * Dv);
+    bool exact = true;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t j = 0; j < L; ++j) {
+          for (int64_t d = 0; d < D; ++d) {
+            const float want = j < P ? pk[((b * Hkv + g) * P + j) * D + d] : k[((b * S + j - P) * Hkv + g) * D + d];
+            exact = exact && present_k[((b * Hkv + g) * L + j) * D + d] == want;
+            k_all[(b * L + j) * Hkv * D + g * D + d] = want;
+          }
+          for (int64_t d = 0; d < Dv; ++d) {
+            const float want = j < P ? pv[((b * Hkv + g) * P + j) * Dv + d] : v[((b * S + j - P) * Hkv + g) * Dv + d];
+            exact = exact && present_v[((b * Hkv + g) * L + j) * Dv + d] == want;
+            v_all[(b * L + j) * Hkv * Dv + g * Dv + d] = want;
+          }
+        }
+    check(exact, "present = [past | new] head-major (P=" + std::to_string(P) + ", S=" + std::to_string(S) + ")");
+    float out_dummy = 0;
+    const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr, present_k.data(),
+                                          present_v.data());
+    check(p.seqlen_k == L && p.k == present_k.data() && p.k_head_stride == L * D && p.k_row_stride == D &&
+              p.v_batch_stride == Hkv * L * Dv,
+          "the kernels read K/V from the presents, head-major");
+    const std::vector<double> want = reference_attention(B, H, S, L, D, Dv, c.scale, true, q, k_all, v_all, kpm, mask,
+                                                         0.0, Hkv, 1);
+    const std::vector<double> got = through_params(p);
+    double err = 0;
+    for (size_t n = 0; n < want.size(); ++n) err = std::max(err, std::abs(want[n] - got[n]));
+    check(err < 1e-12, "cache form: attention over the present (P=" + std::to_string(P) + ", S=" +
+                           std::to_string(S) + ", err " + std::to_string(err) + ")");
+  }
+  Config c = config(4, false, false);
+  c.kv_num_heads = 2;
+  c.has_past = 1;
+  Shape ok[] = {shape({2, 1, 16}), shape({2, 1, 8}), shape({2, 1, 4}), shape({1, 1}), shape({1, 1, 1, 1}),
+                shape({2, 2, 6, 4}), shape({2, 2, 6, 2})};
+  check_error(check_shapes(c, ok, 5), "takes 7 inputs with has_past=1; got 5", "cache form: input count");
+  Shape heads[] = {shape({2, 1, 16}), shape({2, 1, 8}), shape({2, 1, 4}), shape({1, 1}), shape({1, 1, 1, 1}),
+                   shape({2, 4, 6, 4}), shape({2, 4, 6, 2})};
+  check_error(check_shapes(c, heads, 7), "past_key and past_value must be [B, Hkv, P, D] and [B, Hkv, P, Dv] (the "
+              "key/value heads Hkv=2", "cache form: past heads");
+  Shape lengths[] = {shape({2, 1, 16}), shape({2, 1, 8}), shape({2, 1, 4}), shape({1, 1}), shape({1, 1, 1, 1}),
+                     shape({2, 2, 6, 4}), shape({2, 2, 5, 2})};
+  check_error(check_shapes(c, lengths, 7), "one past length P", "cache form: P differs");
+  Shape rank[] = {shape({2, 1, 16}), shape({2, 1, 8}), shape({2, 1, 4}), shape({1, 1}), shape({1, 1, 1, 1}),
+                  shape({2, 12, 4}), shape({2, 2, 6, 2})};
+  check_error(check_shapes(c, rank, 7), "input 5 (past_key) must have rank 4", "cache form: past rank");
+  c.has_key_padding_mask = 1;
+  Shape kpm[] = {shape({2, 1, 16}), shape({2, 1, 8}), shape({2, 1, 4}), shape({2, 6}), shape({1, 1, 1, 1}),
+                 shape({2, 2, 6, 4}), shape({2, 2, 6, 2})};
+  check_error(check_shapes(c, kpm, 7), "key_padding_mask must be [B or 1, Lk or 1]", "cache form: the mask spans P+S");
+  Shape symbolic[] = {shape({-1, -1, 16}), shape({-1, -1, 8}), shape({-1, -1, 4}), shape({-1, -1}), shape({1, 1, 1, 1}),
+                      shape({-1, 2, -1, 4}), shape({-1, 2, -1, 2})};
+  check(check_shapes(c, symbolic, 7).empty() && present_shape(c, symbolic, 0).d[2] == -1,
+        "unknown past and new lengths: an unknown present length");
+  check(c.num_inputs() == 7 && c.num_outputs() == 3 && config(2, false, false).num_outputs() == 1,
+        "the cache form has 7 inputs and 3 outputs, the plain one 5 and 1");
+  c.has_past = 2;
+  check_error(validate_config(c), "has_past must be 0 or 1; got 2", "has_past flag");
+}
+
 void print_fields() {
   std::printf("[");
   for (int32_t i = 0; i < kNumFields; ++i) {
@@ -390,6 +495,7 @@ int main(int argc, char** argv) {
   test_grouped_query_shapes();
   test_params_strides();
   test_params_address_the_node_layout();
+  test_cache_form();
   if (gFailures) {
     std::fprintf(stderr, "core_test: %d of %d checks failed\n", gFailures, gChecks);
     return 1;

@@ -231,6 +231,70 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
 
 }  // namespace
 
+// The cache form (has_past = 1): 7 inputs, 3 outputs, the presents' shapes and types.
+void cache_form(IPluginCreatorV3One* creator, Logger& logger) {
+  const int32_t heads = 4, kv_heads = 2, on = 1, off = 0;
+  const float scale = 0.125F;
+  auto fields = parser_fields(&heads, &scale, &on, &on, &off, nullptr, &on, &kv_heads);
+  fields.emplace_back(spec::kAttrHasPast, &on, PluginFieldType::kINT32, 1);
+  std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kBUILD, "attn_cache_0"));
+  check(plugin != nullptr, "createPlugin with has_past=1");
+  if (!plugin) return;
+  auto* build = static_cast<IPluginV3OneBuild*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
+  auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+  check(build->getNbOutputs() == 3, "the cache form has three outputs");
+  // Types: everything but the masks follows query.
+  DynamicPluginTensorDesc io[10] = {};
+  for (int i = 0; i < 10; ++i) {
+    io[i].desc.type = (i == 3 || i == 4) ? DataType::kFLOAT : DataType::kHALF;
+    io[i].desc.format = TensorFormat::kLINEAR;
+  }
+  bool all = true;
+  for (int pos = 0; pos < 10; ++pos) all = all && build->supportsFormatCombination(pos, io, 7, 3);
+  check(all, "float16 cache form with float32 masks is supported");
+  check(!build->supportsFormatCombination(0, io, 5, 1), "five inputs are refused for has_past=1");
+  const DataType in7[7] = {DataType::kHALF, DataType::kHALF, DataType::kHALF, DataType::kFLOAT, DataType::kFLOAT,
+                           DataType::kHALF, DataType::kHALF};
+  DataType outTypes[3] = {DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT};
+  check(build->getOutputDataTypes(outTypes, 3, in7, 7) == 0 && outTypes[1] == DataType::kHALF &&
+            outTypes[2] == DataType::kHALF,
+        "the presents have query's type");
+  DataType badPast[7] = {DataType::kHALF, DataType::kHALF, DataType::kHALF, DataType::kFLOAT, DataType::kFLOAT,
+                         DataType::kFLOAT, DataType::kHALF};
+  check(build->getOutputDataTypes(outTypes, 3, badPast, 7) != 0 && logger.saw("past_key must have query's type"),
+        "a float32 past with float16 query is refused: " + logger.last());
+  // Shapes: present [B, Hkv, P + S, D] with P + S an expression of both.
+  ExprBuilder eb;
+  Dim batch(false, 0), s(false, 0), p(false, 0), q_width(true, 64), kv_width(true, 32), hkv(true, 2), d(true, 16),
+      one(true, 1);
+  DimsExprs in[7] = {};
+  in[0].nbDims = 3; in[0].d[0] = &batch; in[0].d[1] = &s; in[0].d[2] = &q_width;
+  in[1].nbDims = 3; in[1].d[0] = &batch; in[1].d[1] = &s; in[1].d[2] = &kv_width;
+  in[2].nbDims = 3; in[2].d[0] = &batch; in[2].d[1] = &s; in[2].d[2] = &kv_width;
+  in[3].nbDims = 2; in[3].d[0] = &batch; in[3].d[1] = &one;
+  in[4].nbDims = 4; in[4].d[0] = &one; in[4].d[1] = &one; in[4].d[2] = &one; in[4].d[3] = &one;
+  for (int i : {5, 6}) {
+    in[i].nbDims = 4; in[i].d[0] = &batch; in[i].d[1] = &hkv; in[i].d[2] = &p; in[i].d[3] = &d;
+  }
+  DimsExprs out[3] = {};
+  check(build->getOutputShapes(in, 7, nullptr, 0, out, 3, eb) == 0 && out[1].nbDims == 4 && out[1].d[0] == &batch &&
+            out[1].d[1] == &hkv && out[1].d[3] == &d && out[1].d[2] != &p && out[1].d[2] != &s &&
+            !out[1].d[2]->isConstant() && out[2].nbDims == 4,
+        "present [B, Hkv, P+S, D] from the past's dims and a sum");
+  check(build->getOutputShapes(in, 5, nullptr, 0, out, 1, eb) != 0 && logger.saw("expected 7 inputs and 3 output(s)"),
+        "five inputs for has_past=1 fail with a reason: " + logger.last());
+  PluginTensorDesc good[7] = {desc({2, 1, 64}, DataType::kHALF),    desc({2, 1, 32}, DataType::kHALF),
+                              desc({2, 1, 32}, DataType::kHALF),    desc({2, 6}, DataType::kFLOAT),
+                              desc({1, 1, 1, 1}, DataType::kFLOAT), desc({2, 2, 5, 16}, DataType::kHALF),
+                              desc({2, 2, 5, 16}, DataType::kHALF)};
+  PluginTensorDesc outDesc[3] = {desc({2, 1, 64}, DataType::kHALF), desc({2, 2, 6, 16}, DataType::kHALF),
+                                 desc({2, 2, 6, 16}, DataType::kHALF)};
+  check(runtime->onShapeChange(good, 7, outDesc, 3) == 0, "onShapeChange accepts the cache form");
+  good[3] = desc({2, 5}, DataType::kFLOAT);  // the padding mask must span P + S = 6 keys
+  check(runtime->onShapeChange(good, 7, outDesc, 3) != 0 && logger.saw("key_padding_mask must be [B or 1, Lk or 1]"),
+        "a padding mask over the past alone is refused: " + logger.last());
+}
+
 int main() {
   void* lib = dlopen(PLUGIN_LIBRARY, RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
@@ -260,12 +324,15 @@ int main() {
   const PluginFieldCollection* declared = creator->getFieldNames();
   const char* names[] = {spec::kAttrNumHeads, spec::kAttrScale, spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask,
                          spec::kAttrHasAttnMask, spec::kAttrSoftcap, spec::kAttrCausalAlignment,
-                         spec::kAttrKvNumHeads};
+                         spec::kAttrKvNumHeads, spec::kAttrWindow, spec::kAttrHasPast};
   const PluginFieldType types[] = {PluginFieldType::kINT32, PluginFieldType::kFLOAT32, PluginFieldType::kINT32,
                                    PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kFLOAT32,
-                                   PluginFieldType::kINT32, PluginFieldType::kINT32};
-  check(declared != nullptr && declared->nbFields == 8, "eight declared fields");
-  for (int32_t i = 0; declared && i < declared->nbFields && i < 8; ++i) {
+                                   PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kINT32,
+                                   PluginFieldType::kINT32};
+  constexpr int32_t kFieldCount = spec::kNumPluginFields;
+  static_assert(sizeof(names) / sizeof(names[0]) == kFieldCount, "every plugin field is listed");
+  check(declared != nullptr && declared->nbFields == kFieldCount, "the spec's declared fields");
+  for (int32_t i = 0; declared && i < declared->nbFields && i < kFieldCount; ++i) {
     check(std::strcmp(declared->fields[i].name, names[i]) == 0 && declared->fields[i].type == types[i],
           std::string("declared field ") + names[i]);
   }
@@ -386,14 +453,14 @@ int main() {
   check(build->getMetadataString() != nullptr &&
             std::string(build->getMetadataString()) ==
                 "num_heads=2 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
-                "causal_alignment=0 kv_num_heads=0 window=0",
+                "causal_alignment=0 kv_num_heads=0 window=0 has_past=0",
         "metadata string names the fields");
 
   // ---- serialization round trip (engine build -> engine load).
   const PluginFieldCollection* serialized = runtime->getFieldsToSerialize();
-  check(serialized != nullptr && serialized->nbFields == 6, "six serialized fields");
+  check(serialized != nullptr && serialized->nbFields == kFieldCount, "every field serialized");
   std::vector<PluginField> copy(serialized->fields, serialized->fields + serialized->nbFields);
-  for (int32_t i = 0; i < 6; ++i) {
+  for (int32_t i = 0; i < static_cast<int32_t>(copy.size()) && i < kFieldCount; ++i) {
     check(std::strcmp(copy[i].name, names[i]) == 0 && copy[i].type == types[i] && copy[i].length == 1,
           std::string("serialized field ") + names[i]);
   }
@@ -404,6 +471,8 @@ int main() {
   std::unique_ptr<IPluginV3> attached(runtime->attachToContext(nullptr));
   std::unique_ptr<IPluginV3> cloned(plugin->clone());
   check(attached != nullptr && cloned != nullptr, "clone and attachToContext");
+
+  cache_form(creator, logger);
 
   // ---- runtime shape checks and enqueue.
   PluginTensorDesc badKpm[5] = {desc({2, 3, 64}, DataType::kHALF), desc({2, 5, 64}, DataType::kHALF),
