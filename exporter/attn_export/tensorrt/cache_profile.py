@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from attn_export.errors import InputError
-from attn_export.tensorrt.profiles import Dims, ShapeProfile, graph_input_dims
+from attn_export.tensorrt.profiles import Dims, ShapeProfile, dynamic_overrides, graph_input_dims
 
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
 KINDS = (BATCH, SEQUENCE, PAST, TOTAL)
@@ -114,22 +114,12 @@ def _check_graph(inputs: Mapping[str, List[object]], kinds: Mapping[str, Mapping
 def _overrides(inputs, kinds, given: Mapping[str, Dims], option: str) -> Dict[str, int]:
     """kind -> size from one of --min/--opt/--max-shapes (full shapes by input name)."""
     out: Dict[str, Tuple[int, str]] = {}
-    for name, shape in given.items():
-        if name not in inputs:
-            raise InputError(f"{option} {name}: no such engine input (inputs: {', '.join(inputs)})")
-        dims = inputs[name]
-        if len(shape) != len(dims):
-            raise InputError(f"{option} {name}:{'x'.join(map(str, shape))}: {name} has rank {len(dims)}")
-        for axis, (d, size) in enumerate(zip(dims, shape)):
-            if isinstance(d, int):
-                if size != d:
-                    raise InputError(f"{option} {name}[{axis}]={size}: that dimension is static ({d})")
-                continue
-            kind = kinds[name][axis]
-            if kind in out and out[kind][0] != size:
-                raise InputError(f"{option}: the {kind} axis is {out[kind][0]} in {out[kind][1]} but {size} in "
-                                 f"{name}[{axis}] (every {kind} axis takes one size)")
-            out[kind] = (size, f"{name}[{axis}]")
+    for name, axis, _, size in dynamic_overrides(inputs, given, option):
+        kind = kinds[name][axis]
+        if kind in out and out[kind][0] != size:
+            raise InputError(f"{option}: the {kind} axis is {out[kind][0]} in {out[kind][1]} but {size} in "
+                             f"{name}[{axis}] (every {kind} axis takes one size)")
+        out[kind] = (size, f"{name}[{axis}]")
     return {kind: size for kind, (size, _) in out.items()}
 
 

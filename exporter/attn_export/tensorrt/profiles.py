@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import onnx
 import torch
@@ -77,6 +77,25 @@ def graph_input_dims(model: onnx.ModelProto) -> Dict[str, List[object]]:
     return out
 
 
+def dynamic_overrides(inputs: Mapping[str, List[object]], given: Optional[Mapping[str, Dims]],
+                      option: str) -> Iterator[Tuple[str, int, str, int]]:
+    """(input, axis, label, size) for each dynamic axis that one of --min/--opt/--max-shapes
+    (``option``: full shapes by input name) sizes; InputError for an unknown input, a wrong rank or
+    a static dimension given another size."""
+    for name, shape in (given or {}).items():
+        if name not in inputs:
+            raise InputError(f"{option} {name}: no such engine input (inputs: {', '.join(inputs)})")
+        dims = inputs[name]
+        if len(shape) != len(dims):
+            raise InputError(f"{option} {name}:{'x'.join(map(str, shape))}: {name} has rank {len(dims)}")
+        for axis, (d, size) in enumerate(zip(dims, shape)):
+            if isinstance(d, int):
+                if size != d:
+                    raise InputError(f"{option} {name}[{axis}]={size}: that dimension is static ({d})")
+                continue
+            yield name, axis, d, size
+
+
 def derive_profile(
     model: onnx.ModelProto,
     example_inputs: Mapping[str, torch.Tensor],
@@ -119,26 +138,16 @@ def derive_profile(
     for which, given, option in ((0, min_shapes, "--min-shapes"), (1, opt_shapes, "--opt-shapes"),
                                  (2, max_shapes, "--max-shapes")):
         set_here: Dict[str, Tuple[str, int]] = {}
-        for name, shape in (given or {}).items():
-            if name not in inputs:
-                raise InputError(f"{option} {name}: no such engine input (inputs: {', '.join(inputs)})")
-            dims = inputs[name]
-            if len(shape) != len(dims):
-                raise InputError(f"{option} {name}:{'x'.join(map(str, shape))}: {name} has rank {len(dims)}")
-            for axis, (d, size) in enumerate(zip(dims, shape)):
-                if isinstance(d, int):
-                    if size != d:
-                        raise InputError(f"{option} {name}[{axis}]={size}: that dimension is static ({d})")
-                    continue
-                if size < 1:
-                    raise InputError(f"{option} {name}[{axis}]={size}: sizes must be >= 1")
-                if d in set_here and set_here[d][1] != size:
-                    raise InputError(
-                        f"{option}: dimension {d!r} is {set_here[d][1]} in {set_here[d][0]} but {size} in "
-                        f"{name}[{axis}] (the ONNX graph ties them together)"
-                    )
-                set_here[d] = (f"{name}[{axis}]", size)
-                bounds[d][which] = size
+        for name, axis, d, size in dynamic_overrides(inputs, given, option):
+            if size < 1:
+                raise InputError(f"{option} {name}[{axis}]={size}: sizes must be >= 1")
+            if d in set_here and set_here[d][1] != size:
+                raise InputError(
+                    f"{option}: dimension {d!r} is {set_here[d][1]} in {set_here[d][0]} but {size} in "
+                    f"{name}[{axis}] (the ONNX graph ties them together)"
+                )
+            set_here[d] = (f"{name}[{axis}]", size)
+            bounds[d][which] = size
     for label, (lo, opt, hi) in bounds.items():
         if not lo <= opt <= hi:
             raise InputError(f"profile for dimension {label!r}: need min <= opt <= max; got {lo}, {opt}, {hi}")
