@@ -66,13 +66,36 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
     from rich.console import Console
 
     from benchmarks import layers as lib
-    from attn_export.atomic_io import write_text
 
     if core_mode:
         return _bench_core(threads, rounds, min_run_time, json_path, markdown_path)
     if onnx_mode:
         return _bench_onnx(seqs, batches, max_tokens, threads, rounds, min_run_time, memory_shape, json_path,
                            markdown_path, plot_path, profile_shape)
+
+    shapes, memory = _layer_options(shape_set, rounds, min_run_time, threads, memory_shape)
+    torch.set_num_threads(threads)
+    impls = [i for i in lib.IMPLEMENTATIONS if not (no_sdpa and i == "sdpa")]
+    console = Console(stderr=True)
+    header = _machine_header()
+    click.echo(header)
+    with console.status("benchmarking") as status:
+        results = lib.run_benchmark(
+            shapes, modes or MODE_CHOICES, impls, rounds=rounds, min_run_time=min_run_time,
+            progress=lambda what: status.update(f"benchmarking {what}"),
+        )
+
+    Console(width=max(Console().width, 100)).print(_results_table(results, impls, threads))
+    gemm_results = _gemm_rates(console, shapes, threads, rounds, min_run_time) if gemm_rates else []
+    memory_results = _peak_memory(console, memory, impls, threads) if memory is not None else []
+    _write_layer_results(header, threads, rounds, results, gemm_results, memory_results, json_path, markdown_path,
+                         plot_path)
+
+
+def _layer_options(shape_set: str, rounds: int, min_run_time: float, threads: int, memory_shape):
+    """The shapes to time (presets and BxLxExH) and the --memory shape (or None), after checking
+    the options."""
+    from benchmarks import layers as lib
 
     shapes = []
     for part in shape_set.split(","):
@@ -86,36 +109,42 @@ def bench(shape_set, modes, no_sdpa, threads, rounds, min_run_time, json_path, m
         memory = lib.Shape.parse(memory_shape) if memory_shape else None
     except ValueError as exc:
         fail(f"--memory: {exc}")
-    torch.set_num_threads(threads)
-    impls = [i for i in lib.IMPLEMENTATIONS if not (no_sdpa and i == "sdpa")]
-    console = Console(stderr=True)
-    header = _machine_header()
-    click.echo(header)
-    with console.status("benchmarking") as status:
-        results = lib.run_benchmark(
-            shapes, modes or MODE_CHOICES, impls, rounds=rounds, min_run_time=min_run_time,
-            progress=lambda what: status.update(f"benchmarking {what}"),
-        )
+    return shapes, memory
 
-    Console(width=max(Console().width, 100)).print(_results_table(results, impls, threads))
+
+def _gemm_rates(console, shapes, threads: int, rounds: int, min_run_time: float):
+    """--gemm: the projection GEMMs' rates under each GEMM backend, printed; the results."""
+    from benchmarks import gemm as bench_gemm
+
+    with console.status("GEMM rates") as status:
+        gemm_results = bench_gemm.run_gemm_rates(
+            bench_gemm.projection_gemms(shapes), rounds=rounds, min_run_time=min_run_time,
+            progress=lambda what: status.update(f"GEMM rates: {what}"))
+    click.echo(f"GEMM rate (projections, {threads} threads; ratio = GFLOP/s / {bench_gemm.ORT}'s):")
+    click.echo(bench_gemm.markdown_table(gemm_results))
+    return gemm_results
+
+
+def _peak_memory(console, memory, impls, threads: int):
+    """--memory: each implementation's peak memory at that shape, printed; the results."""
+    from rich.console import Console
+
+    from benchmarks import layers as lib
+
     short = {lib.REFERENCE: "nn.MHA"}
+    with console.status(f"measuring peak memory at {memory}"):
+        memory_results = lib.measure_memory(memory, impls, threads)
+    Console().print(_memory_table(memory_results, memory, short))
+    return memory_results
 
-    gemm_results = []
-    if gemm_rates:
-        from benchmarks import gemm as bench_gemm
 
-        with console.status("GEMM rates") as status:
-            gemm_results = bench_gemm.run_gemm_rates(
-                bench_gemm.projection_gemms(shapes), rounds=rounds, min_run_time=min_run_time,
-                progress=lambda what: status.update(f"GEMM rates: {what}"))
-        click.echo(f"GEMM rate (projections, {threads} threads; ratio = GFLOP/s / {bench_gemm.ORT}'s):")
-        click.echo(bench_gemm.markdown_table(gemm_results))
+def _write_layer_results(header: str, threads: int, rounds: int, results, gemm_results, memory_results,
+                         json_path, markdown_path, plot_path) -> None:
+    """--json, --markdown and --plot, each written whole or not at all."""
+    import torch
 
-    memory_results = []
-    if memory is not None:
-        with console.status(f"measuring peak memory at {memory}"):
-            memory_results = lib.measure_memory(memory, impls, threads)
-        Console().print(_memory_table(memory_results, memory, short))
+    from benchmarks import layers as lib
+    from attn_export.atomic_io import write_text
 
     if json_path:
         payload = {"machine": header, "threads": threads, "torch": torch.__version__, "rounds": rounds,

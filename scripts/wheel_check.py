@@ -211,7 +211,7 @@ def check_mismatch(checks: Checks, venv: Path, env: dict, work: Path, package: P
         record.write_text(original)
 
 
-def main() -> int:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", type=Path, nargs="?")
     parser.add_argument("--torch-libs", action="store_true", help="print the libraries `make wheel` leaves out, and exit")
@@ -219,6 +219,115 @@ def main() -> int:
     parser.add_argument("--venv", type=Path, help="install into this virtual environment instead of a fresh one "
                         "(e.g. one kept by --keep: a CUDA torch is 5 GB to install again)")
     parser.add_argument("--no-auditwheel", action="store_true", help="skip `auditwheel show` (not installed)")
+    return parser
+
+
+def check_wheel_file(checks: Checks, wheel: Path, auditwheel: bool) -> dict | None:
+    """The file is a wheel whose metadata pins torch's minor version (and auditwheel accepts
+    it): its metadata, or None when there is no wheel to go on with."""
+    if not checks.step("wheel file", wheel.is_file() and wheel.suffix == ".whl", str(wheel)):
+        return None
+    meta = wheel_metadata(wheel)
+    torch_pin = [r for r in meta["Requires-Dist"] if r.startswith("torch") and ";" not in r]
+    checks.step("metadata pins torch", len(torch_pin) == 1 and torch_pin[0].startswith("torch==")
+                and torch_pin[0].endswith(".*"), f"{meta['Name']} {meta['Version']}: Requires-Dist {torch_pin}")
+    if auditwheel:
+        check_auditwheel(checks, wheel)
+    return meta
+
+
+def install_wheel(checks: Checks, venv: Path, fresh: bool, wheel: Path) -> bool:
+    """The wheel pip-installed into ``venv`` (created first when ``fresh``), and nothing but
+    torch and its dependencies with it. False when there is no installed package to check."""
+    if fresh:
+        base = getattr(sys, "_base_executable", None) or sys.executable
+        proc = run([base, "-m", "venv", venv])
+        if not checks.step("fresh virtual environment", proc.returncode == 0, f"{venv}{tail(proc)}"):
+            return False
+    # The wheel alone: torch and the rest come from its metadata, as in a pipeline.
+    # --no-compile: byte-compiling all of torch is half of the install's time, and no check needs it.
+    proc = run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", wheel])
+    if not checks.step("pip install WHEEL", proc.returncode == 0, tail(proc, 5).strip() if proc.returncode else ""):
+        print(tail(proc, 40))
+        return False
+    proc = run([venv / "bin" / "python", "-m", "pip", "list", "--format=json", "--disable-pip-version-check"])
+    installed = {p["name"].lower(): p["version"] for p in json.loads(proc.stdout)}
+    torch_version = installed.get("torch", "?")
+    # (setuptools comes with every Python 3.11 venv; it compiles nothing without a compiler.)
+    unexpected = sorted(n for n in installed if n.startswith(("ninja", "cmake", "pybind11")))
+    checks.step("installed: torch and the wheel's dependencies", not unexpected,
+                f"torch {torch_version}, attn-export {installed.get('attn-export')}, {len(installed)} packages"
+                + (f"; unexpected build tools {unexpected}" if unexpected else ""))
+    return True
+
+
+def check_probe(checks: Checks, venv: Path, env: dict, work: Path) -> dict | None:
+    """PROBE in the installed environment: every module imports, every data file is inside the
+    package. Its result, or None when it failed (nothing after it can be checked)."""
+    proc = run([venv / "bin" / "python", "-I", "-c", PROBE, ROOT, json.dumps(EXTRAS)], env=env, cwd=work)
+    probe = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
+    if not checks.step("imports and data files", probe is not None and not probe["problems"],
+                       (f"{probe['modules']} modules imported; optional extras missing: {probe['optional'] or 'none'}; "
+                        f"found {probe['data']}; problems: {probe['problems'] or 'none'}") if probe else tail(proc, 30)):
+        return None
+    return probe
+
+
+def check_bundled_example(checks: Checks, env: dict, work: Path) -> None:
+    """The CLI on the example PROBE saved: inspect, --to onnx (validated), --to tensorrt (exit 2
+    saying what is missing)."""
+    allow = ["--allow-class", EXAMPLE_CLASS]
+    proc = run(["attn-export", "inspect", "tiny_seq2seq.pt", *allow], env=env, cwd=work)
+    words = [line.strip() for line in proc.stdout.splitlines() if line.strip()[:1].isalnum()]  # not the table
+    checks.step("attn-export inspect (bundled example)", proc.returncode == 0, tail(proc, 4) if proc.returncode else
+                (words[-1] if words else ""))
+
+    proc = run(["attn-export", "tiny_seq2seq.pt", "--to", "onnx", *allow, "--json", "report.json"], env=env, cwd=work)
+    report = json.loads((work / "report.json").read_text()) if (work / "report.json").is_file() else {}
+    ok = proc.returncode == 0 and (work / "tiny_seq2seq.onnx").is_file() and report.get("passed") is True
+    checks.step("attn-export MODEL --to onnx (bundled example)", ok,
+                proc.stdout.strip().splitlines()[-1] if ok else f"exit {proc.returncode}{tail(proc)}")
+
+    proc = run(["attn-export", "tiny_seq2seq.pt", "--to", "tensorrt", *allow], env=env, cwd=work)
+    said = (proc.stdout + proc.stderr).strip()
+    checks.step("attn-export MODEL --to tensorrt says what is missing", proc.returncode == 2 and "Traceback" not in said
+                and "TensorRT" in said, said.splitlines()[-1] if said else f"exit {proc.returncode}")
+
+
+def check_installed(checks: Checks, tmp: Path, venv: Path, fresh: bool, wheel: Path, meta: dict) -> bool:
+    """Every check of the installed wheel, run outside the checkout with no compiler reachable.
+    False when one failed that the later ones need."""
+    work = tmp / "work"
+    work.mkdir()
+    if not install_wheel(checks, venv, fresh, wheel):
+        return False
+    env = restricted_env(tmp, venv)
+    reachable = [c for c in COMPILERS if shutil.which(c, path=env["PATH"])]
+    checks.step("no compiler on PATH", not reachable, f"PATH={env['PATH']}" + (f"; found {reachable}" if reachable else ""))
+
+    proc = run(["attn-export", "--version"], env=env, cwd=work)
+    checks.step("attn-export --version", proc.returncode == 0 and meta["Version"] in proc.stdout,
+                proc.stdout.strip() if proc.returncode == 0 else tail(proc))
+    probe = check_probe(checks, venv, env, work)
+    if probe is None:
+        return False
+    check_bundled_example(checks, env, work)
+    extensions = tmp / "torch_extensions"
+    checks.step("nothing compiled at run time", not extensions.exists() or not any(extensions.iterdir()),
+                f"{extensions} {'absent' if not extensions.exists() else 'empty'}")
+    check_mismatch(checks, venv, env, work, Path(probe["package"]), probe["built_against"]["torch"], probe["torch"])
+    return True
+
+
+def remove_later(tmp: Path) -> None:
+    # In the background: deleting a 1 GB environment took 1-3 minutes on these disks, and
+    # nothing waits for it.
+    subprocess.Popen(["rm", "-rf", str(tmp)], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def main() -> int:
+    parser = arg_parser()
     args = parser.parse_args()
     if args.torch_libs:
         print(" ".join(sorted(TORCH_LIBS)))
@@ -227,85 +336,20 @@ def main() -> int:
         parser.error("the wheel to check is required")
     wheel = args.wheel.resolve()
     checks = Checks()
-    if not checks.step("wheel file", wheel.is_file() and wheel.suffix == ".whl", str(wheel)):
+    meta = check_wheel_file(checks, wheel, auditwheel=not args.no_auditwheel)
+    if meta is None:
         return 1
-    meta = wheel_metadata(wheel)
-    torch_pin = [r for r in meta["Requires-Dist"] if r.startswith("torch") and ";" not in r]
-    checks.step("metadata pins torch", len(torch_pin) == 1 and torch_pin[0].startswith("torch==")
-                and torch_pin[0].endswith(".*"), f"{meta['Name']} {meta['Version']}: Requires-Dist {torch_pin}")
-    if not args.no_auditwheel:
-        check_auditwheel(checks, wheel)
 
     tmp = Path(tempfile.mkdtemp(prefix="attn-export-wheel-"))
     try:
-        venv, work = (args.venv.resolve() if args.venv else tmp / "venv"), tmp / "work"
-        work.mkdir()
-        if not args.venv:
-            base = getattr(sys, "_base_executable", None) or sys.executable
-            proc = run([base, "-m", "venv", venv])
-            if not checks.step("fresh virtual environment", proc.returncode == 0, f"{venv}{tail(proc)}"):
-                return 1
-        # The wheel alone: torch and the rest come from its metadata, as in a pipeline.
-        # --no-compile: byte-compiling all of torch is half of the install's time, and no check needs it.
-        proc = run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", wheel])
-        if not checks.step("pip install WHEEL", proc.returncode == 0, tail(proc, 5).strip() if proc.returncode else ""):
-            print(tail(proc, 40))
+        venv = args.venv.resolve() if args.venv else tmp / "venv"
+        if not check_installed(checks, tmp, venv, not args.venv, wheel, meta):
             return 1
-        proc = run([venv / "bin" / "python", "-m", "pip", "list", "--format=json", "--disable-pip-version-check"])
-        installed = {p["name"].lower(): p["version"] for p in json.loads(proc.stdout)}
-        torch_version = installed.get("torch", "?")
-        # (setuptools comes with every Python 3.11 venv; it compiles nothing without a compiler.)
-        unexpected = sorted(n for n in installed if n.startswith(("ninja", "cmake", "pybind11")))
-        checks.step("installed: torch and the wheel's dependencies", not unexpected,
-                    f"torch {torch_version}, attn-export {installed.get('attn-export')}, {len(installed)} packages"
-                    + (f"; unexpected build tools {unexpected}" if unexpected else ""))
-
-        env = restricted_env(tmp, venv)
-        reachable = [c for c in COMPILERS if shutil.which(c, path=env["PATH"])]
-        checks.step("no compiler on PATH", not reachable, f"PATH={env['PATH']}" + (f"; found {reachable}" if reachable else ""))
-
-        proc = run(["attn-export", "--version"], env=env, cwd=work)
-        checks.step("attn-export --version", proc.returncode == 0 and meta["Version"] in proc.stdout,
-                    proc.stdout.strip() if proc.returncode == 0 else tail(proc))
-
-        proc = run([venv / "bin" / "python", "-I", "-c", PROBE, ROOT, json.dumps(EXTRAS)], env=env, cwd=work)
-        probe = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
-        if not checks.step("imports and data files", probe is not None and not probe["problems"],
-                           (f"{probe['modules']} modules imported; optional extras missing: {probe['optional'] or 'none'}; "
-                            f"found {probe['data']}; problems: {probe['problems'] or 'none'}") if probe else tail(proc, 30)):
-            return 1
-        package = Path(probe["package"])
-
-        allow = ["--allow-class", EXAMPLE_CLASS]
-        proc = run(["attn-export", "inspect", "tiny_seq2seq.pt", *allow], env=env, cwd=work)
-        words = [line.strip() for line in proc.stdout.splitlines() if line.strip()[:1].isalnum()]  # not the table
-        checks.step("attn-export inspect (bundled example)", proc.returncode == 0, tail(proc, 4) if proc.returncode else
-                    (words[-1] if words else ""))
-
-        proc = run(["attn-export", "tiny_seq2seq.pt", "--to", "onnx", *allow, "--json", "report.json"], env=env, cwd=work)
-        report = json.loads((work / "report.json").read_text()) if (work / "report.json").is_file() else {}
-        ok = proc.returncode == 0 and (work / "tiny_seq2seq.onnx").is_file() and report.get("passed") is True
-        checks.step("attn-export MODEL --to onnx (bundled example)", ok,
-                    proc.stdout.strip().splitlines()[-1] if ok else f"exit {proc.returncode}{tail(proc)}")
-
-        proc = run(["attn-export", "tiny_seq2seq.pt", "--to", "tensorrt", *allow], env=env, cwd=work)
-        said = (proc.stdout + proc.stderr).strip()
-        checks.step("attn-export MODEL --to tensorrt says what is missing", proc.returncode == 2 and "Traceback" not in said
-                    and "TensorRT" in said, said.splitlines()[-1] if said else f"exit {proc.returncode}")
-
-        extensions = tmp / "torch_extensions"
-        checks.step("nothing compiled at run time", not extensions.exists() or not any(extensions.iterdir()),
-                    f"{extensions} {'absent' if not extensions.exists() else 'empty'}")
-
-        check_mismatch(checks, venv, env, work, package, probe["built_against"]["torch"], probe["torch"])
     finally:
         if args.keep:
             print(f"kept {tmp}")
         else:
-            # In the background: deleting a 1 GB environment took 1-3 minutes on these disks, and
-            # nothing waits for it.
-            subprocess.Popen(["rm", "-rf", str(tmp)], start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            remove_later(tmp)
     total = time.monotonic() - checks.start
     if checks.failures:
         print(f"FAILED: {len(checks.failures)} check(s): {', '.join(checks.failures)} ({total:.0f} s)")

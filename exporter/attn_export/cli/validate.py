@@ -63,25 +63,11 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
       attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
       attn-export validate model.pt model.onnx --ort-provider cpu --ort-provider cuda
     """
-    from attn_export.errors import InputError
     from attn_export.validation import validate
 
     check_html(html_path)
-    if engine is not None:
-        from attn_export import tensorrt as attn_trt
-
-        attn_trt.require_runtime()  # before the model is loaded: says what to install
-    elif plugin is not None and not ort_args.wants_tensorrt:
-        raise InputError("--plugin goes with --engine or --ort-provider tensorrt")
-
-    factory = model_args.factory
-    model_given = not factory or (factory.startswith("transformers:") and not model_args.hf_config)
-    want = 2 if model_given else 1
-    if len(paths) != want:
-        raise InputError(
-            "expected MODEL and ONNX paths" if want == 2 else "with --model give only the ONNX path"
-        )
-    model_path, onnx_path = paths if model_given else (None, paths[0])
+    _check_backends(engine, plugin, ort_args)
+    model_path, onnx_path = _model_and_onnx_paths(paths, model_args)
     from attn_export.validation.runners import prestart_onnxruntime
 
     prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model loads
@@ -97,6 +83,34 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
                           **ort_args.validate_kwargs())
     write_html(session, report, html_path)
     return finish_validation(session, report, reports)
+
+
+def _check_backends(engine, plugin, ort_args) -> None:
+    """TensorRT present for --engine (before the model is loaded: says what to install); --plugin
+    only with a backend that loads it."""
+    from attn_export.errors import InputError
+
+    if engine is not None:
+        from attn_export import tensorrt as attn_trt
+
+        attn_trt.require_runtime()
+    elif plugin is not None and not ort_args.wants_tensorrt:
+        raise InputError("--plugin goes with --engine or --ort-provider tensorrt")
+
+
+def _model_and_onnx_paths(paths, model_args):
+    """(MODEL, ONNX) from the arguments: MODEL is None when --model builds the model (but
+    --model transformers:CLASS without --config reads the MODEL folder)."""
+    from attn_export.errors import InputError
+
+    factory = model_args.factory
+    model_given = not factory or (factory.startswith("transformers:") and not model_args.hf_config)
+    want = 2 if model_given else 1
+    if len(paths) != want:
+        raise InputError(
+            "expected MODEL and ONNX paths" if want == 2 else "with --model give only the ONNX path"
+        )
+    return paths if model_given else (None, paths[0])
 
 
 def _cached_decoder(session, model, inputs, onnx_path, seed: int):

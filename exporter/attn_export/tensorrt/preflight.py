@@ -59,6 +59,23 @@ def preflight(
     ``load_library`` its ``load_library``; tests pass stand-ins. Raises PluginError.
     """
     requests = plugin_requests(model)
+    _check_node_types(requests, compute_capability)
+    library = check_plugin_library(plugin)
+    if registry is None:
+        registry = import_tensorrt().get_plugin_registry()
+    register_plugin_library(plugin, registry, load_library)
+    registered = list(getattr(registry, "all_creators", []) or [])
+    creators = [" ".join(repr(x) for x in _creator_identity(c)) for c in registered]
+    want_fields = expected_fields()
+    for request in requests:
+        creator = _find_creator(registry, registered, request, plugin)
+        _check_creator_fields(creator, request, plugin, want_fields)
+    notes = [] if requests else ["the model has no FusedAttention node: the engine needs no plugin"]
+    return PreflightReport(library=library, requests=requests, creators=creators, notes=notes)
+
+
+def _check_node_types(requests: List[PluginRequest], compute_capability: Optional[Tuple[int, int]]) -> None:
+    """Every node's query type is one the plugin supports, and bfloat16 only on compute capability 8.0+."""
     supported = _spec.load().tensor_type_names
     for request in requests:
         for node, type_name in request.types.items():
@@ -72,36 +89,36 @@ def preflight(
                     f"node {node}: bfloat16 needs a GPU of compute capability 8.0 or newer; this one is "
                     f"{compute_capability[0]}.{compute_capability[1]} (export with --dtype fp16 or fp32)"
                 )
-    library = check_plugin_library(plugin)
-    if registry is None:
-        registry = import_tensorrt().get_plugin_registry()
-    register_plugin_library(plugin, registry, load_library)
-    registered = list(getattr(registry, "all_creators", []) or [])
-    creators = [" ".join(repr(x) for x in _creator_identity(c)) for c in registered]
-    want_fields = expected_fields()
-    for request in requests:
-        creator = registry.get_creator(request.name, request.version, request.namespace)
-        if creator is None:
-            same_name = [c for c in registered if c.name == request.name]
-            if same_name:
-                found = "; ".join(f"version {c.plugin_version!r} namespace {c.plugin_namespace!r}" for c in same_name)
-                raise PluginError(
-                    f"{len(request.nodes)} node(s) ask for plugin {request.identity()}, but TensorRT has "
-                    f"{request.name} only as {found} (loaded from {plugin}). The model and the plugin come from "
-                    "different attn-export versions: rebuild the plugin from the checkout that exported the "
-                    "model, or re-export the model"
-                )
-            raise PluginError(
-                f"{len(request.nodes)} node(s) ask for plugin {request.identity()}, but {plugin} registered no "
-                f"creator of that name (TensorRT knows {len(registered)} creator(s)"
-                + (": " + ", ".join(sorted({c.name for c in registered})[:12]) if registered else "")
-                + ")"
-            )
-        have = _creator_fields(creator)
-        if have and have != want_fields:
-            raise PluginError(
-                f"plugin {request.identity()} from {plugin} declares fields {have}, but the nodes carry "
-                f"{want_fields}: the library was built from a different csrc/attention_spec.h; rebuild it"
-            )
-    notes = [] if requests else ["the model has no FusedAttention node: the engine needs no plugin"]
-    return PreflightReport(library=library, requests=requests, creators=creators, notes=notes)
+
+
+def _find_creator(registry, registered: list, request: PluginRequest, plugin):
+    """The creator registered under exactly the request's name/version/namespace; else a
+    PluginError that says whether the name is there under another version or namespace."""
+    creator = registry.get_creator(request.name, request.version, request.namespace)
+    if creator is not None:
+        return creator
+    same_name = [c for c in registered if c.name == request.name]
+    if same_name:
+        found = "; ".join(f"version {c.plugin_version!r} namespace {c.plugin_namespace!r}" for c in same_name)
+        raise PluginError(
+            f"{len(request.nodes)} node(s) ask for plugin {request.identity()}, but TensorRT has "
+            f"{request.name} only as {found} (loaded from {plugin}). The model and the plugin come from "
+            "different attn-export versions: rebuild the plugin from the checkout that exported the "
+            "model, or re-export the model"
+        )
+    raise PluginError(
+        f"{len(request.nodes)} node(s) ask for plugin {request.identity()}, but {plugin} registered no "
+        f"creator of that name (TensorRT knows {len(registered)} creator(s)"
+        + (": " + ", ".join(sorted({c.name for c in registered})[:12]) if registered else "")
+        + ")"
+    )
+
+
+def _check_creator_fields(creator, request: PluginRequest, plugin, want_fields: List[Tuple[str, str]]) -> None:
+    """The creator declares the fields the nodes carry (a creator that declares none is not checked)."""
+    have = _creator_fields(creator)
+    if have and have != want_fields:
+        raise PluginError(
+            f"plugin {request.identity()} from {plugin} declares fields {have}, but the nodes carry "
+            f"{want_fields}: the library was built from a different csrc/attention_spec.h; rebuild it"
+        )

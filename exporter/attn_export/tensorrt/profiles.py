@@ -114,6 +114,27 @@ def derive_profile(
     dimensions must be given as they are. InputError when the shapes disagree.
     """
     inputs = graph_input_dims(model)
+    example = _example_sizes(inputs, example_inputs)
+    bounds = _default_bounds(inputs, example)
+    for which, given, option in ((0, min_shapes, "--min-shapes"), (1, opt_shapes, "--opt-shapes"),
+                                 (2, max_shapes, "--max-shapes")):
+        _apply_overrides(bounds, which, inputs, given, option)
+    for label, (lo, opt, hi) in bounds.items():
+        if not lo <= opt <= hi:
+            raise InputError(f"profile for dimension {label!r}: need min <= opt <= max; got {lo}, {opt}, {hi}")
+
+    shapes: Dict[str, Tuple[Dims, Dims, Dims]] = {}
+    for name, dims in inputs.items():
+        shapes[name] = tuple(  # type: ignore[assignment]
+            tuple(d if isinstance(d, int) else bounds[d][which] for d in dims) for which in range(3)
+        )
+    return ShapeProfile(shapes=shapes, labels={lbl: tuple(b) for lbl, b in bounds.items()})  # type: ignore[misc]
+
+
+def _example_sizes(inputs: Mapping[str, List[object]], example_inputs: Mapping[str, torch.Tensor]) -> Dict[str, int]:
+    """Each symbolic dimension's size in the example inputs (the first input that has it says),
+    after checking that every graph input has an example of its rank that agrees with its static
+    dimensions."""
     missing = [n for n in inputs if n not in example_inputs]
     if missing:
         raise InputError(f"the engine's input(s) {', '.join(missing)} have no example input to size the profile")
@@ -127,34 +148,32 @@ def derive_profile(
                 raise InputError(f"example input {name}[{axis}] is {size}; the ONNX graph fixes it to {d}")
             if isinstance(d, str):
                 example.setdefault(d, int(size))
+    return example
 
+
+def _default_bounds(inputs: Mapping[str, List[object]], example: Dict[str, int]) -> Dict[str, List[int]]:
+    """[min, opt, max] per symbolic dimension: 1, the example size, and 4 x the example size but
+    at least every size the validation's shape cases sweep."""
     kinds = _shapes.label_kinds({n: {a: d for a, d in enumerate(dims) if isinstance(d, str)} for n, dims in inputs.items()})
     swept: Dict[str, int] = dict(example)
     for _, overrides in _shapes.shape_cases(example, kinds):
         for label, size in overrides.items():
             swept[label] = max(swept[label], size)
-    bounds = {label: [1, size, max(4 * size, swept[label])] for label, size in example.items()}
+    return {label: [1, size, max(4 * size, swept[label])] for label, size in example.items()}
 
-    for which, given, option in ((0, min_shapes, "--min-shapes"), (1, opt_shapes, "--opt-shapes"),
-                                 (2, max_shapes, "--max-shapes")):
-        set_here: Dict[str, Tuple[str, int]] = {}
-        for name, axis, d, size in dynamic_overrides(inputs, given, option):
-            if size < 1:
-                raise InputError(f"{option} {name}[{axis}]={size}: sizes must be >= 1")
-            if d in set_here and set_here[d][1] != size:
-                raise InputError(
-                    f"{option}: dimension {d!r} is {set_here[d][1]} in {set_here[d][0]} but {size} in "
-                    f"{name}[{axis}] (the ONNX graph ties them together)"
-                )
-            set_here[d] = (f"{name}[{axis}]", size)
-            bounds[d][which] = size
-    for label, (lo, opt, hi) in bounds.items():
-        if not lo <= opt <= hi:
-            raise InputError(f"profile for dimension {label!r}: need min <= opt <= max; got {lo}, {opt}, {hi}")
 
-    shapes: Dict[str, Tuple[Dims, Dims, Dims]] = {}
-    for name, dims in inputs.items():
-        shapes[name] = tuple(  # type: ignore[assignment]
-            tuple(d if isinstance(d, int) else bounds[d][which] for d in dims) for which in range(3)
-        )
-    return ShapeProfile(shapes=shapes, labels={lbl: tuple(b) for lbl, b in bounds.items()})  # type: ignore[misc]
+def _apply_overrides(bounds: Dict[str, List[int]], which: int, inputs: Mapping[str, List[object]],
+                     given: Optional[Mapping[str, Dims]], option: str) -> None:
+    """Sets ``bounds[d][which]`` (0: min, 1: opt, 2: max) for every symbolic dimension ``option``
+    gives a size; the sizes must be >= 1 and agree where the graph ties axes together."""
+    set_here: Dict[str, Tuple[str, int]] = {}
+    for name, axis, d, size in dynamic_overrides(inputs, given, option):
+        if size < 1:
+            raise InputError(f"{option} {name}[{axis}]={size}: sizes must be >= 1")
+        if d in set_here and set_here[d][1] != size:
+            raise InputError(
+                f"{option}: dimension {d!r} is {set_here[d][1]} in {set_here[d][0]} but {size} in "
+                f"{name}[{axis}] (the ONNX graph ties them together)"
+            )
+        set_here[d] = (f"{name}[{axis}]", size)
+        bounds[d][which] = size

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,54 +43,90 @@ def run_cases(
             continue
         seen_shapes.append(shapes)
         say(f"case {case_name}: {shapes}")
-        try:
-            ref = reference.run(case_inputs)
-        except Exception as exc:  # noqa: BLE001
-            for runner in runners:
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False,
-                                          message=f"the original model rejects these shapes: {_first_line(exc)}"))
-            continue
-        if len(ref) != len(output_names):
-            raise InputError(f"the model returns {len(ref)} tensors but the ONNX graph has {len(output_names)} outputs")
-        base = None
-        if baseline is not None:
-            try:
-                base = baseline.run(case_inputs)
-            except Exception:  # noqa: BLE001 - the baseline is diagnostic only
-                base = None
-        valid_tokens = valid_tokens_for(case_inputs)
-        for runner in runners:
-            rtol = rtol_for(case_inputs, runner.precision)
-            skip = runner.skip_reason(case_inputs)
-            if skip:
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "skipped", False, message=skip))
-                continue
-            start = time.perf_counter()
-            try:
-                got = runner.run(case_inputs)
-                if len(got) != len(ref):
-                    raise RuntimeError(f"{len(got)} outputs, the reference has {len(ref)}")
-            except Exception as exc:  # noqa: BLE001
-                crash = getattr(exc, "crash", None)
-                results.append(CaseResult(case_name, runner.name, "*", shapes, "error", False, rtol=rtol,
-                                          message=_first_line(exc), seconds=time.perf_counter() - start,
-                                          crash=crash.to_dict() if crash is not None else None))
-                continue
-            elapsed = time.perf_counter() - start
-            for i, (name, a, e) in enumerate(zip(output_names, got, ref)):
-                valid = _positions(valid_tokens, e)
-                r = compare(a, e, rtol, valid=valid)
-                base_err = None
-                if base is not None and i < len(base) and e.dtype.is_floating_point:
-                    base_err = compare(base[i], e, rtol, valid=valid)["max_rel_err"]
-                results.append(CaseResult(
-                    case_name, runner.name, name, shapes, "passed" if r["passed"] else "failed", bool(r["passed"]),
-                    max_abs_err=r["max_abs_err"], max_rel_err=r["max_rel_err"], atol=r["atol"],
-                    rtol=rtol if e.dtype.is_floating_point else 0.0, nan_mismatch=r["nan_mismatch"],
-                    baseline_err=base_err, message=r["message"], seconds=elapsed,
-                    errors=error_profile(a, e, r["atol"], valid),
-                ))
+        results += _run_case(reference, runners, case_name, case_inputs, shapes, output_names, rtol_for=rtol_for,
+                             baseline=baseline, valid_tokens_for=valid_tokens_for)
     return results
+
+
+@dataclass
+class _Case:
+    """One case as every runner is compared on it: its inputs, the reference's outputs, the
+    baseline's (None without one, or when it failed) and the valid-token mask."""
+
+    name: str
+    inputs: Inputs
+    shapes: Dict[str, List[int]]
+    ref: Sequence[torch.Tensor]
+    base: Optional[Sequence[torch.Tensor]]
+    valid_tokens: Optional[torch.Tensor]
+
+
+def _run_case(reference: Runner, runners: Sequence[Runner], case_name: str, case_inputs: Inputs, shapes,
+              output_names: List[str], *, rtol_for, baseline: Optional[Runner], valid_tokens_for) -> List[CaseResult]:
+    """One case: the reference run (shapes it rejects skip the case for every runner), then
+    every runner compared against it."""
+    try:
+        ref = reference.run(case_inputs)
+    except Exception as exc:  # noqa: BLE001
+        return [CaseResult(case_name, runner.name, "*", shapes, "skipped", False,
+                           message=f"the original model rejects these shapes: {_first_line(exc)}")
+                for runner in runners]
+    if len(ref) != len(output_names):
+        raise InputError(f"the model returns {len(ref)} tensors but the ONNX graph has {len(output_names)} outputs")
+    case = _Case(case_name, case_inputs, shapes, ref, _baseline_outputs(baseline, case_inputs),
+                 valid_tokens_for(case_inputs))
+    results: List[CaseResult] = []
+    for runner in runners:
+        results += _run_runner(runner, case, output_names, rtol_for(case_inputs, runner.precision))
+    return results
+
+
+def _baseline_outputs(baseline: Optional[Runner], case_inputs: Inputs):
+    if baseline is None:
+        return None
+    try:
+        return baseline.run(case_inputs)
+    except Exception:  # noqa: BLE001 - the baseline is diagnostic only
+        return None
+
+
+def _run_runner(runner: Runner, case: _Case, output_names: List[str], rtol: float) -> List[CaseResult]:
+    """One runner on one case: skipped (outside what it can run), an error (it failed or gave
+    the wrong number of outputs), or one result per output."""
+    skip = runner.skip_reason(case.inputs)
+    if skip:
+        return [CaseResult(case.name, runner.name, "*", case.shapes, "skipped", False, message=skip)]
+    start = time.perf_counter()
+    try:
+        got = runner.run(case.inputs)
+        if len(got) != len(case.ref):
+            raise RuntimeError(f"{len(got)} outputs, the reference has {len(case.ref)}")
+    except Exception as exc:  # noqa: BLE001
+        crash = getattr(exc, "crash", None)
+        return [CaseResult(case.name, runner.name, "*", case.shapes, "error", False, rtol=rtol,
+                           message=_first_line(exc), seconds=time.perf_counter() - start,
+                           crash=crash.to_dict() if crash is not None else None)]
+    elapsed = time.perf_counter() - start
+    return [_compare_output(runner.name, case, i, name, a, e, rtol, elapsed)
+            for i, (name, a, e) in enumerate(zip(output_names, got, case.ref))]
+
+
+def _compare_output(runner_name: str, case: _Case, i: int, name: str, a: torch.Tensor, e: torch.Tensor,
+                    rtol: float, elapsed: float) -> CaseResult:
+    """Output ``i`` (``a``) against the reference's (``e``), at the valid positions; the
+    baseline's error beside it."""
+    valid = _positions(case.valid_tokens, e)
+    r = compare(a, e, rtol, valid=valid)
+    base_err = None
+    if case.base is not None and i < len(case.base) and e.dtype.is_floating_point:
+        base_err = compare(case.base[i], e, rtol, valid=valid)["max_rel_err"]
+    return CaseResult(
+        case.name, runner_name, name, case.shapes, "passed" if r["passed"] else "failed", bool(r["passed"]),
+        max_abs_err=r["max_abs_err"], max_rel_err=r["max_rel_err"], atol=r["atol"],
+        rtol=rtol if e.dtype.is_floating_point else 0.0, nan_mismatch=r["nan_mismatch"],
+        baseline_err=base_err, message=r["message"], seconds=elapsed,
+        errors=error_profile(a, e, r["atol"], valid),
+    )
 
 
 def _positions(valid_tokens: Optional[torch.Tensor], output: torch.Tensor) -> Optional[torch.Tensor]:

@@ -110,10 +110,7 @@ def validate(
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
-    # By default a cached export of a model that generates is checked by generating; a model
-    # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
-    # cases.
-    if generation or (generation is None and cache_layout(onnx_model) is not None and hasattr(model, "generate")):
+    if _checked_by_generating(generation, onnx_model, model):
         return validate_generation(model, onnx_path, onnx_model, new_tokens=new_tokens, seed=seed,
                                    providers=ort_providers, timeout_s=runtime_timeout_s, say=say,
                                    engine=engine, plugin=plugin, isolate=isolate)
@@ -126,15 +123,31 @@ def validate(
         plan = _prepare(model, onnx_path, onnx_model, example_inputs, dynamic_axes=dynamic_axes, seed=seed, say=say)
         _open_runners(plan, ort_runners, open_runners, engine=engine, plugin=plugin, isolate=isolate,
                       timeout_s=runtime_timeout_s, say=say)
-        results = run_cases(
-            plan.reference, plan.runners, plan.cases, plan.output_names,
-            rtol_for=lambda case_inputs, precision: tolerance(
-                plan.dtype, reduction_length(plan.reference.model, case_inputs, plan.axes), precision),
-            baseline=plan.baseline, valid_tokens_for=_hf.valid_token_mask if plan.is_hf else (lambda _inputs: None),
-            say=say, notes=plan.notes,
-        ) + plan.load_errors
+        results = _run_shape_cases(plan, say) + plan.load_errors
     # The runners are closed: a diagnosis starts fresh ONNX Runtime processes of its own.
     return _report(plan, results, ort_runners, engine=engine, seed=seed, timeout_s=runtime_timeout_s, say=say)
+
+
+def _checked_by_generating(generation: Optional[bool], onnx_model, model: nn.Module) -> bool:
+    """Whether the file is checked by generating rather than by the shape cases (``validate``'s
+    ``generation``)."""
+    # By default a cached export of a model that generates is checked by generating; a model
+    # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
+    # cases.
+    return bool(generation) or (generation is None and cache_layout(onnx_model) is not None
+                                and hasattr(model, "generate"))
+
+
+def _run_shape_cases(plan: _Plan, say) -> List[CaseResult]:
+    """Every shape case through every loaded runner, against the reference, each at the
+    tolerance of the file's dtype and the case's reduction length."""
+    return run_cases(
+        plan.reference, plan.runners, plan.cases, plan.output_names,
+        rtol_for=lambda case_inputs, precision: tolerance(
+            plan.dtype, reduction_length(plan.reference.model, case_inputs, plan.axes), precision),
+        baseline=plan.baseline, valid_tokens_for=_hf.valid_token_mask if plan.is_hf else (lambda _inputs: None),
+        say=say, notes=plan.notes,
+    )
 
 
 @dataclasses.dataclass

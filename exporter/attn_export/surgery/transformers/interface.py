@@ -115,21 +115,39 @@ def attention_forward(
     file and are counted in :func:`unfused_calls` (see :func:`unfused_reason`); ``dropout > 0``
     in training runs transformers' ``sdpa`` function (dropout is not fused).
     """
-    causal = False
-    if attention_mask is None:
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    elif attention_mask.dim() == 2:
-        causal = True  # only a plain causal mask is built compact (masks.attention_mask)
+    causal = _causal_call(module, attention_mask, is_causal)
     reason = unfused_reason(module, kwargs, attention_mask)
     if reason is not None:
         return _run_unfused(module, reason, query, key, value, attention_mask, dropout, scaling, causal, kwargs)
     if dropout and dropout > 0.0 and module.training:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return _run_sdpa_with_dropout(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal,
+                                      kwargs)
+    return _run_operator(module, query, key, value, attention_mask, scaling, causal, kwargs)
 
-        mask = materialized(attention_mask, causal and attention_mask is not None, query.shape[2], key.shape[2],
-                            query.device, kwargs.get("sliding_window"))
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+
+def _causal_call(module: nn.Module, attention_mask: Optional[torch.Tensor], is_causal: Optional[bool]) -> bool:
+    """Whether the call is causal by what it was given: without a mask, ``is_causal`` or the
+    layer's ``is_causal``; the compact 2-D mask always; a 4-D mask holds its pattern itself."""
+    if attention_mask is None:
+        return bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    # only a plain causal mask is built compact (masks.attention_mask)
+    return attention_mask.dim() == 2
+
+
+def _run_sdpa_with_dropout(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs):
+    """Training with dropout: transformers' ``sdpa`` function on the materialized mask (the
+    operator fuses no dropout)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = materialized(attention_mask, causal and attention_mask is not None, query.shape[2], key.shape[2],
+                        query.device, kwargs.get("sliding_window"))
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _run_operator(module, query, key, value, attention_mask, scaling, causal: bool, kwargs):
+    """The call through the operator: its masks, softcap, bottom-right causality and window;
+    ``(output [B, Lq, H, D], None)``."""
     from attn_export.ops.functional import CausalAlignment, attention
 
     # Grouped-query heads go in as they are: the operator reads key/value head h // (H / Hkv).
