@@ -40,6 +40,7 @@ enum PreviewFeature : unsigned {
   kBwdColumnSplit = 1u << 4,  // the head-dim-128 backward's tiles with dK/dV columns split over 2 warps
   kKeyTileSkip = 1u << 5,     // the flash kernels skip the key tiles a key-padding mask pads entirely
   kWindow = 1u << 6,          // the sliding window (window > 0) masked in the kernels
+  kPackGqa = 1u << 7,         // a group's query heads packed into one forward tile (decode with grouped heads)
 };
 
 
@@ -89,6 +90,25 @@ inline int flash_bwd_col_split_128(bool preview) {
 // with the preview; without it they compute and mask those tiles, as verified at f427ebe.
 inline bool skip_padded_key_tiles(const AttentionParams& p, bool preview) {
   return allowed(kKeyTileSkip, preview) && p.key_padding_mask.present();
+}
+
+// Whether the flash forward packs the query heads of each key/value head into its tiles' rows
+// (flash_fwd_kernel.cuh, kPackGqa): with the preview, under grouped-query heads (G = num_heads /
+// num_heads_k > 1, dividing), when the packed G * seqlen_q rows take fewer tiles of block_m rows
+// than G heads of seqlen_q rows each, ceil(G * Lq / block_m) < G * ceil(Lq / block_m): the tiles'
+// rows are better filled and each K/V tile is streamed by fewer programs (decode, Lq * G <=
+// block_m: one program per key/value head instead of G). FlashAttention-3's should_pack_gqa
+// compares the same fill ratios. Never when G * seqlen_q would overflow the kernel's int rows.
+inline bool pack_gqa(const AttentionParams& p, int block_m, bool preview) {
+  if (!allowed(kPackGqa, preview) || !grouped_query(p) || p.num_heads % p.num_heads_k != 0 || block_m <= 0 ||
+      p.seqlen_q <= 0) {
+    return false;
+  }
+  const int64_t group = p.num_heads / p.num_heads_k;
+  if (group * p.seqlen_q > (int64_t{1} << 30)) {
+    return false;
+  }
+  return (group * p.seqlen_q + block_m - 1) / block_m < group * ((p.seqlen_q + block_m - 1) / block_m);
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.
