@@ -7,8 +7,8 @@
 // no column split), every key/value head its own query head's, causality top-left only, one
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
 // grouped-query heads, the bottom-right causal alignment, the sliding window, split-KV decoding,
-// the column-split head-dim-128 backward, skipping fully padded key tiles) runs only with the
-// preview switch on:
+// the column-split head-dim-128 backward, skipping fully padded key tiles, grouped query heads
+// packed into one forward tile) runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
