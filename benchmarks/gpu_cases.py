@@ -107,8 +107,10 @@ def hdims_cases(quick: bool):
 
 
 def decode_cases(quick: bool):
+    """32 query heads on 32, 8 or 4 key/value heads: the grouped ones pack 4 or 8 heads' rows into one
+    tile under the preview switch (docs/cuda.md "Grouped-query heads packed for decode")."""
     return [Case("decode", "bfloat16", "forward", 16, 32, q_len, kv_len, 128, kv_heads=kv_heads)
-            for kv_len in (4096, 32768) for kv_heads in (32, 8) for q_len in ((1,) if quick else (1, 4))]
+            for kv_len in (4096, 32768) for kv_heads in (32, 8, 4) for q_len in ((1,) if quick else (1, 4))]
 
 
 def padded_cases(quick: bool):

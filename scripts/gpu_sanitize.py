@@ -13,9 +13,9 @@ Lengths 67 and 131 leave partial query and key tiles on every path; the cases co
 kernels (float16/bfloat16, head dims 32/64/96/128/192/256, causal or not, masks; 80 and 160
 padded to the next compiled size), the generic kernels (float32, float64, a head dim off the
 tensor-core list, a value head dim unlike the key's), grouped-query heads, the bottom-right causal
-alignment, split-KV decoding (one query row over 2053 keys), key tiles skipped for left and right
-padding and a batch row with no key (preview), the weights kernel and the backward of
-each. Only the kernels' memory behaviour is checked here; the numbers are the tests' job.
+alignment, split-KV decoding (one query row over 2053 keys), grouped-query heads packed into one tile
+(16 heads on 2, 5 query rows), key tiles skipped for left and right padding and a batch row with
+no key (preview), the weights kernel and the backward of each. Only the kernels' memory behaviour is checked here; the numbers are the tests' job.
 
 The paths not yet verified on a GPU (docs/cuda.md "Preview") run only with ATTN_EXPORT_CUDA_PREVIEW=1,
 which gpu_check.sh sets for the sanitizer; without it the same cases run the verified kernels.
@@ -43,7 +43,8 @@ ops = torch.ops.attn_export
 # (dtype, head dim, value head dim, causal, spec): spec is "" or a '+'-joined subset of the masks
 # padding, skip (left and right padding), nokeys (a batch row all padded), bool, float, and of gqa
 # (4 query heads on 2 key/value heads), bottom_right (the causal alignment), decode (one query row
-# over 2053 keys: split-KV under the preview switch).
+# over 2053 keys: split-KV under the preview switch), pack (16 query heads on 2 key/value heads, 5
+# query rows over 2053 keys: under the preview, each group's 40 rows packed into one tile, split-KV).
 CASES = [
     *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
       for causal in (False, True)],
@@ -67,6 +68,9 @@ CASES = [
     (torch.bfloat16, 128, 128, True, "skip+gqa+bottom_right"),
     (torch.float16, 64, 64, False, "skip+decode"),
     (torch.float16, 128, 128, False, "nokeys"),
+    # Grouped-query heads packed into the forward's tiles under the preview switch (kPackGqa).
+    (torch.bfloat16, 128, 128, True, "pack+bottom_right+float"),
+    (torch.float16, 64, 64, False, "pack+padding"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -79,6 +83,7 @@ QUICK = [
     (torch.float16, 64, 64, True, "gqa+bottom_right"),
     (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
     (torch.float16, 64, 64, False, "skip"),
+    (torch.bfloat16, 128, 128, True, "pack+bottom_right+float"),
 ]
 assert all(case in CASES for case in QUICK)
 
@@ -112,6 +117,8 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     B, H, Hkv = (2, 4, 2) if "gqa" in spec else (2, 3, 3)
     if "decode" in spec:
         Lq, Lk = 1, 2053
+    if "pack" in spec:
+        H, Hkv, Lq, Lk = 16, 2, 5, 2053
     alignment = 1 if "bottom_right" in spec else 0
     q = torch.randn(B, H, Lq, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, d, dtype=dtype, device=device, requires_grad=True)

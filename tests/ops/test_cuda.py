@@ -92,12 +92,13 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads_k", [32, 8])
+@pytest.mark.parametrize("heads_k", [32, 8, 4])
 @pytest.mark.parametrize("Lq,Lk", [(1, 4096), (4, 32768), (3, 1000)])
 @pytest.mark.parametrize("mask", ["none", "padding", "bottom_right"])
 def test_decode(dtype, heads_k, Lq, Lk, mask):
     """A decode step over a KV cache (B2 H32 head dim 128): split-KV with the preview switch (the
-    query tiles are far fewer than the SMs), one program per query tile without it."""
+    query tiles are far fewer than the SMs), one program per query tile without it; with the
+    preview, grouped heads (8 and 4 key/value heads) packed 4 and 8 to a tile (kPackGqa)."""
     _require_cuda_kernels()
     B, H, D = 2, 32, 128
     q = torch.randn(B, H, Lq, D, dtype=dtype, device=DEVICE)
@@ -107,6 +108,26 @@ def test_decode(dtype, heads_k, Lq, Lk, mask):
         masks["key_padding_mask"] = torch.arange(Lk, device=DEVICE)[None, :] >= torch.tensor([[Lk], [Lk // 3]], device=DEVICE)
     elif mask == "bottom_right":
         masks = {"is_causal": True, "causal_alignment": 1}
+    out = attn_export.attention(q, k, v, **masks)
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert out.shape == exact.shape and torch.isfinite(out).all()
+    assert_within(out, plain, exact, dtype, "output", Lk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Lq", [1, 5, 9])
+def test_decode_packed_rows_keep_their_masks(dtype, Lq):
+    """Grouped heads 8:1 (16 query heads, 2 key/value heads; packed to a tile with the preview, 72
+    rows at Lq 9 span two tiles): a per-head additive mask, key padding, bottom-right causality and
+    a window each index the row's own head and query."""
+    _require_cuda_kernels()
+    B, H, Hkv, Lk, D = 2, 16, 2, 3000, 128
+    q = torch.randn(B, H, Lq, D, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(B, Hkv, Lk, D, dtype=dtype, device=DEVICE) for _ in range(2))
+    masks = {"attn_mask": torch.randn(1, H, Lq, Lk, dtype=dtype, device=DEVICE),
+             "key_padding_mask": padding_mask(B, Lk, device=DEVICE), "is_causal": True, "causal_alignment": 1,
+             "window": 1000}
     out = attn_export.attention(q, k, v, **masks)
     exact, _ = reference_attention(q, k, v, **masks)
     plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)

@@ -61,6 +61,21 @@ int main() {
               policy::skip_padded_key_tiles(padded, true));
   padded.key_padding_mask.ptr = pad_row; padded.key_padding_mask.kind = MaskKind::kBool;
   std::printf("%d, %d], ", policy::skip_padded_key_tiles(padded, false), policy::skip_padded_key_tiles(padded, true));
+  // [num_heads, num_heads_k, seqlen_q, block_m, packs without the preview, packs with it]
+  std::printf("\"pack_gqa\": [");
+  const long long packs[][4] = {{8, 2, 1, 64}, {8, 8, 1, 64}, {8, 0, 1, 64}, {32, 4, 5, 64}, {8, 1, 9, 64},
+                                {4, 1, 17, 64}, {2, 1, 33, 64}, {4, 1, 64, 64}, {8, 2, 0, 64}, {6, 4, 1, 64},
+                                {4, 1, 65, 64}, {8, 1, 1 << 28, 64}};
+  sep = "";
+  for (const auto& c : packs) {
+    AttentionParams g;
+    g.num_heads = c[0]; g.num_heads_k = c[1]; g.seqlen_q = c[2];
+    const int block_m = static_cast<int>(c[3]);
+    std::printf("%s[%lld, %lld, %lld, %lld, %d, %d]", sep, c[0], c[1], c[2], c[3], policy::pack_gqa(g, block_m, false),
+                policy::pack_gqa(g, block_m, true));
+    sep = ", ";
+  }
+  std::printf("], ");
   std::printf("\"env_var\": \"%s\", \"splits\": [", policy::kPreviewEnvVar);
   const long long cases[][3] = {{2, 16, 2}, {2, 16, 3}, {2, 16, 8}, {2, 16, 132}, {132, 64, 132}, {1, 1, 132},
                                 {1, 3, 132}, {1, 4096, 132}, {4, 2, 132}, {0, 5, 132}};
@@ -133,11 +148,27 @@ def test_split_counts(policy):
             assert (chunks - 1) * per < tiles <= chunks * per, "every chunk holds at least one key tile"
 
 
+def test_grouped_query_heads_are_packed_with_the_preview_when_fewer_tiles_result(policy):
+    """pack_gqa: never without the preview; with it, under grouped heads (G = H / Hkv dividing),
+    when ceil(G * Lq / block_m) < G * ceil(Lq / block_m)."""
+    got = {tuple(c[:4]): tuple(c[4:]) for c in policy["pack_gqa"]}
+    assert all(off == 0 for off, _ in got.values())
+    on = {key: with_preview for key, (_, with_preview) in got.items()}
+    assert on[(8, 2, 1, 64)] and on[(32, 4, 5, 64)]  # decode: 4 or 8 heads' rows in one tile
+    assert on[(8, 1, 9, 64)] and on[(4, 1, 17, 64)]  # 72 and 68 rows: 2 tiles instead of 8 and 4
+    assert on[(4, 1, 65, 64)]  # 260 rows: 5 tiles instead of 4 x 2
+    assert not on[(8, 8, 1, 64)] and not on[(8, 0, 1, 64)]  # multi-head attention: nothing to pack
+    assert not on[(2, 1, 33, 64)] and not on[(4, 1, 64, 64)]  # as many tiles either way
+    assert not on[(8, 2, 0, 64)] and not on[(6, 4, 1, 64)]  # no query; a group that does not divide
+    assert not on[(8, 1, 1 << 28, 64)]  # G * Lq past the kernel's int rows
+
+
 def test_the_dispatch_reads_the_policy():
     """attention_cuda.cu routes every choice through the policy (a rename or a removed check fails here)."""
     text = (CUDA_KERNELS / "attention_cuda.cu").read_text()
     for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::needed_features(p)",
                 "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&",
                 "policy::flash_bwd_col_split_128(attention_preview_enabled())",
-                "policy::skip_padded_key_tiles(p, attention_preview_enabled())"):
+                "policy::skip_padded_key_tiles(p, attention_preview_enabled())",
+                "policy::pack_gqa(p, block_m, attention_preview_enabled())"):
         assert use in text, use

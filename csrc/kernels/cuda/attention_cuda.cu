@@ -218,6 +218,26 @@ void flash_fwd_blocks(const AttentionParams& p, int& block_m, int& block_n) {
   });
 }
 
+// Whether the flash forward packs each key/value head's query heads into its tiles (dispatch_policy.h).
+bool packs_query_heads(const AttentionParams& p) {
+  if (!attention_uses_tensor_cores(p)) {
+    return false;
+  }
+  int block_m = 0, block_n = 0;
+  flash_fwd_blocks(p, block_m, block_n);
+  return policy::pack_gqa(p, block_m, attention_preview_enabled());
+}
+
+// The flash forward's programs before any split: query tiles x heads x batch, or packed, tiles
+// of a group's rows x key/value heads x batch.
+int64_t flash_fwd_programs(const AttentionParams& p, int block_m) {
+  if (packs_query_heads(p)) {
+    const int64_t rows = p.num_heads / p.num_heads_k * p.seqlen_q;
+    return p.batch * p.num_heads_k * ((rows + block_m - 1) / block_m);
+  }
+  return p.batch * p.num_heads * ((p.seqlen_q + block_m - 1) / block_m);
+}
+
 bool split_kv_candidate(const AttentionParams& p) {
   return attention_preview_enabled() && attention_params_error(p) == nullptr && p.batch > 0 && p.num_heads > 0 &&
       p.seqlen_q > 0 && attention_uses_tensor_cores(p);
@@ -233,7 +253,7 @@ ForwardWorkspace forward_workspace(const AttentionParams& p, int sm_count) {
   // The keys any row sees: under causality, none past the last row's diagonal.
   const int64_t key_end = p.is_causal ? std::max<int64_t>(0, std::min(p.seqlen_k, p.seqlen_q + p.causal_shift()))
                                       : p.seqlen_k;
-  const int64_t programs = p.batch * p.num_heads * ((p.seqlen_q + block_m - 1) / block_m);
+  const int64_t programs = flash_fwd_programs(p, block_m);
   w.count = split_count(programs, (key_end + block_n - 1) / block_n, sm_count);
   if (w.count.num_splits < 2 || p.batch * w.count.num_splits > 65535) {  // grid z holds batch * chunks
     return ForwardWorkspace{};
@@ -322,6 +342,10 @@ bool attention_uses_tensor_cores(const AttentionParams& p) {
       device_major() >= 8;
 }
 
+bool attention_packs_query_heads(const AttentionParams& p) {
+  return attention_params_error(p) == nullptr && p.batch > 0 && p.seqlen_q > 0 && packs_query_heads(p);
+}
+
 size_t attention_forward_workspace_size(const AttentionParams& p) {
   return forward_workspace(p, device_sm_count()).total();
 }
@@ -336,7 +360,8 @@ size_t attention_forward_workspace_bound(const AttentionParams& p) {
     return 0;
   }
   // split_count gives chunks <= 2 * sm_count / programs + 1 with programs < sm_count, and each
-  // program covers at most kBlockM rows: chunks * rows < 3 * sm_count * kBlockM.
+  // program covers at most kBlockM rows (packed grouped-query heads or not): chunks * rows <
+  // 3 * sm_count * kBlockM.
   constexpr int kBlockM = FlashFwdTraits<kMaxFlashHeadDim>::kBlockM;
   static_assert(FlashFwdTraits<kFlashHeadDims[0]>::kBlockM == kBlockM, "one kBlockM for every head dim");
   const size_t by_sms = 3 * static_cast<size_t>(sm_count) * static_cast<size_t>(kBlockM);
@@ -360,6 +385,7 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
   }
 #endif
   const bool flash = attention_uses_tensor_cores(p);
+  const bool pack_gqa = flash && packs_query_heads(p);
   SplitKv split;
   if (flash && workspace != nullptr) {
     const ForwardWorkspace w = forward_workspace(p, device_sm_count());
@@ -380,7 +406,8 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
         if (flash) {
           err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, stream);
+              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, pack_gqa,
+                                                                                stream);
             });
           });
         }

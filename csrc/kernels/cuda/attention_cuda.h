@@ -43,6 +43,10 @@ inline constexpr int kMaxHeadDim = 512;
 // Everything else runs the generic kernels (same semantics, CUDA cores, any head dim).
 bool attention_uses_tensor_cores(const AttentionParams& params);
 
+// True when the flash forward packs the query heads of each key/value head into its tiles'
+// rows (grouped-query decode; dispatch_policy.h pack_gqa, preview only) for these params.
+bool attention_packs_query_heads(const AttentionParams& params);
+
 // Bytes of scratch memory the forward can use for these params on the current device: the
 // split-KV partial results (split_kv.h) when the preview switch is on and the query tiles
 // cannot fill the GPU; 0 otherwise.

@@ -13,8 +13,9 @@
 namespace attn_export::cuda {
 
 // split.num_splits > 1: split-KV (split_kv.h) into split's fp32 buffers, then the combine kernel.
+// pack_gqa: the query heads of each key/value head packed into one tile's rows (dispatch_policy.h).
 template <typename Element, int kHeadDim, bool kIsCausal>
-cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, cudaStream_t stream);
+cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, bool pack_gqa, cudaStream_t stream);
 
 // kColSplit: FlashBwdTraits's column split (kernel_traits.h); the default is the tiles' choice.
 template <typename Element, int kHeadDim, bool kIsCausal, int kColSplit = flash_bwd_col_split(kHeadDim)>

@@ -7,8 +7,8 @@
 // no column split), every key/value head its own query head's, causality top-left only, one
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
 // grouped-query heads, the bottom-right causal alignment, the sliding window, split-KV decoding,
-// the column-split head-dim-128 backward, skipping fully padded key tiles) runs only with the
-// preview switch on:
+// the column-split head-dim-128 backward, skipping fully padded key tiles, grouped query heads
+// packed into one forward tile) runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
@@ -41,6 +41,7 @@ enum PreviewFeature : unsigned {
   kKeyTileSkip = 1u << 5,     // the flash kernels skip the key tiles a key-padding mask pads entirely
   kWindow = 1u << 6,          // the sliding window (window > 0) masked in the kernels
   kHopperForward = 1u << 7,   // the sm_90a forward (kernels/cuda/hopper/): also needs kSm90EnvVar
+  kPackGqa = 1u << 8,         // a group's query heads packed into one forward tile (decode with grouped heads)
 };
 
 
@@ -90,6 +91,25 @@ inline int flash_bwd_col_split_128(bool preview) {
 // with the preview; without it they compute and mask those tiles, as verified at f427ebe.
 inline bool skip_padded_key_tiles(const AttentionParams& p, bool preview) {
   return allowed(kKeyTileSkip, preview) && p.key_padding_mask.present();
+}
+
+// Whether the flash forward packs the query heads of each key/value head into its tiles' rows
+// (flash_fwd_kernel.cuh, kPackGqa): with the preview, under grouped-query heads (G = num_heads /
+// num_heads_k > 1, dividing), when the packed G * seqlen_q rows take fewer tiles of block_m rows
+// than G heads of seqlen_q rows each, ceil(G * Lq / block_m) < G * ceil(Lq / block_m): the tiles'
+// rows are better filled and each K/V tile is streamed by fewer programs (decode, Lq * G <=
+// block_m: one program per key/value head instead of G). FlashAttention-3's should_pack_gqa
+// compares the same fill ratios. Never when G * seqlen_q would overflow the kernel's int rows.
+inline bool pack_gqa(const AttentionParams& p, int block_m, bool preview) {
+  if (!allowed(kPackGqa, preview) || !grouped_query(p) || p.num_heads % p.num_heads_k != 0 || block_m <= 0 ||
+      p.seqlen_q <= 0) {
+    return false;
+  }
+  const int64_t group = p.num_heads / p.num_heads_k;
+  if (group * p.seqlen_q > (int64_t{1} << 30)) {
+    return false;
+  }
+  return (group * p.seqlen_q + block_m - 1) / block_m < group * ((p.seqlen_q + block_m - 1) / block_m);
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.

@@ -158,11 +158,17 @@ struct ScoreMask {
 
   // `s` with the masks of query `row` and key `col` applied: -inf where attending is not allowed.
   __device__ __forceinline__ Acc apply(Acc s, int64_t row, int64_t col) const {
+    return apply_at(s, row, col, row * attn_row_stride);
+  }
+
+  // apply() with the attention mask's row given as an offset from this slice's start: a packed
+  // grouped-query tile (flash_fwd_kernel.cuh) holds rows of the slice's head and of the next ones.
+  __device__ __forceinline__ Acc apply_at(Acc s, int64_t row, int64_t col, int64_t attn_row) const {
     if (row >= seqlen_q || col >= seqlen_k || (causal && col > row + causal_shift) || window_reaches(row, col)) {
       return neg_inf<Acc>();
     }
     if (attn != nullptr) {
-      const int64_t at = attn_offset + row * attn_row_stride + col * attn_col_stride;
+      const int64_t at = attn_offset + attn_row + col * attn_col_stride;
       if (attn_kind == MaskKind::kBool) {
         if (static_cast<const uint8_t*>(attn)[at] != 0) {
           return neg_inf<Acc>();

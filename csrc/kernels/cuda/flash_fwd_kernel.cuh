@@ -11,6 +11,15 @@
 // Loads overlap compute with single-buffered K and V tiles and cp.async groups: K(n+1) is
 // fetched while the block does the softmax and P V of tile n; V(n+1) while it computes
 // S(n+1) = Q K(n+1)^T.
+//
+// Packed grouped-query heads (kPackGqa, preview only: dispatch_policy.h pack_gqa): a program
+// owns one key/value head instead of one query head, and the tile's rows are the rows of the
+// group's G query heads, G * seqlen_q of them: packed row R is query R % seqlen_q of query head
+// G * kv + R / seqlen_q (FlashAttention's pack_gqa). A decode step (seqlen_q of 1..8) then fills
+// the tile with G heads' rows and streams each K/V tile once per key/value head, not G times.
+// Every row keeps its own query index (causality, window, the attention mask's row) and head (the
+// mask's head, out, lse); lse and the split-KV partials of a group's rows are contiguous
+// ([batch, heads, seqlen_q] row-major), so those stores index by R as unpacked.
 #pragma once
 
 #include "device_primitives.cuh"
@@ -32,9 +41,10 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // bytes per cp.async. Rows at or past `seqlen`, and columns at or past `cols` (the operand's own
 // head dim, a multiple of 8 elements, padded up to the compiled kHeadDim), are zero-filled
 // without being read: the zeros add nothing to any product over the head dim.
-template <int kRows, int kHeadDim, int kRowStride, int kNThreads, typename Element>
-__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
-                                                int64_t row_stride, int row0, int seqlen, int cols) {
+// row_offset(row): where a row starts in gmem, in elements (load_tile_async: row * row_stride).
+template <int kRows, int kHeadDim, int kRowStride, int kNThreads, typename Element, typename RowOffset>
+__device__ __forceinline__ void load_rows_async(Element* smem, const Element* gmem, int row0, int seqlen, int cols,
+                                                RowOffset row_offset) {
   constexpr int kElemsPerChunk = 16 / sizeof(Element);
   constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
   constexpr int kChunks = kRows * kChunksPerRow;
@@ -44,10 +54,37 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     const int r = i / kChunksPerRow, c = i % kChunksPerRow;
     const bool valid = row0 + r < seqlen && c * kElemsPerChunk < cols;
     // An invalid chunk reads nothing, but the address handed to cp.async must still be legal.
-    const Element* src = gmem + (valid ? (row0 + r) * row_stride + c * kElemsPerChunk : 0);
+    const Element* src = gmem + (valid ? row_offset(row0 + r) + c * kElemsPerChunk : 0);
     cp_async_16(smem + r * kRowStride + c * kElemsPerChunk, src, valid);
   }
 }
+
+template <int kRows, int kHeadDim, int kRowStride, int kNThreads, typename Element>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
+                                                int64_t row_stride, int row0, int seqlen, int cols) {
+  load_rows_async<kRows, kHeadDim, kRowStride, kNThreads>(smem, gmem, row0, seqlen, cols,
+                                                          [row_stride](int row) { return row * row_stride; });
+}
+
+// The rows of one program's query tile (kPackGqa above): unpacked, row R is query R of the
+// program's head; packed, query R % seqlen_q of head `head0 + R / seqlen_q`, of `rows` = G *
+// seqlen_q. Each thread maps its own two rows once, before the key loop.
+template <bool kPackGqa>
+struct QueryRows {
+  int seqlen_q = 0, rows = 0;
+
+  __device__ QueryRows(const AttentionParams& p, int group)
+      : seqlen_q(static_cast<int>(p.seqlen_q)), rows(kPackGqa ? group * static_cast<int>(p.seqlen_q)
+                                                              : static_cast<int>(p.seqlen_q)) {}
+  // Of packed row R (< rows): the head past the program's first, and the query index.
+  __device__ __forceinline__ int head_of(int row) const { return kPackGqa ? row / seqlen_q : 0; }
+  __device__ __forceinline__ int query_of(int row) const { return kPackGqa ? row % seqlen_q : row; }
+  // Bounds on the query indices of tile rows [m0, m0 + kBM): packed, any of [0, seqlen_q).
+  __device__ __forceinline__ int first_query(int m0) const { return kPackGqa ? 0 : m0; }
+  __device__ __forceinline__ int last_query(int m0, int block_m) const {
+    return kPackGqa ? imin(seqlen_q - 1, m0 + block_m - 1) : m0 + block_m - 1;
+  }
+};
 
 // Stores two adjacent elements (a float pair from an accumulator fragment) with one 4-byte store.
 template <typename Element>
@@ -90,8 +127,9 @@ __device__ __forceinline__ void store_partial_row(float* row, float* lse, const 
 
 // The body of both forward kernels below. kSplit: this program covers key chunk
 // blockIdx.z % split.num_splits of batch row blockIdx.z / split.num_splits only, and writes a
-// partial result (split_kv.h) instead of out/lse.
-template <typename Traits, typename Element, bool kIsCausal, bool kSplit>
+// partial result (split_kv.h) instead of out/lse. kPackGqa: blockIdx.y is a key/value head whose
+// group's query heads share the tile's rows (QueryRows).
+template <typename Traits, typename Element, bool kIsCausal, bool kSplit, bool kPackGqa>
 __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params, const SplitKv split) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int kD = Traits::kHeadDim, kBM = Traits::kBlockM, kBN = Traits::kBlockN;
@@ -104,7 +142,10 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   Element* sV = sK + kBN * kRS;
 
   const int m0 = blockIdx.x * kBM;
-  const int64_t h = blockIdx.y;
+  // The program's (first) query head: packed, the first of key/value head blockIdx.y's group.
+  const int group = kPackGqa ? static_cast<int>(params.num_heads / params.num_heads_k) : 1;
+  const int64_t h = static_cast<int64_t>(blockIdx.y) * group;
+  const QueryRows<kPackGqa> qrows(params, group);
   const int64_t b = kSplit ? blockIdx.z / split.num_splits : blockIdx.z;
   const int chunk = kSplit ? static_cast<int>(blockIdx.z % split.num_splits) : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -116,10 +157,11 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + kv * params.k_head_stride;
   const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + kv * params.v_head_stride;
 
-  // Causal: query i sees keys j <= i + shift, so no row of this block sees a key at or past
-  // m0 + kBM + shift: those tiles are skipped (all of them for a block of rows that see no key).
+  // Causal: query i sees keys j <= i + shift, so no row of this block sees a key past its last
+  // query's diagonal (unpacked: at or past m0 + kBM + shift): those tiles are skipped (all of
+  // them for a block of rows that see no key).
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
-  const int key_end = kIsCausal ? imax(0, imin(seqlen_k, m0 + kBM + shift)) : seqlen_k;
+  const int key_end = kIsCausal ? imax(0, imin(seqlen_k, qrows.last_query(m0, kBM) + 1 + shift)) : seqlen_k;
   const int n_blocks_all = (key_end + kBN - 1) / kBN;
   // Without a split, tiles [0, n_blocks_all); with one, this chunk's share of them (maybe none);
   // either clamped to the tiles holding a key the padding mask leaves visible (sK is free yet).
@@ -131,7 +173,13 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
   // empty). "Wait until at most one group is pending" therefore always means "the tile about
   // to be used has landed" while the next one is still in flight.
-  load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q, dim);
+  if constexpr (kPackGqa) {
+    load_rows_async<kBM, kD, kRS, kNT>(sQ, q, m0, qrows.rows, dim, [&](int row) {
+      return qrows.head_of(row) * params.q_head_stride + qrows.query_of(row) * params.q_row_stride;
+    });
+  } else {
+    load_tile_async<kBM, kD, kRS, kNT>(sQ, q, params.q_row_stride, m0, seqlen_q, dim);
+  }
   if (n_blocks > n_begin) {
     load_tile_async<kBN, kD, kRS, kNT>(sK, k, params.k_row_stride, n_begin * kBN, seqlen_k, dim);
   }
@@ -148,6 +196,19 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const float scale = static_cast<float>(params.scale);
   const ScoreMask<float> mask(params, b, h, kLog2e);
   const SoftCap<float> softcap(params);
+  // Packed: the query index and attention-mask row (from head h's slice) of this thread's two
+  // rows; a dead row past the group's gets query seqlen_q, which the mask hides entirely.
+  int query[2] = {0, 0};
+  int64_t attn_row[2] = {0, 0};
+  if constexpr (kPackGqa) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_a + r * 8;
+      const bool live = row < qrows.rows;
+      query[r] = live ? qrows.query_of(row) : seqlen_q;
+      attn_row[r] = live ? qrows.head_of(row) * params.attn_mask.head_stride + query[r] * params.attn_mask.row_stride : 0;
+    }
+  }
 
   float acc_o[kOTiles][4] = {};
   float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
@@ -180,16 +241,21 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
     cp_async_commit();
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
-    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
-        (kIsCausal && flash_window_hides(params, m0 + kBM - 1, n0, shift));
+    const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k ||
+        (kIsCausal && n0 + kBN - 1 > qrows.first_query(m0) + shift) ||
+        (kIsCausal && flash_window_hides(params, qrows.last_query(m0, kBM), n0, shift));
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float s = softcap.on ? softcap.apply(acc_s[nt][i] * scale) * kLog2e : acc_s[nt][i] * scale_log2;
         if (masked_tile) {
-          const int row = row_a + (i / 2) * 8, col = n0 + nt * 8 + col_in_tile + (i % 2);
-          s = mask.apply(s, row, col);
+          const int col = n0 + nt * 8 + col_in_tile + (i % 2);
+          if constexpr (kPackGqa) {
+            s = mask.apply_at(s, query[i / 2], col, attn_row[i / 2]);
+          } else {
+            s = mask.apply(s, row_a + (i / 2) * 8, col);
+          }
         }
         acc_s[nt][i] = s;
       }
@@ -259,6 +325,7 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
 
   // Normalize and write O and the log-sum-exp (natural log: lse = max * ln 2 + ln(sum)).
   // A row with no visible key has sum 0: zero output and lse = -inf, as the CPU kernel.
+  // Packed or not, tile row R's lse (and split partial) is R past row0.
   const int64_t row0 = (b * params.num_heads + h) * params.seqlen_q;  // of this (batch, head) in lse
   const int64_t chunk_row0 = kSplit ? chunk * params.batch * params.num_heads * params.seqlen_q + row0 : 0;
   Element* out = static_cast<Element*>(params.out) + b * params.out_batch_stride + h * params.out_head_stride;
@@ -272,13 +339,16 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
     const bool visible = sum > 0.f;
     const float inv = visible ? 1.f / sum : 0.f;
     const float row_lse = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
-    if (row < seqlen_q) {
+    if (row < qrows.rows) {
       if constexpr (kSplit) {
         const int64_t at = chunk_row0 + row;
         store_partial_row(split.out_accum + at * dim_v, split.lse_accum + at, acc_o, r, inv, row_lse, col_in_tile,
                           dim_v, lane);
       } else {
-        store_row(out + row * params.out_row_stride + col_in_tile, acc_o, r, inv, 0, dim_v);
+        const int64_t out_row = kPackGqa
+            ? qrows.head_of(row) * params.out_head_stride + qrows.query_of(row) * params.out_row_stride
+            : row * params.out_row_stride;
+        store_row(out + out_row + col_in_tile, acc_o, r, inv, 0, dim_v);
         if (lane % 4 == 0) {
           lse[row] = row_lse;
         }
@@ -288,17 +358,37 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
 #endif
 }
 
-template <typename Traits, typename Element, bool kIsCausal>
+template <typename Traits, typename Element, bool kIsCausal, bool kPackGqa>
 __global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(const AttentionParams params) {
-  flash_fwd_program<Traits, Element, kIsCausal, false>(params, SplitKv{});
+  flash_fwd_program<Traits, Element, kIsCausal, false, kPackGqa>(params, SplitKv{});
 }
 
 // Split-KV. The minimum of one block per SM lets ptxas use the registers it needs: without it, it
 // capped the head-dim-128 program at 128 registers and spilled (the fp32 partial stores).
-template <typename Traits, typename Element, bool kIsCausal>
+template <typename Traits, typename Element, bool kIsCausal, bool kPackGqa>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_split_kernel(const AttentionParams params,
                                                                               const SplitKv split) {
-  flash_fwd_program<Traits, Element, kIsCausal, true>(params, split);
+  flash_fwd_program<Traits, Element, kIsCausal, true, kPackGqa>(params, split);
+}
+
+// One forward's programs: (query tile, query head, batch), or packed (tile of the group's
+// G * seqlen_q rows, key/value head, batch); grid z also holds the key chunks when split.
+template <typename Traits, typename Element, bool kIsCausal, bool kPackGqa>
+cudaError_t launch_flash_fwd(const AttentionParams& params, const SplitKv& split, cudaStream_t stream) {
+  const int64_t rows = kPackGqa ? params.num_heads / params.num_heads_k * params.seqlen_q : params.seqlen_q;
+  const unsigned q_tiles = static_cast<unsigned>((rows + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(kPackGqa ? params.num_heads_k : params.num_heads);
+  const unsigned batch = static_cast<unsigned>(params.batch);
+  constexpr size_t kSmem = Traits::template smem_bytes<Element>();
+  if (split.num_splits <= 1) {
+    return launch_kernel(flash_fwd_kernel<Traits, Element, kIsCausal, kPackGqa>, dim3(q_tiles, heads, batch),
+                         dim3(Traits::kNThreads), kSmem, stream, params);
+  }
+  const cudaError_t err =
+      launch_kernel(flash_fwd_split_kernel<Traits, Element, kIsCausal, kPackGqa>,
+                    dim3(q_tiles, heads, batch * static_cast<unsigned>(split.num_splits)), dim3(Traits::kNThreads),
+                    kSmem, stream, params, split);
+  return err != cudaSuccess ? err : run_split_kv_combine<Element>(params, split, stream);
 }
 
 }  // namespace device
@@ -306,23 +396,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_split_kernel(c
 // Host launcher, instantiated per (dtype, compiled head dim, causal) in flash_fwd_hdim*.cu; it
 // runs any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8.
 // With split.num_splits > 1 it launches one program per key chunk too (grid z = batch * chunks),
-// then the combine kernel (split_kv_combine.cuh) that writes out and lse.
+// then the combine kernel (split_kv_combine.cuh) that writes out and lse. pack_gqa: the group's
+// query heads packed into the tiles' rows (the dispatch's choice, dispatch_policy.h pack_gqa;
+// needs num_heads_k dividing num_heads).
 template <typename Element, int kHeadDim, bool kIsCausal>
-cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, cudaStream_t stream) {
+cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, bool pack_gqa, cudaStream_t stream) {
   using Traits = FlashFwdTraits<kHeadDim>;
   static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
-  const unsigned q_tiles = static_cast<unsigned>((params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
-  const unsigned heads = static_cast<unsigned>(params.num_heads), batch = static_cast<unsigned>(params.batch);
-  constexpr size_t kSmem = Traits::template smem_bytes<Element>();
-  if (split.num_splits <= 1) {
-    return launch_kernel(device::flash_fwd_kernel<Traits, Element, kIsCausal>, dim3(q_tiles, heads, batch),
-                         dim3(Traits::kNThreads), kSmem, stream, params);
-  }
-  const cudaError_t err =
-      launch_kernel(device::flash_fwd_split_kernel<Traits, Element, kIsCausal>,
-                    dim3(q_tiles, heads, batch * static_cast<unsigned>(split.num_splits)), dim3(Traits::kNThreads),
-                    kSmem, stream, params, split);
-  return err != cudaSuccess ? err : run_split_kv_combine<Element>(params, split, stream);
+  return pack_gqa ? device::launch_flash_fwd<Traits, Element, kIsCausal, true>(params, split, stream)
+                  : device::launch_flash_fwd<Traits, Element, kIsCausal, false>(params, split, stream);
 }
 
 }  // namespace attn_export::cuda

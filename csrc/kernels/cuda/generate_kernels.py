@@ -63,7 +63,7 @@ def _variants(direction: str, head_dim: int) -> list[tuple[str, str, str]]:
 def flash_files() -> dict[str, str]:
     files = {}
     for direction, word, header, signature in (
-        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, const SplitKv&, cudaStream_t"),
+        ("fwd", "forward", "flash_fwd_kernel.cuh", "const AttentionParams&, const SplitKv&, bool, cudaStream_t"),
         ("bwd", "backward", "flash_bwd_kernel.cuh", "const AttentionBackwardParams&, float*, const float*, cudaStream_t"),
     ):
         for suffix, ctype in FLASH_DTYPES:

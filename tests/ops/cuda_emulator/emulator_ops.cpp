@@ -1,5 +1,5 @@
 // Test-only operators that run the CUDA kernels under the SIMT emulator on CPU tensors:
-// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores, forward_workspace_size}. They mirror the CUDA
+// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores, forward_workspace_size, packs_query_heads}. They mirror the CUDA
 // binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
 // stream; the forward's setup is the bindings' own (prepare_attention_forward). Every tensor
 // the kernels see lives in guarded memory (guarded_memory.h): the inputs are copied there first.
@@ -137,16 +137,28 @@ bool uses_tensor_cores(const at::Tensor& query, const at::Tensor& key, const at:
       make_attention_params(q, k, v, out, lse, std::nullopt, std::nullopt, std::nullopt, CoreOptions{}));
 }
 
-// Bytes of forward workspace (split-KV partial results) the dispatch asks for on these inputs,
-// as the CUDA binding routes them (0: no split).
-int64_t forward_workspace_size(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                               bool is_causal, int64_t causal_alignment) {
+// The forward's params for these inputs, as the CUDA binding routes them (its tensors kept alive in `f`).
+AttentionForward routed_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                bool is_causal, int64_t causal_alignment) {
   CoreOptions options;
   options.is_causal = is_causal;
   options.causal_alignment = causal_alignment;
   const ForwardArgs routed = verified_forward_args({query, key, value, options, false}, cuda::attention_preview_enabled());
-  const AttentionForward f = prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
+  return prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
+}
+
+// Bytes of forward workspace (split-KV partial results) the dispatch asks for on these inputs (0: no split).
+int64_t forward_workspace_size(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               bool is_causal, int64_t causal_alignment) {
+  const AttentionForward f = routed_forward(query, key, value, is_causal, causal_alignment);
   return static_cast<int64_t>(cuda::attention_forward_workspace_size(f.params));
+}
+
+// Whether the dispatch packs grouped query heads into the flash forward's tiles on these inputs.
+bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
+                       int64_t causal_alignment) {
+  const AttentionForward f = routed_forward(query, key, value, is_causal, causal_alignment);
+  return cuda::attention_packs_query_heads(f.params);
 }
 
 void set_sm_count(int64_t count) {
@@ -183,6 +195,7 @@ TORCH_LIBRARY(attn_export_emu, m) {
         "float softcap=0.0, int causal_alignment=0, int window=0) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
   m.def("forward_workspace_size(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
+  m.def("packs_query_heads(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> bool");
   m.def("set_sm_count(int count) -> ()", &set_sm_count);
   m.def("set_preview(bool enabled) -> ()", &set_preview);
   m.def("preview_enabled() -> bool", &preview_enabled);
@@ -200,6 +213,7 @@ TORCH_LIBRARY_IMPL(attn_export_emu, CPU, m) {
 TORCH_LIBRARY_IMPL(attn_export_emu, CompositeExplicitAutograd, m) {
   m.impl("uses_tensor_cores", &uses_tensor_cores);
   m.impl("forward_workspace_size", &forward_workspace_size);
+  m.impl("packs_query_heads", &packs_query_heads);
 }
 
 }  // namespace attn_export::ops
