@@ -29,7 +29,7 @@ def test_the_default_run_holds_every_row_of_issue_46():
     assert {(c.head_dim, c.dtype, c.causal, c.q_len) for c in groups["hdims"]} == {
         (d, "bfloat16", True, 4096) for d in (80, 96, 256)}
     assert {(c.kv_len, c.n_kv_heads, c.q_len) for c in groups["decode"]} == {
-        (kv, hkv, q) for kv in (4096, 32768) for hkv in (32, 8) for q in (1, 4)}
+        (kv, hkv, q) for kv in (4096, 32768) for hkv in (32, 8, 4) for q in (1, 4)}
     assert {(c.batch, c.heads, c.head_dim, c.dtype) for c in groups["decode"]} == {(16, 32, 128, "bfloat16")}
     assert [(c.dtype, c.head_dim, c.mode) for c in groups["padded"]] == [
         ("float16", 64, "forward"), ("float16", 64, "forward+backward")]
@@ -43,7 +43,7 @@ def test_quick_keeps_every_group_with_fewer_rows():
     full, quick = by_group(select_cases(gpu_cases.GROUPS)), by_group(select_cases(gpu_cases.GROUPS, quick=True))
     assert set(quick) == set(full) == set(gpu_cases.GROUPS)
     assert len(quick["prefill"]) == 48 and len(full["prefill"]) == 120
-    assert len(quick["decode"]) == 4 and all(c.q_len == 1 for c in quick["decode"])
+    assert len(quick["decode"]) == 6 and all(c.q_len == 1 for c in quick["decode"])
 
 
 def test_flops_as_flashattention_counts_them():
@@ -145,7 +145,7 @@ def test_help(capsys):
 def test_the_estimate_is_printed_and_nothing_runs(capsys):
     gpu.main(["--estimate", "--quick", "--cases", "decode,layer"])
     out = capsys.readouterr().out
-    assert "decode      4 cases" in out and "layer       2 cases" in out and "estimated run time ~" in out
+    assert "decode      6 cases" in out and "layer       2 cases" in out and "estimated run time ~" in out
 
 
 def test_the_estimate_follows_the_calls_the_timer_makes():
