@@ -68,13 +68,6 @@ def _poisoned(t: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
     return t.masked_fill(poison[:, None, :, None], float("nan"))
 
 
-@pytest.fixture(scope="module")
-def emu_ops():
-    from cuda_emulator.build import ops_restored_after
-
-    yield from ops_restored_after()
-
-
 def _run(ops, dtype, *, Lq, H, Hkv, D, masks, mask_dtype=torch.bool):
     """Forward and backward of the emulated kernels on poisoned K/V; the float64 reference on clean ones."""
     padded = masks["key_padding_mask"]

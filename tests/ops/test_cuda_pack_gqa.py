@@ -34,20 +34,6 @@ pytestmark = [
 TOL = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
 
 
-@pytest.fixture(scope="module")
-def emu_ops():
-    from cuda_emulator.build import ops_restored_after
-
-    yield from ops_restored_after()
-
-
-@pytest.fixture
-def preview(emu_ops):
-    emu_ops.set_preview(True)
-    yield emu_ops
-    emu_ops.set_sm_count(H200_SMS)
-
-
 def _reference_lse(q, k, attn_mask=None, key_padding_mask=None, is_causal=False, causal_alignment=0, window=0,
                    softcap=None):
     """log(sum_j exp(s_j)) of each (batch, head, query) row in float64, with the reference's masks

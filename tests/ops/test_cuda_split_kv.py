@@ -32,21 +32,6 @@ pytestmark = [
 ]
 
 TOL = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
-from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
-
-
-@pytest.fixture(scope="module")
-def emu_ops():
-    from cuda_emulator.build import ops_restored_after
-
-    yield from ops_restored_after()
-
-
-@pytest.fixture
-def preview(emu_ops):
-    emu_ops.set_preview(True)
-    yield emu_ops
-    emu_ops.set_sm_count(H200_SMS)
 
 
 @pytest.fixture

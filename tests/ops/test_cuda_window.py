@@ -31,13 +31,6 @@ TOL_GRAD = {torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch
 from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
 
 
-@pytest.fixture(scope="module")
-def emu_ops():
-    from cuda_emulator.build import ops_restored_after
-
-    yield from ops_restored_after()
-
-
 def run_and_check(ops, dtype, B, H, Hkv, Lq, Lk, D, alignment, window, padded=True):
     """Forward and backward through the emulated kernels against the float64 reference: output,
     zero rows (lse = -inf) where the window holds no key, and the three gradients."""
