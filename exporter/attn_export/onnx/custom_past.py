@@ -27,7 +27,7 @@ from onnx import helper
 from attn_export import spec as _spec
 from attn_export.onnx import standard_past as _past
 from attn_export.onnx.graph import attention_nodes
-from attn_export.onnx.standard import _Builder, remove_unused
+from attn_export.onnx.standard import NodeBuilder, remove_unused
 
 
 def fold_past(model: onnx.ModelProto) -> int:
@@ -53,7 +53,7 @@ def fold_past(model: onnx.ModelProto) -> int:
 def _cache_form(node: onnx.NodeProto, position: int, fold: _past.PastFold) -> List[onnx.NodeProto]:
     """The new keys/values token-major, then the node with the cache inputs and outputs."""
     s = _spec.load()
-    b = _Builder(f"{node.name or s.op_type}_{position}/past")
+    b = NodeBuilder(f"{node.name or s.op_type}_{position}/past")
     key, value = _past.sequence_first(b, fold.new_key, "k"), _past.sequence_first(b, fold.new_value, "v")
     inputs = [node.input[0], key, value, *node.input[3:], fold.past_key, fold.past_value]
     outputs = [node.output[0], fold.present_key, fold.present_value]

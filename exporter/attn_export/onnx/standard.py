@@ -88,7 +88,7 @@ def why_not_standard(node: onnx.NodeProto) -> str | None:
     return None
 
 
-class _Builder:
+class NodeBuilder:
     """Nodes for one rewritten FusedAttention node, with names unique to it."""
 
     def __init__(self, prefix: str):
@@ -126,7 +126,7 @@ class _SharedMasks:
         dims = self.dims.get(name)
         return dims[axis] if dims and len(dims) > axis and dims[axis] not in (None, "") else None
 
-    def get(self, b: "_Builder", node: onnx.NodeProto, index: int, compute: int,
+    def get(self, b: "NodeBuilder", node: onnx.NodeProto, index: int, compute: int,
             key_length: List[tuple] | None = None) -> "_Mask | None":
         """``key_length``: the (value, axis) whose sizes add up to the keys' length, where it is
         not the key input's axis 1 (a folded cache: past and new keys' axis 2; the present is
@@ -156,7 +156,7 @@ class _Mask:
     per_head: bool
 
 
-def _build_mask(b: "_Builder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
+def _build_mask(b: "NodeBuilder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
                 per_head: bool, bottom_right: bool = False, key_length: List[tuple] | None = None) -> _Mask:
     q, k, _, kpm, mask = node.input
     f32 = TensorProto.FLOAT
@@ -208,7 +208,7 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
     kv_heads = int(a[s.attr_kv_num_heads]) or heads
     q, k, v = node.input[:3]
     (out,) = node.output
-    b = _Builder(f"{node.name or 'FusedAttention'}_{index}/standard")
+    b = NodeBuilder(f"{node.name or 'FusedAttention'}_{index}/standard")
     f32 = TensorProto.FLOAT
     # The node's computing type: T itself, or float32 for bfloat16 (and for an unknown T).
     compute = query_type if query_type in (TensorProto.FLOAT, TensorProto.FLOAT16) else f32
