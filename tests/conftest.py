@@ -17,7 +17,7 @@ def _seed():
 #
 # Longest first, before the other slow files: the CMake build of every CUDA kernel
 # (test_cuda_build.py, about 650 s of one worker in CI, several times any other file). Dealt in
-# collection order it came after ten slow files, and a file that long decides when the run ends
+# collection order it came after eleven slow files, and a file that long decides when the run ends
 # unless it starts early; at the head, the other worker takes everything else meanwhile.
 LONGEST_FIRST = ("tests/ops/test_cuda_build.py",)
 
