@@ -14,9 +14,21 @@ def _seed():
 # --no-loadscope-reorder): the files of slow tests go first, which leaves only short files for
 # the end, so neither worker idles while the other finishes a long one. `make test-fast` leaves
 # the slow tests out.
+#
+# Longest first, before the other slow files: the CMake build of every CUDA kernel
+# (test_cuda_build.py, about 650 s of one worker in CI, several times any other file). Dealt in
+# collection order it came after eleven slow files, and a file that long decides when the run ends
+# unless it starts early; at the head, the other worker takes everything else meanwhile.
+LONGEST_FIRST = ("tests/ops/test_cuda_build.py",)
+
+
+def _run_order(item) -> tuple[bool, bool]:
+    return (item.nodeid.split("::")[0] not in LONGEST_FIRST, item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_modifyitems(config, items):
     # Stable: the order within a file, and among the rest, is kept.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(key=_run_order)
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU and the CUDA build of attn_export")
     if not torch.cuda.is_available():
         for item in items:

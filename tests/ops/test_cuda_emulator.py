@@ -310,7 +310,12 @@ GQA_CASES = [
 
 @pytest.mark.parametrize("dtype,D,group,alignment,Lq,Lk,mask", GQA_CASES)
 def test_gqa_and_bottom_right_causal(emu, dtype, D, group, alignment, Lq, Lk, mask):
-    B, H = 2, 8
+    # Emulation time (CI): one batch row where no mask tells the rows apart (the padded cases keep
+    # two, and test_flash_kernels_every_mask checks the batch strides under every mask); the
+    # generic kernels emulate a warp per query row (and per key row in the backward), each
+    # streaming every key: 4 query heads keep their groups of 4 and 2 at half of 8 heads' time.
+    B = 2 if "padding" in mask else 1
+    H = 4 if dtype == torch.float32 else 8
     masks = {**MASKS[mask](B, H, Lq, Lk), "causal_alignment": alignment}
     r = _run(emu, dtype, B, H, Lq, Lk, D, masks=masks, heads_k=H // group)
     assert r["grads"][1].shape == r["k"].shape and r["grads"][2].shape == r["v"].shape
