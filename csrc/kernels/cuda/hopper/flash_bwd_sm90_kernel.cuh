@@ -146,26 +146,30 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   copy(kp.tma_k.with(reinterpret_cast<uint64_t&>(shared.barrier_kv), 0), tKg, tKs);
   copy(kp.tma_v.with(reinterpret_cast<uint64_t&>(shared.barrier_kv), 0), tVg, tVs);
 
+  // One flat loop over (query head of the group, query block), everything recomputed per step:
+  // the producer has 24 registers.
   const int m_begin = first_query_block<T, kIsCausal>(p, n_block * T::kBlockN);
-  const int m_blocks = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM);
+  const int m_count = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) - m_begin;
   using TileQ = Shape<typename T::BlockM, typename T::HeadDim>;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  for (int g = 0; g < group; ++g) {
-    const int h = kv * group + g;
-    Tensor gQ = local_tile(mQ(_, _, h, b), TileQ{}, make_coord(_, _0{}));
-    Tensor gdO = local_tile(mdO(_, _, h, b), TileQ{}, make_coord(_, _0{}));
+  int h = kv * group, m = m_begin;
+  for (int step = 0; step < group * m_count; ++step) {
+    Tensor gQ = local_tile(mQ(_, _, h, b), TileQ{}, make_coord(m, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h, b), TileQ{}, make_coord(m, _0{}));
     auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tdOg, tdOs] = tma_partition(kp.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    const int64_t rows = (static_cast<int64_t>(b) * p.num_heads + h) * kp.seqlen_q_rounded;
-    for (int m = m_begin; m < m_blocks; ++m) {
-      pipe.producer_acquire(write);  // waits for the slot to be free, then expects its bytes
-      uint64_t* full = pipe.producer_get_barrier(write);
-      const int s = write.index();
-      copy(kp.tma_q.with(*full, 0), tQg(_, m), tQs(_, s));
-      copy(kp.tma_do.with(*full, 0), tdOg(_, m), tdOs(_, s));
-      SM90_BULK_COPY_G2S::copy(kp.lse2 + rows + m * T::kBlockM, full, shared.lse2[s], T::kTmaBytesRows);
-      SM90_BULK_COPY_G2S::copy(kp.delta + rows + m * T::kBlockM, full, shared.delta[s], T::kTmaBytesRows);
-      ++write;
+    const int64_t row = (static_cast<int64_t>(b) * p.num_heads + h) * kp.seqlen_q_rounded + m * T::kBlockM;
+    pipe.producer_acquire(write);  // waits for the slot to be free, then expects its bytes
+    uint64_t* full = pipe.producer_get_barrier(write);
+    const int s = write.index();
+    copy(kp.tma_q.with(*full, 0), tQg, tQs(_, s));
+    copy(kp.tma_do.with(*full, 0), tdOg, tdOs(_, s));
+    SM90_BULK_COPY_G2S::copy(kp.lse2 + row, full, shared.lse2[s], T::kTmaBytesRows);
+    SM90_BULK_COPY_G2S::copy(kp.delta + row, full, shared.delta[s], T::kTmaBytesRows);
+    ++write;
+    if (++m == m_begin + m_count) {
+      m = m_begin;
+      ++h;
     }
   }
   pipe.producer_tail(write);  // do not exit while the consumers still read
