@@ -153,6 +153,7 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   using TileQ = Shape<typename T::BlockM, typename T::HeadDim>;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
   int h = kv * group, m = m_begin;
+#pragma unroll 1  // unrolled, the loop would not fit the producer's registers
   for (int step = 0; step < group * m_count; ++step) {
     Tensor gQ = local_tile(mQ(_, _, h, b), TileQ{}, make_coord(m, _0{}));
     Tensor gdO = local_tile(mdO(_, _, h, b), TileQ{}, make_coord(m, _0{}));
@@ -177,11 +178,14 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
 
 // ---- The consumers' steps.
 
-// S^T -> P^T and dP^T -> dS^T in place. coord: (key, query) within the tile of each value.
-template <typename T, bool kIsCausal, typename TS, typename TC>
-__device__ __forceinline__ void probabilities_and_ds(const AttentionParams& p, TS& s, TS& dp, const TC& coord,
-                                                     const float* lse2, const float* delta, int b, int h, int n0,
-                                                     int m0) {
+// S^T -> P^T in place, before dP^T's GEMM so that the masks' state and dP^T's accumulators are
+// never live together (a consumer has 240 registers). With a soft-cap, also its derivative
+// 1 - t^2 per score into shared memory, `cap_grad` [pair][thread] at this thread's column, two
+// per word (fp16: ~5e-4 relative, below the rounding dS gets as the dK/dQ GEMMs' 16-bit
+// operand). coord: (key, query) of each value.
+template <typename T, bool kIsCausal, typename TS, typename TC, typename TG>
+__device__ __forceinline__ void probabilities(const AttentionParams& p, TS& s, TG& cap_grad, const TC& coord,
+                                              const float* lse2, int b, int h, int n0, int m0) {
   const float scale = static_cast<float>(p.scale);
   const device::SoftCap<float> softcap(p);
   const device::ScoreMask<float> mask(p, b, h, kLog2e);
@@ -189,20 +193,40 @@ __device__ __forceinline__ void probabilities_and_ds(const AttentionParams& p, T
   const bool masked = mask.reads_memory() || n0 + T::kBlockN > p.seqlen_k || m0 + T::kBlockM > p.seqlen_q ||
       (kIsCausal && n0 + T::kBlockN - 1 > m0 + shift) || (kIsCausal && mask.window_reaches(m0 + T::kBlockM - 1, n0));
   CUTE_UNROLL
-  for (int i = 0; i < size(s); ++i) {
-    const int key = get<0>(coord(i)), query = get<1>(coord(i));
-    float x = s(i) * (scale * kLog2e), cap_grad = 1.f;
+  for (int i = 0; i < size(s); i += 2) {
+    float prob[2], grad[2] = {1.f, 1.f};
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int key = get<0>(coord(i + j)), query = get<1>(coord(i + j));
+      float x = s(i + j) * (scale * kLog2e);
+      if (softcap.on) {
+        const float t = softcap.tanh_of(s(i + j) * scale);
+        x = softcap.cap * t * kLog2e;
+        grad[j] = 1.f - t * t;
+      }
+      if (masked) {
+        x = mask.apply(x, m0 + query, n0 + key);
+      }
+      prob[j] = device::fast_exp2(x - lse2[query]);
+    }
+    s(i) = prob[0];
+    s(i + 1) = prob[1];
     if (softcap.on) {
-      const float t = softcap.tanh_of(s(i) * scale);
-      x = softcap.cap * t * kLog2e;
-      cap_grad = 1.f - t * t;
+      cap_grad[i / 2 * T::kMmaThreads] = __floats2half2_rn(grad[0], grad[1]);
     }
-    if (masked) {
-      x = mask.apply(x, m0 + query, n0 + key);
-    }
-    const float prob = device::fast_exp2(x - lse2[query]);
-    s(i) = prob;
-    dp(i) = prob * (dp(i) - delta[query]) * cap_grad;
+  }
+}
+
+// dP^T -> dS^T = P^T (dP^T - delta) (1 - t^2) in place; prob: P^T in 16 bits, the accumulators' layout.
+template <typename T, typename TP, typename TS, typename TC, typename TG>
+__device__ __forceinline__ void score_gradients(const AttentionParams& p, const TP& prob, TS& dp, const TG& cap_grad,
+                                                const TC& coord, const float* delta) {
+  const bool capped = p.softcap > 0;
+  CUTE_UNROLL
+  for (int i = 0; i < size(dp); i += 2) {
+    const float2 grad = capped ? __half22float2(cap_grad[i / 2 * T::kMmaThreads]) : make_float2(1.f, 1.f);
+    dp(i) = static_cast<float>(prob(i)) * (dp(i) - delta[get<1>(coord(i))]) * grad.x;
+    dp(i + 1) = static_cast<float>(prob(i + 1)) * (dp(i + 1) - delta[get<1>(coord(i + 1))]) * grad.y;
   }
 }
 
@@ -320,19 +344,23 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
 
   shared.barrier_kv.wait(0);
   typename T::PipelineState read;
-  int buf = 0;  // the dS buffer
+#pragma unroll 1
   for (int g = 0; g < group; ++g) {
     const int h = kv * group + g;
+#pragma unroll 1
     for (int m = m_begin; m < m_blocks; ++m) {
       Tensor tSrS = partition_fragment_C(mma_sdp, TileNM{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, TileNM{});
       pipe.consumer_wait(read);
-      const int s = read.index();
+      const int s = read.index();  // the Q/dO stage, and the dS buffer (both alternate per query block)
       warpgroup_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+      __half2* cap_grad = &shared.cap_grad[0][tid];
+      probabilities<T, kIsCausal>(p, tSrS, cap_grad, cS, shared.lse2[s], b, h, n0, m * T::kBlockM);
       warpgroup_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
-      probabilities_and_ds<T, kIsCausal>(p, tSrS, tdPrdP, cS, shared.lse2[s], shared.delta[s], b, h, n0,
-                                         m * T::kBlockM);
+      // P^T in 16 bits (dV's A operand) before dS^T: dS^T reads the rounded P^T, as the plain
+      // 16-bit computation does, and P^T never lives in fp32 beside dP^T (240 registers).
       Tensor tPrP = probabilities_as_operand<Element>(tSrS);
+      score_gradients<T>(p, make_tensor(tPrP.data(), tSrS.layout()), tdPrdP, cap_grad, cS, shared.delta[s]);
       Tensor tdSrdS = probabilities_as_operand<Element>(tdPrdP);
       warpgroup_gemm<false>(mma_dkv, tPrP, tdVrdO(_, _, _, s), tdVrdV);
       warpgroup_gemm<false>(mma_dkv, tdSrdS, tdKrQ(_, _, _, s), tdKrdK);
@@ -340,14 +368,13 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
       ++read;
       // dS^T (the same registers, in the accumulator's layout) -> dS in shared memory, then
       // make the ordinary stores visible to wgmma (the async proxy) before the barrier.
-      copy(make_tensor(tdSrdS.data(), tdPrdP.layout()), thr_sdp.partition_C(sdSt(_, _, buf)));
+      copy(make_tensor(tdSrdS.data(), tdPrdP.layout()), thr_sdp.partition_C(sdSt(_, _, s)));
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDs);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, TileMD{});
-      Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
-      warpgroup_gemm<true>(mma_dq, tdQrdS_buf, tdQrK, tdQrdQ);
+      Tensor tdQrdS_s = tdQrdS(_, _, _, s);
+      warpgroup_gemm<true>(mma_dq, tdQrdS_s, tdQrK, tdQrdQ);
       add_dq<T>(kp, tdQrdQ, cdQ, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
-      buf ^= 1;
     }
   }
   Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(TileND{}));

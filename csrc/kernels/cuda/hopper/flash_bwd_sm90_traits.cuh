@@ -13,6 +13,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "../../../attention_params.h"
@@ -31,7 +33,8 @@ struct BwdTraits {
   static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;
   static_assert(kBlockM > 0, "a head dim without a row in kBwdTiles (flash_bwd_sm90.h)");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN == 128, "the layouts below assume these");
-  static constexpr int kStages = 2;  // query blocks (Q, dO, lse, delta) in flight
+  // Query blocks (Q, dO, lse, delta) in flight. 2: the stage index also picks the dS buffer.
+  static constexpr int kStages = 2;
   static constexpr int kMmaWarpgroups = 2;
   static constexpr int kThreads = 128 * (kMmaWarpgroups + 1);
   static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
@@ -105,6 +108,9 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
     alignas(16) float lse2[kStages][kBlockM];
+    // The soft-cap's derivative of each consumer thread's scores, two per word, [pair][thread]
+    // (consecutive threads, consecutive banks): kept here across dP^T's GEMM, not in registers.
+    __half2 cap_grad[kBlockN * kBlockM / kMmaThreads / 2][kMmaThreads];
     alignas(16) float delta[kStages][kBlockM];
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename Pipeline::SharedStorage pipeline;
