@@ -61,6 +61,11 @@ __device__ __forceinline__ int first_query_block(const AttentionParams& p, int n
   return first <= 0 ? 0 : static_cast<int>((first < p.seqlen_q ? first : p.seqlen_q) / T::kBlockM);
 }
 
+// Query heads per key/value head.
+__device__ __forceinline__ int group_size(const AttentionParams& p) {
+  return static_cast<int>(p.num_heads / (p.num_heads_k > 0 ? p.num_heads_k : p.num_heads));
+}
+
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int value;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
@@ -127,7 +132,7 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
                         int n_block, int kv, int b) {
   const AttentionBackwardParams& p = kp.attn;
   const int heads_k = static_cast<int>(p.num_heads_k > 0 ? p.num_heads_k : p.num_heads);
-  const int group = static_cast<int>(p.num_heads) / heads_k;
+  const int group = group_size(p);
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename T::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename T::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename T::SmemLayoutK{});
@@ -137,9 +142,8 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   Tensor mdO = kp.tma_do.get_tma_tensor(q_shape);
   Tensor mK = kp.tma_k.get_tma_tensor(make_shape(int(p.seqlen_k), int(p.head_dim), heads_k, int(p.batch)));
   Tensor mV = kp.tma_v.get_tma_tensor(make_shape(int(p.seqlen_k), int(p.head_dim_v), heads_k, int(p.batch)));
-  using TileKV = Shape<typename T::BlockN, typename T::HeadDim>;
-  Tensor gK = local_tile(mK(_, _, kv, b), TileKV{}, make_coord(n_block, _0{}));
-  Tensor gV = local_tile(mV(_, _, kv, b), TileKV{}, make_coord(n_block, _0{}));
+  Tensor gK = local_tile(mK(_, _, kv, b), typename T::TileKD{}, make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, kv, b), typename T::TileKD{}, make_coord(n_block, _0{}));
   auto [tKg, tKs] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVg, tVs] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
   shared.barrier_kv.arrive_and_expect_tx(T::kTmaBytesKV);
@@ -150,7 +154,7 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   // the producer has 24 registers.
   const int m_begin = first_query_block<T, kIsCausal>(p, n_block * T::kBlockN);
   const int m_count = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) - m_begin;
-  using TileQ = Shape<typename T::BlockM, typename T::HeadDim>;
+  using TileQ = typename T::TileQD;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
   int h = kv * group, m = m_begin;
 #pragma unroll 1  // unrolled, the loop would not fit the producer's registers
@@ -305,14 +309,28 @@ __device__ __forceinline__ void store_dkdv(const AttentionBackwardParams& p, con
   }
 }
 
+// dS^T's registers (ds, in the accumulator's layout) -> dS in shared memory (ds_smem: this
+// thread's positions in the buffer of this stage), then dQ(block) = dS K into the workspace. The
+// fence makes the ordinary stores visible to wgmma (the async proxy), the barrier to the other
+// warpgroup, whose rows of dS this thread's share of the GEMM reads.
+template <typename T, typename TS, typename TD, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void dq_step(const BwdKernelParams<T>& kp, typename T::TiledMmadQ& mma_dq, const TS& ds,
+                                        TD&& ds_smem, TA&& tdQrdS, const TB& tdQrK, const TC& cdQ, int64_t bh, int m,
+                                        int n_block) {
+  copy(ds, ds_smem);
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDs);
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::TileQD{});
+  warpgroup_gemm<true>(mma_dq, tdQrdS, tdQrK, tdQrdQ);
+  add_dq<T>(kp, tdQrdQ, cdQ, bh, m, n_block);
+}
+
 template <typename T, typename RawElement, bool kIsCausal>
 __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage& shared, typename T::Pipeline& pipe,
                         int n_block, int kv, int b) {
-  using Element = typename T::Element;
   const AttentionBackwardParams& p = kp.attn;
   const int tid = threadIdx.x - 128;  // within the consumers
-  const int heads_k = static_cast<int>(p.num_heads_k > 0 ? p.num_heads_k : p.num_heads);
-  const int group = static_cast<int>(p.num_heads) / heads_k;
+  const int group = group_size(p);
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmadKV mma_dkv;
   typename T::TiledMmadQ mma_dq;
@@ -329,13 +347,10 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   Tensor tdQrdS = thr_dq.partition_fragment_A(smem(shared.ds, typename T::SmemLayoutdS{}));
   Tensor tdQrK = thr_dq.partition_fragment_B(smem(shared.k, typename T::SmemLayoutKt{}));
   Tensor sdSt = smem(shared.ds, typename T::SmemLayoutdSt{});
-  using TileNM = Shape<typename T::BlockN, typename T::BlockM>;
-  using TileND = Shape<typename T::BlockN, typename T::HeadDim>;
-  using TileMD = Shape<typename T::BlockM, typename T::HeadDim>;
-  Tensor cS = thr_sdp.partition_C(make_identity_tensor(TileNM{}));
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(TileMD{}));
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, TileND{});
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, TileND{});
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(typename T::TileKQ{}));
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(typename T::TileQD{}));
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, typename T::TileKD{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, typename T::TileKD{});
   clear(tdVrdV);
   clear(tdKrdK);
   const int n0 = n_block * T::kBlockN;
@@ -349,8 +364,8 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
     const int h = kv * group + g;
 #pragma unroll 1
     for (int m = m_begin; m < m_blocks; ++m) {
-      Tensor tSrS = partition_fragment_C(mma_sdp, TileNM{});
-      Tensor tdPrdP = partition_fragment_C(mma_sdp, TileNM{});
+      Tensor tSrS = partition_fragment_C(mma_sdp, typename T::TileKQ{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, typename T::TileKQ{});
       pipe.consumer_wait(read);
       const int s = read.index();  // the Q/dO stage, and the dS buffer (both alternate per query block)
       warpgroup_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
@@ -359,25 +374,18 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
       warpgroup_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
       // P^T in 16 bits (dV's A operand) before dS^T: dS^T reads the rounded P^T, as the plain
       // 16-bit computation does, and P^T never lives in fp32 beside dP^T (240 registers).
-      Tensor tPrP = probabilities_as_operand<Element>(tSrS);
+      Tensor tPrP = probabilities_as_operand<typename T::Element>(tSrS);
       score_gradients<T>(p, make_tensor(tPrP.data(), tSrS.layout()), tdPrdP, cap_grad, cS, shared.delta[s]);
-      Tensor tdSrdS = probabilities_as_operand<Element>(tdPrdP);
+      Tensor tdSrdS = probabilities_as_operand<typename T::Element>(tdPrdP);
       warpgroup_gemm<false>(mma_dkv, tPrP, tdVrdO(_, _, _, s), tdVrdV);
       warpgroup_gemm<false>(mma_dkv, tdSrdS, tdKrQ(_, _, _, s), tdKrdK);
       pipe.consumer_release(read);
       ++read;
-      // dS^T (the same registers, in the accumulator's layout) -> dS in shared memory, then
-      // make the ordinary stores visible to wgmma (the async proxy) before the barrier.
-      copy(make_tensor(tdSrdS.data(), tdPrdP.layout()), thr_sdp.partition_C(sdSt(_, _, s)));
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDs);
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, TileMD{});
-      Tensor tdQrdS_s = tdQrdS(_, _, _, s);
-      warpgroup_gemm<true>(mma_dq, tdQrdS_s, tdQrK, tdQrdQ);
-      add_dq<T>(kp, tdQrdQ, cdQ, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
+      dq_step<T>(kp, mma_dq, make_tensor(tdSrdS.data(), tdPrdP.layout()), thr_sdp.partition_C(sdSt(_, _, s)),
+                 tdQrdS(_, _, _, s), tdQrK, cdQ, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
     }
   }
-  Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(TileND{}));
+  Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(typename T::TileKD{}));
   store_dkdv<T, RawElement>(p, tdKrdK, tdVrdV, cdKV, n0, kv, b, group);
 }
 

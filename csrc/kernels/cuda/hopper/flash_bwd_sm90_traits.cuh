@@ -46,6 +46,9 @@ struct BwdTraits {
   using HeadDim = Int<kHeadDim>;
   using Stages = Int<kStages>;
   using KeysPerWarpgroup = Int<kBlockN / kMmaWarpgroups>;
+  using TileKQ = Shape<BlockN, BlockM>;   // S^T, dP^T: keys x queries
+  using TileKD = Shape<BlockN, HeadDim>;  // dK, dV
+  using TileQD = Shape<BlockM, HeadDim>;  // dQ
 
   // The warpgroups split the keys (M) of S^T, dP^T, dV and dK.
   using AtomLayoutKeys = Layout<Shape<Int<kMmaWarpgroups>, _1, _1>>;
