@@ -3,7 +3,7 @@
 // kernels, all O(L) in extra memory (FlashAttention-2/3's structure):
 //
 //   1. prepare: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for rows that see no key),
-//      both into padded workspace rows that 1-D TMA copies can read per query block.
+//      both into padded workspace rows that 1-D bulk copies (cp.async.bulk) read per query block.
 //   2. flash_bwd_sm90_kernel (warp specialized, FlashAttention-3's design): warpgroup 0 produces,
 //      one thread loading K and V of the block once, then Q, dO, lse2 and delta of every query
 //      block that can see these keys into a 2-stage cutlass::PipelineTmaAsync ring. Warpgroups 1
