@@ -166,6 +166,10 @@ struct AttentionBackwardParams : AttentionParams {
   int64_t grad_k_batch_stride = 0, grad_k_head_stride = 0, grad_k_row_stride = 0;
   void* grad_v = nullptr;  // like v, num_heads heads
   int64_t grad_v_batch_stride = 0, grad_v_head_stride = 0, grad_v_row_stride = 0;
+  // Reproducible gradients, bit for bit (torch.use_deterministic_algorithms): the kernels that
+  // accumulate dQ with atomics take their turns in a fixed order instead. Only the Hopper backward
+  // reads it (the sm80 flash backward's atomics are unordered; docs/cuda.md "Hopper backward").
+  bool deterministic = false;
 };
 
 }  // namespace attn_export

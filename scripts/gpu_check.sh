@@ -197,6 +197,27 @@ bench_step() {
   fi
 }
 
+# ---- The Hopper backward's gradient tests (part of the sm90 step; the build is 9.0a there).
+sm90_bwd_tests() {
+  local T0=$SECONDS rc
+  log "running tests/ops/test_cuda_sm90_bwd.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
+  if "$PY" -c 'import pytest' 2>/dev/null; then
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 300 "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90_bwd.py -q -rfs \
+      -p no:cacheprovider > "$OUT_DIR/test_cuda_sm90_bwd.log" 2>&1
+  else
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 300 "$PY" tests/run_without_pytest.py ops/test_cuda_sm90_bwd \
+      > "$OUT_DIR/test_cuda_sm90_bwd.log" 2>&1
+  fi
+  rc=$?
+  tail -5 "$OUT_DIR/test_cuda_sm90_bwd.log"
+  if [ $rc -eq 0 ]; then
+    summary "PASSED sm90 backward tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_sm90_bwd.log")"
+  else
+    summary "FAILED sm90 backward tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_sm90_bwd.log")"
+    STATUS=2
+  fi
+}
+
 # ---- The Hopper forward: its parity tests, then ATTN_EXPORT_CUDA_SM90=1 for the steps after this one.
 sm90_step() {
   local T0=$SECONDS rc
@@ -220,6 +241,7 @@ sm90_step() {
     summary "FAILED sm90 tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_sm90.log")"
     STATUS=2
   fi
+  sm90_bwd_tests
   export ATTN_EXPORT_CUDA_SM90=1  # the sanitizer and the benchmark after this step run the Hopper forward
 }
 

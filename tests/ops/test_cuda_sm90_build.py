@@ -235,3 +235,150 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     failing = {name: problems for name, body in kernels.items() if (problems := sass_problems(body))}
     assert not failing, "SASS of the sm_90a forward:\n" + json.dumps(failing, indent=1)
     print(f"{len(units)} sm_90a instantiations compiled and checked in {time.monotonic() - start:.0f} s")
+
+
+# ---- The Hopper backward (hopper/flash_bwd_sm90*): host-side rules and its compile gate.
+
+BWD_POLICY_PROGRAM = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "kernels/cuda/dispatch_policy.h"
+#include "kernels/cuda/hopper/flash_bwd_sm90.h"
+using namespace attn_export;
+using namespace attn_export::cuda;
+
+alignas(16) static unsigned char buffer[1 << 16];
+
+AttentionBackwardParams base() {
+  AttentionBackwardParams p;
+  p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
+  p.head_dim = p.head_dim_v = 128; p.dtype = DataType::kBFloat16;
+  p.q = p.k = p.v = p.grad_out = buffer; p.out = p.lse = p.grad_q = p.grad_k = p.grad_v = buffer;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = p.grad_out_row_stride = 128;
+  p.grad_q_row_stride = p.grad_k_row_stride = p.grad_v_row_stride = 128;
+  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.grad_out_head_stride = 128 * 300;
+  p.grad_q_head_stride = p.grad_k_head_stride = p.grad_v_head_stride = p.out_head_stride = 128 * 300;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.grad_out_batch_stride = 4 * 128 * 300;
+  p.grad_q_batch_stride = p.grad_k_batch_stride = p.grad_v_batch_stride = p.out_batch_stride = 4 * 128 * 300;
+  return p;
+}
+
+int main() {
+  std::printf("{\"bits\": [");
+  const char* sep = "";
+  for (unsigned bit : {policy::kFlashHeadDim, policy::kGroupedQuery, policy::kBottomRight, policy::kSplitKv,
+                       policy::kBwdColumnSplit, policy::kKeyTileSkip, policy::kWindow, policy::kHopperForward,
+                       policy::kPackGqa, policy::kHopperBackward}) {
+    std::printf("%s%u", sep, bit);
+    sep = ", ";
+  }
+  std::printf("], \"backward_bit\": %u, \"allowed\": [", static_cast<unsigned>(policy::kHopperBackward));
+  sep = "";
+  for (int major : {8, 9, 10}) for (int preview : {0, 1}) for (int sw : {0, 1}) {
+    std::printf("%s[%d, %d, %d, %d]", sep, major, preview, sw, policy::hopper_backward_allowed(major, preview, sw));
+    sep = ", ";
+  }
+  std::printf("], \"supports\": {");
+  AttentionBackwardParams p = base();
+  std::printf("\"base\": %d, ", sm90::supports_backward(p));
+  p.dtype = DataType::kFloat16; std::printf("\"fp16\": %d, ", sm90::supports_backward(p));
+  p.dtype = DataType::kFloat32; std::printf("\"fp32\": %d, ", sm90::supports_backward(p));
+  p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports_backward(p));
+  p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports_backward(p));
+  p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports_backward(p));
+  p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports_backward(p));
+  p = base(); p.grad_out = buffer + 8; std::printf("\"dout_misaligned\": %d, ", sm90::supports_backward(p));
+  p = base(); p.grad_out_row_stride = 132; std::printf("\"dout_row_stride_132\": %d, ", sm90::supports_backward(p));
+  p = base(); p.grad_k_row_stride = 127; std::printf("\"dk_row_stride_odd\": %d, ", sm90::supports_backward(p));
+  p = base(); p.grad_weights = buffer; std::printf("\"grad_weights\": %d, ", sm90::supports_backward(p));
+  p = base(); p.num_heads_k = 3; std::printf("\"heads_not_divisible\": %d, ", sm90::supports_backward(p));
+  p = base(); p.seqlen_q = 0; std::printf("\"no_queries\": %d", sm90::supports_backward(p));
+  p = base();
+  const sm90::BwdWorkspace w = sm90::bwd_workspace(p);
+  p.deterministic = true;
+  const sm90::BwdWorkspace wd = sm90::bwd_workspace(p);
+  std::printf("}, \"workspace\": [%zu, %zu, %zu, %zu], \"deterministic_order\": %zu}\n", w.lse2, w.delta, w.dq,
+              w.order, wd.order);
+}
+"""
+
+
+@pytest.mark.skipif(_host_compiler() is None or not (_cuda_include() / "cuda_runtime_api.h").exists(),
+                    reason="needs a C++ compiler and the CUDA runtime headers")
+def test_hopper_backward_dispatch_rules(tmp_path):
+    source = tmp_path / "bwd_policy.cpp"
+    source.write_text(BWD_POLICY_PROGRAM)
+    binary = tmp_path / "bwd_policy"
+    subprocess.run([_host_compiler(), "-std=c++17", "-I", str(ROOT / "csrc"), "-I", str(_cuda_include()),
+                    str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
+    result = json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
+    # Its own bit, one bit, colliding with no other preview feature.
+    bits = result["bits"]
+    assert result["backward_bit"] == 1 << 9 and len(set(bits)) == len(bits) and all(b & (b - 1) == 0 for b in bits)
+    # Only a compute-capability-9 device, and only with both switches (the forward's gate).
+    assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
+    assert result["supports"] == {
+        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 0, "d96": 0, "dv_differs": 0, "dout_misaligned": 0,
+        "dout_row_stride_132": 0, "dk_row_stride_odd": 0, "grad_weights": 0, "heads_not_divisible": 0,
+        "no_queries": 0,
+    }
+    # d128 tiles 64 query rows: 100 rows pad to 128, over batch 2 x heads 4; sizes 256-byte aligned.
+    rows = 2 * 4 * 128
+    assert result["workspace"] == [rows * 4, rows * 4, rows * 128 * 4, 0]
+    assert result["deterministic_order"] == 256  # one int per (batch, head, query block), 16 ints rounded up
+
+
+# The CI set: one unit, d128 bf16 causal -- the tightest register budget (dK and dV take 128 of a
+# consumer thread's 240 registers at d128) and the causal diagonal's mask code on top; the fp16,
+# d64 and non-causal units share every line of it. ATTN_EXPORT_SM90_GATE=all compiles all eight.
+BWD_GATE_UNITS = ("sm90_flash_bwd_hdim128_bf16_causal.cu",)
+BWD_KERNEL = "flash_bwd_sm90_kernel"
+# The extension's own nvcc flags (setup.py, torch's CUDAExtension): C++20 and no implicit half conversions.
+TORCH_NVCC_DEFINES = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                      "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
+
+
+def _bwd_gate_units() -> list[pathlib.Path]:
+    if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all":
+        return sorted(INSTANTIATIONS.glob("sm90_flash_bwd_*.cu"))
+    return [INSTANTIATIONS / name for name in BWD_GATE_UNITS]
+
+
+def _compile_bwd(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[str, pathlib.Path]:
+    obj = out_dir / f"{unit.stem}.o"
+    result = subprocess.run(
+        [_nvcc(), "-c", "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xptxas", "-v", *TORCH_NVCC_DEFINES,
+         "-gencode=arch=compute_90a,code=sm_90a", "-DATTN_EXPORT_WITH_SM90=1",
+         "-I", str(ROOT / "csrc"), "-I", include, str(unit), "-o", str(obj)],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{unit.name}:\n{result.stderr[-4000:]}"
+    return result.stdout + result.stderr, obj
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+@pytest.mark.skipif(_cutlass_include() is None,
+                    reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
+@pytest.mark.skipif(_cuobjdump() is None,
+                    reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
+def test_sm90_backward_compiles_to_hopper_code(tmp_path):
+    units = _bwd_gate_units()
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        built = list(pool.map(lambda unit: _compile_bwd(unit, tmp_path, _cutlass_include()), units))
+    spills, kernels = {}, {}
+    env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for log, obj in built:
+        assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
+        spills.update(ptxas_spills(log))
+        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+        kernels.update({name: body for name, body in sass_functions(sass).items() if BWD_KERNEL in name})
+    assert len(kernels) == len(units), f"expected one {BWD_KERNEL} per file, found {sorted(kernels)}"
+    # Every kernel of the units (the prepare and dQ-convert kernels too) spills nothing.
+    spilling = [f"{name}: {stores} B stores, {loads} B loads" for (name, _), (stores, loads) in spills.items()
+                if stores or loads]
+    assert not spilling, "the sm_90a backward spills registers:\n" + "\n".join(spilling)
+    failing = {name: problems for name, body in kernels.items() if (problems := sass_problems(body))}
+    assert not failing, "SASS of the sm_90a backward:\n" + json.dumps(failing, indent=1)
+    print(f"{len(units)} sm_90a backward instantiations compiled and checked in {time.monotonic() - start:.0f} s")

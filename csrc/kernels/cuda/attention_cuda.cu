@@ -19,6 +19,7 @@
 #include "kernel_traits.h"
 #include "split_kv.h"
 #if defined(ATTN_EXPORT_WITH_SM90)
+#include "hopper/flash_bwd_sm90.h"
 #include "hopper/flash_fwd_sm90.h"
 #endif
 
@@ -193,6 +194,44 @@ cudaError_t try_sm90_forward(const AttentionParams& p, cudaStream_t stream, bool
       });
     }
     return cudaErrorInvalidValue;  // supports() admits 16-bit types only
+  });
+}
+#endif
+
+// ---- The Hopper backward (dispatch_policy.h kHopperBackward; built with ATTN_EXPORT_WITH_SM90 only).
+
+#if defined(ATTN_EXPORT_WITH_SM90)
+// Whether run_attention_backward runs the sm_90a backward for these params; the workspace size
+// asks the same question.
+bool sm90_backward_runs(const AttentionBackwardParams& p) {
+  static const bool sm90_switch = policy::preview_from_env(std::getenv(policy::kSm90EnvVar));
+  return policy::hopper_backward_allowed(device_major(), attention_preview_enabled(), sm90_switch) &&
+      sm90::supports_backward(p);
+}
+
+// The backward's tile rows (sm90::kBwdTiles), walked at compile time.
+template <typename T, bool kCausal, int kIndex = 0>
+cudaError_t run_sm90_bwd_head_dim(const AttentionBackwardParams& p, void* workspace, cudaStream_t stream) {
+  if constexpr (kIndex == sm90::kNumBwdTiles) {
+    return cudaErrorInvalidValue;
+  } else {
+    if (p.head_dim == sm90::kBwdTiles[kIndex].head_dim) {
+      return sm90::run_flash_bwd_sm90_<T, sm90::kBwdTiles[kIndex].head_dim, kCausal>(p, workspace, stream);
+    }
+    return run_sm90_bwd_head_dim<T, kCausal, kIndex + 1>(p, workspace, stream);
+  }
+}
+
+// The sm_90a backward into `workspace` (sm90::bwd_workspace's layout); the caller checked sm90_backward_runs.
+cudaError_t run_sm90_backward(const AttentionBackwardParams& p, void* workspace, cudaStream_t stream) {
+  return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
+    using T = typename decltype(type)::type;
+    if constexpr (kIs16Bit<T>) {
+      return switch_bool(p.is_causal, [&](auto causal) {
+        return run_sm90_bwd_head_dim<T, decltype(causal)::value>(p, workspace, stream);
+      });
+    }
+    return cudaErrorInvalidValue;  // supports_backward() admits 16-bit types only
   });
 }
 #endif
@@ -424,6 +463,11 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
 }
 
 size_t attention_backward_workspace_size(const AttentionBackwardParams& p) {
+#if defined(ATTN_EXPORT_WITH_SM90)
+  if (attention_params_error(p) == nullptr && sm90_backward_runs(p)) {
+    return std::max(workspace_layout(p).total(), sm90::bwd_workspace(p).total());
+  }
+#endif
   return workspace_layout(p).total();
 }
 
@@ -434,6 +478,11 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
   if (p.batch == 0 || p.num_heads == 0) {
     return cudaSuccess;
   }
+#if defined(ATTN_EXPORT_WITH_SM90)
+  if (sm90_backward_runs(p)) {
+    return run_sm90_backward(p, workspace, stream);
+  }
+#endif
   const bool flash = flash_backward(p);
   const WorkspaceLayout layout = workspace_layout(p);
   AttentionBackwardParams flash_params = p;

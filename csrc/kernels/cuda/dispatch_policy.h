@@ -42,6 +42,7 @@ enum PreviewFeature : unsigned {
   kWindow = 1u << 6,          // the sliding window (window > 0) masked in the kernels
   kHopperForward = 1u << 7,   // the sm_90a forward (kernels/cuda/hopper/): also needs kSm90EnvVar
   kPackGqa = 1u << 8,         // a group's query heads packed into one forward tile (decode with grouped heads)
+  kHopperBackward = 1u << 9,  // the sm_90a backward (kernels/cuda/hopper/flash_bwd_sm90*): also needs kSm90EnvVar
 };
 
 
@@ -128,6 +129,13 @@ inline constexpr const char kSm90EnvVar[] = "ATTN_EXPORT_CUDA_SM90";
 
 inline bool hopper_forward_allowed(int device_major, bool preview, bool sm90_switch) {
   return device_major == 9 && allowed(kHopperForward, preview) && sm90_switch;
+}
+
+// ---- The Hopper (sm_90a) backward: built beside the forward, never yet run on a GPU. Same gate:
+// a compute-capability-9 device, the preview AND ATTN_EXPORT_CUDA_SM90=1; else the sm80 backward
+// runs, behind the same entry point (run_attention_backward).
+inline bool hopper_backward_allowed(int device_major, bool preview, bool sm90_switch) {
+  return device_major == 9 && allowed(kHopperBackward, preview) && sm90_switch;
 }
 
 }  // namespace attn_export::cuda::policy

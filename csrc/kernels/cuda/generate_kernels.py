@@ -130,8 +130,41 @@ def sm90_files() -> dict[str, str]:
     return files
 
 
+def _sm90_bwd_head_dims() -> list[int]:
+    """The head dims of kBwdTiles in hopper/flash_bwd_sm90.h, the Hopper backward's tile table."""
+    text = (HERE / "hopper" / "flash_bwd_sm90.h").read_text()
+    found = re.search(r"kBwdTiles\[\]\s*=\s*\{(.*?)\};", text, flags=re.S)
+    if found is None:
+        raise SystemExit("hopper/flash_bwd_sm90.h declares no kBwdTiles[] = {...}")
+    return [int(d) for d in re.findall(r"\{\s*(\d+)\s*,", found.group(1))]
+
+
+def sm90_bwd_files() -> dict[str, str]:
+    """The Hopper backward's instantiations, empty unless the build defines ATTN_EXPORT_WITH_SM90
+    (as the forward's)."""
+    files = {}
+    for suffix, ctype in FLASH_DTYPES:
+        for head_dim in _sm90_bwd_head_dims():
+            for causal in (False, True):
+                name = f"sm90_flash_bwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
+                what = (f"Hopper (sm_90a) flash backward for {suffix}, head dim {head_dim}, "
+                        f"{'causal' if causal else 'not causal'}.")
+                args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
+                files[name] = (
+                    HEADER.format(what=what)
+                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
+                    + '#include "../hopper/flash_bwd_sm90_kernel.cuh"\n\n'
+                    + "namespace attn_export::cuda::sm90 {\n\n"
+                    + f"template cudaError_t run_flash_bwd_sm90_<{args}>(const AttentionBackwardParams&, void*, "
+                    + "cudaStream_t);\n\n"
+                    + "}  // namespace attn_export::cuda::sm90\n"
+                    + "#endif\n"
+                )
+    return files
+
+
 def all_files() -> dict[str, str]:
-    return {**flash_files(), **generic_files(), **sm90_files()}
+    return {**flash_files(), **generic_files(), **sm90_files(), **sm90_bwd_files()}
 
 
 def main() -> None:

@@ -111,9 +111,10 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   at::Tensor grad_q = empty_grad_like(query, query.options());
   at::Tensor grad_k = empty_kernel_kv_grad(key, heads, query.options());
   at::Tensor grad_v = empty_kernel_kv_grad(value, heads, query.options());
-  const AttentionBackwardParams params = make_attention_backward_params(
+  AttentionBackwardParams params = make_attention_backward_params(
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
+  params.deterministic = at::globalContext().deterministicAlgorithms();  // torch.use_deterministic_algorithms
   at::Tensor workspace = at::empty(
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},
       query.options().dtype(at::kByte));

@@ -1,0 +1,140 @@
+// Tiles, shared-memory layouts, tensor-core operations and copy descriptors of the Hopper
+// backward, in one place (flash_bwd_sm90_kernel.cuh). The tile sizes come from kBwdTiles
+// (flash_bwd_sm90.h); everything else follows from them.
+//
+// One thread block owns kBlockN = 128 keys of one (batch, key/value head): warpgroup 0 produces
+// (one thread issues the TMA loads), warpgroups 1 and 2 compute, 64 keys each (wgmma's M), so that
+// S^T = K Q^T and dP^T = V dO^T come out with keys as rows: their accumulators, converted to 16
+// bits, are directly the A operands of dV += P^T dO and dK += dS^T Q (register-sourced wgmma).
+// dQ = dS K needs dS with queries as rows: dS goes through shared memory once per query block.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../../../attention_params.h"
+#include "flash_bwd_sm90.h"
+#include "flash_fwd_sm90_traits.cuh"
+
+namespace attn_export::cuda::sm90 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;
+  static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;
+  static_assert(kBlockM > 0, "a head dim without a row in kBwdTiles (flash_bwd_sm90.h)");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN == 128, "the layouts below assume these");
+  // Query blocks (Q, dO, lse, delta) in flight. 2: the stage index also picks the dS buffer.
+  static constexpr int kStages = 2;
+  static constexpr int kMmaWarpgroups = 2;
+  static constexpr int kThreads = 128 * (kMmaWarpgroups + 1);
+  static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  using BlockM = Int<kBlockM>;
+  using BlockN = Int<kBlockN>;
+  using HeadDim = Int<kHeadDim>;
+  using Stages = Int<kStages>;
+  using KeysPerWarpgroup = Int<kBlockN / kMmaWarpgroups>;
+  using TileKQ = Shape<BlockN, BlockM>;   // S^T, dP^T: keys x queries
+  using TileKD = Shape<BlockN, HeadDim>;  // dK, dV
+  using TileQD = Shape<BlockM, HeadDim>;  // dQ
+
+  // The warpgroups split the keys (M) of S^T, dP^T, dV and dK.
+  using AtomLayoutKeys = Layout<Shape<Int<kMmaWarpgroups>, _1, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: both operands from shared memory, head dim contiguous (K-major).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<KeysPerWarpgroup, BlockM, HeadDim>>(), AtomLayoutKeys{}));
+  // dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T read transposed (MN-major).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<KeysPerWarpgroup, HeadDim, BlockM>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+  // dQ = dS K: queries x head dim, split over the warpgroups by 64 query rows (d64: 128 rows) or by
+  // halves of the head dim (d128: 64 rows). A = dS stored queries-contiguous (MN-major), B = K^T.
+  static constexpr int kDqWarpgroupsM = kBlockM / 64;
+  static constexpr int kDqWarpgroupsN = kMmaWarpgroups / kDqWarpgroupsM;
+  static_assert(kDqWarpgroupsM * kDqWarpgroupsN == kMmaWarpgroups, "the dQ tile splits over the warpgroups");
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWarpgroupsN>, BlockN>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kDqWarpgroupsM>, Int<kDqWarpgroupsN>, _1>>{}));
+
+  // Swizzled rows (the forward's atoms): what TMA writes and wgmma reads without bank conflicts.
+  using SmemAtom = decltype(smem_atom<Element, kHeadDim>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, Stages>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  // Q and dO (queries, dims, stage) viewed as (dims, queries, stage): the same bytes.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<HeadDim, BlockM, Stages>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
+  // dS (queries, keys, buffer), queries contiguous: the consumers write it from dS^T's accumulators
+  // (adjacent query pairs) and the dQ wgmma reads it as an MN-major A. Two buffers, so that one
+  // warpgroup writes the next block's dS while the other still reads this one's.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<BlockM, BlockN, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<BlockN, BlockM, _2>{}, Step<_2, _1, _3>{})));
+
+  // Global q/k/v/dO as (seqlen, head dim, heads, batch), unit stride on the head dim.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemShape{},
+                                          GmemStride{}));
+  using TmaQdO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                        Shape<BlockM, HeadDim>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BlockN, HeadDim>{}, _1{}));
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesRows = kBlockM * sizeof(float);  // lse2 or delta of one query block
+  static constexpr uint32_t kTmaBytesStage = 2 * kTmaBytesQ + 2 * kTmaBytesRows;
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    alignas(16) float lse2[kStages][kBlockM];
+    // The soft-cap's derivative of each consumer thread's scores, two per word, [pair][thread]
+    // (consecutive threads, consecutive banks): kept here across dP^T's GEMM, not in registers.
+    __half2 cap_grad[kBlockN * kBlockM / kMmaThreads / 2][kMmaThreads];
+    alignas(16) float delta[kStages][kBlockM];
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename Pipeline::SharedStorage pipeline;
+  };
+  static constexpr size_t kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KB of shared memory per block");
+};
+
+// The kernel's one parameter (__grid_constant__: TMA descriptors must not live in a local copy).
+template <typename Traits>
+struct BwdKernelParams {
+  AttentionBackwardParams attn;
+  typename Traits::TmaQdO tma_q;
+  typename Traits::TmaQdO tma_do;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  const float* lse2;  // the workspace's parts (flash_bwd_sm90.h BwdWorkspace)
+  const float* delta;
+  float* dq_accum;
+  int* order;  // deterministic mode only, else nullptr
+  int64_t seqlen_q_rounded;
+};
+
+}  // namespace attn_export::cuda::sm90

@@ -1,0 +1,185 @@
+"""The Hopper (sm_90a) backward on a Hopper GPU: gradients of q, k, v against the float64 reference
+and against SDPA's own same-dtype gradients at head dims 64 and 128, fp16 and bf16, every mask
+kind, both causal alignments, the window, soft-cap, grouped-query heads (1, 4 and 8 query heads per
+key/value head), odd lengths and fully masked rows; the deterministic mode reproducible bit for
+bit. Each test checks with the profiler that the sm_90a backward kernel ran, so none passes on the
+sm80 path by accident.
+
+Runs only where the kernel is dispatched: a compute-capability-9 GPU, an extension built with 9.0a,
+and ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 (read once per process; scripts/gpu_check.sh's
+sm90 step runs this file so). Skipped elsewhere, naming what is missing. Tolerances as in
+test_cuda.py (helpers.assert_within): at most twice the error of the plain same-dtype computation.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn_export
+from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
+
+DEVICE = "cuda"
+KERNEL = "flash_bwd_sm90_kernel"
+HEAD_DIMS = [64, 128]  # hopper/flash_bwd_sm90.h kBwdTiles
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a GPU"
+    if torch.cuda.get_device_capability(0)[0] != 9:
+        return "the sm_90a backward runs on compute capability 9 only"
+    if os.environ.get("ATTN_EXPORT_CUDA_PREVIEW") != "1" or os.environ.get("ATTN_EXPORT_CUDA_SM90") != "1":
+        return "the sm_90a backward is dispatched only with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
+    from attn_export import _build_info
+    if "9.0a" not in (_build_info.CUDA_ARCHS or ""):
+        return f"attn_export was built for {_build_info.CUDA_ARCHS!r}; the sm_90a backward needs 9.0a"
+    return None
+
+
+pytestmark = pytest.mark.cuda
+
+
+def _kernels_run(fn) -> set[str]:
+    """Names of the CUDA kernels fn() launched (skips the test where the sm_90a backward cannot run:
+    a call, not a skipif mark, so that tests/run_without_pytest.py skips it too)."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _assert_ran(ran: set[str]) -> None:
+    assert any(KERNEL in name for name in ran), f"the sm_90a backward did not run; kernels: {sorted(ran)}"
+
+
+def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
+    _assert_ran(_kernels_run(lambda: check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, softcap=softcap)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
+def test_gradients_match_reference(dtype, head_dim, causal, seqlen):
+    _check(dtype, 2, 3, seqlen, seqlen, head_dim, {"is_causal": causal})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_masks(dtype, head_dim, mask):
+    B, H, Lq, Lk = 2, 3, 97, 301
+    _check(dtype, B, H, Lq, Lk, head_dim, MASKS[mask](B, H, Lq, Lk, device=DEVICE))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [0, 50])
+def test_softcap_and_window(head_dim, softcap, window):
+    masks = {"is_causal": True, "window": window} if window else {"is_causal": True}
+    _check(torch.bfloat16, 2, 2, 300, 300, head_dim, masks, softcap=softcap)
+
+
+def _sdpa_grads(q, k, v, grad, group, alignment):
+    """SDPA's gradients in the inputs' dtype (its own kernels): the second reference. SDPA gives
+    NaN for a row that sees no key (bottom-right with Lq > Lk), the operator zeros: SDPA runs on
+    the rows that see a key, and the others' dQ is zero, as in the exact gradient."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    shift = Lk - Lq if alignment == 1 else 0
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(shift)  # SDPA: True = attend
+    rows = allowed.any(-1)
+    q_rows = q.detach()[:, :, rows].requires_grad_()
+    k, v = (t.detach().requires_grad_() for t in (k, v))
+    out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=allowed[rows], enable_gqa=group > 1)
+    dq_rows, dk, dv = torch.autograd.grad(out, (q_rows, k, v), grad[:, :, rows])
+    dq = torch.zeros_like(q)
+    dq[:, :, rows] = dq_rows
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(97, 1025), (1025, 97), (1, 4096)])
+def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignment, Lq, Lk):
+    """dK/dV summed over each group in registers; gradients against float64 and against SDPA."""
+    H = 8
+    make = lambda *shape: torch.randn(*shape, dtype=dtype, device=DEVICE, requires_grad=True)  # noqa: E731
+    q, k, v = make(2, H, Lq, head_dim), make(2, H // group, Lk, head_dim), make(2, H // group, Lk, head_dim)
+    masks = {"is_causal": True, "causal_alignment": alignment}
+    out = attn_export.attention(q, k, v, **masks)
+    grad = torch.randn_like(out)
+    got = {}
+    _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))))
+    exact, _ = reference_attention(q, k, v, **masks)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    sdpa = _sdpa_grads(q, k, v, grad, group, alignment)
+    n = max(Lq, Lk, head_dim)
+    for g, p, s, w, name in zip(got["g"], plain, sdpa, want, "qkv"):
+        assert_within(g, p, w, dtype, f"grad {name} (plain reference)", n, scale=want)
+        assert_within(g, s, w, dtype, f"grad {name} (SDPA)", n, scale=want)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fully_masked_rows_give_zero_gradients(head_dim):
+    """Batch row 1 pads every key: its gradients are exactly zero, the others finite."""
+    B, H, L = 2, 2, 130
+    q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+    pad = padding_mask(B, L, device=DEVICE)
+    pad[1] = True
+    out = attn_export.attention(q, k, v, key_padding_mask=pad)
+    grads = {}
+    _assert_ran(_kernels_run(lambda: grads.setdefault("g", torch.autograd.grad(out.sum(), (q, k, v)))))
+    for g in grads["g"]:
+        assert torch.isfinite(g).all()
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_is_reproducible_bit_for_bit(head_dim, causal):
+    """torch.use_deterministic_algorithms(True): dQ in key-block order, no atomics; two runs equal."""
+    q, k, v = (torch.randn(2, 8, 2049, head_dim, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(2, 8, 2049, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(3):
+            out = attn_export.attention(q, k, v, is_causal=causal)
+            _assert_ran(_kernels_run(lambda: runs.append(torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+    exact, _ = reference_attention(q, k, v, is_causal=causal)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=torch.bfloat16, is_causal=causal)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(runs[0], plain, want, "qkv"):
+        assert_within(g, p, w, torch.bfloat16, f"grad {name}", 2049, scale=want)
+
+
+def test_layer_operator_uses_it_and_a_weights_gradient_falls_back():
+    """multi_head_attention's autograd runs the sm_90a backward (head dim 64); with the returned
+    weights in the loss (dP += dW) the sm80 backward, which computes that term, runs instead."""
+    E, H = 256, 4
+    layer = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float16, device=DEVICE)
+    x = torch.randn(2, 97, E, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    args = (x, x, x, H, layer.in_proj_weight, layer.in_proj_bias, layer.out_proj.weight, layer.out_proj.bias)
+    out, _ = attn_export.multi_head_attention(*args, need_weights=False, batch_first=True)
+    _assert_ran(_kernels_run(lambda: torch.autograd.grad(out.sum(), x)))
+    out, weights = attn_export.multi_head_attention(*args, need_weights=True, average_attn_weights=False,
+                                                    batch_first=True)
+    ran = _kernels_run(lambda: torch.autograd.grad(out.sum() + weights.sum(), x))
+    assert not any(KERNEL in name for name in ran), sorted(ran)
