@@ -128,6 +128,15 @@ def ptxas_spills(ptxas_log: str) -> dict[tuple[str, str], tuple[int, int]]:
     return {(m["name"], m["arch"]): (int(m["stores"]), int(m["loads"])) for m in _PTXAS_ENTRY.finditer(ptxas_log)}
 
 
+_PTXAS_STACK = re.compile(
+    r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>sm_\d+a?)'.*?(?P<stack>\d+) bytes stack frame", re.S)
+
+
+def ptxas_stack_frames(ptxas_log: str) -> dict[tuple[str, str], int]:
+    """{(kernel, sm_XX): stack frame bytes} from nvcc -Xptxas -v's log."""
+    return {(m["name"], m["arch"]): int(m["stack"]) for m in _PTXAS_STACK.finditer(ptxas_log)}
+
+
 def test_ptxas_spills_are_parsed():
     log = ("ptxas info    : Compiling entry function '_Z3fooILi1EEvv' for 'sm_90'\n"
            "ptxas info    : Function properties for _Z3fooILi1EEvv\n"
@@ -136,6 +145,7 @@ def test_ptxas_spills_are_parsed():
            "ptxas info    : Function properties for _Z3barv\n"
            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
     assert ptxas_spills(log) == {("_Z3fooILi1EEvv", "sm_90"): (16, 96), ("_Z3barv", "sm_80"): (0, 0)}
+    assert ptxas_stack_frames(log) == {("_Z3fooILi1EEvv", "sm_90"): 16, ("_Z3barv", "sm_80"): 0}
 
 
 def test_flash_kernels_do_not_spill(kernel_build):
@@ -162,3 +172,14 @@ def test_flash_kernels_do_not_spill(kernel_build):
                 for (name, arch), (stores, loads) in sorted(spills.items())
                 if max(stores, loads) > allowed[(name, arch)]]
     assert not spilling, "flash kernels spill registers (choose smaller tiles in kernel_traits.h):\n" + "\n".join(spilling)
+
+
+def test_flash_forward_kernels_keep_their_arrays_in_registers(kernel_build):
+    """No forward kernel (packed or not, split-KV or not) has a stack frame: a tile array that the
+    compiler failed to unroll over lands in local memory without a spill being reported (the
+    split-KV kernels once did, with ten times the code and compile time of the others)."""
+    frames = {key: n for key, n in ptxas_stack_frames(kernel_build.log).items() if "flash_fwd_" in key[0]}
+    assert frames, "no forward kernel in the build log"
+    on_stack = [f"{name} on {arch}: {n} bytes stack frame" for (name, arch), n in sorted(frames.items()) if n]
+    assert not on_stack, "forward kernels keep arrays in local memory (an index the compiler could not fold):\n" + \
+        "\n".join(on_stack)
