@@ -182,6 +182,36 @@ def test_non_contiguous_inputs_and_a_side_stream():
     assert_within(out, plain, exact, torch.float16, "output", L)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_deterministic_algorithms_are_honoured(dtype):
+    """torch.use_deterministic_algorithms(True): the flash backward (dQ by float atomics) raises as
+    PyTorch's own nondeterministic ops do, and warns with warn_only=True; float32 (the generic
+    kernels, dQ in a second pass) runs and gives the same bits twice."""
+    _require_cuda_kernels()
+    q, k, v = qkv(2, 4, 200, 200, 64, dtype, requires_grad=True, device=DEVICE)
+    grad = torch.randn_like(q)
+
+    def grads():
+        out = attn_export.attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        hopper = PREVIEW and os.environ.get("ATTN_EXPORT_CUDA_SM90") == "1" and torch.cuda.get_device_capability()[0] == 9
+        if dtype == torch.float32 or hopper:  # the Hopper backward takes its deterministic turns
+            first, second = grads(), grads()
+            assert all(torch.equal(a, b) for a, b in zip(first, second))
+            return
+        with pytest.raises(RuntimeError, match="attn_export's attention backward"):
+            grads()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="attn_export's attention backward"):
+            grads()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_matches_the_cpu_operator(dtype):
     _require_cuda_kernels()

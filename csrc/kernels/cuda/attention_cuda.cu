@@ -471,6 +471,18 @@ size_t attention_backward_workspace_size(const AttentionBackwardParams& p) {
   return workspace_layout(p).total();
 }
 
+bool attention_backward_is_nondeterministic(const AttentionBackwardParams& p) {
+  if (attention_params_error(p) != nullptr || p.batch == 0 || p.num_heads == 0) {
+    return false;
+  }
+#if defined(ATTN_EXPORT_WITH_SM90)
+  if (sm90_backward_runs(p)) {
+    return !p.deterministic;
+  }
+#endif
+  return flash_backward(p);
+}
+
 cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* workspace, cudaStream_t stream) {
   if (attention_params_error(p) != nullptr) {
     return cudaErrorInvalidValue;

@@ -69,6 +69,11 @@ cudaError_t run_attention_forward(const AttentionParams& params, void* workspace
 // is not required: the backward clears what it needs on `stream`).
 size_t attention_backward_workspace_size(const AttentionBackwardParams& params);
 
+// Whether run_attention_backward may give different bits run to run for these params: the sm80
+// flash backward adds dQ with unordered float atomics (the generic kernels and the Hopper backward
+// with params.deterministic do not). Bindings alert a caller who asked for determinism.
+bool attention_backward_is_nondeterministic(const AttentionBackwardParams& params);
+
 // grad_q, grad_k, grad_v. Reads q, k, v, lse and the masks like the forward, grad_out and
 // grad_weights, and also params.out: the forward's output, from which the backward gets
 // rowsum(dO * O) (FlashAttention-2's "D" term) without materializing any Lq x Lk matrix.

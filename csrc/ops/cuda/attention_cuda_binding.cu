@@ -115,6 +115,12 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
       make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
       grad_out, gw, grad_q, grad_k, grad_v);
   params.deterministic = at::globalContext().deterministicAlgorithms();  // torch.use_deterministic_algorithms
+  if (params.deterministic && cuda::attention_backward_is_nondeterministic(params)) {
+    // Raises under torch.use_deterministic_algorithms(True), warns with warn_only=True, as PyTorch's own ops do.
+    at::globalContext().alertNotDeterministic(
+        "attn_export's attention backward on CUDA in float16/bfloat16 (its flash kernels add dQ with float "
+        "atomics; float32 runs deterministic kernels)");
+  }
   at::Tensor workspace = at::empty(
       {static_cast<int64_t>(cuda::attention_backward_workspace_size(params))},
       query.options().dtype(at::kByte));
