@@ -3,8 +3,16 @@
 //
 // One thread block computes kBlockM = 128 query rows of one (batch, head): warpgroup 0 is the
 // producer (one thread issues the TMA loads), warpgroups 1 and 2 the consumers, 64 rows each
-// (wgmma's M). Keys and values stream through a kStages-deep ring of kBlockN-row tiles.
+// (wgmma's M). Keys and values stream through a kStages-deep ring of kBlockN-row tiles, sized
+// per head dim (and causality) by fwd_tile().
 #pragma once
+
+// CuTe keeps the wgmma shapes with N not in {8, 16, 32, 64, 96, 128, 192, 256} (the tile table's
+// 80-, 112- and 176-key tiles) behind this switch; it must precede CuTe's first inclusion in the
+// unit (FwdTraits asserts that the full-width shapes were selected).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -31,18 +39,53 @@ auto smem_atom() {
   }
 }
 
-template <typename Element_, int kHeadDim_>
+// The tile table: key-tile rows, K/V ring depth and the two scheduling switches per head dim
+// (FlashAttention-3's tile_size.h reasoning, with this kernel's 128 query rows in 2 consumer
+// warpgroups of 240 registers). Per consumer thread, with intra-warpgroup overlap, the next S
+// (kBlockN / 2 floats), the current P (kBlockN / 4 registers) and O (head dim / 2 floats) are
+// live at once, and shared memory holds Q plus kStages K and V tiles (<= 227 KB):
+//   d <= 96:  128 keys, 3 stages (FA3 takes 192 x 128-192 there with a third consumer warpgroup);
+//   d 128:    176 keys where not causal (FA3: 32 + 4 x 44 = 208 KB; S 88 + P 44 + O 64 registers),
+//             128 causal (the diagonal wastes less of a narrower tile);
+//   d 192:    112 keys, 2 stages (48 + 4 x 42 = 216 KB: the shared-memory limit);
+//   d 256:     80 keys, 2 stages (64 + 4 x 40 = 224 KB; O alone is 128 registers).
+// ping_pong: the two consumer warpgroups take turns at the tensor cores (named barriers), so one's
+// softmax runs under the other's GEMMs; FA3 keeps it to head dims <= 128, where the softmax is a
+// large share of a tile's time. overlap: inside a warpgroup, tile n+1's Q K^T is issued before
+// tile n's softmax and tile n's P V after it. Either switch can be turned off here for a GPU A/B run.
+struct FwdTile {
+  int block_n;
+  int stages;
+  bool ping_pong;
+  bool overlap;
+};
+
+constexpr FwdTile fwd_tile(int head_dim, bool causal) {
+  if (head_dim <= 96) {
+    return {128, 3, true, true};
+  }
+  if (head_dim <= 128) {
+    return {128, 2, true, true};
+  }
+  if (head_dim <= 192) {
+    return {112, 2, false, false};
+  }
+  return {80, 2, false, false};
+}
+
+template <typename Element_, int kHeadDim_, bool kIsCausal_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kIsCausal = kIsCausal_;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "wgmma: K steps of 16, N up to 256");
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim, kIsCausal);
   static constexpr int kBlockM = 128;
-  // Key tiles: 128 keys up to head dim 128, where the scores (64 floats per consumer thread) and
-  // O (up to 64) fit the consumers' 240 registers; 64 above, where O alone is up to 128 floats.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  // The K/V ring: 3 slots where 3 fit beside Q (head dim <= 64: 16 KB per K or V tile), else 2
-  // (d128: 32 KB + 2 x 2 x 32 KB; d256: 64 KB + 2 x 2 x 32 KB).
-  static constexpr int kStages = kHeadDim <= 64 ? 3 : 2;
+  static constexpr int kBlockN = kTile.block_n;
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles: K steps of 16 for P V, N up to 256 for Q K^T");
+  static constexpr int kStages = kTile.stages;
+  static constexpr bool kPingPong = kTile.ping_pong;
+  static constexpr bool kOverlap = kTile.overlap;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // setmaxnreg: the producer gives up registers, the consumers take them (24 * 128 + 2 * 240 * 128
@@ -67,6 +110,10 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<WarpgroupM, HeadDim, BlockN>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomLayout{}));
+  // One wgmma per K step and warpgroup, as wide as the tile (not split into narrower ones).
+  static_assert(decltype(size<1>(typename TiledMmaQK::Shape_MNK{}))::value == kBlockN &&
+                    decltype(size<1>(typename TiledMmaPV::Shape_MNK{}))::value == kHeadDim,
+                "a wgmma shape CuTe did not select: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED must precede cute/");
 
   // Swizzled rows: what TMA writes and wgmma reads without bank conflicts.
   using SmemAtom = decltype(smem_atom<Element, kHeadDim>());
