@@ -15,10 +15,10 @@
 
 namespace attn_export::cuda::sm90 {
 
-// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns): the targets.
-// The traits take any multiple of 16 up to 256 (32, 96 and 192 compile without spills too); each
-// dim here is 4 more instantiations of a CuTe kernel (~30 s of nvcc each), so only these are built.
-inline constexpr int kHeadDims[] = {64, 128, 256};
+// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns): every head dim the
+// sm80 path's tensor-core kernels compile. Each is 4 instantiations of a CuTe kernel (~15-40 s
+// of nvcc each); the tile table (flash_fwd_sm90_traits.cuh, fwd_tile) sizes their tiles.
+inline constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline constexpr int kNumHeadDims = sizeof(kHeadDims) / sizeof(kHeadDims[0]);
 
 inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {

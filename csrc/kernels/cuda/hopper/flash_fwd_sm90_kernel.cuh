@@ -398,14 +398,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Pipeline pipe_v(shared.pipeline_v, pipe_params, typename T::ClusterShape{});
   __syncthreads();  // barriers initialized before anyone waits on them
 
-  const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+  // The key range is computed in each role, after setmaxnreg: a value live across it would have
+  // to fit the producer's 24 registers too (ptxas spills it otherwise).
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
+      const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
       produce<T, kIsCausal>(kp, shared, pipe_k, pipe_v, tiles, m_block, h, b);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
     consume<T, RawElement>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
   }
 #endif
