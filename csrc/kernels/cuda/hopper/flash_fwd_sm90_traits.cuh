@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "../../../attention_params.h"
+#include "flash_fwd_sm90.h"
 
 namespace attn_export::cuda::sm90 {
 
@@ -39,40 +40,7 @@ auto smem_atom() {
   }
 }
 
-// The tile table: key-tile rows, K/V ring depth and the two scheduling switches per head dim
-// (FlashAttention-3's tile_size.h reasoning, with this kernel's 128 query rows in 2 consumer
-// warpgroups of 240 registers). Per consumer thread, with intra-warpgroup overlap, the next S
-// (kBlockN / 2 floats), the current P (kBlockN / 4 registers) and O (head dim / 2 floats) are
-// live at once, and shared memory holds Q plus kStages K and V tiles (<= 227 KB):
-//   d <= 96:  128 keys, 3 stages (FA3 takes 192 x 128-192 there with a third consumer warpgroup);
-//   d 128:    176 keys where not causal (FA3: 32 + 4 x 44 = 208 KB; S 88 + P 44 + O 64 registers),
-//             128 causal (the diagonal wastes less of a narrower tile);
-//   d 192:    112 keys, 2 stages (48 + 4 x 42 = 216 KB: the shared-memory limit);
-//   d 256:     80 keys, 2 stages (64 + 4 x 40 = 224 KB; O alone is 128 registers).
-// ping_pong: the two consumer warpgroups take turns at the tensor cores (named barriers), so one's
-// softmax runs under the other's GEMMs; FA3 keeps it to head dims <= 128, where the softmax is a
-// large share of a tile's time. overlap: inside a warpgroup, tile n+1's Q K^T is issued before
-// tile n's softmax and tile n's P V after it. Either switch can be turned off here for a GPU A/B run.
-struct FwdTile {
-  int block_n;
-  int stages;
-  bool ping_pong;
-  bool overlap;
-};
-
-constexpr FwdTile fwd_tile(int head_dim, bool causal) {
-  if (head_dim <= 96) {
-    return {128, 3, true, true};
-  }
-  if (head_dim <= 128) {
-    return {128, 2, true, true};
-  }
-  if (head_dim <= 192) {
-    return {112, 2, false, false};
-  }
-  return {80, 2, false, false};
-}
-
+// The tile sizes and scheduling switches: fwd_tile() in flash_fwd_sm90.h.
 template <typename Element_, int kHeadDim_, bool kIsCausal_>
 struct FwdTraits {
   using Element = Element_;
