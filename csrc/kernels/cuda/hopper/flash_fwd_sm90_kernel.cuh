@@ -248,9 +248,8 @@ struct ConsumerMma {
 // The serial schedule: per tile, S = Q K^T, its softmax, then O += P V, each GEMM waited for.
 // With ping-pong, a turn is Q K^T of tile n+1 issued after P V of tile n (one wait between).
 template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
-__device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV, TO& tOrO,
-                                typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp,
-                                Scores&& scores) {
+__device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
   typename T::PipelineState read;
   for (int n = tiles.begin; n < tiles.end; ++n) {
     Tensor tSrS = partition_fragment_C(m.qk, Shape<typename T::BlockM, typename T::BlockN>{});
@@ -284,9 +283,8 @@ __device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSr
 // each step issues Q K^T of tile n and P V of tile n-1 together (one ping-pong turn), then runs
 // tile n's softmax while P V executes; O's rescale waits for P V. The last P V follows the loop.
 template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
-__device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV, TO& tOrO,
-                                    typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp,
-                                    Scores&& scores) {
+__device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
   if (tiles.begin == tiles.end) {
     return;
   }
@@ -329,8 +327,8 @@ __device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ&
 }
 
 template <typename Traits, typename RawElement>
-__device__ __forceinline__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared, typename Traits::Pipeline& pipe_k,
-                        typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
+__device__ __forceinline__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared,
+    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
   using T = Traits;
   constexpr float kLog2e = 1.4426950408889634f;
   ConsumerMma<T> m{static_cast<int>(threadIdx.x) - 128};
