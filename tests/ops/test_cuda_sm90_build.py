@@ -283,7 +283,8 @@ def test_tile_table_fits_the_chip(tmp_path):
         smem = 2 * d * (128 + 2 * t["stages"] * t["block_n"])
         assert smem <= 227 * 1024 and t["stages"] >= 2, (d, causal, t)
         assert t["block_n"] % 16 == 0 and t["block_n"] <= 256, (d, causal, t)  # wgmma N, P V's K steps
-        # FA3's rule: ping-pong pays where the softmax is the larger share, head dims <= 128
+        # FA3's rule: ping-pong pays where the softmax is the larger share, head dims <= 128 (a GPU
+        # A/B run may flip it locally; the committed table follows the rule until numbers say otherwise)
         assert t["ping_pong"] == (d <= 128), (d, causal, t)
 
 
