@@ -170,6 +170,15 @@ __device__ __forceinline__ void convert_probabilities(const TS& s, TP& p) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(s.data()));
 }
 
+// The accumulators (fp32) as a new 16-bit A operand of a register-sourced wgmma (the backward,
+// flash_bwd_sm90_kernel.cuh, converts its P and dS with it).
+template <typename Element, typename TS>
+__device__ __forceinline__ auto probabilities_as_operand(const TS& s) {
+  Tensor p = make_tensor<Element>(acc_as_operand_a(s.layout()));
+  convert_probabilities(s, p);
+  return p;
+}
+
 // Ping-pong: the two consumer warpgroups take turns at issuing GEMMs. Warpgroup w waits on named
 // barrier kFirst + w before its turn and, once its GEMMs are issued, arrives on the other's. The
 // first warpgroup's first turn needs no wait and the second's last arrival nobody would wait for:
