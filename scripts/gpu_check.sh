@@ -225,12 +225,13 @@ sm90_step() {
     *9.0a*) ;;
     *) summary "SKIPPED sm90: built for $TORCH_CUDA_ARCH_LIST, not 9.0a (no CUTLASS headers: see the header)"; return 0 ;;
   esac
+  # 480 s: six head dims since issue 47's second step (twice the parity cases of the first)
   log "running tests/ops/test_cuda_sm90.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
   if "$PY" -c 'import pytest' 2>/dev/null; then
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 240 "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90.py -q -rfs \
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 480 "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90.py -q -rfs \
       -p no:cacheprovider > "$OUT_DIR/test_cuda_sm90.log" 2>&1
   else
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 240 "$PY" tests/run_without_pytest.py ops/test_cuda_sm90 \
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 480 "$PY" tests/run_without_pytest.py ops/test_cuda_sm90 \
       > "$OUT_DIR/test_cuda_sm90.log" 2>&1
   fi
   rc=$?

@@ -1,5 +1,6 @@
 """The Hopper (sm_90a) forward on a Hopper GPU: parity with the float64 reference (and, through the
-backward, which reads its log-sum-exp, gradients) at head dims 64, 128 and 256, fp16 and bf16, every
+backward, which reads its log-sum-exp, gradients) at every compiled head dim (32, 64, 96, 128, 192,
+256: both schedules of the tile table, ping-pong with overlap and serial), fp16 and bf16, every
 mask kind, both causal alignments, the window, grouped-query heads (1 and 8 query heads per key/value head), odd lengths and fully masked
 rows; each test checks with the profiler that the sm_90a kernel ran, so none passes on the sm80
 path by accident.
@@ -22,6 +23,7 @@ from helpers import MASKS, assert_within, check_core, padding_mask, reference_at
 
 DEVICE = "cuda"
 KERNEL = "flash_fwd_sm90_kernel"
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_fwd_sm90.h kHeadDims
 
 
 def _skip_reason() -> str | None:
@@ -58,7 +60,7 @@ def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
 def test_matches_reference(dtype, head_dim, causal, seqlen):
@@ -66,14 +68,14 @@ def test_matches_reference(dtype, head_dim, causal, seqlen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_masks(dtype, head_dim, mask):
     B, H, Lq, Lk = 2, 3, 97, 301
     _check(dtype, B, H, Lq, Lk, head_dim, MASKS[mask](B, H, Lq, Lk, device=DEVICE))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("window", [0, 50])
 def test_softcap_and_window(head_dim, softcap, window):
@@ -82,7 +84,7 @@ def test_softcap_and_window(head_dim, softcap, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("Lq,Lk", [(97, 1025), (1025, 97), (1, 4096)])
@@ -101,7 +103,7 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
     assert_within(out["o"], plain, exact, dtype, "output", max(Lq, Lk, head_dim))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_fully_masked_rows_give_zero_and_minus_inf_lse(head_dim):
     """Batch row 1 pads every key: zero output; the backward (which reads lse) stays finite."""
     B, H, L = 2, 2, 130

@@ -1,14 +1,15 @@
 """Offline gates of the Hopper (sm_90a) forward, csrc/kernels/cuda/hopper/ (no GPU needed): its
 instantiations compile for sm_90a, spill no registers, and their SASS runs on Hopper's own
 instructions -- HGMMA (wgmma), UTMALDG (TMA loads), USETMAXREG (register reallocation) and no
-HMMA (the sm80 path's mma.sync); plus its host-side dispatch rules (dispatch_policy.h,
-hopper/flash_fwd_sm90.h), compiled alone.
+HMMA (the sm80 path's mma.sync) -- and follows its tile table's schedule (ping-pong: named
+barriers; overlap: a wgmma wait that leaves one batch in flight); plus its host-side dispatch rules
+and tile table (dispatch_policy.h, hopper/flash_fwd_sm90.h), compiled alone.
 
 Needs nvcc, the CUTLASS/CuTe headers (`pip install --no-deps nvidia-cutlass==4.2.0.0`, which `make
 install` runs, or ATTN_EXPORT_CUTLASS_INCLUDE) and cuobjdump with nvdisasm (the CUDA toolkit's, or the
 wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm of the `test` extra); each test skips naming what
-is missing. CI compiles GATE_UNITS, three of the twelve instantiations (~2 min wall on 2 cores);
-ATTN_EXPORT_SM90_GATE=all compiles every one.
+is missing. CI compiles GATE_UNITS, three of the twenty-four instantiations (~3-4 min wall on 2
+shared cores); ATTN_EXPORT_SM90_GATE=all compiles every one.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ from test_cuda_build import _nvcc, ptxas_spills
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSTANTIATIONS = ROOT / "csrc" / "kernels" / "cuda" / "instantiations"
-# The CI set: each tile shape (128-key tiles at head dims 64 and 128 with 3 and 2 stages, 64-key
-# tiles at 256), both element types, causal and not.
-GATE_UNITS = ("sm90_flash_fwd_hdim128_bf16_causal.cu", "sm90_flash_fwd_hdim64_fp16.cu", "sm90_flash_fwd_hdim256_fp16.cu")
+# The CI set, the most distinct code paths in three units: ping-pong with overlap at 128 (causal,
+# 128-byte swizzle, 2 stages), a head dim added later with narrower rows (96: 64-byte swizzle, 3
+# stages, not causal), and the serial schedule at 256 (80-key tiles, an extended wgmma shape, the
+# fullest shared memory and registers); both element types.
+GATE_UNITS = ("sm90_flash_fwd_hdim128_bf16_causal.cu", "sm90_flash_fwd_hdim96_fp16.cu", "sm90_flash_fwd_hdim256_fp16.cu")
 KERNEL = "flash_fwd_sm90_kernel"
 
 
@@ -87,6 +90,35 @@ def sass_problems(body: str) -> list[str]:
     return problems
 
 
+# Named barriers 8 and 9 (the first two after CUTLASS's reserved ones) with 256 threads: the two
+# consumer warpgroups' turns (hopper/flash_fwd_sm90_kernel.cuh, PingPong).
+PING_PONG_SASS = [r"BAR\.SYNC(?:\.DEFER_BLOCKING)? 0x8, 0x100", r"BAR\.SYNC(?:\.DEFER_BLOCKING)? 0x9, 0x100",
+                  r"BAR\.ARV 0x8, 0x100", r"BAR\.ARV 0x9, 0x100"]
+# A wait for all but the last wgmma batch: Q K^T of tile n done while P V of tile n-1 runs.
+OVERLAP_SASS = r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1"
+
+
+def schedule_problems(body: str, ping_pong: bool, overlap: bool) -> list[str]:
+    """Where a kernel's SASS departs from its tile table's schedule switches."""
+    problems = []
+    turns = [bool(re.search(pattern, body)) for pattern in PING_PONG_SASS]
+    if ping_pong and not all(turns):
+        problems.append("ping-pong on, but not every named-barrier sync/arrive of the turns is there")
+    if not ping_pong and any(turns):
+        problems.append("ping-pong off, but named-barrier turns are there")
+    if overlap != bool(re.search(OVERLAP_SASS, body)):
+        problems.append(f"overlap {'on' if overlap else 'off'}, but a wgmma wait leaving one batch in flight is "
+                        f"{'missing' if overlap else 'there'}")
+    return problems
+
+
+def kernel_config(mangled: str) -> tuple[int, bool]:
+    """(head dim, causal) of a flash_fwd_sm90_kernel<FwdTraits<Element, kHeadDim, kIsCausal>, ...>."""
+    found = re.search(r"FwdTraitsIN7cutlass\d+\w+?_tELi(\d+)ELb([01])E", mangled)
+    assert found, f"not a Hopper forward kernel name: {mangled}"
+    return int(found.group(1)), found.group(2) == "1"
+
+
 HOPPER_SNIPPET = """
         Function : _Z6kernelv
         /*0010*/                   USETMAXREG.TRY URZ, 0xf0 ;
@@ -107,6 +139,35 @@ def test_sass_check_fails_a_kernel_on_mma_sync():
     assert any(p.startswith("no HGMMA") for p in problems)
     assert any(p.startswith("no UTMALDG") for p in problems)
     assert any(p.startswith("HMMA") for p in problems)
+
+
+PING_PONG_SNIPPET = HOPPER_SNIPPET + """\
+        /*0060*/              @!P0 BAR.SYNC.DEFER_BLOCKING 0x8, 0x100 ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x9, 0x100 ;
+        /*0080*/                   BAR.ARV 0x8, 0x100 ;
+        /*0090*/                   BAR.ARV 0x9, 0x100 ;
+        /*00a0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+"""
+
+
+def test_schedule_check_follows_both_switches():
+    body = sass_functions(PING_PONG_SNIPPET)["_Z6kernelv"]
+    assert schedule_problems(body, ping_pong=True, overlap=True) == []
+    assert len(schedule_problems(body, ping_pong=False, overlap=False)) == 2
+    one_turn_lost = body.replace("BAR.ARV 0x9, 0x100", "NOP")
+    assert schedule_problems(one_turn_lost, ping_pong=True, overlap=True) == [
+        "ping-pong on, but not every named-barrier sync/arrive of the turns is there"]
+    serial = sass_functions(HOPPER_SNIPPET)["_Z6kernelv"]
+    assert schedule_problems(serial, ping_pong=False, overlap=False) == []
+    assert len(schedule_problems(serial, ping_pong=True, overlap=True)) == 2
+
+
+def test_kernel_config_reads_the_mangled_traits():
+    name = ("_ZN11attn_export4cuda4sm9021flash_fwd_sm90_kernelINS1_9FwdTraitsIN7cutlass10bfloat16_tELi192ELb1EEE"
+            "13__nv_bfloat16Lb1EEEvNS1_15FwdKernelParamsIT_EE")
+    assert kernel_config(name) == (192, True)
+    assert kernel_config(name.replace("bfloat16_tELi192ELb1E", "half_tELi32ELb0E").replace("10bfloat16", "6half")) \
+        == (32, False)
 
 
 def test_sass_check_fails_local_memory():
@@ -152,13 +213,21 @@ int main() {
   p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports(p));
   p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports(p));
   p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports(p));
+  p.head_dim = p.head_dim_v = 80; std::printf("\"d80\": %d, ", sm90::supports(p));
   p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports(p));
   p = base(); p.k = buffer + 8; std::printf("\"k_misaligned\": %d, ", sm90::supports(p));
   p = base(); p.v_row_stride = 132; std::printf("\"v_row_stride_132\": %d, ", sm90::supports(p));
   p = base(); p.q_head_stride = 0; std::printf("\"q_head_stride_0\": %d, ", sm90::supports(p));
   p = base(); p.out_row_stride = 130; std::printf("\"out_row_stride_130\": %d, ", sm90::supports(p));
   p = base(); p.seqlen_k = 0; std::printf("\"no_keys\": %d", sm90::supports(p));
-  std::printf("}}\n");
+  std::printf("}, \"tiles\": [");
+  sep = "";
+  for (int d : sm90::kHeadDims) for (bool causal : {false, true}) {
+    const sm90::FwdTile t = sm90::fwd_tile(d, causal);
+    std::printf("%s[%d, %d, %d, %d, %d, %d]", sep, d, causal, t.block_n, t.stages, t.ping_pong, t.overlap);
+    sep = ", ";
+  }
+  std::printf("]}\n");
 }
 """
 
@@ -171,21 +240,52 @@ def _cuda_include() -> pathlib.Path:
     return pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 
 
-@pytest.mark.skipif(_host_compiler() is None or not (_cuda_include() / "cuda_runtime_api.h").exists(),
-                    reason="needs a C++ compiler and the CUDA runtime headers")
-def test_hopper_dispatch_rules(tmp_path):
+def _host_rules(tmp_path: pathlib.Path) -> dict:
+    """POLICY_PROGRAM's answers: the dispatch rules and the tile table."""
     source = tmp_path / "policy.cpp"
     source.write_text(POLICY_PROGRAM)
     binary = tmp_path / "policy"
-    subprocess.run([_host_compiler(), "-std=c++17", "-I", str(ROOT / "csrc"), "-I", str(_cuda_include()),
-                    str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
-    result = json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
+    subprocess.run([_host_compiler(), "-std=c++17", "-Wall", "-Werror", "-I", str(ROOT / "csrc"), "-I",
+                    str(_cuda_include()), str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
+    return json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
+
+
+def _tile_table(tmp_path: pathlib.Path) -> dict[tuple[int, bool], dict]:
+    """fwd_tile() of every compiled head dim, causal and not."""
+    return {(d, bool(c)): {"block_n": n, "stages": st, "ping_pong": bool(pp), "overlap": bool(ov)}
+            for d, c, n, st, pp, ov in _host_rules(tmp_path)["tiles"]}
+
+
+_HOST_TOOLS = _host_compiler() is not None and (_cuda_include() / "cuda_runtime_api.h").exists()
+
+
+@pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler and the CUDA runtime headers")
+def test_hopper_dispatch_rules(tmp_path):
+    result = _host_rules(tmp_path)
     # Only a compute-capability-9 device, and only with both switches.
     assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
     assert result["supports"] == {
-        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 0, "dv_differs": 0, "k_misaligned": 0,
+        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 1, "d80": 0, "dv_differs": 0, "k_misaligned": 0,
         "v_row_stride_132": 0, "q_head_stride_0": 0, "out_row_stride_130": 0, "no_keys": 0,
     }
+
+
+@pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler and the CUDA runtime headers")
+def test_tile_table_fits_the_chip(tmp_path):
+    tiles = _tile_table(tmp_path)
+    # every head dim of the sm80 tensor-core path (kernel_traits.h kFlashHeadDims), causal and not
+    flash_dims = re.search(r"kFlashHeadDims\[\]\s*=\s*\{([^}]*)\}",
+                           (ROOT / "csrc" / "kernels" / "cuda" / "kernel_traits.h").read_text()).group(1)
+    assert {d for d, _ in tiles} == {int(d) for d in flash_dims.split(",")}
+    for (d, causal), t in tiles.items():
+        # Q (128 rows) and the K/V ring of 2-byte elements in sm_90's 227 KB per block; a ring of at
+        # least 2 (the overlapped schedule holds V of tile n-1 while it waits for K of tile n)
+        smem = 2 * d * (128 + 2 * t["stages"] * t["block_n"])
+        assert smem <= 227 * 1024 and t["stages"] >= 2, (d, causal, t)
+        assert t["block_n"] % 16 == 0 and t["block_n"] <= 256, (d, causal, t)  # wgmma N, P V's K steps
+        # FA3's rule: ping-pong pays where the softmax is the larger share, head dims <= 128 (a GPU
+        # A/B run may flip it locally; the committed table follows the rule until numbers say otherwise)
+        assert t["ping_pong"] == (d <= 128), (d, causal, t)
 
 
 # ---- The compile gate.
@@ -213,6 +313,7 @@ def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[s
                     reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
 @pytest.mark.skipif(_cuobjdump() is None,
                     reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
+@pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler (the tile table is read from a host program)")
 def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     units = _gate_units()
     start = time.monotonic()
@@ -221,6 +322,8 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     spills, kernels = {}, {}
     for log, obj in built:
         assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
+        # (C7510 and its kin: a wgmma batch left to wait across a call, or too few registers for it)
+        assert "instructions are serialized" not in log, f"ptxas serialized the wgmma in {obj.name}:\n{log[-2000:]}"
         spills.update(ptxas_spills(log))
         # cuobjdump runs nvdisasm, which the wheels install beside it
         env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -232,7 +335,13 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
     spilling = [f"{name}: {stores} B stores, {loads} B loads" for (name, _), (stores, loads) in spills.items()
                 if KERNEL in name and (stores or loads)]
     assert not spilling, "the sm_90a forward spills registers:\n" + "\n".join(spilling)
-    failing = {name: problems for name, body in kernels.items() if (problems := sass_problems(body))}
+    tiles = _tile_table(tmp_path)
+    failing = {}
+    for name, body in kernels.items():
+        tile = tiles[kernel_config(name)]
+        problems = sass_problems(body) + schedule_problems(body, tile["ping_pong"], tile["overlap"])
+        if problems:
+            failing[name] = problems
     assert not failing, "SASS of the sm_90a forward:\n" + json.dumps(failing, indent=1)
     print(f"{len(units)} sm_90a instantiations compiled and checked in {time.monotonic() - start:.0f} s")
 

@@ -15,10 +15,10 @@
 
 namespace attn_export::cuda::sm90 {
 
-// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns): the targets.
-// The traits take any multiple of 16 up to 256 (32, 96 and 192 compile without spills too); each
-// dim here is 4 more instantiations of a CuTe kernel (~30 s of nvcc each), so only these are built.
-inline constexpr int kHeadDims[] = {64, 128, 256};
+// The compiled head dims (head_dim == head_dim_v, exactly: no padded columns): every head dim the
+// sm80 path's tensor-core kernels compile. Each is 4 instantiations of a CuTe kernel (~15-40 s
+// of nvcc each); the tile table (fwd_tile below) sizes their tiles.
+inline constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline constexpr int kNumHeadDims = sizeof(kHeadDims) / sizeof(kHeadDims[0]);
 
 inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
@@ -31,6 +31,42 @@ inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
     }
   }
   return false;
+}
+
+// The tile table: key-tile rows, K/V ring depth and the two scheduling switches of the sm_90a
+// kernel (flash_fwd_sm90_traits.cuh) per head dim and causality, after FlashAttention-3's
+// tile_size.h, within this kernel's shape: 128 query rows in 2 consumer warpgroups of 240
+// registers (FA3 runs 192 rows in 3 warpgroups at head dims <= 96), shared memory <= 227 KB.
+//   d <= 96: 128 keys, 3 stages; ping-pong and overlap.
+//   d 128:   128 keys, 2 stages; ping-pong and overlap. FA3's 176 keys where not causal spilled
+//            ~800 bytes here (S 88 + P 44 + O 64 registers beside the mask code).
+//   d 192:   112 keys, 2 stages (48 + 4 x 42 = 216 KB: FA3's size); serial.
+//   d 256:    80 keys, 2 stages (64 + 4 x 40 = 224 KB: FA3's size); serial.
+// ping_pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so that
+// one's softmax runs while the other's GEMMs hold the tensor cores; FA3 keeps it to head dims
+// <= 128, where the softmax is the larger share of a tile's time. overlap: inside a warpgroup,
+// tile n+1's Q K^T and tile n's P V are issued together and tile n+1's softmax runs while P V
+// executes. At 192 and 256 the overlap holds P beside O (96 or 128 floats) and spilled (124 and
+// 164 bytes), so those run serially. Either switch can be flipped here for a GPU A/B run; the
+// offline gate checks that the SASS follows them (tests/ops/test_cuda_sm90_build.py).
+struct FwdTile {
+  int block_n;
+  int stages;
+  bool ping_pong;
+  bool overlap;
+};
+
+constexpr FwdTile fwd_tile(int head_dim, [[maybe_unused]] bool causal) {
+  if (head_dim <= 96) {
+    return {128, 3, true, true};
+  }
+  if (head_dim <= 128) {
+    return {128, 2, true, true};
+  }
+  if (head_dim <= 192) {
+    return {112, 2, false, false};
+  }
+  return {80, 2, false, false};
 }
 
 // What the tensor memory accelerator requires of a [batch, heads, seqlen, dim] operand of 2-byte

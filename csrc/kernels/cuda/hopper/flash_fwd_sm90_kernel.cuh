@@ -15,12 +15,25 @@
 // fully masked rows -> 0 and lse = -inf. Rows and keys past the sequence ends are zero-filled
 // by the TMA unit (out-of-bounds boxes) and masked.
 //
-// Not yet here (docs/cuda.md "Hopper forward"): ping-pong scheduling of the two consumer
-// warpgroups, softmax overlapped with the next S GEMM, a TMA store epilogue, a persistent
-// scheduler. And nothing here has run: it is compiled and its SASS checked offline only.
+// Scheduling (FlashAttention-3), two compile-time switches of the tile table (fwd_tile()):
+// ping-pong, where the two consumer warpgroups take turns issuing their GEMMs (named barriers,
+// PingPong below) so that one's softmax runs while the other's GEMMs occupy the tensor cores;
+// and intra-warpgroup overlap, where a warpgroup issues tile n+1's Q K^T and tile n's P V and
+// runs tile n+1's softmax while they execute (consume_overlapped).
+//
+// Not yet here (docs/cuda.md "Hopper forward"): a TMA store epilogue, a persistent scheduler.
+// And nothing here has run: it is compiled and its SASS checked offline only.
 #pragma once
 
+// CuTe keeps the wgmma shapes with N not in {8, 16, 32, 64, 96, 128, 192, 256} (the tile table's
+// 80-, 112- and 176-key tiles) behind this switch; it must precede CuTe's first inclusion in the
+// unit (FwdTraits asserts that the full-width shapes were selected).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
+
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
@@ -118,38 +131,85 @@ __device__ void produce(const FwdKernelParams<Traits>& kp, typename Traits::Shar
 
 // ---- The consumers.
 
-// Scores of one tile into the log2 domain: scaled (and soft-capped), masked where any mask
-// can hide something in the tile. coord: (row, column) within the block of each value of s.
-template <typename Traits, bool kIsCausal, typename TS, typename TC>
+// Whether any mask can hide a score of the tile at key n0 of the block at row m0: a mask tensor,
+// the keys' end, the causal diagonal or the window's start.
+template <typename Traits, bool kIsCausal>
+__device__ __forceinline__ bool tile_masked(const AttentionParams& p, const device::ScoreMask<float>& mask, int m0, int n0) {
+  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN;
+  const int shift = kIsCausal ? static_cast<int>(p.causal_shift()) : 0;
+  return mask.reads_memory() || n0 + kBN > p.seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
+      (kIsCausal && device::flash_window_hides(p, m0 + kBM - 1, n0, shift));
+}
+
+// Scores of one tile into the log2 domain: scaled (and soft-capped), and with kMasked, masked.
+// coord: (row, column) within the block of each value of s.
+template <bool kMasked, typename TS, typename TC>
 __device__ __forceinline__ void scale_and_mask(TS& s, const TC& coord, const AttentionParams& p,
                                                const device::ScoreMask<float>& mask,
                                                const device::SoftCap<float>& softcap, int m0, int n0) {
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN;
   const float scale = static_cast<float>(p.scale);
-  const int shift = kIsCausal ? static_cast<int>(p.causal_shift()) : 0;
-  const bool masked = mask.reads_memory() || n0 + kBN > p.seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
-      (kIsCausal && device::flash_window_hides(p, m0 + kBM - 1, n0, shift));
   CUTE_UNROLL
   for (int i = 0; i < size(s); ++i) {
     float x = softcap.on ? softcap.apply(s(i) * scale) * kLog2e : s(i) * (scale * kLog2e);
-    if (masked) {
+    if constexpr (kMasked) {
       x = mask.apply(x, m0 + get<0>(coord(i)), n0 + get<1>(coord(i)));
     }
     s(i) = x;
   }
 }
 
-// The accumulators (fp32) as the 16-bit A operand of the P V wgmma.
-template <typename Element, typename TS>
-__device__ __forceinline__ auto probabilities_as_operand(const TS& s) {
+// The accumulators (fp32) converted into p, the 16-bit A operand of the P V wgmma (same registers'
+// order: acc_as_operand_a).
+template <typename TS, typename TP>
+__device__ __forceinline__ void convert_probabilities(const TS& s, TP& p) {
+  using Element = typename TP::value_type;
   constexpr int kN = decltype(size(s))::value;
-  Tensor p = make_tensor<Element>(acc_as_operand_a(s.layout()));
   cutlass::NumericArrayConverter<Element, float, kN> convert;
   *reinterpret_cast<cutlass::Array<Element, kN>*>(p.data()) =
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(s.data()));
+}
+
+// The accumulators (fp32) as a new 16-bit A operand of a register-sourced wgmma (the backward,
+// flash_bwd_sm90_kernel.cuh, converts its P and dS with it).
+template <typename Element, typename TS>
+__device__ __forceinline__ auto probabilities_as_operand(const TS& s) {
+  Tensor p = make_tensor<Element>(acc_as_operand_a(s.layout()));
+  convert_probabilities(s, p);
   return p;
 }
+
+// Ping-pong: the two consumer warpgroups take turns at issuing GEMMs. Warpgroup w waits on named
+// barrier kFirst + w before its turn and, once its GEMMs are issued, arrives on the other's. The
+// first warpgroup's first turn needs no wait and the second's last arrival nobody would wait for:
+// both are left out, so the barriers balance for any number of turns (none included) and none is
+// pending when the block exits. Both warpgroups walk the same key tiles, so take as many turns.
+template <bool kOn>
+struct PingPong {
+  static constexpr uint32_t kFirst = 0;  // user barrier ids (after CUTLASS's reserved ones)
+  static constexpr uint32_t kThreads = 2 * 128;
+  int wg;  // 0 or 1: which consumer warpgroup
+
+  // (Constant barrier ids in each branch: no register holds them.)
+  __device__ __forceinline__ void begin_turn(bool first) const {
+    if constexpr (kOn) {
+      if (wg == 1) {
+        cutlass::arch::NamedBarrier::sync(kThreads, kFirst + 1);
+      } else if (!first) {
+        cutlass::arch::NamedBarrier::sync(kThreads, kFirst);
+      }
+    }
+  }
+  __device__ __forceinline__ void end_turn(bool last) const {
+    if constexpr (kOn) {
+      if (wg == 0) {
+        cutlass::arch::NamedBarrier::arrive(kThreads, kFirst + 1);
+      } else if (!last) {
+        cutlass::arch::NamedBarrier::arrive(kThreads, kFirst);
+      }
+    }
+  }
+};
 
 // Normalizes O and writes it with the log-sum-exp (natural log). A row with no visible key has
 // sum 0: zero output and lse = -inf. Two adjacent columns per 4-byte store.
@@ -183,44 +243,136 @@ __device__ __forceinline__ void store_output(const AttentionParams& p, const TO&
   }
 }
 
-template <typename Traits, typename RawElement, bool kIsCausal>
-__device__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared, typename Traits::Pipeline& pipe_k,
-                        typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
+// A consumer warpgroup's GEMMs and their operands: Q and the K/V ring in shared memory (wgmma
+// descriptors), O and P in registers. wg: 0 or 1, which consumer warpgroup.
+template <typename T>
+struct ConsumerMma {
+  int tid;  // within the consumers
+  typename T::TiledMmaQK qk;
+  typename T::TiledMmaPV pv;
+  decltype(qk.get_thread_slice(0)) thr_qk = qk.get_thread_slice(tid);
+  decltype(pv.get_thread_slice(0)) thr_pv = pv.get_thread_slice(tid);
+};
+
+// The serial schedule: per tile, S = Q K^T, its softmax, then O += P V, each GEMM waited for.
+// With ping-pong, a turn is Q K^T of tile n+1 issued after P V of tile n (one wait between).
+template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
+__device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
+  typename T::PipelineState read;
+  for (int n = tiles.begin; n < tiles.end; ++n) {
+    Tensor tSrS = partition_fragment_C(m.qk, Shape<typename T::BlockM, typename T::BlockN>{});
+    pipe_k.consumer_wait(read);
+    if (n == tiles.begin) {
+      pp.begin_turn(true);
+    }
+    warpgroup_gemm<true, false>(m.qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pp.end_turn(false);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(read);
+    float correction[decltype(size<0>(rowcol(tOrO.layout())))::value];
+    scores(tSrS, n, correction, [] {});
+    Tensor o_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    rescale_rows(o_rc, correction);
+    Tensor tOrP = make_tensor<typename T::Element>(acc_as_operand_a(tSrS.layout()));
+    convert_probabilities(tSrS, tOrP);
+    pipe_v.consumer_wait(read);
+    pp.begin_turn(false);
+    warpgroup_gemm<false>(m.pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+    pipe_v.consumer_release(read);
+    ++read;
+  }
+  if (tiles.begin < tiles.end) {
+    pp.end_turn(true);
+  }
+}
+
+// The overlapped schedule (FlashAttention-3's intra-warpgroup pipelining): after the first tile,
+// each step issues Q K^T of tile n and P V of tile n-1 together (one ping-pong turn), then runs
+// tile n's softmax while P V executes; O's rescale waits for P V. The last P V follows the loop.
+template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
+__device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
+  if (tiles.begin == tiles.end) {
+    return;
+  }
+  typename T::PipelineState read;
+  Tensor tSrS = partition_fragment_C(m.qk, Shape<typename T::BlockM, typename T::BlockN>{});
+  Tensor tOrP = make_tensor<typename T::Element>(acc_as_operand_a(tSrS.layout()));
+  Tensor o_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  float correction[decltype(size<0>(o_rc))::value];
+  pipe_k.consumer_wait(read);
+  warpgroup_gemm<true>(m.qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+  pipe_k.consumer_release(read);
+  scores(tSrS, tiles.begin, correction, [] {});  // O is still zero: no rescale
+  convert_probabilities(tSrS, tOrP);
+  for (int n = tiles.begin + 1; n < tiles.end; ++n) {
+    const typename T::PipelineState read_v = read;  // P V of tile n-1
+    ++read;
+    pipe_k.consumer_wait(read);
+    pp.begin_turn(n == tiles.begin + 1);
+    warpgroup_gemm<true, false>(m.qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pipe_v.consumer_wait(read_v);
+    warpgroup_gemm<false, false>(m.pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    pp.end_turn(n + 1 == tiles.end);
+    warpgroup_wait<1>();  // Q K^T done, P V may still run
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(read);
+    auto drain = [&] {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+    };
+    scores(tSrS, n, correction, drain);
+    drain();  // a no-op where scores() drained
+    pipe_v.consumer_release(read_v);
+    rescale_rows(o_rc, correction);
+    convert_probabilities(tSrS, tOrP);
+  }
+  pipe_v.consumer_wait(read);
+  warpgroup_gemm<false>(m.pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+  pipe_v.consumer_release(read);
+}
+
+template <typename Traits, typename RawElement>
+__device__ __forceinline__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared,
+    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
   using T = Traits;
   constexpr float kLog2e = 1.4426950408889634f;
-  const int tid = threadIdx.x - 128;  // within the consumers
-  typename T::TiledMmaQK mma_qk;
-  typename T::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tid);
-  auto thr_pv = mma_pv.get_thread_slice(tid);
-  Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(shared.q.data()), typename T::SmemLayoutQ{}));
-  Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(shared.k.data()), typename T::SmemLayoutK{}));
-  Tensor tOrV = thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(shared.v.data()), typename T::SmemLayoutVt{}));
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename T::BlockM, typename T::HeadDim>{});
+  ConsumerMma<T> m{static_cast<int>(threadIdx.x) - 128};
+  Tensor tSrQ = m.thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(shared.q.data()), typename T::SmemLayoutQ{}));
+  Tensor tSrK = m.thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(shared.k.data()), typename T::SmemLayoutK{}));
+  Tensor tOrV = m.thr_pv.partition_fragment_B(make_tensor(make_smem_ptr(shared.v.data()), typename T::SmemLayoutVt{}));
+  Tensor tOrO = partition_fragment_C(m.pv, Shape<typename T::BlockM, typename T::HeadDim>{});
   clear(tOrO);
-  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::BlockN>{}));
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::HeadDim>{}));
+  Tensor cS = m.thr_qk.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::BlockN>{}));
+  Tensor cO = m.thr_pv.partition_C(make_identity_tensor(Shape<typename T::BlockM, typename T::HeadDim>{}));
   OnlineSoftmax<decltype(size<0>(rowcol(tOrO.layout())))::value> softmax;
   const device::ScoreMask<float> mask(p, b, h, kLog2e);
   const device::SoftCap<float> softcap(p);
   const int m0 = m_block * T::kBlockM;
+  // A tile's scores -> its probabilities, and the correction O needs. The per-element mask code
+  // needs registers that the overlapped schedule's in-flight P holds: drain() first waits for
+  // that P V (a tile that needs a mask gives up its overlap), so the registers are free.
+  auto scores = [&](auto& tSrS, int n, auto& correction, auto&& drain) {
+    const int n0 = n * T::kBlockN;
+    if (tile_masked<T, T::kIsCausal>(p, mask, m0, n0)) {
+      drain();
+      scale_and_mask<true>(tSrS, cS, p, mask, softcap, m0, n0);
+    } else {
+      scale_and_mask<false>(tSrS, cS, p, mask, softcap, m0, n0);
+    }
+    Tensor s_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+    softmax.update(s_rc, correction);
+  };
+  const PingPong<T::kPingPong> pp{m.tid / 128};
 
   shared.barrier_q.wait(0);
-  typename T::PipelineState read;
-  for (int n = tiles.begin; n < tiles.end; ++n) {
-    Tensor tSrS = partition_fragment_C(mma_qk, Shape<typename T::BlockM, typename T::BlockN>{});
-    pipe_k.consumer_wait(read);
-    warpgroup_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-    pipe_k.consumer_release(read);
-    scale_and_mask<T, kIsCausal>(tSrS, cS, p, mask, softcap, m0, n * T::kBlockN);
-    Tensor s_rc = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-    Tensor o_rc = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
-    softmax.step(s_rc, o_rc);
-    Tensor tOrP = probabilities_as_operand<typename T::Element>(tSrS);
-    pipe_v.consumer_wait(read);
-    warpgroup_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-    pipe_v.consumer_release(read);
-    ++read;
+  if constexpr (T::kOverlap) {
+    mainloop_overlapped(m, tSrQ, tSrK, tOrV, tOrO, pipe_k, pipe_v, tiles, pp, scores);
+  } else {
+    mainloop_serial(m, tSrQ, tSrK, tOrV, tOrO, pipe_k, pipe_v, tiles, pp, scores);
   }
   store_output<T, RawElement>(p, tOrO, cO, softmax, m0, h, b);
 }
@@ -253,15 +405,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Pipeline pipe_v(shared.pipeline_v, pipe_params, typename T::ClusterShape{});
   __syncthreads();  // barriers initialized before anyone waits on them
 
-  const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+  // The key range is computed in each role, after setmaxnreg: a value live across it would have
+  // to fit the producer's 24 registers too (ptxas spills it otherwise).
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
+      const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
       produce<T, kIsCausal>(kp, shared, pipe_k, pipe_v, tiles, m_block, h, b);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consume<T, RawElement, kIsCausal>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
+    const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+    consume<T, RawElement>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
   }
 #endif
 }
@@ -280,7 +435,7 @@ auto make_tma(const void* ptr, int64_t seqlen, int64_t dim, int64_t heads, int64
 // one block per (128 query rows, head, batch). The caller checked supports(params).
 template <typename Element, int kHeadDim, bool kIsCausal>
 cudaError_t run_flash_fwd_sm90_(const AttentionParams& p, cudaStream_t stream) {
-  using T = FwdTraits<typename CutlassElement<Element>::type, kHeadDim>;
+  using T = FwdTraits<typename CutlassElement<Element>::type, kHeadDim, kIsCausal>;
   if (!supports(p) || p.head_dim != kHeadDim) {
     return cudaErrorInvalidValue;
   }

@@ -29,9 +29,11 @@ __device__ __forceinline__ auto acc_as_operand_a(Layout acc) {
   return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc), get<2, 1>(l));
 }
 
-// One warpgroup-wide GEMM C (+)= A B, issued as one wgmma batch and waited for. kZeroInit: C
-// starts at zero (the first K step overwrites it).
-template <bool kZeroInit, typename TiledMma, typename TA, typename TB, typename TC>
+// One warpgroup-wide GEMM C (+)= A B, issued as one wgmma batch. kZeroInit: C starts at zero
+// (the first K step overwrites it). kWait: wait for it here; otherwise the batch stays in flight
+// (committed as one group) and the caller waits with warpgroup_wait<n>() and fences C after, and
+// must not touch A's registers or C until then.
+template <bool kZeroInit, bool kWait = true, typename TiledMma, typename TA, typename TB, typename TC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA& a, const TB& b, TC& c) {
   constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   if constexpr (kRegisterA) {
@@ -46,10 +48,12 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA& a, const TB& b
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegisterA) {
-    warpgroup_fence_operand(a);
+  if constexpr (kWait) {
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(c);
+    if constexpr (kRegisterA) {
+      warpgroup_fence_operand(a);
+    }
   }
 }
 
@@ -68,10 +72,10 @@ struct OnlineSoftmax {
     }
   }
 
-  // s: this tile's scores (rows, cols), replaced by their probabilities; o: the output
-  // accumulator (rows, cols), rescaled to the new running max.
-  template <typename TS, typename TO>
-  __device__ __forceinline__ void step(TS& s, TO& o) {
+  // s: this tile's scores (rows, cols), replaced by their probabilities relative to the new
+  // running max; correction: what the output accumulated so far must be multiplied by.
+  template <typename TS>
+  __device__ __forceinline__ void update(TS& s, float (&correction)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float mx = row_max[r];
@@ -84,13 +88,9 @@ struct OnlineSoftmax {
       // A row that has seen no visible key keeps max = -inf; subtracting 0 keeps its exponents
       // at -inf (never -inf - -inf = NaN), so its probabilities and correction are 0.
       const float m_use = mx == device::neg_inf<float>() ? 0.f : mx;
-      const float correction = device::fast_exp2(row_max[r] - m_use);
+      correction[r] = device::fast_exp2(row_max[r] - m_use);
       row_max[r] = mx;
-      float sum = row_sum[r] * correction;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o); ++c) {
-        o(r, c) *= correction;
-      }
+      float sum = row_sum[r] * correction[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         s(r, c) = device::fast_exp2(s(r, c) - m_use);
@@ -100,5 +100,17 @@ struct OnlineSoftmax {
     }
   }
 };
+
+// o: the output accumulator (rows, cols), rescaled by OnlineSoftmax::update()'s correction.
+template <typename TO, int kRows>
+__device__ __forceinline__ void rescale_rows(TO& o, const float (&correction)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) {
+      o(r, c) *= correction[r];
+    }
+  }
+}
 
 }  // namespace attn_export::cuda::sm90

@@ -3,8 +3,16 @@
 //
 // One thread block computes kBlockM = 128 query rows of one (batch, head): warpgroup 0 is the
 // producer (one thread issues the TMA loads), warpgroups 1 and 2 the consumers, 64 rows each
-// (wgmma's M). Keys and values stream through a kStages-deep ring of kBlockN-row tiles.
+// (wgmma's M). Keys and values stream through a kStages-deep ring of kBlockN-row tiles, sized
+// per head dim (and causality) by fwd_tile().
 #pragma once
+
+// CuTe keeps the wgmma shapes with N not in {8, 16, 32, 64, 96, 128, 192, 256} (the tile table's
+// 80-, 112- and 176-key tiles) behind this switch; it must precede CuTe's first inclusion in the
+// unit (FwdTraits asserts that the full-width shapes were selected).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -13,6 +21,7 @@
 #include <cstdint>
 
 #include "../../../attention_params.h"
+#include "flash_fwd_sm90.h"
 
 namespace attn_export::cuda::sm90 {
 
@@ -31,18 +40,20 @@ auto smem_atom() {
   }
 }
 
-template <typename Element_, int kHeadDim_>
+// The tile sizes and scheduling switches: fwd_tile() in flash_fwd_sm90.h.
+template <typename Element_, int kHeadDim_, bool kIsCausal_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kIsCausal = kIsCausal_;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "wgmma: K steps of 16, N up to 256");
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim, kIsCausal);
   static constexpr int kBlockM = 128;
-  // Key tiles: 128 keys up to head dim 128, where the scores (64 floats per consumer thread) and
-  // O (up to 64) fit the consumers' 240 registers; 64 above, where O alone is up to 128 floats.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  // The K/V ring: 3 slots where 3 fit beside Q (head dim <= 64: 16 KB per K or V tile), else 2
-  // (d128: 32 KB + 2 x 2 x 32 KB; d256: 64 KB + 2 x 2 x 32 KB).
-  static constexpr int kStages = kHeadDim <= 64 ? 3 : 2;
+  static constexpr int kBlockN = kTile.block_n;
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles: K steps of 16 for P V, N up to 256 for Q K^T");
+  static constexpr int kStages = kTile.stages;
+  static constexpr bool kPingPong = kTile.ping_pong;
+  static constexpr bool kOverlap = kTile.overlap;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // setmaxnreg: the producer gives up registers, the consumers take them (24 * 128 + 2 * 240 * 128
@@ -67,6 +78,10 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<WarpgroupM, HeadDim, BlockN>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomLayout{}));
+  // One wgmma per K step and warpgroup, as wide as the tile (not split into narrower ones).
+  static_assert(decltype(size<1>(typename TiledMmaQK::Shape_MNK{}))::value == kBlockN &&
+                    decltype(size<1>(typename TiledMmaPV::Shape_MNK{}))::value == kHeadDim,
+                "a wgmma shape CuTe did not select: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED must precede cute/");
 
   // Swizzled rows: what TMA writes and wgmma reads without bank conflicts.
   using SmemAtom = decltype(smem_atom<Element, kHeadDim>());
