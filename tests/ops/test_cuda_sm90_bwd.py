@@ -12,46 +12,23 @@ test_cuda.py (helpers.assert_within): at most twice the error of the plain same-
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
+from sm90_gpu import kernels_run
 
 DEVICE = "cuda"
 KERNEL = "flash_bwd_sm90_kernel"
 HEAD_DIMS = [64, 128]  # hopper/flash_bwd_sm90.h kBwdTiles
 
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a GPU"
-    if torch.cuda.get_device_capability(0)[0] != 9:
-        return "the sm_90a backward runs on compute capability 9 only"
-    if os.environ.get("ATTN_EXPORT_CUDA_PREVIEW") != "1" or os.environ.get("ATTN_EXPORT_CUDA_SM90") != "1":
-        return "the sm_90a backward is dispatched only with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
-    from attn_export import _build_info
-    if "9.0a" not in (_build_info.CUDA_ARCHS or ""):
-        return f"attn_export was built for {_build_info.CUDA_ARCHS!r}; the sm_90a backward needs 9.0a"
-    return None
-
-
 pytestmark = pytest.mark.cuda
 
 
 def _kernels_run(fn) -> set[str]:
-    """Names of the CUDA kernels fn() launched (skips the test where the sm_90a backward cannot run:
-    a call, not a skipif mark, so that tests/run_without_pytest.py skips it too)."""
-    reason = _skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+    return kernels_run(fn, "the sm_90a backward")
 
 
 def _assert_ran(ran: set[str]) -> None:
