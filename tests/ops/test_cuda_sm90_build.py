@@ -240,10 +240,11 @@ def _cuda_include() -> pathlib.Path:
     return pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 
 
-def _host_rules(tmp_path: pathlib.Path) -> dict:
-    """POLICY_PROGRAM's answers: the dispatch rules and the tile table."""
+def _host_rules(tmp_path: pathlib.Path, program: str = POLICY_PROGRAM) -> dict:
+    """A host-rules program's answers (POLICY_PROGRAM's: the dispatch rules and the tile table),
+    compiled with g++ alone and run."""
     source = tmp_path / "policy.cpp"
-    source.write_text(POLICY_PROGRAM)
+    source.write_text(program)
     binary = tmp_path / "policy"
     subprocess.run([_host_compiler(), "-std=c++17", "-Wall", "-Werror", "-I", str(ROOT / "csrc"), "-I",
                     str(_cuda_include()), str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
@@ -412,15 +413,9 @@ int main() {
 """
 
 
-@pytest.mark.skipif(_host_compiler() is None or not (_cuda_include() / "cuda_runtime_api.h").exists(),
-                    reason="needs a C++ compiler and the CUDA runtime headers")
+@pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler and the CUDA runtime headers")
 def test_hopper_backward_dispatch_rules(tmp_path):
-    source = tmp_path / "bwd_policy.cpp"
-    source.write_text(BWD_POLICY_PROGRAM)
-    binary = tmp_path / "bwd_policy"
-    subprocess.run([_host_compiler(), "-std=c++17", "-I", str(ROOT / "csrc"), "-I", str(_cuda_include()),
-                    str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
-    result = json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
+    result = _host_rules(tmp_path, BWD_POLICY_PROGRAM)
     # Its own bit, one bit, colliding with no other preview feature.
     bits = result["bits"]
     assert result["backward_bit"] == 1 << 9 and len(set(bits)) == len(bits) and all(b & (b - 1) == 0 for b in bits)
