@@ -32,3 +32,38 @@ def kernels_run(fn, kernel: str) -> set[str]:
         fn()
         torch.cuda.synchronize()
     return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# The sm80 forward's query tile rows (kernel_traits.h FlashFwdTraits<...>::kBlockM, every head dim).
+SM80_BLOCK_M = 64
+
+
+def filling_batch(batch: int, heads: int, seqlen_q: int, group: int = 1) -> int:
+    """The smallest batch >= `batch` whose sm80 forward tiles fill the GPU's SMs (packed or not:
+    the packed count, `heads / group` key/value heads of `group * seqlen_q` rows, is the smaller).
+    There the sm80 forward would not split the keys, so the Hopper forward keeps the problem
+    (forward_plan.h hopper_forward_declines) and a test of the Hopper kernel tests it."""
+    if not torch.cuda.is_available():
+        return batch  # the test skips in kernels_run
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = min(heads * -(-seqlen_q // SM80_BLOCK_M), heads // group * -(-group * seqlen_q // SM80_BLOCK_M))
+    return max(batch, -(-sms // tiles))
+
+
+def padded_batch_mask(batch: int, seqlen_k: int, device: str = "cuda") -> torch.Tensor:
+    """A key-padding mask (True = padded) that cycles through the shapes a padded batch takes:
+    right padding (a third of the keys visible), left padding (the last fifth visible), every key
+    padded, interior holes (a hole of 40% in the middle and every 7th key), and none."""
+    m = torch.zeros(batch, seqlen_k, dtype=torch.bool, device=device)
+    keys = torch.arange(seqlen_k, device=device)
+    for b in range(batch):
+        kind = b % 5
+        if kind == 0:
+            m[b] = keys >= seqlen_k // 3
+        elif kind == 1:
+            m[b] = keys < seqlen_k - seqlen_k // 5
+        elif kind == 2:
+            m[b] = True
+        elif kind == 3:
+            m[b] = ((keys >= 3 * seqlen_k // 10) & (keys < 7 * seqlen_k // 10)) | (keys % 7 == 3)
+    return m

@@ -2,8 +2,11 @@
 backward, which reads its log-sum-exp, gradients) at every compiled head dim (32, 64, 96, 128, 192,
 256: both schedules of the tile table, ping-pong with overlap and serial), fp16 and bf16, every
 mask kind, both causal alignments, the window, grouped-query heads (1 and 8 query heads per key/value head), odd lengths and fully masked
-rows; each test checks with the profiler that the sm_90a kernel ran, so none passes on the sm80
-path by accident.
+rows, padded batches (the padded key tiles skipped); each test checks with the profiler that the
+sm_90a kernel ran, so none passes on the sm80 path by accident. Decode-shaped work is the sm80
+forward's (split-KV, packed grouped heads: forward_plan.h hopper_forward_declines): the parity
+tests take batches that fill the SMs (sm90_gpu.filling_batch), and the decode tests check that the
+sm80 kernels ran instead.
 
 Runs only where the kernel is dispatched: a compute-capability-9 GPU, an extension built with 9.0a
 in TORCH_CUDA_ARCH_LIST, and ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 (read once per
@@ -18,7 +21,7 @@ import torch
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import kernels_run
+from sm90_gpu import filling_batch, kernels_run, padded_batch_mask
 
 DEVICE = "cuda"
 KERNEL = "flash_fwd_sm90_kernel"
@@ -31,9 +34,16 @@ def _kernels_run(fn) -> set[str]:
     return kernels_run(fn, "the sm_90a forward")
 
 
-def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
-    ran = _kernels_run(lambda: check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, softcap=softcap))
+def _assert_ran(ran: set[str]) -> None:
     assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+
+
+def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
+    """check_core on the Hopper forward; `masks`: a dict, or a function of the batch size giving one
+    (the batch grows to fill the SMs: filling_batch)."""
+    B = filling_batch(B, H, Lq)
+    masks = masks(B) if callable(masks) else masks
+    _assert_ran(_kernels_run(lambda: check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, softcap=softcap)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -48,8 +58,8 @@ def test_matches_reference(dtype, head_dim, causal, seqlen):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_masks(dtype, head_dim, mask):
-    B, H, Lq, Lk = 2, 3, 97, 301
-    _check(dtype, B, H, Lq, Lk, head_dim, MASKS[mask](B, H, Lq, Lk, device=DEVICE))
+    H, Lq, Lk = 3, 97, 301
+    _check(dtype, 2, H, Lq, Lk, head_dim, lambda B: MASKS[mask](B, H, Lq, Lk, device=DEVICE))
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -62,18 +72,18 @@ def test_softcap_and_window(head_dim, softcap, window):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
-@pytest.mark.parametrize("Lq,Lk", [(97, 1025), (1025, 97), (1, 4096)])
+@pytest.mark.parametrize("group,Lq,Lk", [(1, 97, 1025), (1, 1025, 97), (1, 1, 4096), (8, 97, 1025), (8, 1025, 97)])
 def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignment, Lq, Lk):
-    """Key/value head h // group read in place by TMA; Lq > Lk bottom-right leaves rows with no key."""
+    """Key/value head h // group read in place by TMA; Lq > Lk bottom-right leaves rows with no key.
+    (One query with 8 heads a group is decode, the sm80 forward's: test_decode_runs_on_the_sm80_path.)"""
     H = 8
+    B = filling_batch(2, H, Lq, group)
     make = lambda *shape: torch.randn(*shape, dtype=dtype, device=DEVICE)  # noqa: E731
-    q, k, v = make(2, H, Lq, head_dim), make(2, H // group, Lk, head_dim), make(2, H // group, Lk, head_dim)
+    q, k, v = make(B, H, Lq, head_dim), make(B, H // group, Lk, head_dim), make(B, H // group, Lk, head_dim)
     masks = {"is_causal": True, "causal_alignment": alignment}
     out = {}
-    ran = _kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, **masks)))
-    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    _assert_ran(_kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, **masks))))
     exact, _ = reference_attention(q, k, v, **masks)
     plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
     assert torch.isfinite(out["o"]).all()
@@ -83,15 +93,102 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_fully_masked_rows_give_zero_and_minus_inf_lse(head_dim):
     """Batch row 1 pads every key: zero output; the backward (which reads lse) stays finite."""
-    B, H, L = 2, 2, 130
-    _kernels_run(lambda: None)  # skips where the sm_90a forward cannot run
+    H, L = 2, 130
+    B = filling_batch(2, H, L)
     q, k, v = (torch.randn(B, H, L, head_dim, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
     pad = padding_mask(B, L, device=DEVICE)
     pad[1] = True
-    out = attn_export.attention(q, k, v, key_padding_mask=pad)
+    got = {}
+    _assert_ran(_kernels_run(lambda: got.setdefault("o", attn_export.attention(q, k, v, key_padding_mask=pad))))
+    out = got["o"]
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+# Key-tile rows of the Hopper forward per head dim (hopper/flash_fwd_sm90.h fwd_tile).
+FWD_BLOCK_N = {32: 128, 64: 128, 96: 128, 128: 128, 192: 112, 256: 80}
+
+
+def _additive(pad: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(pad.shape, device=pad.device).masked_fill(pad, float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [{}, {"is_causal": True, "causal_alignment": 1}], ids=["full", "bottom_right"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_padded_batches(dtype, head_dim, causal, kind):
+    """Right and left padding, every key padded, interior holes (sm90_gpu.padded_batch_mask), the
+    padded key tiles skipped (ATTN_EXPORT_CUDA_PREVIEW=1): output and gradients against float64,
+    and a row whose keys are all padded gives exactly zero."""
+    H, Lq, Lk = 2, 97, 1000
+    B = filling_batch(5, H, Lq)
+    pad = padded_batch_mask(B, Lk, DEVICE)
+    masks = {**causal, "key_padding_mask": pad if kind == "bool" else _additive(pad)}
+    _check(dtype, B, H, Lq, Lk, head_dim, masks)
+    q, k, v = (torch.randn(B, H, n, head_dim, dtype=dtype, device=DEVICE) for n in (Lq, Lk, Lk))
+    out = attn_export.attention(q, k, v, **masks)
+    assert torch.equal(out[2::5], torch.zeros_like(out[2::5]))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_padded_key_tiles_are_not_loaded(head_dim):
+    """Skipping shown, not assumed: K and V are NaN at every key outside each batch row's visible
+    span rounded out to whole key tiles (right, left and full padding). A padded tile that were
+    loaded would turn its rows' output into NaN (its probabilities are 0, 0 x NaN); skipped, the
+    output matches the float64 reference on the clean K and V."""
+    H, Lq, Lk, block_n = 2, 97, 1000, FWD_BLOCK_N[head_dim]
+    B = filling_batch(3, H, Lq)
+    keys = torch.arange(Lk, device=DEVICE)
+    pad = torch.zeros(B, Lk, dtype=torch.bool, device=DEVICE)
+    pad[0::3] = keys >= Lk // 3
+    pad[1::3] = keys < Lk - Lk // 5
+    pad[2::3] = True
+    q, k, v = (torch.randn(B, H, n, head_dim, dtype=torch.bfloat16, device=DEVICE) for n in (Lq, Lk, Lk))
+    k_bad, v_bad = k.clone(), v.clone()
+    for b in range(B):
+        visible = (~pad[b]).nonzero()
+        if len(visible):
+            first, last = int(visible[0]) // block_n * block_n, (int(visible[-1]) // block_n + 1) * block_n
+            outside = (keys < first) | (keys >= last)
+        else:
+            outside = torch.ones(Lk, dtype=torch.bool, device=DEVICE)
+        k_bad[b, :, outside] = float("nan")
+        v_bad[b, :, outside] = float("nan")
+    got = {}
+    _assert_ran(_kernels_run(lambda: got.setdefault("o", attn_export.attention(q, k_bad, v_bad, key_padding_mask=pad))))
+    exact, _ = reference_attention(q, k, v, key_padding_mask=pad)
+    plain, _ = reference_attention(q, k, v, dtype=torch.bfloat16, key_padding_mask=pad)
+    assert torch.isfinite(got["o"]).all(), "a padded key tile was loaded"
+    assert_within(got["o"], plain, exact, torch.bfloat16, "output", Lk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,Lq,Lk,path", [
+    (1, 32, 8, 1, 32768, "split"),  # one sequence, 4 query heads a key/value head: packed and split
+    (1, 32, 32, 1, 32768, "split"),  # multi-head: split
+    (1, 32, 8, 5, 8192, "split"),  # a few speculative tokens
+    (0, 32, 8, 1, 4096, "packed"),  # enough sequences to fill the SMs (filling_batch): packed, unsplit
+    (0, 32, 32, 1, 4096, "hopper"),  # ... multi-head: nothing to pack or split, the Hopper forward
+], ids=["gqa_32k", "mha_32k", "gqa_lq5", "gqa_filled", "mha_filled"])
+def test_decode_runs_on_the_sm80_path(dtype, B, H, Hkv, Lq, Lk, path):
+    """Decode-shaped work stays on the sm80 forward, which splits the keys and packs grouped heads
+    (forward_plan.h hopper_forward_declines): the profiler names the kernels that ran."""
+    B = B or filling_batch(1, H, Lq, H // Hkv)
+    q = torch.randn(B, H, Lq, 128, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(B, Hkv, Lk, 128, dtype=dtype, device=DEVICE) for _ in range(2))
+    masks = {"is_causal": True, "causal_alignment": 1}
+    got = {}
+    ran = _kernels_run(lambda: got.setdefault("o", attn_export.attention(q, k, v, **masks)))
+    hopper = any(KERNEL in name for name in ran)
+    split = any("flash_fwd_split_kernel" in name for name in ran) and any("split_kv_combine_kernel" in name for name in ran)
+    sm80 = any("flash_fwd_kernel" in name for name in ran)
+    assert (hopper, split, sm80) == {"split": (False, True, False), "packed": (False, False, True),
+                                     "hopper": (True, False, False)}[path], sorted(ran)
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert_within(got["o"], plain, exact, dtype, "output", Lk)
 
 
 def test_strides_tma_refuses_fall_back_to_the_sm80_path():

@@ -289,6 +289,88 @@ def test_tile_table_fits_the_chip(tmp_path):
         assert t["ping_pong"] == (d <= 128), (d, causal, t)
 
 
+# Decode-shaped work stays on the sm80 forward (forward_plan.h hopper_forward_declines): where
+# its plan splits the keys (given the workspace) or packs grouped heads of queries shorter than one
+# of its tiles. Each case: [batch, heads, kv heads, Lq, Lk, head dim, causal, SMs].
+DECODE_PROGRAM = r"""
+#include <cstdio>
+#include <string_view>
+#include "kernels/cuda/forward_plan.h"
+using namespace attn_export;
+using namespace attn_export::cuda;
+
+struct Case { const char* name; long long b, h, hkv, lq, lk, d; bool causal; int sms; };
+
+int main() {
+  const Case cases[] = {
+    {"decode_gqa_32k", 1, 32, 8, 1, 32768, 128, false, 132},
+    {"decode_mha_32k", 1, 32, 32, 1, 32768, 128, false, 132},
+    {"decode_mha_b16_4k", 16, 32, 32, 1, 4096, 128, false, 132},
+    {"decode_gqa_b16_4k", 16, 32, 8, 1, 4096, 128, true, 132},
+    {"speculative_gqa_lq5", 4, 32, 8, 5, 8192, 64, true, 132},
+    {"prefill_4k", 1, 32, 8, 4096, 4096, 128, true, 132},
+    {"prefill_gqa_lq97_b16", 16, 8, 1, 97, 1025, 128, true, 132},
+    {"prefill_gqa_lq97_b2", 2, 8, 1, 97, 1025, 128, true, 132},
+    {"small_prefill_1025", 2, 3, 3, 1025, 1025, 128, false, 132},
+    {"small_prefill_filled", 8, 3, 3, 1025, 1025, 128, false, 132},
+    {"short_keys_d256", 2, 3, 3, 97, 96, 256, false, 132},
+    {"decode_top_left_causal", 1, 32, 32, 1, 32768, 128, true, 132},
+  };
+  std::printf("{");
+  const char* sep = "";
+  for (const Case& c : cases) {
+    AttentionParams p;
+    p.batch = c.b; p.num_heads = c.h; p.num_heads_k = c.hkv; p.seqlen_q = c.lq; p.seqlen_k = c.lk;
+    p.head_dim = p.head_dim_v = c.d; p.dtype = DataType::kBFloat16; p.is_causal = c.causal;
+    p.causal_alignment = kCausalBottomRight;
+    if (std::string_view(c.name) == "decode_top_left_causal") p.causal_alignment = kCausalTopLeft;
+    const FlashFwdPlan plan = flash_fwd_plan(p, flash_tile_dim(p, true), c.sms, true);
+    const size_t ws = plan.workspace_bytes();
+    // [packs, chunks, workspace bytes, declines with that workspace, without any, without the preview]
+    std::printf("%s\"%s\": [%d, %d, %zu, %d, %d, %d]", sep, c.name, plan.pack_gqa, plan.split.num_splits, ws,
+                hopper_forward_declines(p, c.sms, ws, true), hopper_forward_declines(p, c.sms, 0, true),
+                hopper_forward_declines(p, c.sms, ws, false));
+    sep = ", ";
+  }
+  std::printf("}\n");
+}
+"""
+
+
+@pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler and the CUDA runtime headers")
+def test_hopper_forward_leaves_decode_to_the_sm80_path(tmp_path):
+    got = {name: dict(zip(("packs", "chunks", "workspace", "declines", "declines_no_ws", "declines_no_preview"), row))
+           for name, row in _host_rules(tmp_path, DECODE_PROGRAM).items()}
+    for name, row in got.items():
+        # the rule reads the sm80 plan: declined exactly where that plan splits (with its workspace)
+        # or packs a short query; never without the preview (neither feature runs then)
+        assert row["declines"] == (row["chunks"] > 1 or bool(row["declines_no_ws"])), (name, row)
+        assert (row["workspace"] > 0) == (row["chunks"] > 1), (name, row)
+        assert row["declines_no_preview"] == 0, (name, row)
+    # Llama-style decode (8 query heads a key/value head, one query, 32k cache, one sequence):
+    # packed and split on sm80; packed even without a workspace, so declined either way.
+    assert got["decode_gqa_32k"] == {**got["decode_gqa_32k"], "packs": 1, "declines": 1, "declines_no_ws": 1}
+    assert got["decode_gqa_32k"]["chunks"] > 1
+    # multi-head decode of one sequence: split with a workspace (the binding's, the plugin's), else Hopper
+    assert got["decode_mha_32k"]["chunks"] > 1 and got["decode_mha_32k"]["declines"] == 1
+    assert got["decode_mha_32k"]["declines_no_ws"] == 0
+    # 16 x 32 heads fill 132 SMs: no split; multi-head: the Hopper forward; grouped: packed, sm80
+    assert got["decode_mha_b16_4k"] == {**got["decode_mha_b16_4k"], "chunks": 1, "declines": 0}
+    assert got["decode_gqa_b16_4k"] == {**got["decode_gqa_b16_4k"], "packs": 1, "declines": 1}
+    assert got["speculative_gqa_lq5"]["packs"] == 1 and got["speculative_gqa_lq5"]["declines_no_ws"] == 1
+    # prefill stays on the Hopper forward, including grouped heads that sm80 would pack (97 rows)
+    assert got["prefill_4k"] == {**got["prefill_4k"], "packs": 0, "chunks": 1, "declines": 0}
+    assert got["prefill_gqa_lq97_b16"] == {**got["prefill_gqa_lq97_b16"], "packs": 1, "chunks": 1, "declines": 0}
+    # ... unless its tiles cannot fill the SMs and sm80 splits it (2 x 13 packed tiles)
+    assert got["prefill_gqa_lq97_b2"]["chunks"] > 1 and got["prefill_gqa_lq97_b2"]["declines"] == 1
+    assert got["small_prefill_1025"]["chunks"] > 1 and got["small_prefill_1025"]["declines"] == 1
+    assert got["small_prefill_filled"] == {**got["small_prefill_filled"], "chunks": 1, "declines": 0}
+    # fewer than 2 x 2 key tiles: nothing to split
+    assert got["short_keys_d256"] == {**got["short_keys_d256"], "chunks": 1, "declines": 0}
+    # top-left causal decode sees one key: nothing to split either
+    assert got["decode_top_left_causal"] == {**got["decode_top_left_causal"], "chunks": 1, "declines": 0}
+
+
 # ---- The compile gate.
 
 def _gate_units() -> list[pathlib.Path]:

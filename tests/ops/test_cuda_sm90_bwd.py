@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import kernels_run
+from sm90_gpu import kernels_run, padded_batch_mask
 
 DEVICE = "cuda"
 KERNEL = "flash_bwd_sm90_kernel"
@@ -160,3 +160,35 @@ def test_layer_operator_uses_it_and_a_weights_gradient_falls_back():
                                                     batch_first=True)
     ran = _kernels_run(lambda: torch.autograd.grad(out.sum() + weights.sum(), x))
     assert not any(KERNEL in name for name in ran), sorted(ran)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_padded_key_blocks(head_dim, group, deterministic):
+    """Right, left and full padding and interior holes (sm90_gpu.padded_batch_mask), the padded key
+    blocks skipped (skip_padded_key_block: dK = dV = 0, no query block loaded); in deterministic
+    mode a skipped block still passes on its dQ turns (a lost turn would hang the blocks after it).
+    Gradients against float64; the padded keys' dK and dV exactly zero."""
+    B, H, Lq, Lk = 5, 4, 300, 1000
+    pad = padded_batch_mask(B, Lk, DEVICE)
+    make = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)  # noqa: E731
+    q, k, v = make(B, H, Lq, head_dim), make(B, H // group, Lk, head_dim), make(B, H // group, Lk, head_dim)
+    grad = torch.randn(B, H, Lq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = attn_export.attention(q, k, v, key_padding_mask=pad)
+        got = {}
+        _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    exact, _ = reference_attention(q, k, v, key_padding_mask=pad)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=torch.bfloat16, key_padding_mask=pad)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(got["g"], plain, want, "qkv"):
+        assert_within(g, p, w, torch.bfloat16, f"grad {name}", Lk, scale=want)
+    padded = pad[:, None, :, None].expand_as(got["g"][1])
+    for g in got["g"][1:]:
+        assert torch.equal(g[padded], torch.zeros_like(g[padded]))

@@ -164,11 +164,17 @@ def test_grouped_query_heads_are_packed_with_the_preview_when_fewer_tiles_result
 
 
 def test_the_dispatch_reads_the_policy():
-    """attention_cuda.cu routes every choice through the policy (a rename or a removed check fails here)."""
+    """attention_cuda.cu and the forward's plan (forward_plan.h) route every choice through the policy
+    (a rename or a removed check fails here)."""
     text = (CUDA_KERNELS / "attention_cuda.cu").read_text()
-    for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::needed_features(p)",
-                "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))", "attention_preview_enabled() &&",
+    plan = (CUDA_KERNELS / "forward_plan.h").read_text()
+    for use in ("policy::allowed(policy::needed_features(p)",
+                "policy::preview_from_env(std::getenv(policy::kPreviewEnvVar))",
+                "cuda::flash_tile_dim(p, attention_preview_enabled())",
+                "flash_fwd_plan(p, flash_tile_dim(p), sm_count, attention_preview_enabled())",
                 "policy::flash_bwd_col_split_128(attention_preview_enabled())",
-                "policy::skip_padded_key_tiles(p, attention_preview_enabled())",
-                "policy::pack_gqa(p, block_m, attention_preview_enabled())"):
+                "policy::skip_padded_key_tiles(p, attention_preview_enabled())"):
         assert use in text, use
+    for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::kSplitKv, preview)",
+                "policy::pack_gqa(p, block_m, preview)"):
+        assert use in plan, use

@@ -16,6 +16,7 @@
 
 #include "attention_launchers.h"
 #include "dispatch_policy.h"
+#include "forward_plan.h"
 #include "kernel_traits.h"
 #include "split_kv.h"
 #if defined(ATTN_EXPORT_WITH_SM90)
@@ -149,16 +150,9 @@ int64_t max_head_dim(const AttentionParams& p) {
   return p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
 }
 
-// The compiled flash head dim a problem runs on, its columns past head_dim (q, k) and
-// head_dim_v (v, out) masked; 0 when none fits. Both dims must be multiples of 8 elements (16
-// bytes): the padded loads and stores work in 16-byte chunks and element pairs. Without the
-// preview switch only the verified head dims run here (the others on the generic kernels).
+// The compiled flash head dim a problem runs on (forward_plan.h), at this process's preview switch.
 int flash_tile_dim(const AttentionParams& p) {
-  const bool chunked = p.head_dim > 0 && p.head_dim_v > 0 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0;
-  if (!attention_preview_enabled() && !policy::verified_flash_head_dims(p.head_dim, p.head_dim_v)) {
-    return 0;
-  }
-  return chunked ? flash_tile_head_dim(max_head_dim(p)) : 0;
+  return cuda::flash_tile_dim(p, attention_preview_enabled());
 }
 
 // ---- The Hopper forward (dispatch_policy.h kHopperForward; built with ATTN_EXPORT_WITH_SM90 only).
@@ -178,11 +172,14 @@ cudaError_t run_sm90_head_dim(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // Runs the sm_90a forward when the device, the switches and the params allow it, and sets `ran`.
-// Returned attention weights (a debugging output) stay on the sm80 path, which computes them.
-cudaError_t try_sm90_forward(const AttentionParams& p, cudaStream_t stream, bool& ran) {
+// Returned attention weights (a debugging output) stay on the sm80 path, which computes them;
+// so does decode-shaped work, where the sm80 forward's plan splits the keys (given `available`
+// bytes of workspace) or packs grouped query heads (forward_plan.h hopper_forward_declines).
+cudaError_t try_sm90_forward(const AttentionParams& p, const FlashFwdPlan& plan, size_t available, cudaStream_t stream,
+                             bool& ran) {
   static const bool sm90_switch = policy::preview_from_env(std::getenv(policy::kSm90EnvVar));
   ran = p.weights == nullptr && policy::hopper_forward_allowed(device_major(), attention_preview_enabled(), sm90_switch) &&
-      sm90::supports(p);
+      sm90::supports(p) && !hopper_forward_declines(plan, p, available);
   if (!ran) {
     return cudaSuccess;
   }
@@ -236,71 +233,21 @@ cudaError_t run_sm90_backward(const AttentionBackwardParams& p, void* workspace,
 }
 #endif
 
-// ---- Forward workspace (preview only): the split-KV partial results, [out_accum][lse_accum].
+// ---- The flash forward's plan (forward_plan.h): packed query heads, split-KV and its workspace,
+// [out_accum][lse_accum] (preview only).
 
-struct ForwardWorkspace {
-  SplitCount count;
-  size_t out_bytes = 0, lse_bytes = 0;
-  size_t total() const { return out_bytes + lse_bytes; }
-};
-
-size_t round_up_256(size_t bytes) {
-  return (bytes + 255) / 256 * 256;
-}
-
-// The flash forward's tile sizes (kBlockM, kBlockN) at this problem's compiled head dim.
-void flash_fwd_blocks(const AttentionParams& p, int& block_m, int& block_n) {
-  switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
-    block_m = FlashFwdTraits<decltype(dim)::value>::kBlockM;
-    block_n = FlashFwdTraits<decltype(dim)::value>::kBlockN;
-    return cudaSuccess;
-  });
+// The plan of problems the flash forward runs; the empty plan for the others.
+FlashFwdPlan forward_plan(const AttentionParams& p, int sm_count) {
+  if (attention_params_error(p) != nullptr || p.batch <= 0 || p.num_heads <= 0 || p.seqlen_q <= 0 ||
+      !attention_uses_tensor_cores(p)) {
+    return FlashFwdPlan{};
+  }
+  return flash_fwd_plan(p, flash_tile_dim(p), sm_count, attention_preview_enabled());
 }
 
 // Whether the flash forward packs each key/value head's query heads into its tiles (dispatch_policy.h).
 bool packs_query_heads(const AttentionParams& p) {
-  if (!attention_uses_tensor_cores(p)) {
-    return false;
-  }
-  int block_m = 0, block_n = 0;
-  flash_fwd_blocks(p, block_m, block_n);
-  return policy::pack_gqa(p, block_m, attention_preview_enabled());
-}
-
-// The flash forward's programs before any split: query tiles x heads x batch, or packed, tiles
-// of a group's rows x key/value heads x batch.
-int64_t flash_fwd_programs(const AttentionParams& p, int block_m) {
-  if (packs_query_heads(p)) {
-    const int64_t rows = p.num_heads / p.num_heads_k * p.seqlen_q;
-    return p.batch * p.num_heads_k * ((rows + block_m - 1) / block_m);
-  }
-  return p.batch * p.num_heads * ((p.seqlen_q + block_m - 1) / block_m);
-}
-
-bool split_kv_candidate(const AttentionParams& p) {
-  return attention_preview_enabled() && attention_params_error(p) == nullptr && p.batch > 0 && p.num_heads > 0 &&
-      p.seqlen_q > 0 && attention_uses_tensor_cores(p);
-}
-
-ForwardWorkspace forward_workspace(const AttentionParams& p, int sm_count) {
-  ForwardWorkspace w;
-  if (!split_kv_candidate(p)) {
-    return w;
-  }
-  int block_m = 0, block_n = 0;
-  flash_fwd_blocks(p, block_m, block_n);
-  // The keys any row sees: under causality, none past the last row's diagonal.
-  const int64_t key_end = p.is_causal ? std::max<int64_t>(0, std::min(p.seqlen_k, p.seqlen_q + p.causal_shift()))
-                                      : p.seqlen_k;
-  const int64_t programs = flash_fwd_programs(p, block_m);
-  w.count = split_count(programs, (key_end + block_n - 1) / block_n, sm_count);
-  if (w.count.num_splits < 2 || p.batch * w.count.num_splits > 65535) {  // grid z holds batch * chunks
-    return ForwardWorkspace{};
-  }
-  const size_t rows = static_cast<size_t>(w.count.num_splits * p.batch * p.num_heads * p.seqlen_q);
-  w.out_bytes = round_up_256(rows * static_cast<size_t>(p.head_dim_v) * sizeof(float));
-  w.lse_bytes = round_up_256(rows * sizeof(float));
-  return w;
+  return forward_plan(p, 0).pack_gqa;  // packing does not depend on the SMs
 }
 
 // ---- Backward workspace: [delta: batch*heads*seqlen_q accumulation type]
@@ -386,7 +333,7 @@ bool attention_packs_query_heads(const AttentionParams& p) {
 }
 
 size_t attention_forward_workspace_size(const AttentionParams& p) {
-  return forward_workspace(p, device_sm_count()).total();
+  return forward_plan(p, device_sm_count()).workspace_bytes();
 }
 
 size_t attention_forward_workspace_bound(const AttentionParams& p) {
@@ -417,26 +364,25 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) {
     return cudaSuccess;
   }
+  const FlashFwdPlan plan = forward_plan(p, device_sm_count());
+  const size_t available = workspace != nullptr ? workspace_bytes : 0;
+  AttentionParams flash_params = p;
+  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
 #if defined(ATTN_EXPORT_WITH_SM90)
   bool sm90_ran = false;
-  if (const cudaError_t err = try_sm90_forward(p, stream, sm90_ran); err != cudaSuccess || sm90_ran) {
+  if (const cudaError_t err = try_sm90_forward(flash_params, plan, available, stream, sm90_ran);
+      err != cudaSuccess || sm90_ran) {
     return err;
   }
 #endif
   const bool flash = attention_uses_tensor_cores(p);
-  const bool pack_gqa = flash && packs_query_heads(p);
   SplitKv split;
-  if (flash && workspace != nullptr) {
-    const ForwardWorkspace w = forward_workspace(p, device_sm_count());
-    if (w.count.num_splits > 1 && workspace_bytes >= w.total()) {
-      split.num_splits = w.count.num_splits;
-      split.blocks_per_split = w.count.blocks_per_split;
-      split.out_accum = static_cast<float*>(workspace);
-      split.lse_accum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + w.out_bytes);
-    }
+  if (plan.splits(available)) {
+    split.num_splits = plan.split.num_splits;
+    split.blocks_per_split = plan.split.blocks_per_split;
+    split.out_accum = static_cast<float*>(workspace);
+    split.lse_accum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + plan.out_bytes);
   }
-  AttentionParams flash_params = p;
-  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     return switch_generic_regs(max_head_dim(p), [&](auto regs) -> cudaError_t {
@@ -445,7 +391,7 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
         if (flash) {
           err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, pack_gqa,
+              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, plan.pack_gqa,
                                                                                 stream);
             });
           });
@@ -490,15 +436,15 @@ cudaError_t run_attention_backward(const AttentionBackwardParams& p, void* works
   if (p.batch == 0 || p.num_heads == 0) {
     return cudaSuccess;
   }
+  AttentionBackwardParams flash_params = p;
+  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
 #if defined(ATTN_EXPORT_WITH_SM90)
   if (sm90_backward_runs(p)) {
-    return run_sm90_backward(p, workspace, stream);
+    return run_sm90_backward(flash_params, workspace, stream);
   }
 #endif
   const bool flash = flash_backward(p);
   const WorkspaceLayout layout = workspace_layout(p);
-  AttentionBackwardParams flash_params = p;
-  flash_params.skip_padded_key_tiles = policy::skip_padded_key_tiles(p, attention_preview_enabled());
   return switch_dtype(p.dtype, [&](auto type) -> cudaError_t {
     using T = typename decltype(type)::type;
     using Acc = acc_t<T>;

@@ -36,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../key_tile_range.cuh"
 #include "../launch.h"
 #include "flash_bwd_sm90.h"
 #include "flash_bwd_sm90_traits.cuh"
@@ -389,6 +390,47 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   store_dkdv<T, RawElement>(p, tdKrdK, tdVrdV, cdKV, n0, kv, b, group);
 }
 
+// Padded batches (params.skip_padded_key_tiles; key_tile_range.cuh, the sm80 backward's `own`
+// check): when the key-padding mask pads every key of this block, dK = dV = 0 for the group's
+// query heads and no query block is loaded; in deterministic mode the block still passes on its
+// turn at each query block it would have added to, after its predecessor's. Every thread calls
+// it before any barrier or copy (`scratch`: two ints of shared memory, free then); true: done.
+template <typename T, typename RawElement, bool kIsCausal>
+__device__ bool skip_padded_key_block(const BwdKernelParams<T>& kp, int n_block, int kv, int b, int* scratch) {
+  const AttentionBackwardParams& p = kp.attn;
+  const device::KeyTiles own = device::key_tile_range<T::kBlockN, T::kThreads>(p, b, n_block, n_block + 1, scratch);
+  if (own.begin < own.end) {
+    return false;
+  }
+  const int group = group_size(p), n0 = n_block * T::kBlockN;
+  const int keys = device::imin(T::kBlockN, static_cast<int>(p.seqlen_k) - n0);
+  const int pairs = static_cast<int>((p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v) / 2);
+  for (int i = threadIdx.x; i < group * keys * pairs; i += T::kThreads) {  // 4-byte stores, as store_dkdv
+    const int col = 2 * (i % pairs), key = n0 + i / pairs % keys;
+    const int64_t h = static_cast<int64_t>(kv) * group + i / pairs / keys;
+    if (col < p.head_dim) {
+      *reinterpret_cast<uint32_t*>(static_cast<RawElement*>(p.grad_k) + b * p.grad_k_batch_stride +
+                                   h * p.grad_k_head_stride + key * p.grad_k_row_stride + col) = 0u;
+    }
+    if (col < p.head_dim_v) {
+      *reinterpret_cast<uint32_t*>(static_cast<RawElement*>(p.grad_v) + b * p.grad_v_batch_stride +
+                                   h * p.grad_v_head_stride + key * p.grad_v_row_stride + col) = 0u;
+    }
+  }
+  if (kp.order != nullptr && threadIdx.x == 0) {
+    const int m_blocks = static_cast<int>(kp.seqlen_q_rounded / T::kBlockM);
+    for (int g = 0; g < group; ++g) {
+      int* turns = kp.order + (static_cast<int64_t>(b) * p.num_heads + kv * group + g) * m_blocks;
+      for (int m = first_query_block<T, kIsCausal>(p, n0); m * T::kBlockM < p.seqlen_q; ++m) {
+        while (load_acquire(turns + m) != n_block) {
+        }
+        store_release(turns + m, n_block + 1);
+      }
+    }
+  }
+  return true;
+}
+
 template <typename Traits, typename RawElement, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdKernelParams<Traits> kp) {
@@ -399,6 +441,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& shared = *reinterpret_cast<typename T::SharedStorage*>(attn_export_sm90_bwd_smem);
   const int warpgroup = threadIdx.x / 128;
   const int n_block = blockIdx.x, kv = blockIdx.y, b = blockIdx.z;
+  if (skip_padded_key_block<T, RawElement, kIsCausal>(kp, n_block, kv, b, reinterpret_cast<int*>(attn_export_sm90_bwd_smem))) {
+    return;
+  }
 
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = T::kTmaBytesStage;

@@ -13,7 +13,8 @@
 // boolean/additive attn_mask and key_padding_mask with broadcast strides, both causal
 // alignments, the sliding window, grouped-query heads (TMA reads key/value head kv_head(h)),
 // fully masked rows -> 0 and lse = -inf. Rows and keys past the sequence ends are zero-filled
-// by the TMA unit (out-of-bounds boxes) and masked.
+// by the TMA unit (out-of-bounds boxes) and masked. With params.skip_padded_key_tiles, the key
+// tiles a key-padding mask pads entirely at either end are skipped (find_key_tiles).
 //
 // Scheduling (FlashAttention-3), two compile-time switches of the tile table (fwd_tile()):
 // ping-pong, where the two consumer warpgroups take turns issuing their GEMMs (named barriers,
@@ -41,6 +42,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../key_tile_range.cuh"
 #include "../launch.h"
 #include "flash_fwd_sm90.h"
 #include "flash_fwd_sm90_softmax.cuh"
@@ -89,6 +91,24 @@ __device__ __forceinline__ KeyTiles key_tiles(const AttentionParams& p, int m0) 
   const int end = static_cast<int>((key_end + kBN - 1) / kBN);
   const int64_t first_key = p.window > 0 ? clamp_keys(m0 + 1 + shift - p.window, seqlen_k) : 0;
   return {device::imin(end, static_cast<int>(first_key / kBN)), end};
+}
+
+// The key tiles the block visits, into shared `tiles` ([begin, end)): key_tiles(), clamped with
+// params.skip_padded_key_tiles to the tiles holding the first and the last key of the batch row
+// that the key-padding mask leaves visible (key_tile_range.cuh, as the sm80 forward; interior
+// holes stay masked per element). Every thread calls it, before the role split: the producer and
+// both consumer warpgroups then read one pair and walk exactly the same tiles, as their pipeline
+// and the ping-pong barriers need, and nothing lives in registers across setmaxnreg. A row with
+// no visible key visits no tile: zero output, lse = -inf. `tiles` doubles as the range's scratch.
+template <typename Traits, bool kIsCausal>
+__device__ __forceinline__ void find_key_tiles(const AttentionParams& p, int m_block, int b, int* tiles) {
+  const KeyTiles all = key_tiles<Traits, kIsCausal>(p, m_block * Traits::kBlockM);
+  const device::KeyTiles visible =
+      device::key_tile_range<Traits::kBlockN, Traits::kThreads>(p, b, all.begin, all.end, tiles);
+  if (threadIdx.x == 0) {  // after key_tile_range's last barrier: every thread has read the scratch
+    tiles[0] = visible.begin;
+    tiles[1] = visible.end;
+  }
 }
 
 // ---- The producer: one thread of warpgroup 0 issues every TMA load.
@@ -403,19 +423,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   Pipeline pipe_k(shared.pipeline_k, pipe_params, typename T::ClusterShape{});
   Pipeline pipe_v(shared.pipeline_v, pipe_params, typename T::ClusterShape{});
-  __syncthreads();  // barriers initialized before anyone waits on them
+  find_key_tiles<T, kIsCausal>(kp.attn, m_block, b, shared.key_tiles);
+  __syncthreads();  // barriers initialized before anyone waits on them; the key tiles written
 
-  // The key range is computed in each role, after setmaxnreg: a value live across it would have
-  // to fit the producer's 24 registers too (ptxas spills it otherwise).
+  // Each role reads the key tiles from shared memory after setmaxnreg: a value live across it
+  // would have to fit the producer's 24 registers too (ptxas spills it otherwise).
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
-      const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+      const KeyTiles tiles{shared.key_tiles[0], shared.key_tiles[1]};
       produce<T, kIsCausal>(kp, shared, pipe_k, pipe_v, tiles, m_block, h, b);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    const KeyTiles tiles = key_tiles<T, kIsCausal>(kp.attn, m_block * T::kBlockM);
+    const KeyTiles tiles{shared.key_tiles[0], shared.key_tiles[1]};
     consume<T, RawElement>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
   }
 #endif

@@ -114,6 +114,7 @@ struct FwdTraits {
     cutlass::arch::ClusterTransactionBarrier barrier_q;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
+    int key_tiles[2];  // the block's key tiles [begin, end), found before the role split (no TMA writes it)
   };
   static constexpr size_t kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "the tiles must fit sm_90's 227 KB of shared memory per block");
