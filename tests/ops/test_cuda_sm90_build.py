@@ -478,6 +478,9 @@ int main() {
   p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports_backward(p));
   p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports_backward(p));
   p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports_backward(p));
+  p.head_dim = p.head_dim_v = 32; std::printf("\"d32\": %d, ", sm90::supports_backward(p));
+  p.head_dim = p.head_dim_v = 80; std::printf("\"d80\": %d, ", sm90::supports_backward(p));
+  p.head_dim = p.head_dim_v = 192; std::printf("\"d192\": %d, ", sm90::supports_backward(p));
   p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports_backward(p));
   p = base(); p.grad_out = buffer + 8; std::printf("\"dout_misaligned\": %d, ", sm90::supports_backward(p));
   p = base(); p.grad_out_row_stride = 132; std::printf("\"dout_row_stride_132\": %d, ", sm90::supports_backward(p));
@@ -504,7 +507,8 @@ def test_hopper_backward_dispatch_rules(tmp_path):
     # Only a compute-capability-9 device, and only with both switches (the forward's gate).
     assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
     assert result["supports"] == {
-        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 0, "d96": 0, "dv_differs": 0, "dout_misaligned": 0,
+        "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 0, "d96": 1, "d32": 1, "d80": 0, "d192": 0,
+        "dv_differs": 0, "dout_misaligned": 0,
         "dout_row_stride_132": 0, "dk_row_stride_odd": 0, "grad_weights": 0, "heads_not_divisible": 0,
         "no_queries": 0,
     }
@@ -514,9 +518,23 @@ def test_hopper_backward_dispatch_rules(tmp_path):
     assert result["deterministic_order"] == 256  # one int per (batch, head, query block), 16 ints rounded up
 
 
+def test_backward_gpu_tests_cover_every_tile_row():
+    """test_cuda_sm90_bwd.py runs every head dim of kBwdTiles, the table that the generator and the
+    dispatch walk: a row added without its GPU tests fails here."""
+    script = ROOT / "csrc" / "kernels" / "cuda" / "generate_kernels.py"
+    spec = importlib.util.spec_from_file_location("generate_kernels", script)
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    gpu_tests = (ROOT / "tests" / "ops" / "test_cuda_sm90_bwd.py").read_text()
+    found = re.search(r"^HEAD_DIMS = \[([^\]]*)\]", gpu_tests, flags=re.M)
+    assert found, "test_cuda_sm90_bwd.py declares no HEAD_DIMS = [...]"
+    assert [int(d) for d in found.group(1).split(",")] == generate._sm90_bwd_head_dims() == [32, 64, 96, 128]
+
+
 # The CI set: one unit, d128 bf16 causal -- the tightest register budget (dK and dV take 128 of a
 # consumer thread's 240 registers at d128) and the causal diagonal's mask code on top; the fp16,
-# d64 and non-causal units share every line of it. ATTN_EXPORT_SM90_GATE=all compiles all eight.
+# d32/d64/d96 and non-causal units share every line of it (d96 differs in K's shared-memory atom,
+# 32-byte, and dQ's wgmma width, 48). ATTN_EXPORT_SM90_GATE=all compiles all sixteen.
 BWD_GATE_UNITS = ("sm90_flash_bwd_hdim128_bf16_causal.cu",)
 BWD_KERNEL = "flash_bwd_sm90_kernel"
 # The extension's own nvcc flags (setup.py, torch's CUDAExtension): C++20 and no implicit half conversions.

@@ -22,13 +22,15 @@ namespace attn_export::cuda::sm90 {
 // stream past block_n keys per thread block; two MMA warpgroups own block_n / 2 keys each and
 // keep their dK and dV (2 x 64 x head_dim floats per warpgroup) in registers. d128 takes 64-row
 // query blocks so that S^T, dP^T (2 x 32), dK, dV (2 x 64) and a dQ slice (32) fit 240 registers;
-// d64 takes 128-row blocks (S^T, dP^T 2 x 64, dK, dV 2 x 32, dQ 32). Head dim 256 has no row:
+// d64 takes 128-row blocks (S^T, dP^T 2 x 64, dK, dV 2 x 32, dQ 32). d32 and d96 take d64's and
+// d128's tiles (FlashAttention-3's d96 tile): d32 S^T, dP^T 2 x 64, dK, dV 2 x 16, dQ 16; d96
+// S^T, dP^T 2 x 32, dK, dV 2 x 48, dQ 24 (half of the 96 columns). Head dim 256 has no row:
 // its dK and dV alone would take 256 registers per thread at 64 keys per warpgroup (wgmma's M);
 // it needs dK/dV split over more warpgroups or kept partly in shared memory (docs/cuda.md).
 struct BwdTile {
   int head_dim, block_m, block_n;
 };
-inline constexpr BwdTile kBwdTiles[] = {{64, 128, 128}, {128, 64, 128}};
+inline constexpr BwdTile kBwdTiles[] = {{32, 128, 128}, {64, 128, 128}, {96, 64, 128}, {128, 64, 128}};
 inline constexpr int kNumBwdTiles = sizeof(kBwdTiles) / sizeof(kBwdTiles[0]);
 
 inline constexpr BwdTile bwd_tile(int head_dim) {

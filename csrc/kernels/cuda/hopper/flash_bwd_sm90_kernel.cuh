@@ -29,6 +29,11 @@
 // run: it is compiled and its SASS checked offline only.
 #pragma once
 
+// Before CuTe's first inclusion: the traits' dQ shape at d96 (wgmma N = 48) needs it.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>

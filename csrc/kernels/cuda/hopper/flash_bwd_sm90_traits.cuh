@@ -9,6 +9,12 @@
 // dQ = dS K needs dS with queries as rows: dS goes through shared memory once per query block.
 #pragma once
 
+// wgmma N = 48 (dQ's per-warpgroup half of head dim 96) is one of CuTe's extended shapes; the
+// switch must precede CuTe's first inclusion in the unit (as the forward's, flash_fwd_sm90_traits.cuh).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED 1
+#endif
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -32,7 +38,7 @@ struct BwdTraits {
   static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;
   static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;
   static_assert(kBlockM > 0, "a head dim without a row in kBwdTiles (flash_bwd_sm90.h)");
-  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockN == 128, "the layouts below assume these");
+  static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0 && kBlockN == 128, "the layouts below assume these");
   // Query blocks (Q, dO, lse, delta) in flight. 2: the stage index also picks the dS buffer.
   static constexpr int kStages = 2;
   static constexpr int kMmaWarpgroups = 2;
@@ -69,16 +75,23 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWarpgroupsN>, BlockN>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWarpgroupsM>, Int<kDqWarpgroupsN>, _1>>{}));
+  // One wgmma per K step as wide as each warpgroup's share (d96: N = 48, an extended shape).
+  static_assert(decltype(size<1>(typename TiledMmadQ::Shape_MNK{}))::value == kHeadDim / kDqWarpgroupsN,
+                "a dQ wgmma shape CuTe did not select: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED must precede cute/");
 
   // Swizzled rows (the forward's atoms): what TMA writes and wgmma reads without bank conflicts.
+  // K is also dQ's B operand, whose columns (the head dim) the warpgroups split: its atom must not
+  // straddle the split, so K's is the widest atom that the per-warpgroup width fills (d96: 48
+  // columns, the 32-byte atom, FlashAttention-3's choice; else the same as Q's).
   using SmemAtom = decltype(smem_atom<Element, kHeadDim>());
+  using SmemAtomK = decltype(smem_atom<Element, kHeadDim / kDqWarpgroupsN>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BlockM, HeadDim, Stages>{}));
   using SmemLayoutdO = SmemLayoutQ;
   // Q and dO (queries, dims, stage) viewed as (dims, queries, stage): the same bytes.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<HeadDim, BlockM, Stages>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BlockN, HeadDim>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<BlockN, HeadDim>{}));
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<HeadDim, BlockN>{}, Step<_2, _1>{})));
   // dS (queries, keys, buffer), queries contiguous: the consumers write it from dS^T's accumulators
   // (adjacent query pairs) and the dQ wgmma reads it as an MN-major A. Two buffers, so that one
@@ -94,7 +107,8 @@ struct BwdTraits {
                                           GmemStride{}));
   using TmaQdO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                         Shape<BlockM, HeadDim>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BlockN, HeadDim>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{}, Shape<BlockN, HeadDim>{}, _1{}));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesRows = kBlockM * sizeof(float);  // lse2 or delta of one query block
   static constexpr uint32_t kTmaBytesStage = 2 * kTmaBytesQ + 2 * kTmaBytesRows;
@@ -128,8 +142,8 @@ struct BwdKernelParams {
   AttentionBackwardParams attn;
   typename Traits::TmaQdO tma_q;
   typename Traits::TmaQdO tma_do;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
   const float* lse2;  // the workspace's parts (flash_bwd_sm90.h BwdWorkspace)
   const float* delta;
   float* dq_accum;
