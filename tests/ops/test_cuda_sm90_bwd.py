@@ -1,9 +1,9 @@
 """The Hopper (sm_90a) backward on a Hopper GPU: gradients of q, k, v against the float64 reference
-and against SDPA's own same-dtype gradients at head dims 32, 64, 96 and 128, fp16 and bf16, every
-mask kind, both causal alignments, the window, soft-cap, grouped-query heads (1, 4 and 8 query
-heads per key/value head), odd lengths and fully masked rows; the deterministic mode reproducible
-bit for bit. Each test checks with the profiler that the sm_90a backward kernel ran, so none passes on the
-sm80 path by accident.
+and against SDPA's own same-dtype gradients at head dims 32, 64, 96, 128, 192 and 256 (the last
+two on the swapped code path), fp16 and bf16, every mask kind, both causal alignments, the window,
+soft-cap, grouped-query heads (1, 4 and 8 query heads per key/value head), odd lengths and fully
+masked rows; the deterministic mode reproducible bit for bit. Each test checks with the profiler
+that the sm_90a backward kernel ran, so none passes on the sm80 path by accident.
 
 Runs only where the kernel is dispatched: a compute-capability-9 GPU, an extension built with 9.0a,
 and ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 (read once per process; scripts/gpu_check.sh's
@@ -22,7 +22,7 @@ from sm90_gpu import kernels_run, padded_batch_mask
 
 DEVICE = "cuda"
 KERNEL = "flash_bwd_sm90_kernel"
-HEAD_DIMS = [32, 64, 96, 128]  # hopper/flash_bwd_sm90.h kBwdTiles
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_bwd_sm90.h kBwdTiles
 
 pytestmark = pytest.mark.cuda
 

@@ -24,13 +24,18 @@ namespace attn_export::cuda::sm90 {
 // query blocks so that S^T, dP^T (2 x 32), dK, dV (2 x 64) and a dQ slice (32) fit 240 registers;
 // d64 takes 128-row blocks (S^T, dP^T 2 x 64, dK, dV 2 x 32, dQ 32). d32 and d96 take d64's and
 // d128's tiles (FlashAttention-3's d96 tile): d32 S^T, dP^T 2 x 64, dK, dV 2 x 16, dQ 16; d96
-// S^T, dP^T 2 x 32, dK, dV 2 x 48, dQ 24 (half of the 96 columns). Head dim 256 has no row:
-// its dK and dV alone would take 256 registers per thread at 64 keys per warpgroup (wgmma's M);
-// it needs dK/dV split over more warpgroups or kept partly in shared memory (docs/cuda.md).
+// S^T, dP^T 2 x 32, dK, dV 2 x 48, dQ 24 (half of the 96 columns).
+//
+// swap_dkv (head dims 192 and 256): dK and dV of 64 keys per warpgroup would take 2 x 96 or 2 x
+// 128 registers, so these rows take 64 x 64 tiles and compute dK^T and dV^T (head dim x keys,
+// the warpgroups splitting the 64 keys: 2 x 48 or 2 x 64 registers), with P^T and dS^T through
+// shared memory as their B operands, as FlashAttention-3 does at d256 (docs/cuda.md).
 struct BwdTile {
   int head_dim, block_m, block_n;
+  bool swap_dkv;
 };
-inline constexpr BwdTile kBwdTiles[] = {{32, 128, 128}, {64, 128, 128}, {96, 64, 128}, {128, 64, 128}};
+inline constexpr BwdTile kBwdTiles[] = {{32, 128, 128, false}, {64, 128, 128, false}, {96, 64, 128, false},
+                                        {128, 64, 128, false}, {192, 64, 64, true}, {256, 64, 64, true}};
 inline constexpr int kNumBwdTiles = sizeof(kBwdTiles) / sizeof(kBwdTiles[0]);
 
 inline constexpr BwdTile bwd_tile(int head_dim) {
@@ -39,7 +44,7 @@ inline constexpr BwdTile bwd_tile(int head_dim) {
       return t;
     }
   }
-  return BwdTile{0, 0, 0};
+  return BwdTile{0, 0, 0, false};
 }
 
 inline int64_t round_up(int64_t x, int64_t m) {

@@ -1,5 +1,5 @@
 // The Hopper backward: dQ, dK, dV of softmax(cap(scale * Q K^T) + masks) V, for one (batch,
-// key/value head, block of 128 keys) per thread block, on sm_90a's own instructions. Three
+// key/value head, block of 128 keys, 64 swapped) per thread block, on sm_90a's own instructions. Three
 // kernels, all O(L) in extra memory (FlashAttention-2/3's structure):
 //
 //   1. prepare: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for rows that see no key),
@@ -14,6 +14,10 @@
 //          dQ(block) += dS K                   dS through shared memory, wgmma, fp32 atomics
 //      dK and dV stay in registers across every query block and across the query heads of a
 //      grouped-query head (the block loops over them), so the group's sum needs no second pass.
+//      Swapped (kSwapdKV, head dims 192 and 256; consume_swapped): 64 keys per block,
+//          S^T, dP^T as above, the warpgroups splitting the queries
+//          P^T, dS^T -> shared memory;  dV^T += dO^T P, dK^T += Q^T dS   wgmma, both in shared memory
+//          dQ(block) += dS K (at d256 in two column chunks)
 //   3. convert: dQ = scale * accumulated dQ in the element type.
 //
 // Deterministic mode (AttentionBackwardParams::deterministic): the key blocks of one (batch,
@@ -54,6 +58,7 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // Named barriers of the MMA warpgroups (ids counted after CUTLASS's reserved ones).
 inline constexpr uint32_t kBarrierDs = 0;     // dS of a query block is in shared memory
 inline constexpr uint32_t kBarrierOrder = 1;  // deterministic mode: this key block's turn
+inline constexpr uint32_t kBarrierDsFree = 2;  // one dS/P buffer (d256): the last block's readers are done
 
 // The first query block that sees any of the keys from n0 on: under causality, query i sees
 // keys j <= i + shift. Non-decreasing in n0, so the key blocks adding to a query block's dQ are
@@ -240,23 +245,39 @@ __device__ __forceinline__ void score_gradients(const AttentionParams& p, const 
   }
 }
 
-// Adds one query block's dQ (unscaled) into the fp32 workspace: atomics, or in deterministic
-// mode this key block's turn of plain read-modify-writes.
-template <typename T, typename TQ, typename TC>
-__device__ __forceinline__ void add_dq(const BwdKernelParams<T>& kp, const TQ& dq, const TC& coord, int64_t bh, int m,
-                                       int n_block) {
-  const int tid = threadIdx.x - 128;
-  float* base = kp.dq_accum + (bh * kp.seqlen_q_rounded + m * T::kBlockM) * T::kHeadDim;
-  Tensor dq_rc = make_tensor(dq.data(), rowcol(dq.layout()));
-  Tensor c_rc = make_tensor(coord.data(), rowcol(coord.layout()));
+// Deterministic mode: wait until this key block's turn to add to query block m's dQ; returns
+// the turn's int (nullptr in the atomic mode, where nothing waits).
+template <typename T>
+__device__ __forceinline__ int* dq_turn_wait(const BwdKernelParams<T>& kp, int64_t bh, int m, int n_block) {
   int* turn = kp.order == nullptr ? nullptr : kp.order + bh * (kp.seqlen_q_rounded / T::kBlockM) + m;
   if (turn != nullptr) {
-    if (tid == 0) {
+    if (threadIdx.x == 128) {
       while (load_acquire(turn) != n_block) {
       }
     }
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierOrder);
   }
+  return turn;
+}
+
+// ... and pass the turn to the next key block once every consumer thread has added.
+template <typename T>
+__device__ __forceinline__ void dq_turn_pass(int* turn, int n_block) {
+  if (turn != nullptr) {
+    __threadfence();
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierOrder);
+    if (threadIdx.x == 128) {
+      store_release(turn, n_block + 1);
+    }
+  }
+}
+
+// Adds dQ values (unscaled; coord: (query row in the block, column)) into the fp32 workspace:
+// atomics, or in deterministic mode (this key block's turn) plain read-modify-writes.
+template <typename T, typename TQ, typename TC>
+__device__ __forceinline__ void add_dq_values(float* base, const TQ& dq, const TC& coord, bool ordered) {
+  Tensor dq_rc = make_tensor(dq.data(), rowcol(dq.layout()));
+  Tensor c_rc = make_tensor(coord.data(), rowcol(coord.layout()));
   CUTE_UNROLL
   for (int r = 0; r < size<0>(dq_rc); ++r) {
     float* row = base + get<0>(c_rc(r, 0)) * T::kHeadDim;
@@ -264,7 +285,7 @@ __device__ __forceinline__ void add_dq(const BwdKernelParams<T>& kp, const TQ& d
     for (int c = 0; c < size<1>(dq_rc); c += 2) {
       float2* dst = reinterpret_cast<float2*>(row + get<1>(c_rc(r, c)));
       const float2 add = make_float2(dq_rc(r, c), dq_rc(r, c + 1));
-      if (turn == nullptr) {
+      if (!ordered) {
         atomicAdd(dst, add);
       } else {
         const float2 old = __ldcg(dst);
@@ -272,13 +293,20 @@ __device__ __forceinline__ void add_dq(const BwdKernelParams<T>& kp, const TQ& d
       }
     }
   }
-  if (turn != nullptr) {
-    __threadfence();
-    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierOrder);
-    if (tid == 0) {
-      store_release(turn, n_block + 1);
-    }
-  }
+}
+
+template <typename T>
+__device__ __forceinline__ float* dq_block(const BwdKernelParams<T>& kp, int64_t bh, int m) {
+  return kp.dq_accum + (bh * kp.seqlen_q_rounded + m * T::kBlockM) * T::kHeadDim;
+}
+
+// Adds one query block's dQ (unscaled) into the fp32 workspace.
+template <typename T, typename TQ, typename TC>
+__device__ __forceinline__ void add_dq(const BwdKernelParams<T>& kp, const TQ& dq, const TC& coord, int64_t bh, int m,
+                                       int n_block) {
+  int* turn = dq_turn_wait(kp, bh, m, n_block);
+  add_dq_values<T>(dq_block(kp, bh, m), dq, coord, turn != nullptr);
+  dq_turn_pass<T>(turn, n_block);
 }
 
 // dK = scale * sum dS^T Q and dV = sum P^T dO at the group's first query head, zeros at the
@@ -395,6 +423,135 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   store_dkdv<T, RawElement>(p, tdKrdK, tdVrdV, cdKV, n0, kv, b, group);
 }
 
+// ---- The swapped path (kSwapdKV: head dims 192 and 256).
+
+// dK^T, dV^T (head dim x keys, `coord`: (dim, key)) -> grad_k, grad_v as store_dkdv does, one
+// element per store: a thread's adjacent accumulators are adjacent keys, not adjacent columns.
+template <typename T, typename RawElement, typename TA, typename TC>
+__device__ __forceinline__ void store_dkdv_swapped(const AttentionBackwardParams& p, const TA& dk, const TA& dv,
+                                                   const TC& coord, int n0, int kv, int b, int group) {
+  const float scale = static_cast<float>(p.scale);
+#pragma unroll 1
+  for (int g = 0; g < group; ++g) {
+    const int64_t h = static_cast<int64_t>(kv) * group + g;
+    const float keep = g == 0 ? 1.f : 0.f;
+    RawElement* k_head = static_cast<RawElement*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride;
+    RawElement* v_head = static_cast<RawElement*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(dk); ++i) {
+      const int dim = get<0>(coord(i)), key = n0 + get<1>(coord(i));
+      if (key < p.seqlen_k) {
+        k_head[key * p.grad_k_row_stride + dim] = device::from_acc<RawElement>(dk(i) * scale * keep);
+        v_head[key * p.grad_v_row_stride + dim] = device::from_acc<RawElement>(dv(i) * keep);
+      }
+    }
+  }
+}
+
+// P^T and dS^T (16 bits, the accumulators' layout) into this block's buffers, visible to wgmma
+// and to the other warpgroup. With one buffer, first wait until both warpgroups have finished
+// the previous block's GEMMs that read it.
+template <typename T, typename TP, typename TS, typename TPs, typename TSs>
+__device__ __forceinline__ void publish_pds(const TP& prob, const TS& ds, TPs&& p_smem, TSs&& ds_smem) {
+  if constexpr (T::kDsBuffers == 1) {
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDsFree);
+  }
+  copy(prob, p_smem);
+  copy(ds, ds_smem);
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDs);
+}
+
+// dV^T += dO^T P and dK^T += Q^T dS of one query block (A: dO^T, Q^T of its stage; B: P, dS).
+template <typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void dkv_swapped_step(TiledMma& mma, TA dot, const TB& p, TC& dv, TA qt, const TB& ds,
+                                                 TC& dk) {
+  warpgroup_gemm<false>(mma, dot, p, dv);
+  warpgroup_gemm<false>(mma, qt, ds, dk);
+}
+
+// dQ(block) = dS K in kDqChunks column chunks, one after the other, each added as it is formed
+// (one deterministic turn for all of them). ds: dS's descriptors; sKt: K^T (head dim, keys).
+template <typename T, typename TA, typename TK>
+__device__ __forceinline__ void dq_chunks(const BwdKernelParams<T>& kp, typename T::TiledMmadQ& mma_dq, TA& ds,
+                                          const TK& sKt, int64_t bh, int m, int n_block) {
+  using Chunk = typename T::TileQDChunk;
+  auto thr_dq = mma_dq.get_thread_slice(threadIdx.x - 128);
+  int* turn = dq_turn_wait(kp, bh, m, n_block);
+  CUTE_UNROLL
+  for (int c = 0; c < T::kDqChunks; ++c) {
+    Tensor tdQrK = thr_dq.partition_fragment_B(
+        local_tile(sKt, Shape<decltype(get<1>(Chunk{})), typename T::BlockN>{}, make_coord(c, _0{})));
+    Tensor cdQ =
+        thr_dq.partition_C(local_tile(make_identity_tensor(typename T::TileQD{}), Chunk{}, make_coord(_0{}, c)));
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Chunk{});
+    warpgroup_gemm<true>(mma_dq, ds, tdQrK, tdQrdQ);
+    add_dq_values<T>(dq_block(kp, bh, m), tdQrdQ, cdQ, turn != nullptr);
+  }
+  dq_turn_pass<T>(turn, n_block);
+}
+
+template <typename T, typename RawElement, bool kIsCausal>
+__device__ void consume_swapped(const BwdKernelParams<T>& kp, typename T::SharedStorage& shared,
+                                typename T::Pipeline& pipe, int n_block, int kv, int b) {
+  const AttentionBackwardParams& p = kp.attn;
+  const int tid = threadIdx.x - 128;
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmadKV mma_dkv;
+  typename T::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  const auto smem = [](auto& storage, auto layout) { return make_tensor(make_smem_ptr(storage.data()), layout); };
+  Tensor tSrK = thr_sdp.partition_fragment_A(smem(shared.k, typename T::SmemLayoutK{}));
+  Tensor tSrQ = thr_sdp.partition_fragment_B(smem(shared.q, typename T::SmemLayoutQ{}));
+  Tensor tdPrV = thr_sdp.partition_fragment_A(smem(shared.v, typename T::SmemLayoutV{}));
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(smem(shared.dout, typename T::SmemLayoutdO{}));
+  Tensor tdVrdOt = thr_dkv.partition_fragment_A(smem(shared.dout, typename T::SmemLayoutQt{}));
+  Tensor tdKrQt = thr_dkv.partition_fragment_A(smem(shared.q, typename T::SmemLayoutQt{}));
+  Tensor tdVrP = thr_dkv.partition_fragment_B(smem(shared.p, typename T::SmemLayoutdSt{}));
+  Tensor tdKrdS = thr_dkv.partition_fragment_B(smem(shared.ds, typename T::SmemLayoutdSt{}));
+  Tensor tdQrdS = thr_dq.partition_fragment_A(smem(shared.ds, typename T::SmemLayoutdS{}));
+  Tensor sKt = smem(shared.k, typename T::SmemLayoutKt{});
+  Tensor sPt = smem(shared.p, typename T::SmemLayoutdSt{});
+  Tensor sdSt = smem(shared.ds, typename T::SmemLayoutdSt{});
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(typename T::TileKQ{}));
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, typename T::TileDKV{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, typename T::TileDKV{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+  const int n0 = n_block * T::kBlockN, group = group_size(p);
+  const int m_begin = first_query_block<T, kIsCausal>(p, n0);
+  const int m_blocks = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM);
+  shared.barrier_kv.wait(0);
+  typename T::PipelineState read;
+#pragma unroll 1
+  for (int step = 0; step < group * (m_blocks - m_begin); ++step) {
+    const int h = kv * group + step / (m_blocks - m_begin), m = m_begin + step % (m_blocks - m_begin);
+    Tensor tSrS = partition_fragment_C(mma_sdp, typename T::TileKQ{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, typename T::TileKQ{});
+    pipe.consumer_wait(read);
+    const int s = read.index(), buf = s % T::kDsBuffers;
+    warpgroup_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+    __half2* cap_grad = &shared.cap_grad[0][tid];
+    probabilities<T, kIsCausal>(p, tSrS, cap_grad, cS, shared.lse2[s], b, h, n0, m * T::kBlockM);
+    warpgroup_gemm<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
+    Tensor tPrP = probabilities_as_operand<typename T::Element>(tSrS);
+    score_gradients<T>(p, make_tensor(tPrP.data(), tSrS.layout()), tdPrdP, cap_grad, cS, shared.delta[s]);
+    Tensor tdSrdS = probabilities_as_operand<typename T::Element>(tdPrdP);
+    publish_pds<T>(make_tensor(tPrP.data(), tSrS.layout()), make_tensor(tdSrdS.data(), tdPrdP.layout()),
+                   thr_sdp.partition_C(sPt(_, _, buf)), thr_sdp.partition_C(sdSt(_, _, buf)));
+    dkv_swapped_step(mma_dkv, tdVrdOt(_, _, _, s), tdVrP(_, _, _, buf), tdVrdV, tdKrQt(_, _, _, s),
+                     tdKrdS(_, _, _, buf), tdKrdK);
+    pipe.consumer_release(read);
+    ++read;
+    auto ds = tdQrdS(_, _, _, buf);
+    dq_chunks<T>(kp, mma_dq, ds, sKt, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
+  }
+  Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(typename T::TileDKV{}));
+  store_dkdv_swapped<T, RawElement>(p, tdKrdK, tdVrdV, cdKV, n0, kv, b, group);
+}
+
 // Padded batches (params.skip_padded_key_tiles; key_tile_range.cuh, the sm80 backward's `own`
 // check): when the key-padding mask pads every key of this block, dK = dV = 0 for the group's
 // query heads and no query block is loaded; in deterministic mode the block still passes on its
@@ -472,7 +629,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consume<T, RawElement, kIsCausal>(kp, shared, pipe, n_block, kv, b);
+    if constexpr (T::kSwapdKV) {
+      consume_swapped<T, RawElement, kIsCausal>(kp, shared, pipe, n_block, kv, b);
+    } else {
+      consume<T, RawElement, kIsCausal>(kp, shared, pipe, n_block, kv, b);
+    }
   }
 #endif
 }
@@ -480,7 +641,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 }  // namespace bwd
 
 // Host launcher: the workspace's parts, the prepare kernel, the TMA descriptors, one block per
-// (128 keys, key/value head, batch), then the dQ conversion. The caller checked supports_backward().
+// (kBlockN keys, key/value head, batch), then the dQ conversion. The caller checked supports_backward().
 template <typename Element, int kHeadDim, bool kIsCausal>
 cudaError_t run_flash_bwd_sm90_(const AttentionBackwardParams& p, void* workspace, cudaStream_t stream) {
   using T = BwdTraits<typename CutlassElement<Element>::type, kHeadDim>;
