@@ -162,14 +162,15 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   copy(kp.tma_v.with(reinterpret_cast<uint64_t&>(shared.barrier_kv), 0), tVg, tVs);
 
   // One flat loop over (query head of the group, query block), everything recomputed per step:
-  // the producer has 24 registers.
+  // the producer has 24 registers (32-bit block counts and the head as the loop variable: at d256
+  // one more live value spilled).
   const int m_begin = first_query_block<T, kIsCausal>(p, n_block * T::kBlockN);
-  const int m_count = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) - m_begin;
+  const int m_end = (static_cast<int>(p.seqlen_q) + T::kBlockM - 1) / T::kBlockM;
   using TileQ = typename T::TileQD;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  int h = kv * group, m = m_begin;
+  int m = m_begin;
 #pragma unroll 1  // unrolled, the loop would not fit the producer's registers
-  for (int step = 0; step < group * m_count; ++step) {
+  for (int h = kv * group; h < (kv + 1) * group && m_begin < m_end;) {
     Tensor gQ = local_tile(mQ(_, _, h, b), TileQ{}, make_coord(m, _0{}));
     Tensor gdO = local_tile(mdO(_, _, h, b), TileQ{}, make_coord(m, _0{}));
     auto [tQg, tQs] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -183,7 +184,7 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
     SM90_BULK_COPY_G2S::copy(kp.lse2 + row, full, shared.lse2[s], T::kTmaBytesRows);
     SM90_BULK_COPY_G2S::copy(kp.delta + row, full, shared.delta[s], T::kTmaBytesRows);
     ++write;
-    if (++m == m_begin + m_count) {
+    if (++m == m_end) {
       m = m_begin;
       ++h;
     }
