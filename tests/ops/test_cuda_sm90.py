@@ -18,7 +18,7 @@ import torch
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import kernels_run
+from sm90_gpu import kernels_run, nan_padded
 
 DEVICE = "cuda"
 KERNEL = "flash_fwd_sm90_kernel"
@@ -103,3 +103,43 @@ def test_strides_tma_refuses_fall_back_to_the_sm80_path():
     exact, _ = reference_attention(q, k, v)
     plain, _ = reference_attention(q, k, v, dtype=torch.float16)
     assert_within(attn_export.attention(q, k, v), plain, exact, torch.float16, "output", 97)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_the_ends_are_zero_filled_not_read(head_dim, layout, causal):
+    """q, k, v are views whose next rows hold NaN (the next head's, or token-major strides with the
+    head stride below the row stride), with 2 query heads per key/value head: the partial last
+    query and key tiles must come zero-filled by TMA (a V row read past the end puts 0 * NaN in O)."""
+    dtype, B, H, Lq, Lk = torch.bfloat16, 2, 4, 97, 201
+    q = nan_padded(B, H, Lq, head_dim, dtype, layout)
+    k, v = (nan_padded(B, H // 2, Lk, head_dim, dtype, layout) for _ in range(2))
+    out = {}
+    ran = _kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, is_causal=causal)))
+    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    exact, _ = reference_attention(q, k, v, is_causal=causal)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, is_causal=causal)
+    assert_within(out["o"], plain, exact, dtype, "output", max(Lq, Lk, head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fully_masked_rows_beside_visible_ones(head_dim):
+    """Rows that see no key in both consumer warpgroups' halves of a block (3, 64, 96 of 97), beside
+    rows that do: those rows are exactly zero (lse = -inf, which the backward reads: their dq is
+    exactly zero too), the others match the reference."""
+    dtype, B, H, Lq, Lk = torch.float16, 2, 2, 97, 160
+    q, k, v = (torch.randn(B, H, L, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for L in (Lq, Lk, Lk))
+    mask = torch.rand(Lq, Lk, device=DEVICE) < 0.3
+    hidden = [3, 64, 96]
+    mask[hidden] = True
+    out = {}
+    ran = _kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, attn_mask=mask)))
+    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    assert torch.equal(out["o"][:, :, hidden], torch.zeros_like(out["o"][:, :, hidden]))
+    exact, _ = reference_attention(q, k, v, attn_mask=mask)
+    plain, _ = reference_attention(q, k, v, attn_mask=mask, dtype=dtype)
+    assert_within(out["o"], plain, exact, dtype, "output", max(Lq, Lk, head_dim))
+    dq, dk, dv = torch.autograd.grad(out["o"], (q, k, v), torch.randn_like(out["o"]))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert torch.equal(dq[:, :, hidden], torch.zeros_like(dq[:, :, hidden]))
