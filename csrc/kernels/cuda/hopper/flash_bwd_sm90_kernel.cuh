@@ -424,6 +424,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consume<T, RawElement, kIsCausal>(kp, shared, pipe, n_block, kv, b);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // not the sm_90a pass: as the forward (flash_fwd_sm90_kernel.cuh), fail loudly
 #endif
 }
 
