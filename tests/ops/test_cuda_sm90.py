@@ -126,20 +126,27 @@ def test_rows_past_the_ends_are_zero_filled_not_read(head_dim, layout, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fully_masked_rows_beside_visible_ones(head_dim):
     """Rows that see no key in both consumer warpgroups' halves of a block (3, 64, 96 of 97), beside
-    rows that do: those rows are exactly zero (lse = -inf, which the backward reads: their dq is
-    exactly zero too), the others match the reference."""
+    rows that do: those rows are exactly zero with lse = -inf (and so exactly zero dq from the
+    backward, which reads it); the other rows' output and lse match the float64 reference."""
     dtype, B, H, Lq, Lk = torch.float16, 2, 2, 97, 160
     q, k, v = (torch.randn(B, H, L, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for L in (Lq, Lk, Lk))
     mask = torch.rand(Lq, Lk, device=DEVICE) < 0.3
     hidden = [3, 64, 96]
     mask[hidden] = True
-    out = {}
-    ran = _kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, attn_mask=mask)))
+    got = {}
+    forward = torch.ops.attn_export._attention_forward
+    ran = _kernels_run(lambda: got.setdefault("o", forward(q.detach(), k.detach(), v.detach(), mask, None, False, None, False)))
     assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
-    assert torch.equal(out["o"][:, :, hidden], torch.zeros_like(out["o"][:, :, hidden]))
+    out, lse, _ = got["o"]
+    assert torch.equal(out[:, :, hidden], torch.zeros_like(out[:, :, hidden]))
+    assert torch.isneginf(lse[:, :, hidden]).all()
     exact, _ = reference_attention(q, k, v, attn_mask=mask)
     plain, _ = reference_attention(q, k, v, attn_mask=mask, dtype=dtype)
-    assert_within(out["o"], plain, exact, dtype, "output", max(Lq, Lk, head_dim))
-    dq, dk, dv = torch.autograd.grad(out["o"], (q, k, v), torch.randn_like(out["o"]))
+    assert_within(out, plain, exact, dtype, "output", max(Lq, Lk, head_dim))
+    visible = [i for i in range(Lq) if i not in hidden]
+    scores = lambda t: (q.to(t) @ k.to(t).transpose(-1, -2) / head_dim ** 0.5).masked_fill(mask, float("-inf"))  # noqa: E731
+    exact_lse, plain_lse = torch.logsumexp(scores(torch.float64), -1), torch.logsumexp(scores(dtype), -1)
+    assert_within(lse[:, :, visible], plain_lse[:, :, visible], exact_lse[:, :, visible], dtype, "lse", Lk)
+    dq, dk, dv = torch.autograd.grad(attn_export.attention(q, k, v, attn_mask=mask), (q, k, v), torch.randn_like(out))
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert torch.equal(dq[:, :, hidden], torch.zeros_like(dq[:, :, hidden]))
