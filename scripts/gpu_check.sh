@@ -22,8 +22,10 @@
 # compute-capability-9 GPU the build targets 9.0a when the CUTLASS headers are at hand (the
 # nvidia-cutlass package, or ATTN_EXPORT_CUTLASS_INCLUDE: this machine has no network, so carry an
 # unpacked `pip download nvidia-cutlass==4.2.0.0`), and the step `sm90` runs tests/ops/test_cuda_sm90.py
-# with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1, then leaves ATTN_EXPORT_CUDA_SM90=1 set for
-# the steps after it: GPU_CHECK_STEPS="sm90 sanitize bench" verifies it in one run.
+# with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 (after a smoke run of one call per schedule
+# under a 120-s timeout, sm90_smoke.log, which skips the step if it fails or hangs), then leaves
+# ATTN_EXPORT_CUDA_SM90=1 set for the steps after it: GPU_CHECK_STEPS="sm90 sanitize bench" verifies
+# it in one run.
 #
 #   scripts/gpu_check.sh                 # PYTHON=... to pick the interpreter
 set -uo pipefail
@@ -225,6 +227,28 @@ sm90_step() {
     *9.0a*) ;;
     *) summary "SKIPPED sm90: built for $TORCH_CUDA_ARCH_LIST, not 9.0a (no CUTLASS headers: see the header)"; return 0 ;;
   esac
+  # First one call of each schedule, forward and backward (deterministic too), under a short
+  # timeout: a kernel that hangs (a barrier's count, a pipeline's phase) would otherwise hold the
+  # suites below for their whole timeouts (480 + 300 s) before failing.
+  log "sm90 smoke: one forward and backward per schedule, 120 s at most"
+  ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout 120 "$PY" - > "$OUT_DIR/sm90_smoke.log" 2>&1 <<'PY'
+import torch
+import attn_export
+for d, causal, deterministic in [(128, True, False), (64, False, False), (256, False, False), (128, False, True)]:
+    torch.use_deterministic_algorithms(deterministic)
+    q, k, v = (torch.randn(2, 4, 1025, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    out = attn_export.attention(q, k, v, is_causal=causal)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    print(f"d{d} causal={causal} deterministic={deterministic}: finite={bool(torch.isfinite(q.grad).all())}", flush=True)
+PY
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    tail -5 "$OUT_DIR/sm90_smoke.log"
+    summary "FAILED sm90 smoke (exit $rc; 124: a kernel hung): the sm90 suites are skipped (see sm90_smoke.log)"
+    STATUS=2
+    return 0
+  fi
   # 480 s: six head dims since issue 47's second step (twice the parity cases of the first)
   log "running tests/ops/test_cuda_sm90.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
   if "$PY" -c 'import pytest' 2>/dev/null; then

@@ -67,3 +67,20 @@ def padded_batch_mask(batch: int, seqlen_k: int, device: str = "cuda") -> torch.
         elif kind == 3:
             m[b] = ((keys >= 3 * seqlen_k // 10) & (keys < 7 * seqlen_k // 10)) | (keys % 7 == 3)
     return m
+
+
+def nan_padded(batch: int, heads: int, seqlen: int, dim: int, dtype, layout: str = "bhld") -> torch.Tensor:
+    """Random [batch, heads, seqlen, dim] values viewed in a larger buffer whose rows just past each
+    (batch, head)'s seqlen hold NaN: "bhld" keeps each head's rows together (head stride (seqlen + 5)
+    rows), "blhd" is token-major (the layer's projections; head stride dim, row stride heads x dim).
+    A TMA box past a sequence's end must be zero-filled by the copy engine; one that read the rows
+    behind it (the next head's, the next batch's, or these NaN) puts NaN in the results."""
+    pad = 5
+    if layout == "bhld":
+        buf = torch.full((batch, heads, seqlen + pad, dim), float("nan"), dtype=dtype, device="cuda")
+        view = buf[:, :, :seqlen]
+    else:
+        buf = torch.full((batch, seqlen + pad, heads, dim), float("nan"), dtype=dtype, device="cuda")
+        view = buf[:, :seqlen].transpose(1, 2)
+    view.copy_(torch.randn(batch, heads, seqlen, dim, dtype=dtype, device="cuda"))
+    return view

@@ -21,7 +21,7 @@ import torch
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import filling_batch, kernels_run, padded_batch_mask
+from sm90_gpu import filling_batch, kernels_run, nan_padded, padded_batch_mask
 
 DEVICE = "cuda"
 KERNEL = "flash_fwd_sm90_kernel"
@@ -200,3 +200,52 @@ def test_strides_tma_refuses_fall_back_to_the_sm80_path():
     exact, _ = reference_attention(q, k, v)
     plain, _ = reference_attention(q, k, v, dtype=torch.float16)
     assert_within(attn_export.attention(q, k, v), plain, exact, torch.float16, "output", 97)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_the_ends_are_zero_filled_not_read(head_dim, layout, causal):
+    """q, k, v are views whose next rows hold NaN (the next head's, or token-major strides with the
+    head stride below the row stride), with 2 query heads per key/value head: the partial last
+    query and key tiles must come zero-filled by TMA (a V row read past the end puts 0 * NaN in O)."""
+    dtype, H, Lq, Lk = torch.bfloat16, 4, 97, 201
+    B = filling_batch(2, H, Lq, 2)
+    q = nan_padded(B, H, Lq, head_dim, dtype, layout)
+    k, v = (nan_padded(B, H // 2, Lk, head_dim, dtype, layout) for _ in range(2))
+    out = {}
+    ran = _kernels_run(lambda: out.setdefault("o", attn_export.attention(q, k, v, is_causal=causal)))
+    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    exact, _ = reference_attention(q, k, v, is_causal=causal)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, is_causal=causal)
+    assert_within(out["o"], plain, exact, dtype, "output", max(Lq, Lk, head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fully_masked_rows_beside_visible_ones(head_dim):
+    """Rows that see no key in both consumer warpgroups' halves of a block (3, 64, 96 of 97), beside
+    rows that do: those rows are exactly zero with lse = -inf (and so exactly zero dq from the
+    backward, which reads it); the other rows' output and lse match the float64 reference."""
+    dtype, H, Lq, Lk = torch.float16, 2, 97, 160
+    B = filling_batch(2, H, Lq)
+    q, k, v = (torch.randn(B, H, L, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for L in (Lq, Lk, Lk))
+    mask = torch.rand(Lq, Lk, device=DEVICE) < 0.3
+    hidden = [3, 64, 96]
+    mask[hidden] = True
+    got = {}
+    forward = torch.ops.attn_export._attention_forward
+    ran = _kernels_run(lambda: got.setdefault("o", forward(q.detach(), k.detach(), v.detach(), mask, None, False, None, False)))
+    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    out, lse, _ = got["o"]
+    assert torch.equal(out[:, :, hidden], torch.zeros_like(out[:, :, hidden]))
+    assert torch.isneginf(lse[:, :, hidden]).all()
+    exact, _ = reference_attention(q, k, v, attn_mask=mask)
+    plain, _ = reference_attention(q, k, v, attn_mask=mask, dtype=dtype)
+    assert_within(out, plain, exact, dtype, "output", max(Lq, Lk, head_dim))
+    visible = [i for i in range(Lq) if i not in hidden]
+    scores = lambda t: (q.to(t) @ k.to(t).transpose(-1, -2) / head_dim ** 0.5).masked_fill(mask, float("-inf"))  # noqa: E731
+    exact_lse, plain_lse = torch.logsumexp(scores(torch.float64), -1), torch.logsumexp(scores(dtype), -1)
+    assert_within(lse[:, :, visible], plain_lse[:, :, visible], exact_lse[:, :, visible], dtype, "lse", Lk)
+    dq, dk, dv = torch.autograd.grad(attn_export.attention(q, k, v, attn_mask=mask), (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert torch.equal(dq[:, :, hidden], torch.zeros_like(dq[:, :, hidden]))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import kernels_run, padded_batch_mask
+from sm90_gpu import kernels_run, nan_padded, padded_batch_mask
 
 DEVICE = "cuda"
 KERNEL = "flash_bwd_sm90_kernel"
@@ -145,6 +145,59 @@ def test_deterministic_mode_is_reproducible_bit_for_bit(head_dim, causal):
     plain = torch.autograd.grad(plain_out, (q, k, v), grad)
     for g, p, w, name in zip(runs[0], plain, want, "qkv"):
         assert_within(g, p, w, torch.bfloat16, f"grad {name}", 2049, scale=want)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_the_ends_are_zero_filled_not_read(head_dim, layout, causal):
+    """q, k, v and dO are views whose next rows hold NaN (the next head's, or token-major strides),
+    with 2 query heads per key/value head: the partial last query block (Q, dO) and key block (K,
+    V) must come zero-filled by TMA. A padding row read instead gives NaN scores and dP there, and
+    P (0) times NaN puts NaN into dK, dV and dQ."""
+    dtype, B, H, Lq, Lk = torch.bfloat16, 2, 4, 97, 201
+    q = nan_padded(B, H, Lq, head_dim, dtype, layout).requires_grad_()
+    k, v = (nan_padded(B, H // 2, Lk, head_dim, dtype, layout).requires_grad_() for _ in range(2))
+    grad = nan_padded(B, H, Lq, head_dim, dtype, layout)
+    out = attn_export.attention(q, k, v, is_causal=causal)
+    got = {}
+    _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad))))
+    exact, _ = reference_attention(q, k, v, is_causal=causal)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=dtype, is_causal=causal)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(got["g"], plain, want, "qkv"):
+        assert_within(g, p, w, dtype, f"grad {name}", max(Lq, Lk, head_dim), scale=want)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(1025, 2049), (2049, 1025)])
+def test_deterministic_mode_grouped_heads_and_unequal_lengths(head_dim, alignment, Lq, Lk):
+    """The key-block order under causal shifts of both signs (key blocks whose first query block is
+    past the first, or the last and fully masked one) and a group of 4 query heads per key/value
+    head (one order slot per query head): reproducible bit for bit, no deadlock, and right."""
+    dtype, B, H, Hk = torch.bfloat16, 2, 8, 2
+    q = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, Hk, Lk, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    masks = {"is_causal": True, "causal_alignment": alignment}
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            out = attn_export.attention(q, k, v, **masks)
+            _assert_ran(_kernels_run(lambda: runs.append(torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    exact, _ = reference_attention(q, k, v, **masks)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(runs[0], plain, want, "qkv"):
+        assert_within(g, p, w, dtype, f"grad {name}", max(Lq, Lk), scale=want)
 
 
 def test_layer_operator_uses_it_and_a_weights_gradient_falls_back():

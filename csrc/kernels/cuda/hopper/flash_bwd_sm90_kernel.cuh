@@ -636,6 +636,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       consume<T, RawElement, kIsCausal>(kp, shared, pipe, n_block, kv, b);
     }
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // not the sm_90a pass: as the forward (flash_fwd_sm90_kernel.cuh), fail loudly
 #endif
 }
 

@@ -48,8 +48,10 @@
 #include "flash_fwd_sm90_softmax.cuh"
 #include "flash_fwd_sm90_traits.cuh"
 
-// The Hopper instructions exist only in the sm_90a device pass; every other pass (sm_80 in a
-// mixed arch list, the host pass) compiles an empty kernel body.
+// The Hopper instructions exist only in the sm_90a device pass. Every other device pass (sm_80 in
+// a mixed arch list, plain sm_90) compiles a body that traps: the dispatch never launches it there,
+// and were a plain sm_90 cubin ever picked on a Hopper GPU, an empty body would leave the output
+// unwritten and report success. The host pass compiles an empty body.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ATTN_EXPORT_SM90_DEVICE_PASS 1
 #endif
@@ -439,6 +441,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const KeyTiles tiles{shared.key_tiles[0], shared.key_tiles[1]};
     consume<T, RawElement>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // a device pass without sm_90a (e.g. plain sm_90 beside 9.0a): fail loudly, never return nothing
 #endif
 }
 

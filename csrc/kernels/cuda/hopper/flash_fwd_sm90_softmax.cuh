@@ -16,7 +16,7 @@ using namespace cute;
 // (2, N/8, MMA_N)). Each thread holds 2 rows per 64-row slab; a row's values sit in the 4
 // threads of a quad, so row reductions are two shuffles.
 template <typename Layout>
-__device__ __forceinline__ auto rowcol(Layout acc) {
+CUTE_HOST_DEVICE auto rowcol(Layout acc) {
   static_assert(decltype(rank<0>(acc))::value == 3, "a wgmma accumulator layout");
   return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
 }
@@ -24,7 +24,7 @@ __device__ __forceinline__ auto rowcol(Layout acc) {
 // The same registers as the A operand of a register-sourced 16-bit wgmma: ((2, 2, 2), MMA_M,
 // N/16). Two adjacent 8-column accumulator tiles are exactly one 16-deep K step of A.
 template <typename Layout>
-__device__ __forceinline__ auto acc_as_operand_a(Layout acc) {
+CUTE_HOST_DEVICE auto acc_as_operand_a(Layout acc) {
   auto l = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
   return make_layout(make_layout(get<0>(l), get<1>(l), get<2, 0>(l)), get<1>(acc), get<2, 1>(l));
 }
