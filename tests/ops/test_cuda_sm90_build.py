@@ -532,13 +532,13 @@ def test_backward_gpu_tests_cover_every_tile_row():
     assert head_dims == generate._sm90_bwd_head_dims() == [32, 64, 96, 128, 192, 256]
 
 
-# The CI set: one unit, d128 bf16 causal -- the tightest register budget (dK and dV take 128 of a
-# consumer thread's 240 registers at d128) and the causal diagonal's mask code on top; the fp16,
-# d32/d64/d96 and non-causal units share every line of it (d96 differs in K's shared-memory atom,
-# 32-byte, and dQ's wgmma width, 48). The d192/d256 units run another consumer (kSwapdKV:
-# consume_swapped, dK^T/dV^T from shared memory), which CI does not compile (~30 s more a unit
-# alone; docs/cuda.md). ATTN_EXPORT_SM90_GATE=all compiles all twenty-four.
-BWD_GATE_UNITS = ("sm90_flash_bwd_hdim128_bf16_causal.cu",)
+# The CI set: one unit per consumer. d128 bf16 causal -- the tightest register budget of `consume`
+# (dK and dV take 128 of a consumer thread's 240 registers at d128) and the causal diagonal's mask
+# code on top; the fp16, d32/d64/d96 and non-causal units share every line of it (d96 differs in
+# K's shared-memory atom, 32-byte, and dQ's wgmma width, 48). d256 bf16 causal -- the other consumer
+# (kSwapdKV: consume_swapped, dK^T/dV^T from shared memory, one P/dS buffer, dQ in two chunks),
+# which d192 shares. ATTN_EXPORT_SM90_GATE=all compiles all twenty-four.
+BWD_GATE_UNITS = ("sm90_flash_bwd_hdim128_bf16_causal.cu", "sm90_flash_bwd_hdim256_bf16_causal.cu")
 BWD_KERNEL = "flash_bwd_sm90_kernel"
 # The extension's own nvcc flags (setup.py, torch's CUDAExtension): C++20 and no implicit half conversions.
 TORCH_NVCC_DEFINES = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
