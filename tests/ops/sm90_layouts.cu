@@ -134,12 +134,18 @@ void backward() {
   using T = BwdTraits<cutlass::half_t, D>;
   constexpr int kM = T::kBlockM, kN = T::kBlockN;
   const std::string d = "backward d" + std::to_string(D);
-  record(d + " P^T, dS^T as dV's, dK's A", operand_a_from_acc<typename T::TiledMmaSdP, typename T::TiledMmadKV, kN, kM>(kAsA));
-  record(d + " dK, dV rows", rowcol_view<typename T::TiledMmadKV, kN, D>(false, kRowCol));
-  record(d + " dQ rows", rowcol_view<typename T::TiledMmadQ, kM, D>(false, kRowCol));
+  if constexpr (T::kSwapdKV) {
+    // dK^T, dV^T (head dim x keys) from P and dS in shared memory: no register operand to check.
+    record(d + " dK^T, dV^T rows", rowcol_view<typename T::TiledMmadKV, D, kN>(false, kRowCol));
+  } else {
+    record(d + " P^T, dS^T as dV's, dK's A", operand_a_from_acc<typename T::TiledMmaSdP, typename T::TiledMmadKV, kN, kM>(kAsA));
+    record(d + " dK, dV rows", rowcol_view<typename T::TiledMmadKV, kN, D>(false, kRowCol));
+  }
+  record(d + " S^T, dP^T rows", rowcol_view<typename T::TiledMmaSdP, kN, kM>(false, kRowCol));
+  record(d + " dQ rows", rowcol_view<typename T::TiledMmadQ, kM, D / T::kDqChunks>(false, kRowCol));
   record(d + " Q^T, dO^T", transposed_view<typename T::SmemLayoutQ, typename T::SmemLayoutQt, kM, D, T::kStages>());
   record(d + " K^T", transposed_view<typename T::SmemLayoutK, typename T::SmemLayoutKt, kN, D, 0>());
-  record(d + " dS^T", transposed_view<typename T::SmemLayoutdS, typename T::SmemLayoutdSt, kM, kN, 2>());
+  record(d + " dS^T", transposed_view<typename T::SmemLayoutdS, typename T::SmemLayoutdSt, kM, kN, T::kDsBuffers>());
 }
 
 // Broken mappings the checks must catch: the two rows of an A value pair swapped with its two
@@ -166,8 +172,12 @@ int main() {
   forward<128>();
   forward<192>();
   forward<256>();
+  backward<32>();
   backward<64>();
+  backward<96>();
   backward<128>();
+  backward<192>();
+  backward<256>();
   const std::vector<bool> caught = controls();
   std::printf("{\"problems\": [");
   for (size_t i = 0; i < problems.size(); ++i) {
