@@ -214,7 +214,7 @@ preview_tests() {
 # of its kernels: cuBLAS's Hopper GEMMs (nvjet_*, the layer's projections) show racecheck hazards,
 # and initcheck does not see their writes, so it runs without the layer (gpu_sanitize.py).
 sanitize_step() {
-  local sanitizer tool rc log ours crashed T0=$SECONDS failed=0
+  local sanitizer tool rc log ours crashed T0=$SECONDS failed=0 timeout_s
   sanitizer=$(command -v compute-sanitizer || ls "${CUDA_HOME}"/bin/compute-sanitizer 2>/dev/null || true)
   if [ -z "$sanitizer" ]; then
     summary "SKIPPED sanitizer: compute-sanitizer not found"; return 0
@@ -222,8 +222,9 @@ sanitize_step() {
   : > "$OUT_DIR/sanitize.log"
   for tool in memcheck racecheck initcheck synccheck; do
     log="$OUT_DIR/sanitize_$tool.log"
+    timeout_s=$(capped "${SANITIZE_TIMEOUT_S:-120}")
     # No caching allocator: every tensor its own allocation, so an overrun leaves it.
-    ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1} PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT_S:-120}" "$sanitizer" --tool $tool \
+    ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1} PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$timeout_s" "$sanitizer" --tool $tool \
       --print-limit 1000 --error-exitcode 9 "$PY" scripts/gpu_sanitize.py $([ $tool = memcheck ] || echo --quick) \
       $([ $tool = initcheck ] && echo --no-layer) > "$log" 2>&1
     rc=$?
@@ -232,7 +233,7 @@ sanitize_step() {
     { echo "== $tool: exit $rc, reports naming attn_export's kernels: $ours"; cat "$log"; } >> "$OUT_DIR/sanitize.log"
     rm -f "$log"
     if [ $rc -eq 124 ]; then
-      summary "INCONCLUSIVE sanitizer: $tool timed out after ${SANITIZE_TIMEOUT_S:-120} s (see sanitize.log)"
+      summary "INCONCLUSIVE sanitizer: $tool timed out after $timeout_s s (see sanitize.log)"
     elif [ "$ours" -gt 0 ] || [ "$crashed" -gt 0 ] || { [ $rc -ne 0 ] && [ $rc -ne 9 ]; }; then
       failed=1
       summary "FAILED sanitizer: $tool exit $rc, $ours reports in attn_export's kernels$([ "$crashed" -gt 0 ] && echo ', the program failed') (see sanitize.log)"

@@ -88,6 +88,7 @@ def test_gpu_check_counts_only_reports_in_attn_exports_kernels(tmp_path):
     fake.chmod(0o755)
     driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
 OUT_DIR={tmp_path}; PY=true; STATUS=0; CUDA_HOME=/nonexistent
+{_functions("capped")}
 {step}
 sanitize_step; echo "STATUS=$STATUS"
 """
