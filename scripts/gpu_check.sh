@@ -401,16 +401,16 @@ headline_bench() {
 import json, pathlib, sys, types
 from benchmarks import gpu
 from benchmarks.gpu_cases import MODES, Case, dry_run_case
+from benchmarks.gpu_impls import impls_for
+from benchmarks.gpu_plan import case_s
 from benchmarks.gpu_report import hbm_peak_tbs, markdown
 out, budget_s, dry = pathlib.Path(sys.argv[1]), float(sys.argv[2]), "--dry-run" in sys.argv
 cases = [Case("prefill", "bfloat16", m, 4, 16, 4096, 4096, 128, causal) for causal in (False, True) for m in MODES]
 cases += [Case("hdims", "bfloat16", m, 4, 8, 4096, 4096, 256, True) for m in MODES]
 cases += [Case("decode", "bfloat16", "forward", 16, 32, 1, 32768, 128, kv_heads=h) for h in (32, 8)]
-args = types.SimpleNamespace(cases=None, quick=True, blocks=3, dry_run=dry)
+args = types.SimpleNamespace(quick=True, blocks=3, dry_run=dry)  # what gpu.timing_for reads
 cases = [dry_run_case(c) for c in cases] if dry else cases
 timing = gpu.timing_for(args)
-from benchmarks.gpu_impls import impls_for
-from benchmarks.gpu_plan import case_s
 estimates = [case_s(c, impls_for(c), timing) for c in cases]
 gpu.print_plan(cases, estimates, budget_s)
 device = "cpu" if dry else "cuda"
