@@ -100,8 +100,8 @@ if [ -z "${CUDA_HOME:-}" ]; then
   NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$NVCC")")")
 fi
-# The 9.0a build compiles 48 CuTe units (24 forward, 24 backward; ~35-50 s of one core each) beside
-# the sm80-style ones: an estimated 3-5 minutes at MAX_JOBS=16 (docs/testing.md), hence 480 s there.
+# The 9.0a build compiles 48 CuTe units (24 forward, 24 backward; 15-50 s of one core each) beside
+# the sm80-style ones: an estimated 2.5-5 minutes at MAX_JOBS=16 (docs/testing.md), hence 480 s there.
 if [ -z "${BUILD_TIMEOUT_S:-}" ]; then
   case "$TORCH_CUDA_ARCH_LIST" in *9.0a*) BUILD_TIMEOUT_S=480 ;; *) BUILD_TIMEOUT_S=300 ;; esac
 fi
