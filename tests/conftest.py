@@ -26,9 +26,28 @@ def _run_order(item) -> tuple[bool, bool]:
     return (item.nodeid.split("::")[0] not in LONGEST_FIRST, item.get_closest_marker("slow") is None)
 
 
+def _selects(params: dict, item) -> bool:
+    """Whether `params` (name -> value, a subset of the test's parameters) picks this case."""
+    given = getattr(item, "callspec", None)
+    given = given.params if given is not None else {}
+    return all(name in given and given[name] == value for name, value in params.items())
+
+
+def _mark_sm90_quick(items) -> None:
+    """The Hopper GPU tests' quick tier (gpu_check.sh's sm90quick step, docs/testing.md): the
+    cases a module lists in SM90_QUICK, (test name, parameters picking one case), get the mark
+    sm90_quick. Lists of parameters rather than node ids: a renamed id or a new parameter
+    value cannot unselect a case silently (tests/ops/test_cuda_sm90_quick.py counts them)."""
+    for item in items:
+        quick = getattr(getattr(item, "module", None), "SM90_QUICK", ())
+        if any(item.originalname == name and _selects(params, item) for name, params in quick):
+            item.add_marker(pytest.mark.sm90_quick)
+
+
 def pytest_collection_modifyitems(config, items):
     # Stable: the order within a file, and among the rest, is kept.
     items.sort(key=_run_order)
+    _mark_sm90_quick(items)
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU and the CUDA build of attn_export")
     if not torch.cuda.is_available():
         for item in items:

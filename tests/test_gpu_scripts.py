@@ -88,6 +88,7 @@ def test_gpu_check_counts_only_reports_in_attn_exports_kernels(tmp_path):
     fake.chmod(0o755)
     driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
 OUT_DIR={tmp_path}; PY=true; STATUS=0; CUDA_HOME=/nonexistent
+{_functions("capped")}
 {step}
 sanitize_step; echo "STATUS=$STATUS"
 """
@@ -159,3 +160,142 @@ bench_step
     preview = script[script.index("preview_tests() {"):]
     assert "ATTN_EXPORT_CUDA_PREVIEW=1 timeout" in preview and "tests/ops/test_cuda.py" in preview
     assert "  preview_tests\n}" in script[script.index("tests_step() {"):]
+
+
+def _functions(*names: str) -> str:
+    """The named shell functions of gpu_check.sh, as text to source."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    out = []
+    for name in names:
+        body = script[script.index(f"\n{name}() {{") + 1:]
+        out.append(body[:body.index("\n}\n") + 3])
+    return "\n".join(out)
+
+
+STEP_HELPERS = ("capped", "fits")
+QUICK_FUNCTIONS = (*STEP_HELPERS, "sm90_built", "sm90_smoke", "sm90_quick_tests", "headline_bench", "sm90quick_step")
+
+# python as the quick step calls it: `-c` (import pytest), `-` with arguments (the headline
+# benchmark's script), `-` alone (the smoke run), `-m pytest` (the quick tier). Each call is logged.
+FAKE_PYTHON = r"""#!/bin/bash
+echo "$*" >> "$(dirname "$0")/calls"
+case "$1" in
+  -c) exit 0 ;;
+  -) if [ $# -gt 1 ]; then echo "headline: B4 H16 Lq4096 Lk4096 D128 bfloat16 forward: attn_export / cudnn = 0.50"
+                          echo "8 rows, 0 skipped"; exit 0; fi
+     exit ${FAKE_SMOKE_RC:-0} ;;
+  -m) echo "${FAKE_PYTEST_LAST:-53 passed in 40.00s}"; exit ${FAKE_PYTEST_RC:-0} ;;
+esac
+"""
+
+
+def run_quick_step(tmp_path, **env):
+    """gpu_check.sh's sm90quick step with a stand-in python: (summary lines, python calls)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    (tmp_path / "calls").write_text("")
+    (tmp_path / "summary.txt").write_text("")
+    driver = f"""summary() {{ echo "$*" | tee -a {tmp_path}/summary.txt; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
+CASE_TIMEOUT="-o timeout=90 -o timeout_method=thread"
+{_functions(*QUICK_FUNCTIONS)}
+sm90quick_step; echo "STATUS=$STATUS"
+"""
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "TORCH_CUDA_ARCH_LIST": "9.0a", **env}, timeout=60)
+    lines = (tmp_path / "summary.txt").read_text().splitlines() + ran.stdout.splitlines()[-1:]
+    return lines, (tmp_path / "calls").read_text().splitlines()
+
+
+def test_quick_step_runs_smoke_quick_tier_and_headline_rows(tmp_path):
+    lines, calls = run_quick_step(tmp_path)
+    assert [c.split()[0] for c in calls] == ["-", "-c", "-m", "-"]  # smoke, pytest?, the tier, the benchmark
+    tier = calls[2]
+    assert '-m cuda and sm90_quick' in tier and "tests/ops/test_cuda_sm90.py tests/ops/test_cuda_sm90_bwd.py" in tier
+    assert "-o timeout=90 -o timeout_method=thread" in tier and "--durations=15" in tier
+    assert lines[0].startswith("PASSED sm90 quick tier in") and lines[0].endswith(": 53 passed in 40.00s")
+    assert lines[1] == "headline: B4 H16 Lq4096 Lk4096 D128 bfloat16 forward: attn_export / cudnn = 0.50"
+    assert lines[2].startswith("PASSED headline benchmark in") and lines[2].endswith(": 8 rows, 0 skipped")
+    assert lines[-1] == "STATUS=0"
+
+
+def test_quick_step_says_why_it_stops(tmp_path):
+    lines, calls = run_quick_step(tmp_path, TORCH_CUDA_ARCH_LIST="9.0")
+    assert calls == [] and lines[0].startswith("SKIPPED sm90quick: built for 9.0, not 9.0a")
+    lines, calls = run_quick_step(tmp_path, FAKE_SMOKE_RC="124")
+    assert len(calls) == 1 and lines[0].startswith("FAILED sm90 smoke (exit 124; 124: a kernel hung)")
+    assert lines[-1] == "STATUS=2"
+    lines, _ = run_quick_step(tmp_path, FAKE_PYTEST_LAST="53 skipped in 1.00s")  # nothing verified
+    assert lines[0].startswith("FAILED sm90 quick tier: no case ran (53 skipped") and lines[-1] == "STATUS=2"
+    lines, _ = run_quick_step(tmp_path, FAKE_PYTEST_RC="1", FAKE_PYTEST_LAST="1 failed, 52 passed")
+    assert lines[0].startswith("FAILED sm90 quick tier (exit 1;") and lines[-1] == "STATUS=2"
+    lines, calls = run_quick_step(tmp_path, GPU_CHECK_BUDGET_S="45")  # 35 s left: the smoke fits, nothing else
+    assert [c.split()[0] for c in calls] == ["-"]
+    assert lines[0].startswith("SKIPPED sm90 quick tier: 3") and lines[0].endswith("it needs ~60 s")
+    assert lines[1].startswith("SKIPPED headline benchmark: 3") and lines[-1] == "STATUS=2"
+
+
+def test_headline_benchmark_runs_on_the_cpu(tmp_path):
+    """The headline rows' script itself, at dry-run sizes on the CPU: every row measured, both
+    tables written, and no file beyond the 8 the device tool brings back."""
+    driver = f"""summary() {{ echo "$*" | tee -a {tmp_path}/summary.txt; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={sys.executable}; STATUS=0; START=$SECONDS
+{_functions(*STEP_HELPERS, "headline_bench")}
+headline_bench; echo "STATUS=$STATUS"
+"""
+    import os
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "HEADLINE_DRY_RUN": "1"})
+    assert ran.stdout.splitlines()[-1] == "STATUS=0", ran.stdout[-3000:] + ran.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_headline.json").read_text())
+    assert [r["group"] for r in data["results"]] == ["prefill"] * 4 + ["hdims"] * 2 + ["decode"] * 2
+    assert all(r["columns"]["attn_export"]["value"] is not None for r in data["results"]) and not data["skipped"]
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert sum(line.startswith("headline: ") for line in summary) == 8
+    assert summary[-1].startswith("PASSED headline benchmark") and "TFLOP/s" in (tmp_path / "bench_headline.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_headline.json", "bench_headline.md", "summary.txt"]
+
+
+FAKE_BUILD_PYTHON = r"""#!/bin/bash
+echo "$*" >> "$(dirname "$0")/calls"
+case "$1 $2" in
+  "-m pip") echo "[7/101] nvcc sm90_flash_fwd_hdim128_bf16.cu"; sleep "${FAKE_PIP_S:-0}" ;;
+esac
+exit 0
+"""
+
+
+def run_build_step(tmp_path, **env):
+    """gpu_check.sh's build with a stand-in python (pip sleeps FAKE_PIP_S): (summary, calls, rc)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_BUILD_PYTHON)
+    fake.chmod(0o755)
+    for name in ("calls", "summary.txt"):
+        (tmp_path / name).write_text("")
+    driver = f"""summary() {{ echo "$*" | tee -a {tmp_path}/summary.txt; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={fake}; ROOT={tmp_path}; START=$SECONDS; CAPABILITY=9.0a; MAX_JOBS=16
+{_functions(*STEP_HELPERS, "build_loads", "source_stamp", "build_step", "build_timed_out")}
+build_step
+"""
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "TORCH_CUDA_ARCH_LIST": "9.0a", "BUILD_TIMEOUT_S": "480", **env})
+    calls = [c.split()[1] if c.startswith("-m") else c.split()[0] for c in (tmp_path / "calls").read_text().splitlines()]
+    return (tmp_path / "summary.txt").read_text().splitlines(), calls, ran.returncode
+
+
+def test_build_fails_fast_on_a_timeout_and_is_reused_on_a_warm_machine(tmp_path):
+    lines, calls, rc = run_build_step(tmp_path, BUILD_TIMEOUT_S="1", FAKE_PIP_S="5")
+    assert rc == 1 and calls == ["pip"]  # not built again in place: that would take as long again
+    assert lines == ["FAILED build: timed out after 1 s for sm_90a at MAX_JOBS=16 (compile steps done: [7/101]; "
+                     "see build.log): raise BUILD_TIMEOUT_S and GPU_CHECK_BUDGET_S"]
+    lines, calls, rc = run_build_step(tmp_path, GPU_CHECK_BUDGET_S="30")  # the budget cuts the timeout
+    assert rc == 0 and calls == ["pip", "-c"] and lines[0].startswith("PASSED build for sm_90a in")
+    lines, calls, rc = run_build_step(tmp_path)  # same sources, same architectures: reused
+    assert rc == 0 and calls == ["-c"] and lines == ["PASSED build for sm_90a: reused this machine's earlier build of the same sources"]
+    lines, calls, _ = run_build_step(tmp_path, TORCH_CUDA_ARCH_LIST="9.0")  # another architecture: built
+    assert calls == ["pip", "-c"]
+    _, calls, _ = run_build_step(tmp_path, TORCH_CUDA_ARCH_LIST="9.0", GPU_CHECK_REBUILD="1")
+    assert calls == ["pip", "-c"]
+    lines, calls, rc = run_build_step(tmp_path, GPU_CHECK_BUDGET_S="5", FAKE_PIP_S="5")  # spent: 1 s, not none
+    assert rc == 1 and lines[0].startswith("FAILED build: timed out after 1 s") and calls == ["pip"]

@@ -29,6 +29,36 @@ HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_fwd_sm90.h kHeadDims
 
 pytestmark = pytest.mark.cuda
 
+F16, BF16 = torch.float16, torch.bfloat16
+# The quick tier (-m sm90_quick; tests/conftest.py marks these): one case per code path, head dims
+# and dtypes alternating, every test function at least once (tests/ops/test_cuda_sm90_quick.py);
+# half of the mask kinds here, the other half in test_cuda_sm90_bwd.py (check_core runs both
+# directions). Each entry: (test, parameters picking exactly one case).
+SM90_QUICK = [
+    *(("test_matches_reference", dict(dtype=t, head_dim=d, causal=c, seqlen=n)) for t, d, c, n in [
+        (F16, 32, True, 1025), (BF16, 64, False, 97), (F16, 96, True, 1025), (BF16, 128, True, 1025),
+        (F16, 192, False, 1025), (BF16, 256, True, 97)]),
+    *(("test_masks", dict(dtype=t, head_dim=d, mask=m)) for t, d, m in [
+        (F16, 32, "bool_2d"), (BF16, 96, "bool_4d_full"), (F16, 128, "causal+padding+float"),
+        (BF16, 192, "float_4d_broadcast_heads"), (F16, 256, "padding_bool")]),
+    ("test_softcap_and_window", dict(head_dim=128, softcap=None, window=50)),
+    ("test_softcap_and_window", dict(head_dim=256, softcap=5.0, window=0)),
+    *(("test_grouped_query_heads_and_causal_alignment", dict(dtype=t, head_dim=d, group=g, alignment=a, Lq=q, Lk=k))
+      for t, d, g, a, q, k in [(BF16, 128, 8, 0, 97, 1025), (F16, 64, 8, 1, 1025, 97), (BF16, 256, 1, 1, 1025, 97)]),
+    ("test_fully_masked_rows_give_zero_and_minus_inf_lse", dict(head_dim=128)),
+    ("test_padded_batches", dict(dtype=F16, head_dim=64, causal={}, kind="bool")),
+    ("test_padded_batches", dict(dtype=BF16, head_dim=192, causal={"is_causal": True, "causal_alignment": 1},
+                                 kind="additive")),
+    ("test_padded_key_tiles_are_not_loaded", dict(head_dim=192)),
+    ("test_decode_runs_on_the_sm80_path", dict(dtype=BF16, path="split", Hkv=8, Lq=1)),
+    ("test_decode_runs_on_the_sm80_path", dict(dtype=F16, path="packed")),
+    ("test_decode_runs_on_the_sm80_path", dict(dtype=BF16, path="hopper")),
+    ("test_strides_tma_refuses_fall_back_to_the_sm80_path", {}),
+    ("test_rows_past_the_ends_are_zero_filled_not_read", dict(head_dim=64, layout="blhd", causal=True)),
+    ("test_rows_past_the_ends_are_zero_filled_not_read", dict(head_dim=256, layout="bhld", causal=False)),
+    ("test_fully_masked_rows_beside_visible_ones", dict(head_dim=256)),
+]
+
 
 def _kernels_run(fn) -> set[str]:
     return kernels_run(fn, "the sm_90a forward")

@@ -26,6 +26,34 @@ HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_bwd_sm90.h kBwdTiles
 
 pytestmark = pytest.mark.cuda
 
+F16, BF16 = torch.float16, torch.bfloat16
+# The quick tier (-m sm90_quick; tests/conftest.py marks these): one case per code path, head dims
+# and dtypes alternating (the forward file's the other way round), every test function at least
+# once (tests/ops/test_cuda_sm90_quick.py); the mask kinds the forward file's quick cases leave out.
+# Each entry: (test, parameters picking exactly one case).
+SM90_QUICK = [
+    *(("test_gradients_match_reference", dict(dtype=t, head_dim=d, causal=c, seqlen=n)) for t, d, c, n in [
+        (BF16, 32, True, 1025), (F16, 64, False, 1), (BF16, 96, True, 97), (F16, 128, False, 1025),
+        (BF16, 192, True, 1025), (F16, 256, True, 1025)]),
+    *(("test_masks", dict(dtype=t, head_dim=d, mask=m)) for t, d, m in [
+        (BF16, 32, "bool_3d"), (F16, 64, "causal"), (BF16, 128, "float_2d"), (F16, 192, "none"),
+        (BF16, 256, "padding_float")]),
+    ("test_softcap_and_window", dict(head_dim=192, softcap=None, window=50)),
+    ("test_softcap_and_window", dict(head_dim=64, softcap=5.0, window=0)),
+    *(("test_grouped_query_heads_and_causal_alignment", dict(dtype=t, head_dim=d, group=g, alignment=a, Lq=q, Lk=k))
+      for t, d, g, a, q, k in [(F16, 128, 4, 0, 97, 1025), (BF16, 256, 8, 1, 1025, 97), (BF16, 64, 1, 1, 1, 4096)]),
+    ("test_fully_masked_rows_give_zero_gradients", dict(head_dim=192)),
+    ("test_deterministic_mode_is_reproducible_bit_for_bit", dict(head_dim=128, causal=True)),
+    ("test_deterministic_mode_is_reproducible_bit_for_bit", dict(head_dim=256, causal=False)),
+    ("test_rows_past_the_ends_are_zero_filled_not_read", dict(head_dim=128, layout="bhld", causal=True)),
+    ("test_rows_past_the_ends_are_zero_filled_not_read", dict(head_dim=192, layout="blhd", causal=False)),
+    ("test_deterministic_mode_grouped_heads_and_unequal_lengths", dict(head_dim=64, alignment=0, Lq=1025, Lk=2049)),
+    ("test_deterministic_mode_grouped_heads_and_unequal_lengths", dict(head_dim=192, alignment=1, Lq=2049, Lk=1025)),
+    ("test_layer_operator_uses_it_and_a_weights_gradient_falls_back", {}),
+    ("test_padded_key_blocks", dict(head_dim=128, group=1, deterministic=False)),
+    ("test_padded_key_blocks", dict(head_dim=256, group=4, deterministic=True)),
+]
+
 
 def _kernels_run(fn) -> set[str]:
     return kernels_run(fn, "the sm_90a backward")
