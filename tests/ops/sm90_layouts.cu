@@ -182,6 +182,13 @@ void backward() {
   const std::string d = "backward d" + std::to_string(D);
   if constexpr (T::kSwapdKV) {
     // dK^T, dV^T (head dim x keys) from P and dS in shared memory: no register operand to check.
+    // P^T and dS^T still go through probabilities_as_operand, which converts the accumulators'
+    // storage whole into an array of acc_as_operand_a's cosize: it must be as large.
+    auto acc = partition_fragment_C(typename T::TiledMmaSdP{}, Shape<Int<kN>, Int<kM>>{}).layout();
+    if (cosize(acc_as_operand_a(acc)) != size(acc)) {
+      record(d + " P^T, dS^T in 16 bits", "acc_as_operand_a holds " + std::to_string(cosize(acc_as_operand_a(acc))) +
+                                             " of " + std::to_string(size(acc)) + " accumulators");
+    }
     record(d + " dK^T, dV^T rows", rowcol_view<typename T::TiledMmadKV, D, kN>(false, kRowCol));
   } else {
     record(d + " P^T, dS^T as dV's, dK's A", operand_a_from_acc<typename T::TiledMmaSdP, typename T::TiledMmadKV, kN, kM>(kAsA));
@@ -284,10 +291,15 @@ std::vector<bool> controls() {
   };
   using B96 = BwdTraits<cutlass::half_t, 96>;
   const std::vector<int> v_slices = {typename B96::SmemLayoutV{}.layout_b()(0, 0), typename B96::SmemLayoutV{}.layout_b()(0, B96::kDqWidth)};
+  // d256's S^T accumulators over two query blocks at once (two wgmma N steps): acc_as_operand_a
+  // keeps one, so its array is half the accumulators.
+  using SdP = typename B256::TiledMmaSdP;
+  auto two_n = partition_fragment_C(SdP{}, Shape<_64, _128>{}).layout();
+  const bool half_caught = cosize(acc_as_operand_a(two_n)) != size(two_n);
   return {!operand_a_from_acc<typename T::TiledMmaQK, typename T::TiledMmaPV, 128, 128>(swapped_a).empty(),
           !rowcol_view<typename T::TiledMmaQK, 128, 128>(true, swapped_rowcol).empty(),
           !covers_once<64, 256>(first_chunk_twice).empty(),
-          !atom_aligned(v_slices, cosize(typename B96::SmemAtom{})).empty()};
+          !atom_aligned(v_slices, cosize(typename B96::SmemAtom{})).empty(), half_caught};
 }
 
 }  // namespace
