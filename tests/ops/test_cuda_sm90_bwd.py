@@ -273,3 +273,37 @@ def test_padded_key_blocks(head_dim, group, deterministic):
     padded = pad[:, None, :, None].expand_as(got["g"][1])
     for g in got["g"][1:]:
         assert torch.equal(g[padded], torch.zeros_like(g[padded]))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("alignment", [0, 1], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_padded_key_blocks_causal_deterministic(head_dim, alignment, group):
+    """A skipped key block under causality passes on its dQ turns from its first query block
+    (first_query_block), not from 0, and up to the last: right-padded key blocks past the diagonal
+    start late (top-left, Lq < Lk; bottom-right shifts them). Passing a turn the consumers never
+    take, or missing one, hangs the key blocks after it. Gradients against float64; the padded
+    keys' dK and dV exactly zero."""
+    B, H, Lq, Lk = 5, 4, 700, 1000
+    pad = padded_batch_mask(B, Lk, DEVICE)
+    make = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)  # noqa: E731
+    q, k, v = make(B, H, Lq, head_dim), make(B, H // group, Lk, head_dim), make(B, H // group, Lk, head_dim)
+    grad = torch.randn(B, H, Lq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    masks = {"is_causal": True, "causal_alignment": alignment, "key_padding_mask": pad}
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = attn_export.attention(q, k, v, **masks)
+        got = {}
+        _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    exact, _ = reference_attention(q, k, v, **masks)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=torch.bfloat16, **masks)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(got["g"], plain, want, "qkv"):
+        assert_within(g, p, w, torch.bfloat16, f"grad {name}", Lk, scale=want)
+    padded = pad[:, None, :, None].expand_as(got["g"][1])
+    for g in got["g"][1:]:
+        assert torch.equal(g[padded], torch.zeros_like(g[padded]))

@@ -7,9 +7,16 @@ program, tests/ops/sm90_layouts.cu. What it checks, each a wrong result on the G
 - rowcol's (row, column) view: one row per index, columns c and c + 1 adjacent (paired 4-byte
   stores of O, dK, dV and the 8-byte dQ atomics), and for the softmax a quad holding every column
   of its rows once (the two-shuffle row max and sum);
-- the transposed shared-memory views (V^T, Q^T, dO^T, K^T, dS^T) address the same elements.
+- the transposed shared-memory views (V^T, Q^T, dO^T, K^T, dS^T) address the same elements;
+- the backward writes or adds each element once: P^T/dS^T into shared memory, dK/dV (dK^T/dV^T
+  swapped), dQ over its column chunks (d256: two);
+- the swapped consumer's P^T/dS^T conversion (probabilities_as_operand) has room for every
+  accumulator;
+- every wgmma operand slice (a warpgroup's rows or columns, a chunk, an MN-major K step) starts on
+  a whole swizzle atom, as CuTe's descriptors (base offset 0) need: dQ's K^T and dS, Q^T and dO^T,
+  and swapped S^T's Q/dO and dK^T's/dV^T's dS^T/P^T.
 
-Two deliberately broken mappings must be caught, so that the checks are shown able to fail. Needs
+Five deliberately broken mappings must be caught, so that the checks are shown able to fail. Needs
 nvcc and the CUTLASS headers (as test_cuda_sm90_build.py); ~30-70 s of compilation, hence slow.
 """
 from __future__ import annotations
@@ -38,5 +45,5 @@ def test_register_and_shared_memory_layouts_hold(tmp_path):
                            capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-4000:]
     result = json.loads(subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout)
-    assert result["controls"] == [True, True], "a deliberately broken mapping went unnoticed"
+    assert result["controls"] == [True] * 5, "a deliberately broken mapping went unnoticed"
     assert result["problems"] == [], "\n".join(result["problems"])
