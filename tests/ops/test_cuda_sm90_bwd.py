@@ -52,6 +52,7 @@ SM90_QUICK = [
     ("test_layer_operator_uses_it_and_a_weights_gradient_falls_back", {}),
     ("test_padded_key_blocks", dict(head_dim=128, group=1, deterministic=False)),
     ("test_padded_key_blocks", dict(head_dim=256, group=4, deterministic=True)),
+    ("test_padded_key_blocks_causal_deterministic", dict(head_dim=96, alignment=1, group=4)),
 ]
 
 
