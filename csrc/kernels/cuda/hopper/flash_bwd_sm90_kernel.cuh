@@ -327,7 +327,7 @@ __device__ __forceinline__ void store_dkdv(const AttentionBackwardParams& p, con
     }
     for (int g = 0; g < group; ++g) {
       const int64_t h = static_cast<int64_t>(kv) * group + g;
-      const float keep = g == 0 ? 1.f : 0.f;
+      const bool first = g == 0;  // zeros, not 0 * dK: exact even where dK overflowed
       RawElement* k_row = static_cast<RawElement*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride +
           key * p.grad_k_row_stride;
       RawElement* v_row = static_cast<RawElement*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride +
@@ -336,9 +336,9 @@ __device__ __forceinline__ void store_dkdv(const AttentionBackwardParams& p, con
       for (int c = 0; c < size<1>(dk_rc); c += 2) {
         const int col = get<1>(c_rc(r, c));
         *reinterpret_cast<uint32_t*>(k_row + col) =
-            device::pack2<RawElement>(dk_rc(r, c) * scale * keep, dk_rc(r, c + 1) * scale * keep);
+            device::pack2<RawElement>(first ? dk_rc(r, c) * scale : 0.f, first ? dk_rc(r, c + 1) * scale : 0.f);
         *reinterpret_cast<uint32_t*>(v_row + col) =
-            device::pack2<RawElement>(dv_rc(r, c) * keep, dv_rc(r, c + 1) * keep);
+            device::pack2<RawElement>(first ? dv_rc(r, c) : 0.f, first ? dv_rc(r, c + 1) : 0.f);
       }
     }
   }
@@ -435,15 +435,15 @@ __device__ __forceinline__ void store_dkdv_swapped(const AttentionBackwardParams
 #pragma unroll 1
   for (int g = 0; g < group; ++g) {
     const int64_t h = static_cast<int64_t>(kv) * group + g;
-    const float keep = g == 0 ? 1.f : 0.f;
+    const bool first = g == 0;  // zeros, not 0 * dK: exact even where dK overflowed
     RawElement* k_head = static_cast<RawElement*>(p.grad_k) + b * p.grad_k_batch_stride + h * p.grad_k_head_stride;
     RawElement* v_head = static_cast<RawElement*>(p.grad_v) + b * p.grad_v_batch_stride + h * p.grad_v_head_stride;
     CUTE_UNROLL
     for (int i = 0; i < size(dk); ++i) {
       const int dim = get<0>(coord(i)), key = n0 + get<1>(coord(i));
       if (key < p.seqlen_k) {
-        k_head[key * p.grad_k_row_stride + dim] = device::from_acc<RawElement>(dk(i) * scale * keep);
-        v_head[key * p.grad_v_row_stride + dim] = device::from_acc<RawElement>(dv(i) * keep);
+        k_head[key * p.grad_k_row_stride + dim] = device::from_acc<RawElement>(first ? dk(i) * scale : 0.f);
+        v_head[key * p.grad_v_row_stride + dim] = device::from_acc<RawElement>(first ? dv(i) : 0.f);
       }
     }
   }
