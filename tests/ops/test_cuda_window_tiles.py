@@ -161,12 +161,14 @@ def test_queries_after_every_window_are_skipped(emu_ops, padded):
 
 
 # Parity where several tiles fall before and after each window, with a left-padded batch row:
-# top-left 200 x 200 with a window of 20 (query tile 3 skips key tiles 0-1; key block 0 skips
-# query blocks 2-3), its two query heads packed into one key/value head's tiles (400 rows: 7
-# tiles, not 8), so tile 3 holds head 0's queries 192-199 and head 1's 0-55 (the window's first
-# key is the least over both heads' rows); bottom-right 150 queries over 260 keys with a window
-# of 40, unpacked (a key/value head per query head).
-@pytest.mark.parametrize("alignment,Lq,Lk,window,Hkv", [(0, 200, 200, 20, 1), (1, 150, 260, 40, 2)],
+# top-left 200 x 200 with a window of 20, its two query heads packed into one key/value head's
+# tiles (400 rows: 7 tiles, not 8; tile 6, head 1's queries 184-199, skips key tiles 0-1; key
+# block 0 skips query blocks 2-3); tile 3 holds head 0's queries 192-199 and head 1's 0-55, so
+# its window starts at the least over both heads' rows; bottom-right 150 queries over 260 keys with a window
+# of 48, unpacked (a key/value head per query head): its windows start at key 63 of the
+# first query tile (63 + 64 j of tile j) and key block j is last seen by query 64 j, so a tile
+# bound one key or one query short drops a tile that parity needs.
+@pytest.mark.parametrize("alignment,Lq,Lk,window,Hkv", [(0, 200, 200, 20, 1), (1, 150, 260, 48, 2)],
                          ids=["top_left-packed", "bottom_right"])
 def test_windowed_parity_with_skipped_tiles(emu_ops, alignment, Lq, Lk, window, Hkv):
     emu_ops.set_preview(True)
