@@ -53,6 +53,9 @@ SM90_QUICK = [
     ("test_padded_key_blocks", dict(head_dim=128, group=1, deterministic=False)),
     ("test_padded_key_blocks", dict(head_dim=256, group=4, deterministic=True)),
     ("test_padded_key_blocks_causal_deterministic", dict(head_dim=96, alignment=1, group=4)),
+    ("test_window_keys_before_every_window_are_not_read", dict(head_dim=128, deterministic=True)),
+    ("test_window_queries_after_every_window_are_not_read", dict(head_dim=256, deterministic=False)),
+    ("test_window_deterministic_mode_is_reproducible_bit_for_bit", dict(head_dim=64, alignment=1, Lq=1025, Lk=2049)),
 ]
 
 
@@ -308,3 +311,91 @@ def test_padded_key_blocks_causal_deterministic(head_dim, alignment, group):
     padded = pad[:, None, :, None].expand_as(got["g"][1])
     for g in got["g"][1:]:
         assert torch.equal(g[padded], torch.zeros_like(g[padded]))
+
+
+# ---- The sliding window at the cost of its window (end_query_block, dq_turn in
+# hopper/flash_bwd_sm90_kernel.cuh): poison outside every window, and the deterministic order of
+# the key blocks visiting a query block, a range [first(m), last(m)] under a window.
+
+
+def _windowed_grads(q, k, v, grad, masks, deterministic, runs=1):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = []
+        for _ in range(runs):
+            out = attn_export.attention(q, k, v, **masks)
+            _assert_ran(_kernels_run(lambda: got.append(torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    return got
+
+
+def _check_windowed(got, clean, grad, masks, dtype, n):
+    """Gradients (finite: no poisoned tile read) against float64 and the plain same-dtype
+    computation on the clean tensors."""
+    for g, name in zip(got, "qkv"):
+        assert torch.isfinite(g).all(), f"grad {name}: a block outside every window was read (NaN)"
+    q, k, v = (t.detach().requires_grad_() for t in clean)
+    exact, _ = reference_attention(q, k, v, **masks)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(got, plain, want, "qkv"):
+        assert_within(g, p, w, dtype, f"grad {name}", n, scale=want)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_window_keys_before_every_window_are_not_read(head_dim, deterministic):
+    """Bottom-right, 300 queries over 1100 keys (shift 800), window 289: query 0's window starts
+    at key 512, so the key blocks of keys 0-255 (every tile size divides 256) see no query. Their
+    K and V are NaN: a key block visited there (or a forward tile) puts NaN into dQ."""
+    dtype, B, H, Hk, Lq, Lk = torch.bfloat16, 2, 4, 2, 300, 1100
+    masks = {"is_causal": True, "causal_alignment": 1, "window": 289}
+    q = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(B, Hk, Lk, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, :256] = float("nan")
+    v_bad[:, :, :256] = float("nan")
+    grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    inputs = [t.requires_grad_() for t in (q.clone(), k_bad, v_bad)]
+    got = _windowed_grads(*inputs, grad, masks, deterministic)[0]
+    _check_windowed(got, (q, k, v), grad, masks, dtype, Lk)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_window_queries_after_every_window_are_not_read(head_dim, deterministic):
+    """Top-left, 600 queries over 128 keys, window 100: no query from 227 on sees a key, so every
+    key block's query loop ends at or before query 256. Q and dO of queries 512 on are NaN: a
+    query block visited there puts NaN into dK and dV (P = 0 times dP - delta = NaN)."""
+    dtype, B, H, Lq, Lk = torch.bfloat16, 2, 2, 600, 128
+    masks = {"is_causal": True, "window": 100}
+    q = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(B, H, Lk, head_dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    q_bad, grad_bad = q.clone(), grad.clone()
+    q_bad[:, :, 512:] = float("nan")
+    grad_bad[:, :, 512:] = float("nan")
+    grad[:, :, 512:] = 0  # the reference's rows that see no key: any dO gives zero gradients
+    inputs = [t.requires_grad_() for t in (q_bad, k.clone(), v.clone())]
+    got = _windowed_grads(*inputs, grad_bad, masks, deterministic)[0]
+    _check_windowed(got, (q, k, v), grad, masks, dtype, Lq)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("alignment,Lq,Lk", [(0, 2049, 2049), (1, 1025, 2049)], ids=["top_left", "bottom_right"])
+def test_window_deterministic_mode_is_reproducible_bit_for_bit(head_dim, alignment, Lq, Lk):
+    """Deterministic mode under a window of 300: the key blocks adding to a query block's dQ are a
+    range that starts past key block 0 for most query blocks (dq_turn counts turns from its
+    start); a group of 4 query heads per key/value head. Two runs equal bit for bit (and no
+    deadlock), and right."""
+    dtype, B, H, Hk = torch.bfloat16, 2, 8, 2
+    masks = {"is_causal": True, "causal_alignment": alignment, "window": 300}
+    q = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, Hk, Lk, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
+    runs = _windowed_grads(q, k, v, grad, masks, True, runs=2)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    _check_windowed(runs[0], (q, k, v), grad, masks, dtype, max(Lq, Lk))

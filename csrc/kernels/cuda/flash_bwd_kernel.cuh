@@ -75,7 +75,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   // block's keys.
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
   const int m_begin = kIsCausal ? imax(0, n0 - shift) / kBM : 0;
-  const int m_blocks = (seqlen_q + kBM - 1) / kBM;
+  // Sliding window: query i sees key j only while i < j - shift + window, so no query at or past
+  // window_end (from this block's last key) sees any of its keys: the query blocks wholly past
+  // it are skipped (the per-element window below still masks the blocks visited).
+  const int64_t window_end = imin(n0 + kBN, seqlen_k) - 1 - shift + params.window;
+  const int q_end = kIsCausal && params.window > 0 && window_end < seqlen_q
+      ? static_cast<int>(window_end < 0 ? 0 : window_end) : seqlen_q;
+  const int m_blocks = (q_end + kBM - 1) / kBM;
   // A block whose keys the padding mask pads entirely: dK = dV = 0, and nothing for dQ (sK is free yet).
   const KeyTiles own = key_tile_range<kBN, kNT>(params, b, n0 / kBN, n0 / kBN + 1, reinterpret_cast<int*>(sK));
 

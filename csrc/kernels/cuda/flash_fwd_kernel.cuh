@@ -81,8 +81,15 @@ struct QueryRows {
   // Of packed row R (< rows): the head past the program's first, and the query index.
   __device__ __forceinline__ int head_of(int row) const { return kPackGqa ? row / seqlen_q : 0; }
   __device__ __forceinline__ int query_of(int row) const { return kPackGqa ? row % seqlen_q : row; }
-  // Bounds on the query indices of tile rows [m0, m0 + kBM): packed, any of [0, seqlen_q).
-  __device__ __forceinline__ int first_query(int m0) const { return kPackGqa ? 0 : m0; }
+  // Bounds on the query indices of the live tile rows [m0, min(m0 + kBM, rows)): packed, the
+  // first row's query when the tile holds rows of one head only, else 0 (the next head's rows
+  // start again at query 0).
+  __device__ __forceinline__ int first_query(int m0, int block_m) const {
+    if constexpr (kPackGqa) {
+      return m0 / seqlen_q == (imin(rows, m0 + block_m) - 1) / seqlen_q ? m0 % seqlen_q : 0;
+    }
+    return m0;
+  }
   __device__ __forceinline__ int last_query(int m0, int block_m) const {
     return kPackGqa ? imin(seqlen_q - 1, m0 + block_m - 1) : m0 + block_m - 1;
   }
@@ -176,11 +183,19 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
   const int key_end = kIsCausal ? imax(0, imin(seqlen_k, qrows.last_query(m0, kBM) + 1 + shift)) : seqlen_k;
   const int n_blocks_all = (key_end + kBN - 1) / kBN;
-  // Without a split, tiles [0, n_blocks_all); with one, this chunk's share of them (maybe none);
-  // either clamped to the tiles holding a key the padding mask leaves visible (sK is free yet).
+  // Sliding window: no row of this block sees a key before its first query's window
+  // (causal_key_begin: the window's start grows with the query), so the tiles wholly before it
+  // are skipped too. Packed, the first query is the least over the tile's live rows
+  // (QueryRows::first_query). ScoreMask still masks each score of the tiles visited.
+  const int window_begin =
+      kIsCausal ? imin(n_blocks_all, static_cast<int>(params.causal_key_begin(qrows.first_query(m0, kBM)) / kBN)) : 0;
+  // Without a split, tiles [window_begin, n_blocks_all); with one, this chunk's share of
+  // [0, n_blocks_all) intersected with them (maybe none); either clamped to the tiles holding a
+  // key the padding mask leaves visible (sK is free yet).
   const int chunk_begin = kSplit ? imin(n_blocks_all, chunk * split.blocks_per_split) : 0;
   const int chunk_end = kSplit ? imin(n_blocks_all, chunk_begin + split.blocks_per_split) : n_blocks_all;
-  const KeyTiles tiles = key_tile_range<kBN, kNT>(params, b, chunk_begin, chunk_end, reinterpret_cast<int*>(sK));
+  const KeyTiles tiles =
+      key_tile_range<kBN, kNT>(params, b, imax(chunk_begin, window_begin), chunk_end, reinterpret_cast<int*>(sK));
   const int n_begin = tiles.begin, n_blocks = tiles.end;
 
   // cp.async groups, in order: {Q, K0}, {V0}; then per tile n: {K(n+1)}, {V(n+1)} (possibly
@@ -255,7 +270,7 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
     const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k ||
-        (kIsCausal && n0 + kBN - 1 > qrows.first_query(m0) + shift) ||
+        (kIsCausal && n0 + kBN - 1 > qrows.first_query(m0, kBM) + shift) ||
         (kIsCausal && flash_window_hides(params, qrows.last_query(m0, kBM), n0, shift));
     // Unrolled by the template, not by `#pragma unroll`: cicc left that loop rolled in the
     // split-KV kernel, which put acc_s in local memory and multiplied its code (and compile time) tenfold.

@@ -22,7 +22,8 @@
 //
 // Deterministic mode (AttentionBackwardParams::deterministic): the key blocks of one (batch,
 // head) add to a query block's dQ in key-block order, each waiting for its predecessor's turn
-// (an int per query block), with plain read-modify-writes instead of atomics.
+// (an int per query block), with plain read-modify-writes instead of atomics. With a sliding
+// window the key blocks visiting a query block are a range, not a prefix (dq_turn below).
 //
 // Semantics are the sm80 backward's (flash_bwd_kernel.cuh) through the same ScoreMask and
 // SoftCap. dK/dV keep the binding's contract (per query head, the binding sums each group): the
@@ -61,8 +62,7 @@ inline constexpr uint32_t kBarrierOrder = 1;  // deterministic mode: this key bl
 inline constexpr uint32_t kBarrierDsFree = 2;  // one dS/P buffer (d256): the last block's readers are done
 
 // The first query block that sees any of the keys from n0 on: under causality, query i sees
-// keys j <= i + shift. Non-decreasing in n0, so the key blocks adding to a query block's dQ are
-// always a prefix 0, 1, ... of the key blocks (the deterministic order relies on it).
+// keys j <= i + shift. Non-decreasing in n0.
 template <typename T, bool kIsCausal>
 __device__ __forceinline__ int first_query_block(const AttentionParams& p, int n0) {
   if constexpr (!kIsCausal) {
@@ -70,6 +70,43 @@ __device__ __forceinline__ int first_query_block(const AttentionParams& p, int n
   }
   const int64_t first = n0 - p.causal_shift();
   return first <= 0 ? 0 : static_cast<int>((first < p.seqlen_q ? first : p.seqlen_q) / T::kBlockM);
+}
+
+// The end of the query blocks that see any of the keys [n0, n0 + kBlockN): with a sliding
+// window, query i sees key j only while i < j - shift + window, so no query from the block's
+// last key's (last - shift + window) on; without one, every query block. Non-decreasing in n0.
+// Producer, consumers and skip_padded_key_block walk [first_query_block, end_query_block).
+template <typename T, bool kIsCausal>
+__device__ __forceinline__ int end_query_block(const AttentionParams& p, int n0) {
+  const int64_t seqlen_q = p.seqlen_q;
+  int64_t end = seqlen_q;
+  if (kIsCausal && p.window > 0) {
+    const int64_t last_key = (n0 + T::kBlockN < p.seqlen_k ? n0 + T::kBlockN : p.seqlen_k) - 1;
+    const int64_t window_end = last_key - p.causal_shift() + p.window;
+    end = window_end <= 0 ? 0 : (window_end < seqlen_q ? window_end : seqlen_q);
+  }
+  return static_cast<int>((end + T::kBlockM - 1) / T::kBlockM);
+}
+
+// Deterministic mode: the turn of key block n at query block m. Key block n visits m iff
+// first_query_block(n) <= m < end_query_block(n). Both bounds are non-decreasing in n, so the key
+// blocks visiting m are one contiguous range [first(m), last(m)]: last(m) from the first bound
+// (without a window, first(m) = 0: a prefix), first(m) from the second, and
+//   m < end_query_block(n)  <=>  (n's last key) - shift + window > m kBlockM
+//                           <=>  (n + 1) kBlockN > m kBlockM + 1 + shift - window
+//                           <=>  n >= causal_key_begin(m kBlockM) / kBlockN
+// (the block holding the first key of query block m's first query's window; when that key is
+// past the last, no block visits m and the clamp does not matter). So the turns of m run
+// 0, 1, ... over first(m), first(m) + 1, ..., last(m): key block n waits for turn n - first(m)
+// and passes on n - first(m) + 1, each waiting only for its predecessor n - 1, which visits m
+// too (first(m) <= n - 1 <= last(m)): the same order on every run, and no wait on a block that
+// never comes (all of them count from the zeroed workspace, as without a window).
+template <typename T, bool kIsCausal>
+__device__ __forceinline__ int dq_turn(const AttentionParams& p, int m, int n_block) {
+  if constexpr (!kIsCausal) {
+    return n_block;
+  }
+  return n_block - static_cast<int>(p.causal_key_begin(static_cast<int64_t>(m) * T::kBlockM) / T::kBlockN);
 }
 
 // Query heads per key/value head.
@@ -165,7 +202,7 @@ __device__ void produce(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   // the producer has 24 registers (32-bit block counts and the head as the loop variable: at d256
   // one more live value spilled).
   const int m_begin = first_query_block<T, kIsCausal>(p, n_block * T::kBlockN);
-  const int m_end = (static_cast<int>(p.seqlen_q) + T::kBlockM - 1) / T::kBlockM;
+  const int m_end = end_query_block<T, kIsCausal>(p, n_block * T::kBlockN);
   using TileQ = typename T::TileQD;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
   int m = m_begin;
@@ -246,14 +283,14 @@ __device__ __forceinline__ void score_gradients(const AttentionParams& p, const 
   }
 }
 
-// Deterministic mode: wait until this key block's turn to add to query block m's dQ; returns
-// the turn's int (nullptr in the atomic mode, where nothing waits).
+// Deterministic mode: wait until this key block's turn (dq_turn: `rank`) to add to query block
+// m's dQ; returns the turn's int (nullptr in the atomic mode, where nothing waits).
 template <typename T>
-__device__ __forceinline__ int* dq_turn_wait(const BwdKernelParams<T>& kp, int64_t bh, int m, int n_block) {
+__device__ __forceinline__ int* dq_turn_wait(const BwdKernelParams<T>& kp, int64_t bh, int m, int rank) {
   int* turn = kp.order == nullptr ? nullptr : kp.order + bh * (kp.seqlen_q_rounded / T::kBlockM) + m;
   if (turn != nullptr) {
     if (threadIdx.x == 128) {
-      while (load_acquire(turn) != n_block) {
+      while (load_acquire(turn) != rank) {
       }
     }
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierOrder);
@@ -263,12 +300,12 @@ __device__ __forceinline__ int* dq_turn_wait(const BwdKernelParams<T>& kp, int64
 
 // ... and pass the turn to the next key block once every consumer thread has added.
 template <typename T>
-__device__ __forceinline__ void dq_turn_pass(int* turn, int n_block) {
+__device__ __forceinline__ void dq_turn_pass(int* turn, int rank) {
   if (turn != nullptr) {
     __threadfence();
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierOrder);
     if (threadIdx.x == 128) {
-      store_release(turn, n_block + 1);
+      store_release(turn, rank + 1);
     }
   }
 }
@@ -301,13 +338,13 @@ __device__ __forceinline__ float* dq_block(const BwdKernelParams<T>& kp, int64_t
   return kp.dq_accum + (bh * kp.seqlen_q_rounded + m * T::kBlockM) * T::kHeadDim;
 }
 
-// Adds one query block's dQ (unscaled) into the fp32 workspace.
+// Adds one query block's dQ (unscaled) into the fp32 workspace; rank: dq_turn.
 template <typename T, typename TQ, typename TC>
 __device__ __forceinline__ void add_dq(const BwdKernelParams<T>& kp, const TQ& dq, const TC& coord, int64_t bh, int m,
-                                       int n_block) {
-  int* turn = dq_turn_wait(kp, bh, m, n_block);
+                                       int rank) {
+  int* turn = dq_turn_wait(kp, bh, m, rank);
   add_dq_values<T>(dq_block(kp, bh, m), dq, coord, turn != nullptr);
-  dq_turn_pass<T>(turn, n_block);
+  dq_turn_pass<T>(turn, rank);
 }
 
 // dK = scale * sum dS^T Q and dV = sum P^T dO at the group's first query head, zeros at the
@@ -351,13 +388,13 @@ __device__ __forceinline__ void store_dkdv(const AttentionBackwardParams& p, con
 template <typename T, typename TS, typename TD, typename TA, typename TB, typename TC>
 __device__ __forceinline__ void dq_step(const BwdKernelParams<T>& kp, typename T::TiledMmadQ& mma_dq, const TS& ds,
                                         TD&& ds_smem, TA&& tdQrdS, const TB& tdQrK, const TC& cdQ, int64_t bh, int m,
-                                        int n_block) {
+                                        int rank) {
   copy(ds, ds_smem);
   cutlass::arch::fence_view_async_shared();
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierDs);
   Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::TileQD{});
   warpgroup_gemm<true>(mma_dq, tdQrdS, tdQrK, tdQrdQ);
-  add_dq<T>(kp, tdQrdQ, cdQ, bh, m, n_block);
+  add_dq<T>(kp, tdQrdQ, cdQ, bh, m, rank);
 }
 
 template <typename T, typename RawElement, bool kIsCausal>
@@ -390,7 +427,7 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
   clear(tdKrdK);
   const int n0 = n_block * T::kBlockN;
   const int m_begin = first_query_block<T, kIsCausal>(p, n0);
-  const int m_blocks = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM);
+  const int m_blocks = end_query_block<T, kIsCausal>(p, n0);
 
   shared.barrier_kv.wait(0);
   typename T::PipelineState read;
@@ -417,7 +454,8 @@ __device__ void consume(const BwdKernelParams<T>& kp, typename T::SharedStorage&
       pipe.consumer_release(read);
       ++read;
       dq_step<T>(kp, mma_dq, make_tensor(tdSrdS.data(), tdPrdP.layout()), thr_sdp.partition_C(sdSt(_, _, s)),
-                 tdQrdS(_, _, _, s), tdQrK, cdQ, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
+                 tdQrdS(_, _, _, s), tdQrK, cdQ, static_cast<int64_t>(b) * p.num_heads + h, m,
+                 dq_turn<T, kIsCausal>(p, m, n_block));
     }
   }
   Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(typename T::TileKD{}));
@@ -475,10 +513,10 @@ __device__ __forceinline__ void dkv_swapped_step(TiledMma& mma, TA dot, const TB
 // (one deterministic turn for all of them). ds: dS's descriptors; sKt: K^T (head dim, keys).
 template <typename T, typename TA, typename TK>
 __device__ __forceinline__ void dq_chunks(const BwdKernelParams<T>& kp, typename T::TiledMmadQ& mma_dq, TA& ds,
-                                          const TK& sKt, int64_t bh, int m, int n_block) {
+                                          const TK& sKt, int64_t bh, int m, int rank) {
   using Chunk = typename T::TileQDChunk;
   auto thr_dq = mma_dq.get_thread_slice(threadIdx.x - 128);
-  int* turn = dq_turn_wait(kp, bh, m, n_block);
+  int* turn = dq_turn_wait(kp, bh, m, rank);
   CUTE_UNROLL
   for (int c = 0; c < T::kDqChunks; ++c) {
     Tensor tdQrK = thr_dq.partition_fragment_B(
@@ -489,7 +527,7 @@ __device__ __forceinline__ void dq_chunks(const BwdKernelParams<T>& kp, typename
     warpgroup_gemm<true>(mma_dq, ds, tdQrK, tdQrdQ);
     add_dq_values<T>(dq_block(kp, bh, m), tdQrdQ, cdQ, turn != nullptr);
   }
-  dq_turn_pass<T>(turn, n_block);
+  dq_turn_pass<T>(turn, rank);
 }
 
 template <typename T, typename RawElement, bool kIsCausal>
@@ -523,7 +561,7 @@ __device__ void consume_swapped(const BwdKernelParams<T>& kp, typename T::Shared
   clear(tdKrdK);
   const int n0 = n_block * T::kBlockN, group = group_size(p);
   const int m_begin = first_query_block<T, kIsCausal>(p, n0);
-  const int m_blocks = static_cast<int>((p.seqlen_q + T::kBlockM - 1) / T::kBlockM);
+  const int m_blocks = end_query_block<T, kIsCausal>(p, n0);
   shared.barrier_kv.wait(0);
   typename T::PipelineState read;
 #pragma unroll 1
@@ -547,7 +585,8 @@ __device__ void consume_swapped(const BwdKernelParams<T>& kp, typename T::Shared
     pipe.consumer_release(read);
     ++read;
     auto ds = tdQrdS(_, _, _, buf);
-    dq_chunks<T>(kp, mma_dq, ds, sKt, static_cast<int64_t>(b) * p.num_heads + h, m, n_block);
+    dq_chunks<T>(kp, mma_dq, ds, sKt, static_cast<int64_t>(b) * p.num_heads + h, m,
+                 dq_turn<T, kIsCausal>(p, m, n_block));
   }
   Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(typename T::TileDKV{}));
   store_dkdv_swapped<T, RawElement>(p, tdKrdK, tdVrdV, cdKV, n0, kv, b, group);
@@ -556,7 +595,7 @@ __device__ void consume_swapped(const BwdKernelParams<T>& kp, typename T::Shared
 // Padded batches (params.skip_padded_key_tiles; key_tile_range.cuh, the sm80 backward's `own`
 // check): when the key-padding mask pads every key of this block, dK = dV = 0 for the group's
 // query heads and no query block is loaded; in deterministic mode the block still passes on its
-// turn at each query block it would have added to, after its predecessor's. Every thread calls
+// turn (dq_turn) at each query block it would have added to, after its predecessor's. Every thread calls
 // it before any barrier or copy (`scratch`: two ints of shared memory, free then); true: done.
 template <typename T, typename RawElement, bool kIsCausal>
 __device__ bool skip_padded_key_block(const BwdKernelParams<T>& kp, int n_block, int kv, int b, int* scratch) {
@@ -584,10 +623,11 @@ __device__ bool skip_padded_key_block(const BwdKernelParams<T>& kp, int n_block,
     const int m_blocks = static_cast<int>(kp.seqlen_q_rounded / T::kBlockM);
     for (int g = 0; g < group; ++g) {
       int* turns = kp.order + (static_cast<int64_t>(b) * p.num_heads + kv * group + g) * m_blocks;
-      for (int m = first_query_block<T, kIsCausal>(p, n0); m * T::kBlockM < p.seqlen_q; ++m) {
-        while (load_acquire(turns + m) != n_block) {
+      for (int m = first_query_block<T, kIsCausal>(p, n0); m < end_query_block<T, kIsCausal>(p, n0); ++m) {
+        const int rank = dq_turn<T, kIsCausal>(p, m, n_block);
+        while (load_acquire(turns + m) != rank) {
         }
-        store_release(turns + m, n_block + 1);
+        store_release(turns + m, rank + 1);
       }
     }
   }
