@@ -17,23 +17,15 @@ products and its results (at most four): hence 2 eps for outputs and 4 eps for g
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
-from cuda_emulator.build import cuda_include_dir
-from helpers import EPS, assert_parity, padding_mask, reference_attention
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT
+from helpers import assert_parity, padding_mask, reference_attention
 from helpers import MASKS as SHARED_MASKS
 
-pytestmark = pytest.mark.skipif(
-    cuda_include_dir() is None or shutil.which("c++") is None,
-    reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels",
-)
-pytestmark = [pytestmark, pytest.mark.slow]  # make test-fast leaves it out
-
-TOL_OUT = {torch.float64: 1e-12, torch.float32: 8 * EPS[torch.float32], torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
-TOL_GRAD = {torch.float64: 1e-12, torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch.float16], torch.bfloat16: 4 * EPS[torch.bfloat16]}
+pytestmark = EMULATOR_MARKS
 
 
 @pytest.fixture(scope="module")

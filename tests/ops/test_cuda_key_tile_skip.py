@@ -14,26 +14,18 @@ then masked, turns the row's output (0 * NaN in P V) and dQ (dS = P * NaN) into 
 control test runs the same poison with the switch off, where the tiles are computed and masked:
 there the NaN must show, so the poison test can fail.
 
-Tolerances as in test_cuda_emulator.py: outputs 2 eps, gradients 4 eps of the dtype.
+Tolerances (cuda_emulator/testing.py): outputs 2 eps, gradients 4 eps of the dtype.
 """
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from cuda_emulator.build import cuda_include_dir
-from helpers import EPS, assert_parity, reference_attention
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT
+from helpers import assert_parity, reference_attention
 
-pytestmark = [
-    pytest.mark.skipif(cuda_include_dir() is None or shutil.which("c++") is None,
-                       reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels"),
-    pytest.mark.slow,
-]
+pytestmark = EMULATOR_MARKS
 
-TOL_OUT = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
-TOL_GRAD = {torch.float16: 4 * EPS[torch.float16], torch.bfloat16: 4 * EPS[torch.bfloat16]}
 from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
 LK = 300  # keys: not a multiple of any tile
 SPAN = 128  # every flash kernel's key tile (32, 64 or 128 keys) divides it

@@ -17,21 +17,17 @@ scores are products of the inputs rounded once to float32, the max and log in fl
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
-from cuda_emulator.build import H200_SMS, cuda_include_dir
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_OUT
+from cuda_emulator.build import H200_SMS
 from helpers import EPS, assert_parity, padding_mask, reference_attention
 
-pytestmark = [
-    pytest.mark.skipif(cuda_include_dir() is None or shutil.which("c++") is None,
-                       reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels"),
-    pytest.mark.slow,
-]
+pytestmark = EMULATOR_MARKS
 
-TOL = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
+TOL = TOL_OUT
 
 
 def _reference_lse(q, k, attn_mask=None, key_padding_mask=None, is_causal=False, causal_alignment=0, window=0,

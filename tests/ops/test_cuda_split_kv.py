@@ -11,27 +11,21 @@ The preview switch off (the default on a GPU): only what was verified on a GPU i
 grouped-query heads and the bottom-right alignment still give the right results through the
 verified kernels (verified_route.h).
 
-Tolerances as in test_cuda_emulator.py: float16/bfloat16 inputs exact in their dtype, the
+Tolerances (cuda_emulator/testing.py): float16/bfloat16 inputs exact in their dtype, the
 output rounded to it (and the probabilities for the P V product): 2 eps of the dtype. The split
 partials are float32, so the combine adds float32 rounding only.
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from cuda_emulator.build import cuda_include_dir
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_OUT
 from helpers import EPS, assert_parity, padding_mask, reference_attention
 
-pytestmark = [
-    pytest.mark.skipif(cuda_include_dir() is None or shutil.which("c++") is None,
-                       reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels"),
-    pytest.mark.slow,
-]
+pytestmark = EMULATOR_MARKS
 
-TOL = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
+TOL = TOL_OUT
 
 
 @pytest.fixture

@@ -6,29 +6,18 @@ bfloat16, forward and backward, tiles that straddle the window's start and tiles
 it), the generic kernels (float32) and split-KV decoding (chunks wholly outside the window).
 With the switch off (the default on a GPU), the binding's verified route passes the window and
 the causal diagonal as a boolean mask to the verified kernels (csrc/ops/verified_route.cpp).
-Tolerances as in test_cuda_emulator.py.
+Tolerances: cuda_emulator/testing.py.
 """
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from cuda_emulator.build import cuda_include_dir
-from helpers import EPS, assert_parity, reference_attention
+from cuda_emulator.build import H200_SMS  # what the emulated device reports by default
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT
+from helpers import assert_parity, reference_attention
 
-pytestmark = [
-    pytest.mark.skipif(cuda_include_dir() is None or shutil.which("c++") is None,
-                       reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels"),
-    pytest.mark.slow,
-]
-
-TOL_OUT = {torch.float32: 8 * EPS[torch.float32], torch.float16: 2 * EPS[torch.float16],
-           torch.bfloat16: 2 * EPS[torch.bfloat16]}
-TOL_GRAD = {torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch.float16],
-            torch.bfloat16: 4 * EPS[torch.bfloat16]}
-from cuda_emulator.build import H200_SMS  # noqa: E402 - what the emulated device reports by default
+pytestmark = EMULATOR_MARKS
 
 
 def run_and_check(ops, dtype, B, H, Hkv, Lq, Lk, D, alignment, window, padded=True):

@@ -19,26 +19,19 @@ blocks), so a tile bound off by one either reads the poison or drops a tile that
 
 The control test runs the first case with the preview off (today's verified route, which
 computes and masks every tile): the poison must show there, so the poison tests can fail.
-Tolerances as in test_cuda_emulator.py: outputs 2 eps, gradients 4 eps of the dtype.
+Tolerances (cuda_emulator/testing.py): outputs 2 eps, gradients 4 eps of the dtype.
 """
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from cuda_emulator.build import H200_SMS, cuda_include_dir
-from helpers import EPS, assert_parity, reference_attention
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT
+from cuda_emulator.build import H200_SMS
+from helpers import assert_parity, reference_attention
 
-pytestmark = [
-    pytest.mark.skipif(cuda_include_dir() is None or shutil.which("c++") is None,
-                       reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels"),
-    pytest.mark.slow,
-]
+pytestmark = EMULATOR_MARKS
 
-TOL_OUT = {torch.float16: 2 * EPS[torch.float16], torch.bfloat16: 2 * EPS[torch.bfloat16]}
-TOL_GRAD = {torch.float16: 4 * EPS[torch.float16], torch.bfloat16: 4 * EPS[torch.bfloat16]}
 D = 64
 TILE = 64  # head dim 64: the forward's key tiles and the backward's key and query blocks
 LK = 300  # keys of the bottom-right cases: not a multiple of the tile

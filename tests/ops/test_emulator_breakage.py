@@ -16,11 +16,11 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import shutil
 import subprocess
 
 import pytest
 
+from cuda_emulator.testing import EMULATOR_MARKS
 from cuda_emulator.build import cuda_include_dir
 
 HERE = pathlib.Path(__file__).resolve().parent / "cuda_emulator"
@@ -28,11 +28,7 @@ SOURCES = [HERE / "breakage.cpp", HERE / "emulator_runtime.cpp"]
 HEADERS = [HERE / "simt_emulator.h", HERE / "guarded_memory.h"]
 TSAN_RACE_EXIT = 66  # ThreadSanitizer's exit status when it reported something
 
-pytestmark = pytest.mark.skipif(
-    cuda_include_dir() is None or shutil.which("c++") is None,
-    reason="needs a C++ compiler and the CUDA headers (cuda_fp16.h) to emulate the kernels",
-)
-pytestmark = [pytestmark, pytest.mark.slow]  # make test-fast leaves it out
+pytestmark = EMULATOR_MARKS
 
 
 @pytest.fixture(scope="module")
