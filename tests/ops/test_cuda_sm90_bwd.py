@@ -247,6 +247,42 @@ def test_layer_operator_uses_it_and_a_weights_gradient_falls_back():
     assert not any(KERNEL in name for name in ran), sorted(ran)
 
 
+def _sm90_grads(q, k, v, grad, masks, deterministic, runs=1):
+    """dQ, dK, dV of `runs` backward passes with deterministic algorithms on or off, each checked
+    to have run the sm_90a backward."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = []
+        for _ in range(runs):
+            out = attn_export.attention(q, k, v, **masks)
+            _assert_ran(_kernels_run(lambda: got.append(torch.autograd.grad(out, (q, k, v), grad))))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    return got
+
+
+def _assert_grads_match(got, inputs, grad, masks, dtype, n):
+    """Gradients against float64 and the plain same-dtype computation on `inputs`."""
+    q, k, v = (t.detach().requires_grad_() for t in inputs)
+    exact, _ = reference_attention(q, k, v, **masks)
+    want = torch.autograd.grad(exact, (q, k, v), grad.double())
+    plain_out, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
+    for g, p, w, name in zip(got, plain, want, "qkv"):
+        assert_within(g, p, w, dtype, f"grad {name}", n, scale=want)
+
+
+def _assert_padded_grads(q, k, v, grad, masks, deterministic):
+    """bfloat16 gradients against the references; the padded keys' dK and dV exactly zero."""
+    got = _sm90_grads(q, k, v, grad, masks, deterministic)[0]
+    _assert_grads_match(got, (q, k, v), grad, masks, torch.bfloat16, k.shape[2])
+    pad = masks["key_padding_mask"]
+    padded = pad[:, None, :, None].expand_as(got[1])
+    for g in got[1:]:
+        assert torch.equal(g[padded], torch.zeros_like(g[padded]))
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -260,23 +296,7 @@ def test_padded_key_blocks(head_dim, group, deterministic):
     make = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)  # noqa: E731
     q, k, v = make(B, H, Lq, head_dim), make(B, H // group, Lk, head_dim), make(B, H // group, Lk, head_dim)
     grad = torch.randn(B, H, Lq, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        out = attn_export.attention(q, k, v, key_padding_mask=pad)
-        got = {}
-        _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad))))
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    exact, _ = reference_attention(q, k, v, key_padding_mask=pad)
-    want = torch.autograd.grad(exact, (q, k, v), grad.double())
-    plain_out, _ = reference_attention(q, k, v, dtype=torch.bfloat16, key_padding_mask=pad)
-    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
-    for g, p, w, name in zip(got["g"], plain, want, "qkv"):
-        assert_within(g, p, w, torch.bfloat16, f"grad {name}", Lk, scale=want)
-    padded = pad[:, None, :, None].expand_as(got["g"][1])
-    for g in got["g"][1:]:
-        assert torch.equal(g[padded], torch.zeros_like(g[padded]))
+    _assert_padded_grads(q, k, v, grad, {"key_padding_mask": pad}, deterministic)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -294,23 +314,7 @@ def test_padded_key_blocks_causal_deterministic(head_dim, alignment, group):
     q, k, v = make(B, H, Lq, head_dim), make(B, H // group, Lk, head_dim), make(B, H // group, Lk, head_dim)
     grad = torch.randn(B, H, Lq, head_dim, dtype=torch.bfloat16, device=DEVICE)
     masks = {"is_causal": True, "causal_alignment": alignment, "key_padding_mask": pad}
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        out = attn_export.attention(q, k, v, **masks)
-        got = {}
-        _assert_ran(_kernels_run(lambda: got.setdefault("g", torch.autograd.grad(out, (q, k, v), grad))))
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    exact, _ = reference_attention(q, k, v, **masks)
-    want = torch.autograd.grad(exact, (q, k, v), grad.double())
-    plain_out, _ = reference_attention(q, k, v, dtype=torch.bfloat16, **masks)
-    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
-    for g, p, w, name in zip(got["g"], plain, want, "qkv"):
-        assert_within(g, p, w, torch.bfloat16, f"grad {name}", Lk, scale=want)
-    padded = pad[:, None, :, None].expand_as(got["g"][1])
-    for g in got["g"][1:]:
-        assert torch.equal(g[padded], torch.zeros_like(g[padded]))
+    _assert_padded_grads(q, k, v, grad, masks, True)
 
 
 # ---- The sliding window at the cost of its window (end_query_block, dq_turn in
@@ -318,31 +322,12 @@ def test_padded_key_blocks_causal_deterministic(head_dim, alignment, group):
 # the key blocks visiting a query block, a range [first(m), last(m)] under a window.
 
 
-def _windowed_grads(q, k, v, grad, masks, deterministic, runs=1):
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        got = []
-        for _ in range(runs):
-            out = attn_export.attention(q, k, v, **masks)
-            _assert_ran(_kernels_run(lambda: got.append(torch.autograd.grad(out, (q, k, v), grad))))
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    return got
-
-
 def _check_windowed(got, clean, grad, masks, dtype, n):
     """Gradients (finite: no poisoned tile read) against float64 and the plain same-dtype
     computation on the clean tensors."""
     for g, name in zip(got, "qkv"):
         assert torch.isfinite(g).all(), f"grad {name}: a block outside every window was read (NaN)"
-    q, k, v = (t.detach().requires_grad_() for t in clean)
-    exact, _ = reference_attention(q, k, v, **masks)
-    want = torch.autograd.grad(exact, (q, k, v), grad.double())
-    plain_out, _ = reference_attention(q, k, v, dtype=dtype, **masks)
-    plain = torch.autograd.grad(plain_out, (q, k, v), grad)
-    for g, p, w, name in zip(got, plain, want, "qkv"):
-        assert_within(g, p, w, dtype, f"grad {name}", n, scale=want)
+    _assert_grads_match(got, clean, grad, masks, dtype, n)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -360,7 +345,7 @@ def test_window_keys_before_every_window_are_not_read(head_dim, deterministic):
     v_bad[:, :, :256] = float("nan")
     grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
     inputs = [t.requires_grad_() for t in (q.clone(), k_bad, v_bad)]
-    got = _windowed_grads(*inputs, grad, masks, deterministic)[0]
+    got = _sm90_grads(*inputs, grad, masks, deterministic)[0]
     _check_windowed(got, (q, k, v), grad, masks, dtype, Lk)
 
 
@@ -380,7 +365,7 @@ def test_window_queries_after_every_window_are_not_read(head_dim, deterministic)
     grad_bad[:, :, 512:] = float("nan")
     grad[:, :, 512:] = 0  # the reference's rows that see no key: any dO gives zero gradients
     inputs = [t.requires_grad_() for t in (q_bad, k.clone(), v.clone())]
-    got = _windowed_grads(*inputs, grad_bad, masks, deterministic)[0]
+    got = _sm90_grads(*inputs, grad_bad, masks, deterministic)[0]
     _check_windowed(got, (q, k, v), grad, masks, dtype, Lq)
 
 
@@ -396,6 +381,6 @@ def test_window_deterministic_mode_is_reproducible_bit_for_bit(head_dim, alignme
     q = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE, requires_grad=True)
     k, v = (torch.randn(B, Hk, Lk, head_dim, dtype=dtype, device=DEVICE, requires_grad=True) for _ in range(2))
     grad = torch.randn(B, H, Lq, head_dim, dtype=dtype, device=DEVICE)
-    runs = _windowed_grads(q, k, v, grad, masks, True, runs=2)
+    runs = _sm90_grads(q, k, v, grad, masks, True, runs=2)
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
     _check_windowed(runs[0], (q, k, v), grad, masks, dtype, max(Lq, Lk))
