@@ -16,7 +16,8 @@
 #   environment.txt  build.log  test_cuda.log  test_cuda.xml  test_cuda_preview.log  sanitize.log  bench_gpu.log
 #   bench_gpu.md  bench_gpu.json  summary.txt  gpu_check.log
 # Exit status: 0 all passed; 1 the build failed; 2 tests failed; 3 the benchmark failed;
-# 4 the sanitizer reported an error in attn_export's kernels, or the program failed under it.
+# 4 the sanitizer reported an error in attn_export's kernels, or the program failed under it;
+# 5 the training curves differ (step `train`).
 # GPU_CHECK_STEPS="tests sanitize bench" (the default) picks the steps after the build.
 # The Hopper (sm_90a) forward, not yet run on a GPU (docs/cuda.md "Hopper forward"): on a
 # compute-capability-9 GPU the build targets 9.0a when the CUTLASS headers are at hand (the
@@ -26,6 +27,10 @@
 # under a 120-s timeout, sm90_smoke.log, which skips the step if it fails or hangs), then leaves
 # ATTN_EXPORT_CUDA_SM90=1 set for the steps after it: GPU_CHECK_STEPS="sm90 sanitize bench" verifies
 # it in one run.
+# GPU_CHECK_STEPS=train trains a small causal LM 3 x 200 steps (scripts/train_curve.py --device cuda:
+# bfloat16 autocast, head dim 128) with nn.MultiheadAttention and with the fused operator, under the
+# switches set (ATTN_EXPORT_CUDA_SM90=1 for the Hopper kernels), and compares the loss curves
+# (train_curve/curve.md, curve.json, the attention kernels each run launched).
 # GPU_CHECK_STEPS=sm90quick is the first call of a GPU session (docs/testing.md "The next GPU session,
 # call by call"): the build, the smoke run, the quick tier of the sm90 tests (-m sm90_quick, one case
 # per code path) and the headline benchmark rows (bench_headline.md/.json), within GPU_CHECK_BUDGET_S
@@ -80,8 +85,8 @@ cat "$OUT_DIR/environment.txt"
 # A misspelt step fails before the build, not after it.
 for step in ${GPU_CHECK_STEPS:-tests sanitize bench}; do
   case $step in
-    tests | sanitize | bench | sm90 | sm90quick) ;;
-    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench, sm90, sm90quick)"; exit 1 ;;
+    tests | sanitize | bench | sm90 | sm90quick | train) ;;
+    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench, sm90, sm90quick, train)"; exit 1 ;;
   esac
 done
 
@@ -436,6 +441,24 @@ PY
   cat "$OUT_DIR/bench_headline.log" && rm -f "$OUT_DIR/bench_headline.log"  # into gpu_check.log: 8 files at most
 }
 
+# ---- Training: the fused operator's loss curve against nn.MultiheadAttention's (issue 48's 200 steps).
+train_step() {
+  local T0=$SECONDS rc
+  log "training curves (scripts/train_curve.py --device cuda), ATTN_EXPORT_CUDA_SM90=${ATTN_EXPORT_CUDA_SM90:-unset}"
+  ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1} timeout "$(capped 240)" "$PY" scripts/train_curve.py --device cuda \
+      --out "$OUT_DIR/train_curve" > "$OUT_DIR/train_curve.log" 2>&1
+  rc=$?
+  local verdict
+  verdict=$(tail -1 "$OUT_DIR/train_curve.log")
+  cat "$OUT_DIR/train_curve.log" && rm -f "$OUT_DIR/train_curve.log"  # into gpu_check.log
+  if [ $rc -eq 0 ]; then
+    summary "PASSED training curves in $((SECONDS - T0)) s: $verdict"
+  else
+    summary "FAILED training curves (exit $rc): $verdict"
+    [ $STATUS -eq 0 ] && STATUS=5
+  fi
+}
+
 # GPU_CHECK_STEPS picks the steps after the build, e.g. GPU_CHECK_STEPS=sanitize to rerun one.
 STATUS=0
 for step in ${GPU_CHECK_STEPS:-tests sanitize bench}; do
@@ -445,7 +468,8 @@ for step in ${GPU_CHECK_STEPS:-tests sanitize bench}; do
     bench) bench_step ;;
     sm90) sm90_step ;;
     sm90quick) sm90quick_step ;;
-    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench, sm90, sm90quick)"; exit 1 ;;
+    train) train_step ;;
+    *) summary "FAILED: unknown step '$step' in GPU_CHECK_STEPS (tests, sanitize, bench, sm90, sm90quick, train)"; exit 1 ;;
   esac
 done
 

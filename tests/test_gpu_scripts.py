@@ -299,3 +299,31 @@ def test_build_fails_fast_on_a_timeout_and_is_reused_on_a_warm_machine(tmp_path)
     assert calls == ["pip", "-c"]
     lines, calls, rc = run_build_step(tmp_path, GPU_CHECK_BUDGET_S="5", FAKE_PIP_S="5")  # spent: 1 s, not none
     assert rc == 1 and lines[0].startswith("FAILED build: timed out after 1 s") and calls == ["pip"]
+
+
+def run_train_step(tmp_path, rc: int):
+    """gpu_check.sh's train step with a stand-in python that exits `rc`: (summary lines, its call)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$ATTN_EXPORT_CUDA_PREVIEW $*" > "$(dirname "$0")/call"\n'
+                    'echo "training 3 x 200 steps"\necho "VERDICT: fused gap 1e-3, noise 1e-2"\nexit $FAKE_RC\n')
+    fake.chmod(0o755)
+    driver = f"""summary() {{ echo "$*" | tee -a {tmp_path}/summary.txt; }}; log() {{ :; }}
+OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
+{_functions(*STEP_HELPERS, "train_step")}
+train_step; echo "STATUS=$STATUS"
+"""
+    ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "FAKE_RC": str(rc)})
+    lines = (tmp_path / "summary.txt").read_text().splitlines() + ran.stdout.splitlines()[-1:]
+    return lines, (tmp_path / "call").read_text().strip()
+
+
+def test_train_step_runs_the_curve_script_and_gates_on_it(tmp_path):
+    (tmp_path / "pass").mkdir()
+    lines, call = run_train_step(tmp_path / "pass", 0)
+    assert call == f"1 scripts/train_curve.py --device cuda --out {tmp_path / 'pass'}/train_curve"
+    assert lines[0].startswith("PASSED training curves in") and lines[0].endswith(": VERDICT: fused gap 1e-3, noise 1e-2")
+    assert lines[-1] == "STATUS=0" and not (tmp_path / "pass" / "train_curve.log").exists()  # folded into gpu_check.log
+    (tmp_path / "fail").mkdir()
+    lines, _ = run_train_step(tmp_path / "fail", 1)
+    assert lines[0] == "FAILED training curves (exit 1): VERDICT: fused gap 1e-3, noise 1e-2" and lines[-1] == "STATUS=5"
