@@ -19,9 +19,13 @@ no key (preview), the weights kernel and the backward of each. Only the kernels'
 
 The paths not yet verified on a GPU (docs/cuda.md "Preview") run only with ATTN_EXPORT_CUDA_PREVIEW=1,
 which gpu_check.sh sets for the sanitizer; without it the same cases run the verified kernels.
-With ATTN_EXPORT_CUDA_SM90=1 as well, on a Hopper GPU and a 9.0a build, the float16/bfloat16 cases
-at head dims 64 and 128 (masks, causal, grouped-query heads, bottom-right, decode) run the sm_90a
-forward instead (gpu_check.sh's `sm90` step sets it for the steps after it).
+With ATTN_EXPORT_CUDA_SM90=1 as well, on a Hopper GPU and a 9.0a build (gpu_check.sh's `sm90` step
+sets it for the steps after it), the float16/bfloat16 cases run the sm_90a kernels instead: the
+backward at every head dim, the forward where the sm80 forward would neither split the keys nor
+pack grouped heads (forward_plan.h). At head dims 192/256 those short keys would be split over a
+batch of 2, so their `fill` cases take a batch whose query tiles fill the GPU's SMs; the
+`deterministic` cases run the backward under torch.use_deterministic_algorithms (the sm_90a
+backward's ordered dQ turns; elsewhere a warning, as the sm80 backward is not deterministic).
 
 initcheck follows the writes of plain kernels (torch.randn's) but not those of cuBLAS's Hopper
 GEMMs: on an H200 it reported every read of the layer's projected q and k, exactly the valid
@@ -32,6 +36,7 @@ rows, and nothing in the same kernels fed by torch.randn. `--no-layer` leaves th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -44,7 +49,9 @@ ops = torch.ops.attn_export
 # padding, skip (left and right padding), nokeys (a batch row all padded), bool, float, and of gqa
 # (4 query heads on 2 key/value heads), bottom_right (the causal alignment), decode (one query row
 # over 2053 keys: split-KV under the preview switch), pack (16 query heads on 2 key/value heads, 5
-# query rows over 2053 keys: under the preview, each group's 40 rows packed into one tile, split-KV).
+# query rows over 2053 keys: under the preview, each group's 40 rows packed into one tile, split-KV),
+# fill (a batch whose query tiles fill the SMs: no split-KV, so the sm_90a forward keeps the problem),
+# deterministic (the backward under torch.use_deterministic_algorithms(True, warn_only=True)).
 CASES = [
     *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
       for causal in (False, True)],
@@ -71,6 +78,13 @@ CASES = [
     # Grouped-query heads packed into the forward's tiles under the preview switch (kPackGqa).
     (torch.bfloat16, 128, 128, True, "pack+bottom_right+float"),
     (torch.float16, 64, 64, False, "pack+padding"),
+    # The sm_90a kernels' own paths (ATTN_EXPORT_CUDA_SM90=1): the forward at 192/256 (serial
+    # schedule, fullest shared memory), the swapped backward consumer there, deterministic dQ turns.
+    (torch.float16, 192, 192, True, "fill"),
+    (torch.bfloat16, 256, 256, False, "fill+padding"),
+    (torch.bfloat16, 256, 256, True, "fill+deterministic"),
+    (torch.float16, 128, 128, True, "deterministic+gqa"),
+    (torch.bfloat16, 64, 64, False, "deterministic+skip"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -84,8 +98,33 @@ QUICK = [
     (torch.bfloat16, 128, 128, True, "gqa+bottom_right+decode"),
     (torch.float16, 64, 64, False, "skip"),
     (torch.bfloat16, 128, 128, True, "pack+bottom_right+float"),
+    (torch.bfloat16, 256, 256, True, "fill+deterministic"),
+    (torch.float16, 128, 128, True, "deterministic+gqa"),
 ]
 assert all(case in CASES for case in QUICK)
+
+
+# The sm80 forward's query tile rows, and the SM count assumed off a GPU (an H100/H200's).
+SM80_BLOCK_M, ASSUMED_SMS = 64, 132
+
+
+def filling_batch(heads, Lq, device):
+    """The smallest batch whose sm80 query tiles (heads x tiles a sequence) fill the SMs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else ASSUMED_SMS
+    per_sequence = heads * -(-Lq // SM80_BLOCK_M)
+    return -(-sms // per_sequence)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on):
+    """torch.use_deterministic_algorithms(True, warn_only=True) inside, when `on`."""
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if on:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def masks_for(spec, B, Lq, Lk, dtype, device):
@@ -115,6 +154,8 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     pair, its backward without the saved output, so the binding's recomputing forward runs too),
     and, with ``layer``, the layer returning weights. The names of the results that are not finite."""
     B, H, Hkv = (2, 4, 2) if "gqa" in spec else (2, 3, 3)
+    if "fill" in spec:
+        B = filling_batch(H, Lq, device)
     if "decode" in spec:
         Lq, Lk = 1, 2053
     if "pack" in spec:
@@ -125,7 +166,9 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     v = torch.randn(B, Hkv, Lk, dv, dtype=dtype, device=device, requires_grad=True)
     masks = masks_for(spec, B, Lq, Lk, dtype, device)
     out = attn_export.attention(q, k, v, is_causal=causal, causal_alignment=alignment, **masks)
-    results = {"out": out, **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), torch.randn_like(out))))}
+    with deterministic_algorithms("deterministic" in spec):
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    results = {"out": out, **dict(zip(("dq", "dk", "dv"), grads))}
     mask, padding = masks.get("attn_mask"), masks.get("key_padding_mask")
     with torch.no_grad():
         _, lse, weights = ops._attention_forward(q, k, v, mask, padding, causal, None, True,
