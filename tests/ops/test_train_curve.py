@@ -72,6 +72,9 @@ def test_compare_reads_window_gaps():
     assert verdict["fused_gap"] == pytest.approx(0.1) and verdict["noise"] == pytest.approx(0.2) and verdict["passed"]
     curves["fused"] = [3.0, 3.0, 1.3, 1.3]
     assert not train_curve.compare(curves, window=2)["passed"]
+    flat = {"stock": [3.0, 3.0, 2.9, 2.9], "fused": [3.0, 3.0, 2.9, 2.9], "reshuffled": [3.0, 3.0, 2.8, 2.8]}
+    verdict = train_curve.compare(flat, window=2)  # no training yet: equal curves prove nothing
+    assert verdict["fused_gap"] == 0 and not verdict["learned"] and not verdict["passed"]
 
 
 def test_copy_batch_targets_only_the_copy():
