@@ -118,10 +118,13 @@ inline bool pack_gqa(const AttentionParams& p, int block_m, bool preview) {
 // fragment read from shared memory feeds two MMAs, and each K/V tile is streamed once for twice
 // the rows) instead of 64: with the preview, for prefill-shaped work that the wide kernel is
 // compiled for (`compiled`: head-dim tile in kWideFwdHeadDims, neither split nor packed: the
-// caller's plan says), and only while its programs, batch x heads x ceil(seqlen_q / 128), still
-// fill the `sm_count` SMs; with fewer, the 64-row kernel's twice as many programs keep more SMs busy.
-inline bool wide_forward_tiles(bool compiled, int64_t wide_programs, int sm_count, bool preview) {
-  return allowed(kWideForwardTiles, preview) && compiled && sm_count > 0 && wide_programs >= sm_count;
+// caller's plan says), where it takes fewer programs than the 64-row kernel (`programs`; with
+// seqlen_q <= 64 it takes as many, each with half its rows dead), and only while its programs,
+// batch x heads x ceil(seqlen_q / 128), still fill the `sm_count` SMs: with fewer, the 64-row
+// kernel's programs keep more SMs busy.
+inline bool wide_forward_tiles(bool compiled, int64_t programs, int64_t wide_programs, int sm_count, bool preview) {
+  return allowed(kWideForwardTiles, preview) && compiled && sm_count > 0 && wide_programs < programs &&
+      wide_programs >= sm_count;
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.

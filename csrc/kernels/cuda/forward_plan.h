@@ -104,8 +104,9 @@ inline FlashFwdPlan flash_fwd_plan(const AttentionParams& p, int tile_dim, int s
   }
   const FlashFwdBlocks wide = flash_fwd_blocks<kWideFwdRowTiles>(tile_dim);
   const bool compiled = wide_fwd_head_dim(tile_dim) && !plan.pack_gqa && plan.split.num_splits <= 1;
+  const int64_t programs = p.batch * p.num_heads * ((p.seqlen_q + plan.blocks.block_m - 1) / plan.blocks.block_m);
   const int64_t wide_programs = p.batch * p.num_heads * ((p.seqlen_q + wide.block_m - 1) / wide.block_m);
-  if (policy::wide_forward_tiles(compiled, wide_programs, sm_count, preview)) {
+  if (policy::wide_forward_tiles(compiled, programs, wide_programs, sm_count, preview)) {
     plan.blocks = wide;
   }
   return plan;
