@@ -1,7 +1,7 @@
 // Tile sizes of the flash (tensor-core) kernels, in one place per head dim.
 //
-// Each warp owns one 16-row MMA tile: in the forward, 16 query rows (so a block covers
-// kBlockM = 16 * kNWarps queries and streams keys kBlockN at a time); in the backward, 16 key
+// Each warp owns 16-row MMA tiles: in the forward, kRowTiles of 16 query rows (so a block covers
+// kBlockM = 16 * kNWarps * kRowTiles queries and streams keys kBlockN at a time); in the backward, 16 key
 // rows (a block owns kBlockN = 16 * kKeyWarps keys and streams queries kBlockM at a time).
 // Shared-memory rows are padded by 8 elements (16 bytes): rows stay 16-byte aligned for
 // cp.async and ldmatrix, and the 8 row addresses of one ldmatrix phase fall on distinct banks.
@@ -62,8 +62,11 @@ struct FlashFwdTraits {
   static constexpr int kNWarps = 4;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockM = 16 * kNWarps * kRowTiles;
-  // Two row tiles at head dim 128 hold 2 x 64 floats of O: with 2 x 32 of S (64 keys) beside them
-  // ptxas spilled ~500 bytes, so there the key tile is 32 (FlashAttention-2's 128 x 32 on sm86/89).
+  // Two row tiles hold twice the O and S accumulators, so their key tile is half (a quarter at
+  // 128) of one row tile's: with the one-row-tile key tiles ptxas spilled on sm_80 (head dim 32:
+  // ~1 KB; 64: 40 B; 128: ~500 B, and still 20-80 B with 32 keys). These keep 0 spills at
+  // 224-246 registers (32, 128) and 168-176 (64); FlashAttention-2 holds 128 x 64 at head dim
+  // 128 in 255 registers, which these kernels, with more live state outside the tiles, do not.
   static constexpr int kBlockN = kRowTiles == 1 ? (kHeadDim <= 32 ? 128 : kHeadDim <= 128 ? 64 : 32)
                                                 : (kHeadDim <= 32 ? 64 : kHeadDim <= 64 ? 32 : 16);
   static constexpr int kRowStride = kHeadDim + kSmemPad;  // of sQ, sK, sV, in elements
