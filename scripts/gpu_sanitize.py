@@ -51,6 +51,8 @@ ops = torch.ops.attn_export
 # over 2053 keys: split-KV under the preview switch), pack (16 query heads on 2 key/value heads, 5
 # query rows over 2053 keys: under the preview, each group's 40 rows packed into one tile, split-KV),
 # fill (a batch whose query tiles fill the SMs: no split-KV, so the sm_90a forward keeps the problem),
+# wide (130 query rows, a batch whose 128-row blocks fill the SMs: under the preview the sm80
+# forward's 128-row kernel, a partial second block),
 # deterministic (the backward under torch.use_deterministic_algorithms(True, warn_only=True)).
 CASES = [
     *[(dtype, d, d, causal, "") for dtype in (torch.float16, torch.bfloat16) for d in (32, 64, 96, 128, 192, 256)
@@ -85,6 +87,9 @@ CASES = [
     (torch.bfloat16, 256, 256, True, "fill+deterministic"),
     (torch.float16, 128, 128, True, "deterministic+gqa"),
     (torch.bfloat16, 64, 64, False, "deterministic+skip"),
+    # The sm80 forward's 128-row blocks under the preview switch (kWideForwardTiles).
+    (torch.float16, 64, 64, True, "wide+bottom_right"),
+    (torch.bfloat16, 128, 128, False, "wide+skip"),
 ]
 # For the slower tools (racecheck, initcheck, synccheck): the flash kernels at head dims 64 and 128
 # with and without masks, and the generic kernels in float32 and at an odd head dim.
@@ -104,14 +109,15 @@ QUICK = [
 assert all(case in CASES for case in QUICK)
 
 
-# The sm80 forward's query tile rows, and the SM count assumed off a GPU (an H100/H200's).
-SM80_BLOCK_M, ASSUMED_SMS = 64, 132
+# The sm80 forward's query tile rows (64; 128 in its wide blocks), and the SM count assumed off a
+# GPU (an H100/H200's).
+SM80_BLOCK_M, SM80_WIDE_BLOCK_M, ASSUMED_SMS = 64, 128, 132
 
 
-def filling_batch(heads, Lq, device):
-    """The smallest batch whose sm80 query tiles (heads x tiles a sequence) fill the SMs."""
+def filling_batch(heads, Lq, device, block_m=SM80_BLOCK_M):
+    """The smallest batch whose sm80 query tiles of block_m rows (heads x tiles a sequence) fill the SMs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else ASSUMED_SMS
-    per_sequence = heads * -(-Lq // SM80_BLOCK_M)
+    per_sequence = heads * -(-Lq // block_m)
     return -(-sms // per_sequence)
 
 
@@ -156,6 +162,9 @@ def run_case(dtype, d, dv, causal, spec, device, layer=True, Lq=67, Lk=131):
     B, H, Hkv = (2, 4, 2) if "gqa" in spec else (2, 3, 3)
     if "fill" in spec:
         B = filling_batch(H, Lq, device)
+    if "wide" in spec:
+        Lq = 130
+        B = filling_batch(H, Lq, device, SM80_WIDE_BLOCK_M)
     if "decode" in spec:
         Lq, Lk = 1, 2053
     if "pack" in spec:

@@ -126,10 +126,15 @@ def test_padded_tiles_are_skipped_at_other_tiles(emu_ops, D, mask_dtype):
     """The other key tile sizes (head dim 32: 128-key forward tiles; 128: the backward's column
     split), an additive (-inf) padding mask, many query tiles (a long prompt, 150 queries). One
     head: the skip is per batch row, the same for every head, and grouped-query heads are
-    covered above (half the emulation time of two heads, CI)."""
+    covered above (half the emulation time of two heads, CI). 12 SMs keep the 64-row forward and
+    its key tiles (4 x 3 programs fill them, no split; 4 x 2 of 128 rows would not:
+    dispatch_policy.h wide_forward_tiles; test_cuda_wide_tiles.py covers those)."""
     emu_ops.set_preview(True)
-    emu_ops.set_sm_count(1)
+    emu_ops.set_sm_count(12)
     masks = {"key_padding_mask": _padding(4), "is_causal": True, "causal_alignment": 1}
+    probe_q, probe_kv = torch.zeros(4, 1, 150, D).half(), torch.zeros(4, 1, LK, D).half()
+    assert emu_ops.forward_block_m(probe_q, probe_kv, probe_kv, True, 1) == 64
+    assert emu_ops.forward_workspace_size(probe_q, probe_kv, probe_kv, True, 1) == 0
     _check(_run(emu_ops, torch.float16, Lq=150, H=1, Hkv=1, D=D, masks=masks, mask_dtype=mask_dtype),
            torch.float16)
 

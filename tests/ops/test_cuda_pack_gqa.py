@@ -21,41 +21,13 @@ import math
 import pytest
 import torch
 
-from cuda_emulator.testing import EMULATOR_MARKS, TOL_OUT
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_OUT, reference_lse
 from cuda_emulator.build import H200_SMS
 from helpers import EPS, assert_parity, padding_mask, reference_attention
 
 pytestmark = EMULATOR_MARKS
 
 TOL = TOL_OUT
-
-
-def _reference_lse(q, k, attn_mask=None, key_padding_mask=None, is_causal=False, causal_alignment=0, window=0,
-                   softcap=None):
-    """log(sum_j exp(s_j)) of each (batch, head, query) row in float64, with the reference's masks
-    (reference_attention's conventions); -inf where a row sees no key."""
-    q, k = q.double(), k.double()
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    k = k.repeat_interleave(H // k.shape[1], dim=1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-
-    def additive(m):
-        return torch.zeros(m.shape, dtype=torch.float64).masked_fill(m, -math.inf) if m.dtype == torch.bool \
-            else m.double()
-
-    if attn_mask is not None:
-        s = s + additive(attn_mask)
-    if key_padding_mask is not None:
-        s = s + additive(key_padding_mask[:, None, None, :])
-    if is_causal:
-        shift = Lk - Lq if causal_alignment == 1 else 0
-        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1 + shift), -math.inf)
-        if window > 0:
-            s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).tril(shift - window), -math.inf)
-    return torch.logsumexp(s, dim=-1)
 
 
 def _chunks(ops, q, k, v, causal, alignment):
@@ -80,7 +52,7 @@ def _run(ops, dtype, B, H, Hkv, Lq, Lk, D, masks, softcap=0.0):
     out, lse, _ = ops.forward(q, k, v, masks.get("attn_mask"), masks.get("key_padding_mask"), causal, None, False,
                               softcap, alignment, int(masks.get("window", 0)))
     ref, p = reference_attention(q.double(), k.double(), v.double(), softcap=softcap or None, **masks)
-    ref_lse = _reference_lse(q, k, softcap=softcap or None, **masks)
+    ref_lse = reference_lse(q, k, softcap=softcap or None, **masks)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     assert_parity(out, ref, TOL[dtype], "output", scale=1.0)
     hidden = p.sum(-1) == 0  # rows that see no key: zero output, lse = -inf

@@ -160,18 +160,23 @@ def test_queries_after_every_window_are_skipped(emu_ops, padded):
 # its window starts at the least over both heads' rows; bottom-right 150 queries over 260 keys with a window
 # of 48, unpacked (a key/value head per query head): its windows start at key 63 of the
 # first query tile (63 + 64 j of tile j) and key block j is last seen by query 64 j, so a tile
-# bound one key or one query short drops a tile that parity needs.
-@pytest.mark.parametrize("alignment,Lq,Lk,window,Hkv", [(0, 200, 200, 20, 1), (1, 150, 260, 48, 2)],
+# bound one key or one query short drops a tile that parity needs. Those borders are the 64-row
+# forward's: 12 SMs keep it (12 programs of 64 rows fill them, no split; the 8 of 128 rows would
+# not: dispatch_policy.h wide_forward_tiles); the 128-row blocks have their own tests
+# (test_cuda_wide_tiles.py).
+@pytest.mark.parametrize("alignment,Lq,Lk,window,Hkv,sms", [(0, 200, 200, 20, 1, 1), (1, 150, 260, 48, 2, 12)],
                          ids=["top_left-packed", "bottom_right"])
-def test_windowed_parity_with_skipped_tiles(emu_ops, alignment, Lq, Lk, window, Hkv):
+def test_windowed_parity_with_skipped_tiles(emu_ops, alignment, Lq, Lk, window, Hkv, sms):
     emu_ops.set_preview(True)
-    emu_ops.set_sm_count(1)
+    emu_ops.set_sm_count(sms)
     try:
         torch.manual_seed(alignment + window)
         dtype = torch.bfloat16 if alignment else torch.float16
         q = torch.randn(2, 2, Lq, D, dtype=dtype)
         k, v = torch.randn(2, Hkv, Lk, D, dtype=dtype), torch.randn(2, Hkv, Lk, D, dtype=dtype)
         assert emu_ops.packs_query_heads(q, k, v, True, alignment) == (Hkv == 1)
+        assert emu_ops.forward_block_m(q, k, v, True, alignment) == 64
+        assert emu_ops.forward_workspace_size(q, k, v, True, alignment) == 0  # one program per tile, no split
         kpm = torch.zeros(2, Lk, dtype=torch.bool)
         kpm[1, :90] = True
         _check(_run(emu_ops, dtype, q, k, v, kpm, alignment, window), (q, k, v), kpm, alignment, window, dtype)

@@ -26,6 +26,7 @@ VERIFIED_FLASH_HEAD_DIMS = {32, 64, 128}
 PROGRAM = r"""
 #include <cstdio>
 #include "kernels/cuda/dispatch_policy.h"
+#include "kernels/cuda/forward_plan.h"
 #include "kernels/cuda/split_kv.h"
 using namespace attn_export;
 using namespace attn_export::cuda;
@@ -76,6 +77,29 @@ int main() {
     sep = ", ";
   }
   std::printf("], ");
+  // [batch, heads, heads_k, seqlen_q, seqlen_k, head_dim, sms]: the plan's block_m with the preview
+  // off and on, whether it splits or packs (on), and the Hopper forward's decline (on, workspace given).
+  std::printf("\"plans\": [");
+  const long long plans[][7] = {{1, 2, 2, 64, 300, 64, 1}, {1, 2, 2, 130, 300, 64, 4}, {1, 2, 2, 130, 300, 64, 5}, {1, 2, 2, 130, 300, 64, 132},
+                                {1, 2, 2, 130, 300, 96, 1}, {1, 2, 2, 130, 300, 32, 1}, {1, 2, 2, 130, 300, 128, 1},
+                                {1, 8, 2, 1, 300, 64, 1}, {4, 16, 16, 1000, 1000, 128, 132}, {1, 2, 2, 130, 300, 64, 0}};
+  sep = "";
+  for (const auto& c : plans) {
+    AttentionParams q;
+    q.batch = c[0]; q.num_heads = c[1]; q.num_heads_k = c[2]; q.seqlen_q = c[3]; q.seqlen_k = c[4];
+    q.head_dim = q.head_dim_v = c[5]; q.is_causal = true; q.causal_alignment = kCausalBottomRight;
+    const int sms = static_cast<int>(c[6]);
+    const FlashFwdPlan off = flash_fwd_plan(q, flash_tile_dim(q, true), sms, false);
+    const FlashFwdPlan on = flash_fwd_plan(q, flash_tile_dim(q, true), sms, true);
+    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %d, %d, %d, %d, %d, %d, %d]", sep, c[0], c[1], c[2], c[3], c[4],
+                c[5], sms, off.blocks.block_m, on.blocks.block_m, on.blocks.row_tiles, on.split.num_splits > 1,
+                on.pack_gqa, hopper_forward_declines(on, q, on.workspace_bytes()));
+    sep = ", ";
+  }
+  std::printf("], \"wide_policy\": [%d, %d, %d, %d, %d, %d], ", policy::wide_forward_tiles(true, 8, 4, 4, false),
+              policy::wide_forward_tiles(true, 8, 4, 4, true), policy::wide_forward_tiles(false, 8, 4, 4, true),
+              policy::wide_forward_tiles(true, 6, 3, 4, true), policy::wide_forward_tiles(true, 8, 4, 0, true),
+              policy::wide_forward_tiles(true, 4, 4, 4, true));
   std::printf("\"env_var\": \"%s\", \"splits\": [", policy::kPreviewEnvVar);
   const long long cases[][3] = {{2, 16, 2}, {2, 16, 3}, {2, 16, 8}, {2, 16, 132}, {132, 64, 132}, {1, 1, 132},
                                 {1, 3, 132}, {1, 4096, 132}, {4, 2, 132}, {0, 5, 132}};
@@ -176,5 +200,32 @@ def test_the_dispatch_reads_the_policy():
                 "policy::skip_padded_key_tiles(p, attention_preview_enabled())"):
         assert use in text, use
     for use in ("policy::verified_flash_head_dims", "policy::allowed(policy::kSplitKv, preview)",
-                "policy::pack_gqa(p, block_m, preview)"):
+                "policy::pack_gqa(p, plan.blocks.block_m, preview)",
+                "policy::wide_forward_tiles(compiled, programs, wide_programs, sm_count, preview)"):
         assert use in plan, use
+
+
+def test_wide_forward_tiles_are_preview_only(policy):
+    """[compiled, 64-row programs, wide programs, SMs, preview]: only with the preview, a compiled
+    head dim (and a plan neither split nor packed: `compiled`), fewer programs than the 64-row
+    kernel's (not with seqlen_q <= 64: as many, half their rows dead), and enough to fill the SMs."""
+    assert policy["wide_policy"] == [0, 1, 0, 0, 0, 0]
+
+
+def test_the_plan_widens_prefill_only(policy):
+    """flash_fwd_plan's block_m: 64 without the preview always; with it 128 where the wide programs
+    (batch x heads x ceil(Lq / 128)) fill the SMs and the plan neither splits nor packs, at the
+    compiled head-dim tiles 32, 64, 128. The Hopper forward's decline reads split and pack only,
+    so it stays what the 64-row plan gives: it declines split or packed (decode) work only."""
+    got = {tuple(c[:7]): tuple(c[7:]) for c in policy["plans"]}
+    # key: (batch, heads, heads_k, Lq, Lk, head_dim, SMs) -> (block_m off, on, row tiles, split, packed, declines)
+    assert got[(1, 2, 2, 130, 300, 64, 4)] == (64, 128, 2, 0, 0, 0)    # 4 wide programs fill 4 SMs
+    assert got[(1, 2, 2, 64, 300, 64, 1)] == (64, 64, 1, 0, 0, 0)      # Lq 64: as many programs, half dead
+    assert got[(1, 2, 2, 130, 300, 64, 5)] == (64, 64, 1, 0, 0, 0)     # 4 < 5 SMs: 6 programs of 64 rows
+    assert got[(1, 2, 2, 130, 300, 64, 132)] == (64, 64, 1, 1, 0, 1)   # split-KV: never wide; Hopper declines
+    assert got[(1, 2, 2, 130, 300, 96, 1)] == (64, 64, 1, 0, 0, 0)     # no wide kernel at the 96 tile
+    assert got[(1, 2, 2, 130, 300, 32, 1)] == (64, 128, 2, 0, 0, 0)
+    assert got[(1, 2, 2, 130, 300, 128, 1)] == (64, 128, 2, 0, 0, 0)
+    assert got[(1, 8, 2, 1, 300, 64, 1)] == (64, 64, 1, 0, 1, 1)       # packed decode: never wide; Hopper declines
+    assert got[(4, 16, 16, 1000, 1000, 128, 132)] == (64, 128, 2, 0, 0, 0)  # 4 x 16 x 8 = 512 programs: prefill
+    assert got[(1, 2, 2, 130, 300, 64, 0)] == (64, 64, 1, 0, 0, 0)     # SMs unknown (0): never wide

@@ -332,6 +332,10 @@ bool attention_packs_query_heads(const AttentionParams& p) {
   return attention_params_error(p) == nullptr && p.batch > 0 && p.seqlen_q > 0 && packs_query_heads(p);
 }
 
+int attention_forward_block_m(const AttentionParams& p) {
+  return forward_plan(p, device_sm_count()).blocks.block_m;
+}
+
 size_t attention_forward_workspace_size(const AttentionParams& p) {
   return forward_plan(p, device_sm_count()).workspace_bytes();
 }
@@ -391,8 +395,14 @@ cudaError_t run_attention_forward(const AttentionParams& p, void* workspace, siz
         if (flash) {
           err = switch_flash_head_dim(flash_tile_dim(p), [&](auto dim) {
             return switch_bool(p.is_causal, [&](auto causal) {
-              return run_flash_fwd_<T, decltype(dim)::value, decltype(causal)::value>(flash_params, split, plan.pack_gqa,
-                                                                                stream);
+              constexpr int kDim = decltype(dim)::value;
+              constexpr bool kCausal = decltype(causal)::value;
+              if constexpr (wide_fwd_head_dim(kDim)) {  // the plan's 128-row blocks (never split nor packed)
+                if (plan.blocks.row_tiles == kWideFwdRowTiles) {
+                  return run_flash_fwd_<T, kDim, kCausal, kWideFwdRowTiles>(flash_params, split, false, stream);
+                }
+              }
+              return run_flash_fwd_<T, kDim, kCausal>(flash_params, split, plan.pack_gqa, stream);
             });
           });
         }

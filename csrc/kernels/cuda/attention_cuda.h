@@ -47,6 +47,11 @@ bool attention_uses_tensor_cores(const AttentionParams& params);
 // rows (grouped-query decode; dispatch_policy.h pack_gqa, preview only) for these params.
 bool attention_packs_query_heads(const AttentionParams& params);
 
+// Query rows a block of the sm80 flash forward covers for these params on the current device
+// (forward_plan.h: 64, or 128 for prefill under the preview, dispatch_policy.h
+// wide_forward_tiles); 0 when the flash forward does not run them.
+int attention_forward_block_m(const AttentionParams& params);
+
 // Bytes of scratch memory the forward can use for these params on the current device: the
 // split-KV partial results (split_kv.h) when the preview switch is on and the query tiles
 // cannot fill the GPU; 0 otherwise.

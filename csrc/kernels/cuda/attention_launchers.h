@@ -14,7 +14,8 @@ namespace attn_export::cuda {
 
 // split.num_splits > 1: split-KV (split_kv.h) into split's fp32 buffers, then the combine kernel.
 // pack_gqa: the query heads of each key/value head packed into one tile's rows (dispatch_policy.h).
-template <typename Element, int kHeadDim, bool kIsCausal>
+// kRowTiles: FlashFwdTraits's 16-row MMA tiles a warp (2: compiled at kWideFwdHeadDims, prefill only).
+template <typename Element, int kHeadDim, bool kIsCausal, int kRowTiles = 1>
 cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, bool pack_gqa, cudaStream_t stream);
 
 // kColSplit: FlashBwdTraits's column split (kernel_traits.h); the default is the tiles' choice.

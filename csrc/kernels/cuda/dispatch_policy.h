@@ -8,7 +8,7 @@
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
 // grouped-query heads, the bottom-right causal alignment, the sliding window, split-KV decoding,
 // the column-split head-dim-128 backward, skipping fully padded key tiles, grouped query heads
-// packed into one forward tile) runs only with the preview switch on:
+// packed into one forward tile, the forward's 128-row blocks) runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
@@ -43,6 +43,7 @@ enum PreviewFeature : unsigned {
   kHopperForward = 1u << 7,   // the sm_90a forward (kernels/cuda/hopper/): also needs kSm90EnvVar
   kPackGqa = 1u << 8,         // a group's query heads packed into one forward tile (decode with grouped heads)
   kHopperBackward = 1u << 9,  // the sm_90a backward (kernels/cuda/hopper/flash_bwd_sm90*): also needs kSm90EnvVar
+  kWideForwardTiles = 1u << 10,  // the sm80 forward's 128-row blocks (two 16-row MMA tiles a warp) for prefill
 };
 
 
@@ -111,6 +112,19 @@ inline bool pack_gqa(const AttentionParams& p, int block_m, bool preview) {
     return false;
   }
   return (group * p.seqlen_q + block_m - 1) / block_m < group * ((p.seqlen_q + block_m - 1) / block_m);
+}
+
+// Whether the flash forward runs 128 query rows a block (FlashFwdTraits kRowTiles 2: each K/V
+// fragment read from shared memory feeds two MMAs, and each K/V tile is streamed once for twice
+// the rows) instead of 64: with the preview, for prefill-shaped work that the wide kernel is
+// compiled for (`compiled`: head-dim tile in kWideFwdHeadDims, neither split nor packed: the
+// caller's plan says), where it takes fewer programs than the 64-row kernel (`programs`; with
+// seqlen_q <= 64 it takes as many, each with half its rows dead), and only while its programs,
+// batch x heads x ceil(seqlen_q / 128), still fill the `sm_count` SMs: with fewer, the 64-row
+// kernel's programs keep more SMs busy.
+inline bool wide_forward_tiles(bool compiled, int64_t programs, int64_t wide_programs, int sm_count, bool preview) {
+  return allowed(kWideForwardTiles, preview) && compiled && sm_count > 0 && wide_programs < programs &&
+      wide_programs >= sm_count;
 }
 
 // The preview switch's value from the environment variable's text (nullptr when unset): on for "1" only.

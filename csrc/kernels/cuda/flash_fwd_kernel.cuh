@@ -2,9 +2,11 @@
 // rows) per thread block, on tensor cores (mma.sync m16n8k16, float16/bfloat16 inputs, float32
 // accumulation).
 //
-// Keys and values stream through shared memory kBlockN rows at a time. Each warp owns 16 query
-// rows and keeps their scores S, running max, running sum and output O in registers (online
-// softmax, FlashAttention-2 style): the Lq x Lk matrix never exists anywhere, and the only
+// Keys and values stream through shared memory kBlockN rows at a time. Each warp owns kRowTiles
+// 16-row MMA tiles of query rows (FlashFwdTraits; rows [16 * kRowTiles * warp, + 16 * kRowTiles)
+// of the block's) and keeps their scores S, running max, running sum and output O in registers
+// (online softmax, FlashAttention-2 style); each K or V fragment it reads from shared memory
+// feeds the MMAs of all its row tiles: the Lq x Lk matrix never exists anywhere, and the only
 // extra output is the row log-sum-exp the backward needs. Scores live in the log2 domain
 // (scale * log2(e) is folded into one multiply) so each probability is one ex2 instruction.
 //
@@ -145,6 +147,51 @@ __device__ __forceinline__ void store_partial_row(float* row, float* lse, const 
   }
 }
 
+// Online softmax of accumulator row r (0: g, 1: g + 8) of one row tile, after a key tile's scores
+// (log2 domain) landed in acc_s: the running max and sum move on, O is rescaled, and acc_s turns
+// into the tile's probabilities. The 4 threads of a quad share a row: row reductions are two shuffles.
+template <int kSTiles, int kOTiles>
+__device__ __forceinline__ void online_softmax_row(float (&acc_s)[kSTiles][4], float (&acc_o)[kOTiles][4],
+                                                   float& row_max, float& row_sum, int r) {
+  float mx = row_max;
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+    mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // A row that has seen no visible key keeps max = -inf. Subtracting 0 instead keeps every
+  // exponent at -inf (never -inf - -inf = NaN): its probabilities and correction become 0.
+  const float m_use = mx == neg_inf<float>() ? 0.f : mx;
+  const float correction = fast_exp2(row_max - m_use);
+  row_max = mx;
+  row_sum *= correction;
+#pragma unroll
+  for (int dt = 0; dt < kOTiles; ++dt) {
+    acc_o[dt][2 * r] *= correction;
+    acc_o[dt][2 * r + 1] *= correction;
+  }
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float p = fast_exp2(acc_s[nt][2 * r + j] - m_use);
+      acc_s[nt][2 * r + j] = p;
+      row_sum += p;
+    }
+  }
+}
+
+// The A fragment of 16-key step ks of P V: the S accumulators of two adjacent 8-key tiles are
+// exactly it (see device_primitives.cuh), so P never leaves registers.
+template <typename Element, int kSTiles>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&acc_s)[kSTiles][4], int ks) {
+  a[0] = pack2<Element>(acc_s[2 * ks][0], acc_s[2 * ks][1]);
+  a[1] = pack2<Element>(acc_s[2 * ks][2], acc_s[2 * ks][3]);
+  a[2] = pack2<Element>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]);
+  a[3] = pack2<Element>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]);
+}
+
 // The body of both forward kernels below. kSplit: this program covers key chunk
 // blockIdx.z % split.num_splits of batch row blockIdx.z / split.num_splits only, and writes a
 // partial result (split_kv.h) instead of out/lse. kPackGqa: blockIdx.y is a key/value head whose
@@ -153,8 +200,8 @@ template <typename Traits, typename Element, bool kIsCausal, bool kSplit, bool k
 __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params, const SplitKv split) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   constexpr int kD = Traits::kHeadDim, kBM = Traits::kBlockM, kBN = Traits::kBlockN;
-  constexpr int kRS = Traits::kRowStride, kNT = Traits::kNThreads;
-  constexpr int kSTiles = kBN / 8;  // 8-column accumulator tiles of one warp's S
+  constexpr int kRS = Traits::kRowStride, kNT = Traits::kNThreads, kRT = Traits::kRowTiles;
+  constexpr int kSTiles = kBN / 8;  // 8-column accumulator tiles of one row tile's S
   constexpr int kOTiles = kD / 8;   // ... and of its O
 
   Element* sQ = shared_memory<Element>();
@@ -217,8 +264,10 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   }
   cp_async_commit();
 
-  // This thread's rows of the warp's 16: r = 0 -> row_a, r = 1 -> row_a + 8.
-  const int row_a = m0 + warp * 16 + lane / 4;
+  // The warp's rows in the block's tile start at warp_row0; this thread's two rows of row tile t
+  // (16 rows each): r = 0 -> row_of(t, 0), r = 1 -> row_of(t, 0) + 8.
+  const int warp_row0 = warp * 16 * kRT;
+  const auto row_of = [&](int t, int r) { return m0 + warp_row0 + t * 16 + r * 8 + lane / 4; };
   const int col_in_tile = (lane % 4) * 2;
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const float scale = static_cast<float>(params.scale);
@@ -226,40 +275,55 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const SoftCap<float> softcap(params);
   // Packed: the query index and attention-mask row (from head h's slice) of this thread's two
   // rows; a dead row past the group's gets query seqlen_q, which the mask hides entirely.
-  int query[2] = {0, 0};
-  int64_t attn_row[2] = {0, 0};
+  int query[kRT][2] = {};
+  int64_t attn_row[kRT][2] = {};
   if constexpr (kPackGqa) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_a + r * 8;
-      const bool live = row < qrows.rows;
-      query[r] = live ? qrows.query_of(row) : seqlen_q;
-      attn_row[r] = live ? qrows.head_of(row) * params.attn_mask.head_stride + query[r] * params.attn_mask.row_stride : 0;
+    for (int t = 0; t < kRT; ++t) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_of(t, r);
+        const bool live = row < qrows.rows;
+        query[t][r] = live ? qrows.query_of(row) : seqlen_q;
+        attn_row[t][r] =
+            live ? qrows.head_of(row) * params.attn_mask.head_stride + query[t][r] * params.attn_mask.row_stride : 0;
+      }
     }
   }
 
-  float acc_o[kOTiles][4] = {};
-  float row_max[2] = {neg_inf<float>(), neg_inf<float>()};
-  float row_sum[2] = {0.f, 0.f};  // this thread's partial sums; the quad reduces them at the end
+  float acc_o[kRT][kOTiles][4] = {};
+  float row_max[kRT][2], row_sum[kRT][2];  // row_sum: this thread's partial sums; the quad reduces them at the end
+#pragma unroll
+  for (int t = 0; t < kRT; ++t) {
+    row_max[t][0] = row_max[t][1] = neg_inf<float>();
+    row_sum[t][0] = row_sum[t][1] = 0.f;
+  }
 
   for (int n = n_begin; n < n_blocks; ++n) {
     const int n0 = n * kBN;
     cp_async_wait<1>();
     __syncthreads();  // Q and K(n) are in shared memory, for every thread
 
-    // S = Q K^T for the warp's 16 rows x kBN keys. A = Q rows (ldmatrix); B = K^T, i.e. K rows
-    // read as "col" fragments: two 8-key tiles per ldmatrix.x4.
-    float acc_s[kSTiles][4] = {};
+    // S = Q K^T for each of the warp's row tiles (16 rows x kBN keys). A = Q rows (ldmatrix); B =
+    // K^T, i.e. K rows read as "col" fragments: two 8-key tiles per ldmatrix.x4, each fragment
+    // used by every row tile.
+    float acc_s[kRT][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sQ + (warp * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
+      uint32_t a[kRT][4];
+#pragma unroll
+      for (int t = 0; t < kRT; ++t) {
+        ldmatrix_x4(a[t], sQ + (warp_row0 + t * 16 + lane % 16) * kRS + ks * 16 + (lane / 16) * 8);
+      }
 #pragma unroll
       for (int np = 0; np < kBN / 16; ++np) {
         uint32_t bk[4];
         ldmatrix_x4(bk, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kRS + ks * 16 + ((lane / 8) % 2) * 8);
-        mma_16816<Element>(acc_s[2 * np], a, bk[0], bk[1]);
-        mma_16816<Element>(acc_s[2 * np + 1], a, bk[2], bk[3]);
+#pragma unroll
+        for (int t = 0; t < kRT; ++t) {
+          mma_16816<Element>(acc_s[t][2 * np], a[t], bk[0], bk[1]);
+          mma_16816<Element>(acc_s[t][2 * np + 1], a[t], bk[2], bk[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with sK: refill it with K(n+1)
@@ -274,72 +338,51 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
         (kIsCausal && flash_window_hides(params, qrows.last_query(m0, kBM), n0, shift));
     // Unrolled by the template, not by `#pragma unroll`: cicc left that loop rolled in the
     // split-KV kernel, which put acc_s in local memory and multiplied its code (and compile time) tenfold.
-    unrolled<kSTiles * 4>([&](auto e) {
-      constexpr int nt = decltype(e)::value / 4, i = decltype(e)::value % 4;
-      float s = softcap.on ? softcap.apply(acc_s[nt][i] * scale) * kLog2e : acc_s[nt][i] * scale_log2;
+    unrolled<kRT * kSTiles * 4>([&](auto e) {
+      constexpr int t = decltype(e)::value / (kSTiles * 4);
+      constexpr int nt = decltype(e)::value / 4 % kSTiles, i = decltype(e)::value % 4;
+      float s = softcap.on ? softcap.apply(acc_s[t][nt][i] * scale) * kLog2e : acc_s[t][nt][i] * scale_log2;
       if (masked_tile) {
         const int col = n0 + nt * 8 + col_in_tile + (i % 2);
         if constexpr (kPackGqa) {
-          s = mask.apply_at(s, query[i / 2], col, attn_row[i / 2]);
+          s = mask.apply_at(s, query[t][i / 2], col, attn_row[t][i / 2]);
         } else {
-          s = mask.apply(s, row_a + (i / 2) * 8, col);
+          s = mask.apply(s, row_of(t, i / 2), col);
         }
       }
-      acc_s[nt][i] = s;
+      acc_s[t][nt][i] = s;
     });
 
-    // Online softmax. The 4 threads of a quad share a row, so row reductions are two shuffles.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+    for (int t = 0; t < kRT; ++t) {
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-        mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row that has seen no visible key keeps max = -inf. Subtracting 0 instead keeps every
-      // exponent at -inf (never -inf - -inf = NaN): its probabilities and correction become 0.
-      const float m_use = mx == neg_inf<float>() ? 0.f : mx;
-      const float correction = fast_exp2(row_max[r] - m_use);
-      row_max[r] = mx;
-      row_sum[r] *= correction;
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt) {
-        acc_o[dt][2 * r] *= correction;
-        acc_o[dt][2 * r + 1] *= correction;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float p = fast_exp2(acc_s[nt][2 * r + j] - m_use);
-          acc_s[nt][2 * r + j] = p;
-          row_sum[r] += p;
-        }
+      for (int r = 0; r < 2; ++r) {
+        online_softmax_row(acc_s[t], acc_o[t], row_max[t][r], row_sum[t][r], r);
       }
     }
 
     cp_async_wait<1>();
     __syncthreads();  // V(n) is in shared memory (K(n+1) may still be in flight)
 
-    // O += P V. The S accumulators of two adjacent 8-key tiles are exactly the A fragment of a
-    // 16-key step (see device_primitives.cuh), so P never leaves registers. B = V rows read
-    // transposed (ldmatrix .trans): two 8-wide head-dim tiles per ldmatrix.x4.
+    // O += P V, each row tile's P from its own registers (p_fragment). B = V rows read
+    // transposed (ldmatrix .trans): two 8-wide head-dim tiles per ldmatrix.x4, each fragment
+    // used by every row tile.
 #pragma unroll
     for (int ks = 0; ks < kBN / 16; ++ks) {
-      const uint32_t a[4] = {
-          pack2<Element>(acc_s[2 * ks][0], acc_s[2 * ks][1]),
-          pack2<Element>(acc_s[2 * ks][2], acc_s[2 * ks][3]),
-          pack2<Element>(acc_s[2 * ks + 1][0], acc_s[2 * ks + 1][1]),
-          pack2<Element>(acc_s[2 * ks + 1][2], acc_s[2 * ks + 1][3]),
-      };
+      uint32_t a[kRT][4];
+#pragma unroll
+      for (int t = 0; t < kRT; ++t) {
+        p_fragment<Element>(a[t], acc_s[t], ks);
+      }
 #pragma unroll
       for (int dd = 0; dd < kD / 16; ++dd) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, sV + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kRS + dd * 16 + (lane / 16) * 8);
-        mma_16816<Element>(acc_o[2 * dd], a, bv[0], bv[1]);
-        mma_16816<Element>(acc_o[2 * dd + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int t = 0; t < kRT; ++t) {
+          mma_16816<Element>(acc_o[t][2 * dd], a[t], bv[0], bv[1]);
+          mma_16816<Element>(acc_o[t][2 * dd + 1], a[t], bv[2], bv[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with sV: refill it with V(n+1)
@@ -358,24 +401,28 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   Element* out = static_cast<Element*>(params.out) + b * params.out_batch_stride + h * params.out_head_stride;
   float* lse = static_cast<float*>(params.lse) + row0;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int row = row_a + r * 8;
-    const bool visible = sum > 0.f;
-    const float inv = visible ? 1.f / sum : 0.f;
-    const float row_lse = visible ? row_max[r] * kLn2 + logf(sum) : neg_inf<float>();
-    if (row < qrows.rows) {
+  for (int t = 0; t < kRT; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[t][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = row_of(t, r);
+      const bool visible = sum > 0.f;
+      const float inv = visible ? 1.f / sum : 0.f;
+      const float row_lse = visible ? row_max[t][r] * kLn2 + logf(sum) : neg_inf<float>();
+      if (row >= qrows.rows) {
+        continue;
+      }
       if constexpr (kSplit) {
         const int64_t at = chunk_row0 + row;
-        store_partial_row(split.out_accum + at * dim_v, split.lse_accum + at, acc_o, r, inv, row_lse, col_in_tile,
-                          dim_v, lane);
+        store_partial_row(split.out_accum + at * dim_v, split.lse_accum + at, acc_o[t], r, inv, row_lse,
+                          col_in_tile, dim_v, lane);
       } else {
         const int64_t out_row = kPackGqa
             ? qrows.head_of(row) * params.out_head_stride + qrows.query_of(row) * params.out_row_stride
             : row * params.out_row_stride;
-        store_row(out + out_row + col_in_tile, acc_o, r, inv, 0, dim_v);
+        store_row(out + out_row + col_in_tile, acc_o[t], r, inv, 0, dim_v);
         if (lane % 4 == 0) {
           lse[row] = row_lse;
         }
@@ -400,38 +447,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_split_kernel(c
 
 // One forward's programs: (query tile, query head, batch), or packed (tile of the group's
 // G * seqlen_q rows, key/value head, batch); grid z also holds the key chunks when split.
-template <typename Traits, typename Element, bool kIsCausal, bool kPackGqa>
-cudaError_t launch_flash_fwd(const AttentionParams& params, const SplitKv& split, cudaStream_t stream) {
+template <typename Traits, bool kPackGqa>
+dim3 flash_fwd_grid(const AttentionParams& params, int num_splits) {
   const int64_t rows = kPackGqa ? params.num_heads / params.num_heads_k * params.seqlen_q : params.seqlen_q;
   const unsigned q_tiles = static_cast<unsigned>((rows + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(kPackGqa ? params.num_heads_k : params.num_heads);
-  const unsigned batch = static_cast<unsigned>(params.batch);
+  return dim3(q_tiles, heads, static_cast<unsigned>(params.batch * num_splits));
+}
+
+template <typename Traits, typename Element, bool kIsCausal, bool kPackGqa>
+cudaError_t launch_flash_fwd(const AttentionParams& params, const SplitKv& split, cudaStream_t stream) {
   constexpr size_t kSmem = Traits::template smem_bytes<Element>();
   if (split.num_splits <= 1) {
-    return launch_kernel(flash_fwd_kernel<Traits, Element, kIsCausal, kPackGqa>, dim3(q_tiles, heads, batch),
-                         dim3(Traits::kNThreads), kSmem, stream, params);
+    return launch_kernel(flash_fwd_kernel<Traits, Element, kIsCausal, kPackGqa>,
+                         flash_fwd_grid<Traits, kPackGqa>(params, 1), dim3(Traits::kNThreads), kSmem, stream, params);
   }
-  const cudaError_t err =
-      launch_kernel(flash_fwd_split_kernel<Traits, Element, kIsCausal, kPackGqa>,
-                    dim3(q_tiles, heads, batch * static_cast<unsigned>(split.num_splits)), dim3(Traits::kNThreads),
-                    kSmem, stream, params, split);
-  return err != cudaSuccess ? err : run_split_kv_combine<Element>(params, split, stream);
+  if constexpr (Traits::kRowTiles > 1) {
+    return cudaErrorInvalidValue;  // the wide tiles are compiled for prefill only: never split
+  } else {
+    const cudaError_t err =
+        launch_kernel(flash_fwd_split_kernel<Traits, Element, kIsCausal, kPackGqa>,
+                      flash_fwd_grid<Traits, kPackGqa>(params, split.num_splits), dim3(Traits::kNThreads), kSmem,
+                      stream, params, split);
+    return err != cudaSuccess ? err : run_split_kv_combine<Element>(params, split, stream);
+  }
 }
 
 }  // namespace device
 
-// Host launcher, instantiated per (dtype, compiled head dim, causal) in flash_fwd_hdim*.cu; it
-// runs any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples of 8.
-// With split.num_splits > 1 it launches one program per key chunk too (grid z = batch * chunks),
-// then the combine kernel (split_kv_combine.cuh) that writes out and lse. pack_gqa: the group's
-// query heads packed into the tiles' rows (the dispatch's choice, dispatch_policy.h pack_gqa;
-// needs num_heads_k dividing num_heads).
-template <typename Element, int kHeadDim, bool kIsCausal>
+// Host launcher, instantiated per (dtype, compiled head dim, causal, row tiles) in
+// flash_fwd_hdim*.cu; it runs any max(head_dim, head_dim_v) <= kHeadDim whose dims are multiples
+// of 8. With split.num_splits > 1 it launches one program per key chunk too (grid z = batch *
+// chunks), then the combine kernel (split_kv_combine.cuh) that writes out and lse. pack_gqa: the
+// group's query heads packed into the tiles' rows (the dispatch's choice, dispatch_policy.h
+// pack_gqa; needs num_heads_k dividing num_heads). kRowTiles > 1 (FlashFwdTraits; the dispatch's
+// choice, dispatch_policy.h wide_forward_tiles): prefill only, neither split nor packed (an
+// invalid-value error if asked).
+template <typename Element, int kHeadDim, bool kIsCausal, int kRowTiles>
 cudaError_t run_flash_fwd_(const AttentionParams& params, const SplitKv& split, bool pack_gqa, cudaStream_t stream) {
-  using Traits = FlashFwdTraits<kHeadDim>;
+  using Traits = FlashFwdTraits<kHeadDim, kRowTiles>;
   static_assert(Traits::template smem_bytes<Element>() <= kSm80SmemOptin, "the tile must fit sm_80's shared memory");
-  return pack_gqa ? device::launch_flash_fwd<Traits, Element, kIsCausal, true>(params, split, stream)
-                  : device::launch_flash_fwd<Traits, Element, kIsCausal, false>(params, split, stream);
+  if constexpr (kRowTiles > 1) {
+    if (pack_gqa) {
+      return cudaErrorInvalidValue;
+    }
+    return device::launch_flash_fwd<Traits, Element, kIsCausal, false>(params, split, stream);
+  } else {
+    return pack_gqa ? device::launch_flash_fwd<Traits, Element, kIsCausal, true>(params, split, stream)
+                    : device::launch_flash_fwd<Traits, Element, kIsCausal, false>(params, split, stream);
+  }
 }
 
 }  // namespace attn_export::cuda

@@ -29,19 +29,20 @@ inline int flash_tile_dim(const AttentionParams& p, bool preview) {
   return chunked ? flash_tile_head_dim(p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v) : 0;
 }
 
-// The flash forward's tile rows and keys (FlashFwdTraits) at a compiled head dim; {0, 0} for none.
+// The flash forward's tile rows and keys (FlashFwdTraits) at a compiled head dim and row tiles a
+// warp; {0, 0, 1} for none.
 struct FlashFwdBlocks {
-  int block_m = 0, block_n = 0;
+  int block_m = 0, block_n = 0, row_tiles = 1;
 };
 
-template <int kIndex = 0>
+template <int kRowTiles = 1, int kIndex = 0>
 constexpr FlashFwdBlocks flash_fwd_blocks(int tile_dim) {
   if constexpr (kIndex == kNumFlashHeadDims) {
     return {};
   } else {
-    using Traits = FlashFwdTraits<kFlashHeadDims[kIndex]>;
-    return tile_dim == kFlashHeadDims[kIndex] ? FlashFwdBlocks{Traits::kBlockM, Traits::kBlockN}
-                                              : flash_fwd_blocks<kIndex + 1>(tile_dim);
+    using Traits = FlashFwdTraits<kFlashHeadDims[kIndex], kRowTiles>;
+    return tile_dim == kFlashHeadDims[kIndex] ? FlashFwdBlocks{Traits::kBlockM, Traits::kBlockN, kRowTiles}
+                                              : flash_fwd_blocks<kRowTiles, kIndex + 1>(tile_dim);
   }
 }
 
@@ -63,19 +64,9 @@ struct FlashFwdPlan {
   bool splits(size_t available) const { return split.num_splits > 1 && available >= workspace_bytes(); }
 };
 
-// The plan of a valid problem (attention_params_error: none) that the flash forward runs, at
-// compiled head dim `tile_dim`, on `sm_count` SMs. Split-KV and packing are preview features.
-inline FlashFwdPlan flash_fwd_plan(const AttentionParams& p, int tile_dim, int sm_count, bool preview) {
-  FlashFwdPlan plan;
-  plan.blocks = flash_fwd_blocks(tile_dim);
+// Splits the plan's keys (split-KV, preview) when its programs cannot fill `sm_count` SMs.
+inline void plan_split_kv(FlashFwdPlan& plan, const AttentionParams& p, int sm_count) {
   const int block_m = plan.blocks.block_m, block_n = plan.blocks.block_n;
-  if (block_m == 0 || p.batch <= 0 || p.num_heads <= 0 || p.seqlen_q <= 0) {
-    return plan;
-  }
-  plan.pack_gqa = policy::pack_gqa(p, block_m, preview);
-  if (!policy::allowed(policy::kSplitKv, preview)) {
-    return plan;
-  }
   // The programs before any split: query tiles x heads x batch, or packed, tiles of a group's rows
   // x key/value heads x batch. The keys any row sees: under causality, none past the last row's diagonal.
   const int64_t programs = plan.pack_gqa
@@ -88,12 +79,36 @@ inline FlashFwdPlan flash_fwd_plan(const AttentionParams& p, int tile_dim, int s
   }
   const SplitCount count = split_count(programs, (key_end + block_n - 1) / block_n, sm_count);
   if (count.num_splits < 2 || p.batch * count.num_splits > 65535) {  // grid z holds batch * chunks
-    return plan;
+    return;
   }
   plan.split = count;
   const size_t rows = static_cast<size_t>(count.num_splits * p.batch * p.num_heads * p.seqlen_q);
   plan.out_bytes = round_up_256(rows * static_cast<size_t>(p.head_dim_v) * sizeof(float));
   plan.lse_bytes = round_up_256(rows * sizeof(float));
+}
+
+// The plan of a valid problem (attention_params_error: none) that the flash forward runs, at
+// compiled head dim `tile_dim`, on `sm_count` SMs. Split-KV, packing and the 128-row blocks are
+// preview features. Packing and the split are decided on the 64-row tiles (decode-shaped work);
+// the 128-row blocks (policy::wide_forward_tiles) only where neither was chosen, so a plan that
+// splits or packs is the same with or without them, and `blocks` is what the forward launches.
+inline FlashFwdPlan flash_fwd_plan(const AttentionParams& p, int tile_dim, int sm_count, bool preview) {
+  FlashFwdPlan plan;
+  plan.blocks = flash_fwd_blocks(tile_dim);
+  if (plan.blocks.block_m == 0 || p.batch <= 0 || p.num_heads <= 0 || p.seqlen_q <= 0) {
+    return plan;
+  }
+  plan.pack_gqa = policy::pack_gqa(p, plan.blocks.block_m, preview);
+  if (policy::allowed(policy::kSplitKv, preview)) {
+    plan_split_kv(plan, p, sm_count);
+  }
+  const FlashFwdBlocks wide = flash_fwd_blocks<kWideFwdRowTiles>(tile_dim);
+  const bool compiled = wide_fwd_head_dim(tile_dim) && !plan.pack_gqa && plan.split.num_splits <= 1;
+  const int64_t programs = p.batch * p.num_heads * ((p.seqlen_q + plan.blocks.block_m - 1) / plan.blocks.block_m);
+  const int64_t wide_programs = p.batch * p.num_heads * ((p.seqlen_q + wide.block_m - 1) / wide.block_m);
+  if (policy::wide_forward_tiles(compiled, programs, wide_programs, sm_count, preview)) {
+    plan.blocks = wide;
+  }
   return plan;
 }
 
@@ -110,6 +125,9 @@ inline FlashFwdPlan flash_fwd_plan(const AttentionParams& p, int tile_dim, int s
 //     128-row tiles would be nearly empty and stream each key/value tile once per query head.
 // pack_gqa also packs longer queries whose last tile it fills better (97 rows: 13 tiles of 8
 // heads instead of 16); those are prefill, and stay on the Hopper forward.
+// The plan's 128-row blocks (policy::wide_forward_tiles) change nothing here: they are chosen only
+// where the plan neither splits nor packs, so the decision is the one the 64-row plan gives
+// (decode shape or not), whatever block_m the sm80 forward would launch.
 // `p`: params the Hopper forward supports (sm90::supports), so the flash forward would run them.
 inline bool hopper_forward_declines(const FlashFwdPlan& plan, const AttentionParams& p, size_t workspace_bytes) {
   return plan.splits(workspace_bytes) || (plan.pack_gqa && p.seqlen_q < plan.blocks.block_m);

@@ -40,6 +40,20 @@ def _unsplit_backward_head_dim() -> int:
 
 
 UNSPLIT_BACKWARD_HEAD_DIM = _unsplit_backward_head_dim()
+
+
+def _wide_forward() -> tuple[int, list[int]]:
+    """kWideFwdRowTiles and kWideFwdHeadDims of kernel_traits.h: the head dims whose prefill
+    forward is also compiled with that many 16-row MMA tiles a warp."""
+    text = (HERE / "kernel_traits.h").read_text()
+    tiles = re.search(r"kWideFwdRowTiles\s*=\s*(\d+)", text)
+    dims = re.search(r"kWideFwdHeadDims\[\]\s*=\s*\{([^}]*)\}", text)
+    if tiles is None or dims is None:
+        raise SystemExit("kernel_traits.h declares no kWideFwdRowTiles = ... and kWideFwdHeadDims[] = {...}")
+    return int(tiles.group(1)), [int(d) for d in dims.group(1).split(",")]
+
+
+WIDE_FORWARD_ROW_TILES, WIDE_FORWARD_HEAD_DIMS = _wide_forward()
 GENERIC_DTYPES = [("fp16", "__half"), ("bf16", "__nv_bfloat16"), ("fp32", "float"), ("fp64", "double")]
 GENERIC_REGS = [2, 4, 8, 16]  # head dims up to 64, 128, 256, 512
 
@@ -51,9 +65,15 @@ HEADER = (
 
 def _variants(direction: str, head_dim: int) -> list[tuple[str, str, str]]:
     """(file-name tag, extra template argument, description) of one head dim's kernels: the
-    backward's column split is the tiles' choice, and at UNSPLIT_BACKWARD_HEAD_DIM also none."""
+    forward's row tiles a warp are 1, and at WIDE_FORWARD_HEAD_DIMS also WIDE_FORWARD_ROW_TILES;
+    the backward's column split is the tiles' choice, and at UNSPLIT_BACKWARD_HEAD_DIM also none."""
     if direction == "fwd":
-        return [("", "", "")]
+        variants = [("", ", 1", "")]
+        if head_dim in WIDE_FORWARD_HEAD_DIMS:
+            rows = 16 * 4 * WIDE_FORWARD_ROW_TILES
+            variants.append(("_wide", f", {WIDE_FORWARD_ROW_TILES}",
+                             f", {rows} query rows a block (prefill only: not split, not packed)"))
+        return variants
     variants = [("", f", flash_bwd_col_split({head_dim})", "")]
     if head_dim == UNSPLIT_BACKWARD_HEAD_DIM:
         variants.append(("_unsplit", ", 1", ", no column split (the tiles verified on a GPU)"))

@@ -1,7 +1,7 @@
 // Tile sizes of the flash (tensor-core) kernels, in one place per head dim.
 //
-// Each warp owns one 16-row MMA tile: in the forward, 16 query rows (so a block covers
-// kBlockM = 16 * kNWarps queries and streams keys kBlockN at a time); in the backward, 16 key
+// Each warp owns 16-row MMA tiles: in the forward, kRowTiles of 16 query rows (so a block covers
+// kBlockM = 16 * kNWarps * kRowTiles queries and streams keys kBlockN at a time); in the backward, 16 key
 // rows (a block owns kBlockN = 16 * kKeyWarps keys and streams queries kBlockM at a time).
 // Shared-memory rows are padded by 8 elements (16 bytes): rows stay 16-byte aligned for
 // cp.async and ldmatrix, and the 8 row addresses of one ldmatrix phase fall on distinct banks.
@@ -47,19 +47,31 @@ constexpr int flash_tile_head_dim(int64_t dim) {
   return 0;
 }
 
-// Forward tiles. A warp keeps its 16 x kHeadDim output (kHeadDim / 2 floats a thread) and a
-// 16 x kBlockN score tile (kBlockN / 4 floats) in registers: above 128 the key tile shrinks to
-// 32 so that the sum stays under the 255-register ceiling without spills.
-template <int kHeadDim_>
+// Forward tiles. A warp keeps its kRowTiles 16 x kHeadDim outputs (kHeadDim / 2 floats a thread
+// each) and 16 x kBlockN score tiles (kBlockN / 4 floats each) in registers: above 128 the key
+// tile shrinks to 32 so that the sum stays under the 255-register ceiling without spills.
+// kRowTiles: the 16-row MMA tiles of each warp. With 2 (FlashAttention-2's 128 rows on 4 warps),
+// every K and V fragment a warp reads from shared memory feeds two MMAs, and a block streams each
+// K/V tile once for twice the query rows; the price is twice the accumulators (and fewer
+// programs). Compiled for the prefill kernel at kWideFwdHeadDims only (preview: dispatch_policy.h
+// wide_forward_tiles).
+template <int kHeadDim_, int kRowTiles_ = 1>
 struct FlashFwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kRowTiles = kRowTiles_;
   static constexpr int kNWarps = 4;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockM = 16 * kNWarps;
-  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : kHeadDim <= 128 ? 64 : 32;
+  static constexpr int kBlockM = 16 * kNWarps * kRowTiles;
+  // Two row tiles hold twice the O and S accumulators, so their key tile is half (a quarter at
+  // 128) of one row tile's: with the one-row-tile key tiles ptxas spilled on sm_80 (head dim 32:
+  // ~1 KB; 64: 40 B; 128: ~500 B, and still 20-80 B with 32 keys). These keep 0 spills at
+  // 224-246 registers (32, 128) and 168-176 (64); FlashAttention-2 holds 128 x 64 at head dim
+  // 128 in 255 registers, which these kernels, with more live state outside the tiles, do not.
+  static constexpr int kBlockN = kRowTiles == 1 ? (kHeadDim <= 32 ? 128 : kHeadDim <= 128 ? 64 : 32)
+                                                : (kHeadDim <= 32 ? 64 : kHeadDim <= 64 ? 32 : 16);
   static constexpr int kRowStride = kHeadDim + kSmemPad;  // of sQ, sK, sV, in elements
 
-  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0);
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kRowTiles >= 1);
 
   // sQ [kBlockM][kRowStride], sK and sV [kBlockN][kRowStride].
   template <typename Element>
@@ -67,6 +79,20 @@ struct FlashFwdTraits {
     return sizeof(Element) * static_cast<size_t>(kBlockM + 2 * kBlockN) * kRowStride;
   }
 };
+
+// The head dims whose prefill forward is also compiled with two row tiles a warp (128 query rows
+// a block): generate_kernels.py reads this table, and the dispatch widens only these.
+inline constexpr int kWideFwdRowTiles = 2;
+inline constexpr int kWideFwdHeadDims[] = {32, 64, 128};
+
+constexpr bool wide_fwd_head_dim(int tile_dim) {
+  for (int d : kWideFwdHeadDims) {
+    if (d == tile_dim) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // Backward tiles. Each key warp owns 16 key rows; its dK and dV (16 x kHeadDim each) live in
 // registers, kHeadDim floats a thread, too many beside S^T and dP^T above head dim 96. There

@@ -1,5 +1,6 @@
 // Test-only operators that run the CUDA kernels under the SIMT emulator on CPU tensors:
-// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores, forward_workspace_size, packs_query_heads}. They mirror the CUDA
+// torch.ops.attn_export_emu.{forward, backward, uses_tensor_cores, forward_workspace_size, packs_query_heads,
+// forward_block_m}. They mirror the CUDA
 // binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
 // stream; the forward's setup is the bindings' own (prepare_attention_forward). Every tensor
 // the kernels see lives in guarded memory (guarded_memory.h): the inputs are copied there first.
@@ -161,6 +162,13 @@ bool packs_query_heads(const at::Tensor& query, const at::Tensor& key, const at:
   return cuda::attention_packs_query_heads(f.params);
 }
 
+// Query rows a block of the flash forward covers on these inputs (64 or 128; 0: not the flash forward).
+int64_t forward_block_m(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
+                        int64_t causal_alignment) {
+  const AttentionForward f = routed_forward(query, key, value, is_causal, causal_alignment);
+  return cuda::attention_forward_block_m(f.params);
+}
+
 void set_sm_count(int64_t count) {
   TORCH_CHECK(count > 0, "set_sm_count: ", count, "; use a positive count");
   simt_emulator::sm_count = static_cast<int>(count);
@@ -196,6 +204,7 @@ TORCH_LIBRARY(attn_export_emu, m) {
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
   m.def("forward_workspace_size(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
   m.def("packs_query_heads(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> bool");
+  m.def("forward_block_m(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
   m.def("set_sm_count(int count) -> ()", &set_sm_count);
   m.def("set_preview(bool enabled) -> ()", &set_preview);
   m.def("preview_enabled() -> bool", &preview_enabled);
@@ -214,6 +223,7 @@ TORCH_LIBRARY_IMPL(attn_export_emu, CompositeExplicitAutograd, m) {
   m.impl("uses_tensor_cores", &uses_tensor_cores);
   m.impl("forward_workspace_size", &forward_workspace_size);
   m.impl("packs_query_heads", &packs_query_heads);
+  m.impl("forward_block_m", &forward_block_m);
 }
 
 }  // namespace attn_export::ops

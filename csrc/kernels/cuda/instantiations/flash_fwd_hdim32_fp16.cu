@@ -4,6 +4,6 @@
 
 namespace attn_export::cuda {
 
-template cudaError_t run_flash_fwd_<__half, 32, false>(const AttentionParams&, const SplitKv&, bool, cudaStream_t);
+template cudaError_t run_flash_fwd_<__half, 32, false, 1>(const AttentionParams&, const SplitKv&, bool, cudaStream_t);
 
 }  // namespace attn_export::cuda
