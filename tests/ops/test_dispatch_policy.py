@@ -82,7 +82,7 @@ int main() {
   std::printf("\"plans\": [");
   const long long plans[][7] = {{1, 2, 2, 64, 300, 64, 1}, {1, 2, 2, 130, 300, 64, 4}, {1, 2, 2, 130, 300, 64, 5}, {1, 2, 2, 130, 300, 64, 132},
                                 {1, 2, 2, 130, 300, 96, 1}, {1, 2, 2, 130, 300, 32, 1}, {1, 2, 2, 130, 300, 128, 1},
-                                {1, 8, 2, 1, 300, 64, 1}, {4, 16, 16, 1000, 1000, 128, 132}, {1, 2, 2, 130, 300, 64, 0}};
+                                {1, 8, 2, 1, 300, 64, 1}, {4, 16, 16, 1000, 1000, 64, 132}, {1, 2, 2, 130, 300, 64, 0}};
   sep = "";
   for (const auto& c : plans) {
     AttentionParams q;
@@ -215,7 +215,7 @@ def test_wide_forward_tiles_are_preview_only(policy):
 def test_the_plan_widens_prefill_only(policy):
     """flash_fwd_plan's block_m: 64 without the preview always; with it 128 where the wide programs
     (batch x heads x ceil(Lq / 128)) fill the SMs and the plan neither splits nor packs, at the
-    compiled head-dim tiles 32, 64, 128. The Hopper forward's decline reads split and pack only,
+    compiled head-dim tiles 32 and 64. The Hopper forward's decline reads split and pack only,
     so it stays what the 64-row plan gives: it declines split or packed (decode) work only."""
     got = {tuple(c[:7]): tuple(c[7:]) for c in policy["plans"]}
     # key: (batch, heads, heads_k, Lq, Lk, head_dim, SMs) -> (block_m off, on, row tiles, split, packed, declines)
@@ -225,7 +225,7 @@ def test_the_plan_widens_prefill_only(policy):
     assert got[(1, 2, 2, 130, 300, 64, 132)] == (64, 64, 1, 1, 0, 1)   # split-KV: never wide; Hopper declines
     assert got[(1, 2, 2, 130, 300, 96, 1)] == (64, 64, 1, 0, 0, 0)     # no wide kernel at the 96 tile
     assert got[(1, 2, 2, 130, 300, 32, 1)] == (64, 128, 2, 0, 0, 0)
-    assert got[(1, 2, 2, 130, 300, 128, 1)] == (64, 128, 2, 0, 0, 0)
+    assert got[(1, 2, 2, 130, 300, 128, 1)] == (64, 64, 1, 0, 0, 0)    # nor at 128 (kWideFwdHeadDims)
     assert got[(1, 8, 2, 1, 300, 64, 1)] == (64, 64, 1, 0, 1, 1)       # packed decode: never wide; Hopper declines
-    assert got[(4, 16, 16, 1000, 1000, 128, 132)] == (64, 128, 2, 0, 0, 0)  # 4 x 16 x 8 = 512 programs: prefill
+    assert got[(4, 16, 16, 1000, 1000, 64, 132)] == (64, 128, 2, 0, 0, 0)  # 4 x 16 x 8 = 512 programs: prefill
     assert got[(1, 2, 2, 130, 300, 64, 0)] == (64, 64, 1, 0, 0, 0)     # SMs unknown (0): never wide

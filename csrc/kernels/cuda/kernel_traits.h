@@ -83,7 +83,10 @@ struct FlashFwdTraits {
 // The head dims whose prefill forward is also compiled with two row tiles a warp (128 query rows
 // a block): generate_kernels.py reads this table, and the dispatch widens only these.
 inline constexpr int kWideFwdRowTiles = 2;
-inline constexpr int kWideFwdHeadDims[] = {32, 64, 128};
+// Not 128: its two row tiles fit the registers only with 16-key tiles, which would rescale the
+// 2 x 64 output floats a thread and synchronize the block every 16 keys (4x the 64-row kernel's
+// per key); FlashAttention-2 never goes below 32 keys at 128 rows. A GPU may say otherwise.
+inline constexpr int kWideFwdHeadDims[] = {32, 64};
 
 constexpr bool wide_fwd_head_dim(int tile_dim) {
   for (int d : kWideFwdHeadDims) {
