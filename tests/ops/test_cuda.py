@@ -14,8 +14,8 @@ scripts/gpu_check.sh builds the extension for the device and runs this file twic
 by default (only the paths verified on a GPU; grouped-query heads and the bottom-right alignment
 routed onto them, csrc/ops/verified_route.h), and with ATTN_EXPORT_CUDA_PREVIEW=1, where the same
 tests run the paths that wait for a GPU: the flash kernels at head dims 96/192/256 and padded
-ones, grouped-query heads and the causal shift in the kernels, split-KV decoding (docs/cuda.md
-"Preview"). Both runs must pass.
+ones, grouped-query heads and the causal shift in the kernels, split-KV decoding, the forward's
+128-row blocks (docs/cuda.md "Preview"). Both runs must pass.
 
 Tolerances are derived, FlashAttention style: the fused result's error against a float64
 reference may be at most twice the error of the same computation done the plain way in the
@@ -31,6 +31,7 @@ import torch
 
 import attn_export
 from helpers import EPS, MASKS, assert_parity, assert_within, check_core, padding_mask, qkv, reference_attention, scaled_err
+import sm90_gpu
 
 pytestmark = pytest.mark.cuda
 
@@ -132,6 +133,35 @@ def test_decode_packed_rows_keep_their_masks(dtype, Lq):
     exact, _ = reference_attention(q, k, v, **masks)
     plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
     assert out.shape == exact.shape and torch.isfinite(out).all()
+    assert_within(out, plain, exact, dtype, "output", Lk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("masks", [{"is_causal": True, "causal_alignment": 1}, {"padding": True}, {}],
+                         ids=["bottom-right", "key-padding", "none"])
+def test_wide_forward_blocks(dtype, head_dim, masks):
+    """Prefill whose 128-row blocks (batch x heads x ceil(Lq / 128)) fill the SMs: with the preview
+    (and not the sm_90a forward, which takes prefill on Hopper) the sm80 forward's 128-row kernel
+    (FlashFwdTraits<D, 2>: kernel_traits.h kWideFwdHeadDims, dispatch_policy.h wide_forward_tiles),
+    else the 64-row one. Lq 1030 leaves the last block's second row tiles past the sequence."""
+    _require_cuda_kernels()
+    H, Lq, Lk = 4, 1030, 1100
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B = -(-sms // (H * -(-Lq // 128)))
+    q, k, v = qkv(B, H, Lq, Lk, head_dim, dtype, device=DEVICE)
+    if masks.pop("padding", False):
+        masks["key_padding_mask"] = padding_mask(B, Lk, device=DEVICE)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = attn_export.attention(q, k, v, **masks)
+        torch.cuda.synchronize()
+    ran = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    hopper = sm90_gpu.skip_reason("the sm_90a forward") is None  # dispatched here: it takes this prefill
+    wide = any(f"FlashFwdTraits<{head_dim}, 2>" in name for name in ran)
+    assert wide == (PREVIEW and not hopper), sorted(ran)
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert torch.isfinite(out).all()
     assert_within(out, plain, exact, dtype, "output", Lk)
 
 
