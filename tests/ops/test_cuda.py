@@ -150,6 +150,7 @@ def test_wide_forward_blocks(dtype, head_dim, masks):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     B = -(-sms // (H * -(-Lq // 128)))
     q, k, v = qkv(B, H, Lq, Lk, head_dim, dtype, device=DEVICE)
+    masks = dict(masks)  # the parametrized dict is shared by the cases
     if masks.pop("padding", False):
         masks["key_padding_mask"] = padding_mask(B, Lk, device=DEVICE)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
