@@ -10,7 +10,7 @@ Its outcome's notes are the export's notes (``ExportResult.notes``), word for wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Tuple
+from typing import Any, ClassVar, Dict, Mapping, Tuple
 
 import onnx
 
