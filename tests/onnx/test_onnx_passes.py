@@ -110,3 +110,18 @@ def test_convert_prints_the_passes_with_verbose(exported_seq2seq, capsys):
         ConsoleProgress(Session(verbose=verbose), "custom").exported("model.onnx", exported_seq2seq)
     printed = capsys.readouterr()
     assert printed.err.count("graph passes: label_axes (") == 1, printed
+
+
+def test_the_former_homes_still_give_their_names():
+    from attn_export.onnx import editing
+    from attn_export.onnx.custom_past import fold_past
+    from attn_export.onnx.graph import _rename_symbols, attach_function, attention_nodes, record_shapes  # noqa: F401
+    from attn_export.onnx.passes.fold_past_custom import fold_past as fold_past_now
+    from attn_export.onnx.standard import NodeBuilder, remove_unused, to_standard_attention  # noqa: F401
+    from attn_export.onnx.standard_past import GraphIndex, find_past  # noqa: F401
+
+    assert (fold_past, NodeBuilder, GraphIndex, attention_nodes) == (
+        fold_past_now, editing.NodeBuilder, editing.GraphIndex, editing.attention_nodes)
+    with pytest.warns(DeprecationWarning, match="import it from attn_export.onnx.passes.attach_functions"):
+        from attn_export.onnx.pipeline import attach_function as from_pipeline
+    assert from_pipeline is attach_function

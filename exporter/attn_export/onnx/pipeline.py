@@ -17,6 +17,7 @@ from attn_export import inputs as _inputs
 from attn_export.errors import InputError
 from attn_export.onnx import passes as _passes
 from attn_export.onnx import with_past as _with_past
+from attn_export.onnx._moved import moved_names
 from attn_export.onnx.capture import capture as _capture
 from attn_export.onnx.editing import count_attention_nodes
 from attn_export.onnx.metadata import META_PREFIX
@@ -218,3 +219,17 @@ def _package_version() -> str:
     from attn_export._version import __version__
 
     return __version__
+
+
+# Names this module imported before the passes had modules of their own.
+__getattr__ = moved_names(__name__, {
+    "apply_axis_labels": "attn_export.onnx.passes.label_axes",
+    "attach_function": "attn_export.onnx.passes.attach_functions",
+    "fold_past": "attn_export.onnx.passes.fold_past_custom",
+    "inline_functions": "attn_export.onnx.passes.inline_functions",
+    "output_names_for": "attn_export.onnx.outputs",
+    "project_before_transposing_inputs": "attn_export.onnx.passes.project_before_transpose",
+    "record_shapes": "attn_export.onnx.passes.record_shapes",
+    "to_standard_attention": "attn_export.onnx.passes.standard_attention",
+    "translation_table": "attn_export.onnx.translation",
+})
