@@ -9,7 +9,8 @@ graph pass (``attn_export.onnx.passes``) uses, in the spirit of ONNX Runtime's `
 * :func:`replace_nodes`, :func:`remove_unused`: rewriting the node list, dead-node removal;
 * :func:`attr_ints`, :func:`attr_int`, :func:`attr_value`: attribute readers;
 * :func:`value_types`, :func:`value_dims`: what the graph records of each value;
-* :func:`attention_nodes`: the FusedAttention nodes (any of their domains).
+* :func:`attention_nodes`, :func:`count_attention_nodes`: the FusedAttention nodes (any of
+  their domains).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def attention_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
     """The graph's FusedAttention nodes, in the spec's domain or a variant's."""
     s = _spec.load()
     return [n for n in model.graph.node if n.op_type == s.op_type and is_attention_domain(n.domain)]
+
+
+def count_attention_nodes(model: onnx.ModelProto) -> int:
+    return len(attention_nodes(model))
 
 
 def value_types(model: onnx.ModelProto) -> Dict[str, int]:
@@ -112,8 +117,6 @@ class GraphIndex:
         """The default-domain node of ``op_type`` producing ``name``, or None."""
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op_type and node.domain in DEFAULT_DOMAINS else None
-
-    _made_by = made_by  # the name standard_past.GraphIndex had
 
     def past_concat(self, name: str) -> Optional[onnx.NodeProto]:
         """The Concat(past graph input, new, axis 2) behind a node's key or value input, read
@@ -194,8 +197,3 @@ def remove_unused(model: onnx.ModelProto) -> None:
     initializers = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(initializers)
-
-
-
-def count_attention_nodes(model: onnx.ModelProto) -> int:
-    return len(attention_nodes(model))

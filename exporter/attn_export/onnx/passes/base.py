@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Dict, Mapping, Tuple
 
 import onnx
 
+from attn_export.onnx.editing import count_attention_nodes
+
 
 @dataclass(frozen=True)
 class PassOutcome:
@@ -45,9 +47,7 @@ class PassContext:
     @property
     def attention_nodes(self) -> int:
         """How many FusedAttention nodes the model has now."""
-        from attn_export.onnx.editing import attention_nodes
-
-        return len(attention_nodes(self.model)) if self.model is not None else 0
+        return count_attention_nodes(self.model) if self.model is not None else 0
 
 
 class GraphPass:

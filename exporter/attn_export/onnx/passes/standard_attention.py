@@ -1,6 +1,7 @@
-"""standard_attention: the standard-``Attention`` flavor: each FusedAttention node of an exported model becomes ONE
-ONNX ``Attention`` node (opset 23), which ONNX Runtime (1.23+) and TensorRT's ONNX parser
-(10.14+, its native attention layer) implement themselves; no custom domain, no plugin.
+"""standard_attention: the standard-``Attention`` flavor: each FusedAttention node of an
+exported model becomes ONE ONNX ``Attention`` node (opset 23), which ONNX Runtime (1.23+) and
+TensorRT's ONNX parser (10.14+, its native attention layer) implement themselves; no custom
+domain, no plugin.
 
 What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor"):
 
@@ -34,8 +35,8 @@ from onnx import TensorProto, helper
 
 from attn_export import spec as _spec
 from attn_export.onnx.editing import (
-    DEFAULT_DOMAINS, GraphIndex, NodeBuilder, PastFold, attention_nodes, drop_concats, find_past, remove_unused, replace_nodes,
-    sequence_first, value_dims, value_types,
+    DEFAULT_DOMAINS, GraphIndex, NodeBuilder, PastFold, attention_nodes, drop_concats, find_past, remove_unused,
+    replace_nodes, sequence_first, value_dims, value_types,
 )
 from attn_export.onnx.node import is_attention_domain
 from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
