@@ -26,6 +26,7 @@ def test_inline_export_has_no_function_and_matches_the_model(small_seq2seq, tmp_
     _only_standard_ops(model)
     onnx.checker.check_model(model, full_check=True)
     assert (result.functions, result.num_attention_nodes) == ("inline", 0)
+    assert [p.name for p in result.passes][-3:] == ["attach_functions", "inline_functions", "record_shapes"]
     assert read_metadata(model)["functions"] == "inline"
     assert sum(n.op_type == "Softmax" for n in model.graph.node) == 3  # the three layers' bodies
     inputs = small_seq2seq.example_inputs

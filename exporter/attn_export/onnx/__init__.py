@@ -11,19 +11,18 @@ model-local function (standard ONNX ops) is attached, the symbolic dimensions ar
 the requested labels and ``onnx.checker.check_model(full_check=True)`` runs; the file is
 written whole or not at all.
 
-Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx), ``dims`` (the
-torch.export Dims: which axes share a symbol), ``graph`` (helpers on the exported graph),
-``standard`` (the standard-Attention flavor).
+Modules: ``translation`` (the operators -> ONNX), ``pipeline`` (export_onnx: ``sample``,
+``capture``, then the graph passes, ``saving``), ``dims`` (the torch.export Dims: which axes
+share a symbol), ``editing`` (reading and editing the exported graph), ``passes`` (the graph
+passes, one module each, in order: docs/architecture.md, "ONNX passes"), ``outputs`` (output
+names), ``metadata``, ``flavor`` (which flavor a file uses).
 """
-from attn_export.onnx.graph import (
-    META_PREFIX,
-    apply_axis_labels,
-    attach_function,
-    count_attention_nodes,
-    flatten_outputs,
-    output_names_for,
-    read_metadata,
-)
+from attn_export.onnx.editing import count_attention_nodes
+from attn_export.onnx.flavor import attention_flavor
+from attn_export.onnx.metadata import META_PREFIX, read_metadata
+from attn_export.onnx.outputs import flatten_outputs, output_names_for
+from attn_export.onnx.passes.attach_functions import attach_function
+from attn_export.onnx.passes.label_axes import apply_axis_labels
 from attn_export.onnx.pipeline import (
     ATTENTION_FLAVORS,
     DEFAULT_OPSET,
@@ -32,7 +31,7 @@ from attn_export.onnx.pipeline import (
     ExportResult,
     export_onnx,
 )
-from attn_export.onnx.standard import attention_flavor, to_standard_attention
+from attn_export.onnx.passes.standard_attention import to_standard_attention
 from attn_export.onnx.translation import translate_attention, translate_multi_head_attention, translation_table
 
 __all__ = [

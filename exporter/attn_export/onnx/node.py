@@ -67,7 +67,7 @@ def register_schema() -> None:
     OpSchema = onnx.defs.OpSchema
     mask_inputs = {s.input_names[3], s.input_names[4]}
     # The plain form only: torch's exporter writes it (onnxscript takes the output count from
-    # here); the cache form comes from a graph rewrite after it (custom_past.py) and its nodes
+    # here); the cache form comes from a graph rewrite after it (passes/fold_past_custom.py) and its nodes
     # are checked through their model-local functions.
     inputs = [
         OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
