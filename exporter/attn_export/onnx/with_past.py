@@ -15,7 +15,6 @@ contract goes into the file's metadata (CacheContract.to_metadata).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from attn_export import cache_contract as _contract
+from attn_export._moved import moved
 from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx.graph import _rename_symbols
@@ -48,8 +48,8 @@ def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
     LM and for dynamic axes given with the cache (the contract's are the export's)."""
     _cache.check_decoder(model)
     if dynamic_axes is not None:
-        raise InputError("--with-past sets the cached export's own dynamic axes (batch, sequence, past_sequence, "
-                         "total_sequence): drop --dynamic/--static")
+        raise InputError(f"--with-past sets the cached export's own dynamic axes ({', '.join(_contract.AXES)}): "
+                         "drop --dynamic/--static")
 
 
 def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: int) -> CachedExport:
@@ -128,9 +128,4 @@ _MOVED = {"META_KEY": ("attn_export.cache_contract.METADATA_KEY", lambda: _contr
           "file_geometry": ("attn_export.cache_contract.CacheContract.from_metadata", lambda: _file_geometry)}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        where, value = _MOVED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {where}", DeprecationWarning, stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)

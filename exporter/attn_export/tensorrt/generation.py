@@ -25,6 +25,7 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from attn_export import cache_contract as _contract
+from attn_export._moved import moved
 from attn_export.cache_contract import TOKEN_INPUTS, CacheContract
 from attn_export.errors import InputError
 from attn_export.tensorrt.runtime import EngineError
@@ -122,17 +123,10 @@ class CachedEngineSteps:
 
 
 # Before the contract had a module of its own (cache_contract.py) the names were spelled here.
-_MOVED = {"PAST_PREFIX": ("CacheContract.is_past", lambda: _contract.PAST_ROLE + "."),
-          "PRESENT_PREFIX": ("CacheContract.is_present", lambda: _contract.PRESENT_ROLE + "."),
-          "past_name": ("CacheContract.past_of", lambda: CacheContract.past_of)}
+_MOVED = {"PAST_PREFIX": ("attn_export.cache_contract.CacheContract.is_past", lambda: _contract.PAST_ROLE + "."),
+          "PRESENT_PREFIX": ("attn_export.cache_contract.CacheContract.is_present",
+                             lambda: _contract.PRESENT_ROLE + "."),
+          "past_name": ("attn_export.cache_contract.CacheContract.past_of", lambda: CacheContract.past_of)}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        import warnings
-
-        where, value = _MOVED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use attn_export.cache_contract.{where}", DeprecationWarning,
-                      stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)

@@ -2,7 +2,7 @@
 axes), and its graph check attn_export.validation.checks.cache_contract_check."""
 from __future__ import annotations
 
-import warnings
+from attn_export._moved import moved
 
 
 def _contract_names(num_layers: int, position_ids: bool):
@@ -22,14 +22,10 @@ def _check():
     return cache_contract_check
 
 
-_MOVED = {"contract_names": ("CacheContract.input_names / output_names", lambda: _contract_names),
-          "declared_axes": ("CacheContract.dynamic_axes", lambda: _declared_axes),
+_MOVED = {"contract_names": ("attn_export.cache_contract.CacheContract.input_names / output_names",
+                             lambda: _contract_names),
+          "declared_axes": ("attn_export.cache_contract.CacheContract.dynamic_axes", lambda: _declared_axes),
           "cache_contract_check": ("attn_export.validation.checks.cache_contract_check", _check)}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        where, value = _MOVED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {where}", DeprecationWarning, stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)

@@ -15,13 +15,13 @@ tolerance at the scale of those logits (validation/tolerances.py).
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from attn_export._moved import moved
 from attn_export.cache_contract import METADATA_KEY, CacheContract, generates, positions
 from attn_export.errors import InputError, first_line
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
@@ -202,9 +202,4 @@ _MOVED = {"WITH_PAST": ("attn_export.cache_contract.METADATA_KEY", lambda: METAD
           "require_cache_layout": ("attn_export.cache_contract.CacheContract.require", lambda: CacheContract.require)}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        where, value = _MOVED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {where}", DeprecationWarning, stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)

@@ -18,13 +18,13 @@ Every layer keeps its whole past, also under a sliding window (the operator's wi
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Dict, List, Mapping
 
 import torch
 from torch import nn
 
 from attn_export import cache_contract as _contract
+from attn_export._moved import moved
 from attn_export.cache_contract import CacheContract, positions
 from attn_export.errors import InputError
 from attn_export.surgery.transformers.compat import _transformers, is_hf_model
@@ -192,17 +192,15 @@ def _empty_past(contract: CacheContract, batch: int, dtype=torch.float32) -> Dic
 
 
 # The names this module gave before the contract had a module of its own (cache_contract.py).
-_MOVED = {"empty_past": "CacheContract.empty_past", "CacheGeometry": "CacheContract", "KINDS": "SLOTS",
-          "BATCH": "BATCH", "SEQUENCE": "SEQUENCE", "PAST_SEQUENCE": "PAST_SEQUENCE", "TOTAL_SEQUENCE": "TOTAL_SEQUENCE"}
-_TEMPLATES = {"PAST": _contract.PAST_ROLE, "PRESENT": _contract.PRESENT_ROLE}
+_NEW = "attn_export.cache_contract."
+_MOVED = {"CacheGeometry": (_NEW + "CacheContract", lambda: CacheContract),
+          "KINDS": (_NEW + "SLOTS", lambda: _contract.SLOTS),
+          "PAST": (_NEW + "CacheContract.past_name",
+                   lambda: _contract.cache_name(_contract.PAST_ROLE, "{layer}", "{kind}")),
+          "PRESENT": (_NEW + "CacheContract.present_name",
+                      lambda: _contract.cache_name(_contract.PRESENT_ROLE, "{layer}", "{kind}")),
+          "empty_past": (_NEW + "CacheContract.empty_past", lambda: _empty_past),
+          **{name: (_NEW + name, lambda name=name: getattr(_contract, name))
+             for name in ("BATCH", "SEQUENCE", "PAST_SEQUENCE", "TOTAL_SEQUENCE")}}
 
-
-def __getattr__(name: str):
-    if name in _MOVED or name in _TEMPLATES:
-        warnings.warn(f"attn_export.surgery.transformers.cache.{name} moved to attn_export.cache_contract "
-                      f"({_MOVED.get(name, 'CacheContract.past_name / present_name')})", DeprecationWarning,
-                      stacklevel=2)
-        if name in _TEMPLATES:
-            return _contract.cache_name(_TEMPLATES[name], "{layer}", "{kind}")
-        return _empty_past if name == "empty_past" else getattr(_contract, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved(__name__, _MOVED)
