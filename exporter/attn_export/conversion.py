@@ -188,33 +188,13 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
     if options.validate:
         from attn_export.validation import validate
 
-        checked, checked_inputs = _validated(model, inputs, result.export, options, progress)
         with progress.step("validating against the original model") as update:
             result.report = validate(
-                checked, onnx_path, checked_inputs, dynamic_axes=options.dynamic_axes, seed=options.seed,
+                model, onnx_path, inputs, dynamic_axes=options.dynamic_axes, seed=options.seed,
                 progress=update, engine=engine_path, plugin=plugin, runtime_timeout_s=options.runtime_timeout_s,
                 ort_providers=options.ort_providers, ort_trt_cache_dir=options.ort_trt_cache_dir,
                 ort_trt_fp16=options.ort_trt_fp16)
     return result
-
-
-def _validated(model, inputs, export, options: ConvertOptions, progress: Progress):
-    """The model and inputs the gate compares the file with: as given (a cached export of a
-    model with ``generate()`` is checked by the generation gate); for a cached export of a model
-    without it, the decoder with its cache as flat tensors (the file's inputs) at a non-empty
-    past, whose shape cases that change one length alone (a sequence without the mask over it)
-    the decoder rejects and the gate reports skipped."""
-    from attn_export.onnx.with_past import for_validation, generates
-
-    if not options.with_past or generates(model):
-        return model, inputs  # the gate generates with the original model (validation/generation.py)
-
-    wrapped, checked = for_validation(model, inputs, export.dtype, seed=options.seed)
-    past = checked["attention_mask"].shape[1] - checked["input_ids"].shape[1]
-    progress.note(f"note: --with-past: the parity gate runs {checked['input_ids'].shape[1]} new tokens after a past of "
-                  f"{past}; its cases that resize the sequence or the past alone are skipped (the attention mask "
-                  "covers past + new tokens)")
-    return wrapped, checked
 
 
 def _paths(options: ConvertOptions) -> tuple[Path, Optional[Path]]:
@@ -317,10 +297,10 @@ def _profile(onnx_path: Path, inputs, options: ConvertOptions, max_context: Opti
                  "max_shapes": dict(options.max_shapes)}
     if max_context is None:
         return attn_trt.derive_profile(model, inputs, **overrides)
-    from attn_export.validation.generation import require_cache_layout
+    from attn_export.cache_contract import CacheContract
 
-    layout = require_cache_layout(model, onnx_path)
-    return attn_trt.cached_profile(model, layout, max_context=max_context, batch=int(inputs["input_ids"].shape[0]),
+    contract = CacheContract.require(model, onnx_path)
+    return attn_trt.cached_profile(model, contract, max_context=max_context, batch=int(inputs["input_ids"].shape[0]),
                                    **overrides)
 
 

@@ -1,7 +1,8 @@
 """``genai_config.json`` beside a cached export, so that ONNX Runtime GenAI
-(``onnxruntime-genai``) generates with it: the decoder's file, the contract's input and output
-names (``past_key_values.%d.key``, ``present.%d.key``, ...), the cache's heads and head size as
-the export's metadata records them, the special tokens and greedy search.
+(``onnxruntime-genai``) generates with it: the decoder's file, the input and output names of
+the cache's contract (attn_export/cache_contract.py; the cache's as ``%d`` patterns), the
+cache's heads and head size as the export's metadata records them, the special tokens and
+greedy search.
 
     >>> write_genai_config("out/model.onnx", model.config)   # writes out/genai_config.json
     >>> import onnxruntime_genai as og; og.Model("out")
@@ -15,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Dict, Optional
 
+from attn_export import cache_contract as _contract
+from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 
 CONFIG_NAME = "genai_config.json"
@@ -33,19 +36,25 @@ def _first_given(*values):
     return next((v for v in values if v is not None), None)
 
 
+def _io_names(contract: CacheContract):
+    """GenAI's decoder "inputs" and "outputs": each role by the contract's name, the cache's
+    per-layer names as ``%d`` patterns. (An encoder-decoder contract would add GenAI's
+    cross-attention keys here: cross_past_key_names, ...)"""
+    inputs = {name: name for name in contract.token_inputs()}
+    inputs.update(past_key_names=contract.past_name("%d", "key"), past_value_names=contract.past_name("%d", "value"))
+    outputs = {_contract.LOGITS: _contract.LOGITS, "present_key_names": contract.present_name("%d", "key"),
+               "present_value_names": contract.present_name("%d", "value")}
+    return inputs, outputs
+
+
 def genai_config(onnx_model, filename: str, config, *, context_length: Optional[int] = None) -> Dict[str, object]:
     """The config for the cached export ``onnx_model`` (saved as ``filename``) of a transformers
     decoder with ``config`` (its PretrainedConfig)."""
-    from attn_export.validation.generation import require_cache_layout
-
-    layout = require_cache_layout(onnx_model, filename)
+    layout = CacheContract.require(onnx_model, filename)
     context = context_length or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not context:
         raise InputError("the model's config gives no context length (max_position_embeddings): pass context_length")
-    inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask",
-              "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
-    if layout.position_ids:
-        inputs["position_ids"] = "position_ids"
+    inputs, outputs = _io_names(layout)
     eos = _token(config, "eos_token_id")
     if eos is None:
         raise InputError("the model's config has no eos_token_id, which ONNX Runtime GenAI requires: set "
@@ -55,9 +64,7 @@ def genai_config(onnx_model, filename: str, config, *, context_length: Optional[
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": filename, "head_size": layout.head_dim, "hidden_size": config.hidden_size,
-        "inputs": inputs,
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value"},
+        "inputs": inputs, "outputs": outputs,
         "num_attention_heads": config.num_attention_heads, "num_hidden_layers": layout.num_layers,
         "num_key_value_heads": layout.num_kv_heads,
     }

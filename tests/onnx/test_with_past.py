@@ -13,6 +13,7 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
+from attn_export.cache_contract import CacheContract, positions  # noqa: E402
 from attn_export.errors import InputError  # noqa: E402
 from attn_export.onnx import export_onnx, read_metadata  # noqa: E402
 from attn_export.surgery.transformers import cache as _cache  # noqa: E402
@@ -91,7 +92,7 @@ def torch_generation(model, prompt, steps):
     logits, tokens = [], []
     with torch.no_grad():
         for _ in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=_cache.positions(mask, ids.shape[1]),
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]),
                         cache=cache, use_cache=True)
             logits.append(out.logits)
             ids = out.logits[:, -1:].argmax(-1)
@@ -109,23 +110,23 @@ def ort_generation(path, geometry, prompt, tokens):
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     output_names = [o.name for o in session.get_outputs()]
     ids, mask = prompt["input_ids"], prompt["attention_mask"]
-    past = _cache.empty_past(geometry, ids.shape[0])
+    past = geometry.empty_past(ids.shape[0], torch.float32)
     logits = []
     for step in range(len(tokens)):
         feeds = {"input_ids": ids, "attention_mask": mask, **past}
         if geometry.position_ids:
-            feeds["position_ids"] = _cache.positions(mask, ids.shape[1])
+            feeds["position_ids"] = positions(mask, ids.shape[1])
         outs = dict(zip(output_names, session.run(None, {k: v.numpy() for k, v in feeds.items()})))
         logits.append(torch.from_numpy(outs["logits"]))
-        past = {name: torch.from_numpy(outs[present]) for name, present in
-                zip(geometry.past_names(), geometry.present_names())}
+        past = {past_name: torch.from_numpy(outs[present]) for present, past_name in
+                geometry.present_to_past().items()}
         ids = tokens[step]  # the next step's token
         mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
     return logits
 
 
 def check_generation(model, result, proto):
-    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    geometry = CacheContract.from_metadata(proto)
     prompt = padded_batch(PROMPT_LENGTHS, 5, left=True, seed=1)
     expected, tokens = torch_generation(model, prompt, DECODE_STEPS)
     got = ort_generation(result.path, geometry, prompt, tokens)  # the prefill and DECODE_STEPS steps
@@ -142,7 +143,7 @@ def check_generation(model, result, proto):
 
 
 def check_contract(model, result, proto):
-    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    geometry = CacheContract.from_metadata(proto)
     config = model.config
     layers = config.num_hidden_layers
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -205,7 +206,7 @@ def check_no_kv_expansion(proto, kv_heads):
 
 def test_positions_count_from_the_left_padded_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    pos = _cache.positions(mask, 2)
+    pos = positions(mask, 2)
     assert pos.tolist() == [[1, 2], [3, 4]]
     assert pos.is_contiguous() and pos._base is None
 
@@ -342,13 +343,13 @@ def test_a_float16_export_takes_and_returns_a_float16_cache(tmp_path):
     path = tmp_path / "m.onnx"
     result = export_onnx(model, padded_batch(PROMPT_LENGTHS, 5, left=True), path, with_past=True, dtype="fp16")
     proto = onnx.load(str(path))
-    geometry = _cache.CacheGeometry(**json.loads(read_metadata(proto)["with_past"]))
+    geometry = CacheContract.from_metadata(proto)
     assert geometry.dtype == result.dtype == "fp16"
     cache_values = [v for v in list(proto.graph.input) + list(proto.graph.output) if "." in v.name]
     assert cache_values and all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for v in cache_values)
     prompt = padded_batch(PROMPT_LENGTHS, 5, left=True, seed=1)
-    feeds = {**prompt, "position_ids": _cache.positions(prompt["attention_mask"], 5),
-             **_cache.empty_past(geometry, 2, torch.float16)}
+    feeds = {**prompt, "position_ids": positions(prompt["attention_mask"], 5),
+             **geometry.empty_past(2)}
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     logits = torch.from_numpy(session.run(["logits"], {k: v.numpy() for k, v in feeds.items()})[0]).float()
     (expected,), _ = torch_generation(model, prompt, 0)

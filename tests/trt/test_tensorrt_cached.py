@@ -16,13 +16,13 @@ from onnx import TensorProto, helper
 
 from attn_export import tensorrt as attn_trt
 from attn_export.errors import InputError
-from attn_export.surgery.transformers.cache import CacheGeometry
+from attn_export.cache_contract import CacheContract
 from attn_export.tensorrt.cache_profile import PAST, SEQUENCE, TOTAL
 from attn_export.validation.generation_steps import OrtSteps
 from helpers import invoke, one_line_error
 from trt_stand_ins import CachedEngineStandIn, shared_library
 
-LAYOUT = CacheGeometry(num_layers=2, num_kv_heads=2, head_dim=8, position_ids=True)
+LAYOUT = CacheContract(num_layers=2, num_kv_heads=2, head_dim=8, position_ids=True)
 VOCAB = 11
 
 
@@ -329,7 +329,7 @@ def test_validate_generates_through_the_engine_steps(tmp_path, monkeypatch):
     path = tmp_path / "llama.onnx"
     export_onnx(model, padded_batch((5, 3), 5, left=True), path, with_past=True)
     proto = onnx.load(str(path))
-    layout = CacheGeometry(2, 2, 8, True)
+    layout = CacheContract(2, 2, 8, True)
     context = {"max": 128}
     monkeypatch.setattr(attn_trt, "EngineRunner", lambda engine, plugin=None: CachedEngineStandIn(
         path, attn_trt.cached_profile(proto, layout, max_context=context["max"], batch=2)))

@@ -14,11 +14,11 @@ from onnx import helper
 
 pytest.importorskip("transformers")
 
+from attn_export.cache_contract import CacheContract  # noqa: E402
 from attn_export.errors import InputError  # noqa: E402
 from attn_export.validation import validate  # noqa: E402
-from attn_export.validation.cache_contract import cache_contract_check  # noqa: E402
+from attn_export.validation.checks import cache_contract_check  # noqa: E402
 from attn_export.validation.generation import (  # noqa: E402
-    cache_layout,
     check_generation,
     left_padded,
     positions,
@@ -107,7 +107,7 @@ def test_stock_gpt2_export_generates_the_same_tokens(gpt2):
 @pytest.mark.slow  # exports the Llama model (~8 s) besides
 def test_stock_llama_gqa_export_generates_the_same_tokens(llama):
     model, path = llama
-    layout = cache_layout(onnx.load(str(path)))
+    layout = CacheContract.from_metadata(onnx.load(str(path)))
     assert (layout.num_kv_heads, model.config.num_attention_heads) == (2, 8)  # grouped-query
     result = check_generation(model, path, new_tokens=NEW_TOKENS)
     assert result.passed, result.failures
@@ -197,7 +197,7 @@ def test_html_report_shows_tokens_and_steps(gpt2, tmp_path):
 def test_cache_contract_names_what_is_missing(gpt2, tmp_path):
     _model, path = gpt2
     proto = onnx.load(str(path))
-    layout = cache_layout(proto)
+    layout = CacheContract.from_metadata(proto)
     assert cache_contract_check(proto, layout).passed
     proto.graph.input[3].name = "past.0.key"
     check = cache_contract_check(proto, layout)
@@ -270,9 +270,11 @@ def test_generation_joins_another_report_of_the_file(gpt2, tmp_path):
         assert report.to_dict()["generation"]["new_tokens"] == 3
 
 
-def test_a_model_that_cannot_generate_gets_the_shape_cases(gpt2):
-    """A model without generate() (e.g. a decoder wrapped to take its cache as flat tensors)
-    gets validate's shape cases on the file (here: refused, no inputs given)."""
+def test_a_model_that_cannot_generate_is_compared_through_the_wrapped_decoder(gpt2):
+    """A model without generate() gets validate's shape cases through the decoder wrapped with
+    its cache as flat tensors: a model that is no such decoder is refused, saying the file is a
+    cached export (tests/onnx/test_with_past.py runs the wrapped decoder's cases)."""
     _model, path = gpt2
-    with pytest.raises(InputError, match="requires input"):
+    with pytest.raises(InputError, match="the file is a cached export, compared with the decoder it was exported "
+                                         "from: --with-past exports a transformers decoder-only causal LM"):
         validate(torch.nn.Linear(2, 2), path, {})

@@ -42,11 +42,12 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
     declared dynamic is static in the ONNX graph. Shapes outside the engine's optimization
     profile are reported as skipped for TensorRT; at least one must run.
 
-    A cached export (--with-past; attn_export.with_past in its metadata) is checked by
+    A cached export (--with-past: its metadata records the cache's contract) is checked by
     generation instead: --new-tokens greedy tokens through ONNX Runtime (and the --engine, its
     cache kept on the GPU) with the cache, from a left-padded batch of prompts, must equal the
     model's generate() and every step's logits must be within the tolerance; the report shows
-    the prefill's and every step's errors.
+    the prefill's and every step's errors. A model without generate() runs the cases through
+    the decoder with its cache as flat tensors, after a non-empty past.
 
     ONNX Runtime runs on the CPU unless --ort-provider says otherwise (cuda, tensorrt: one row
     each; docs/validation.md). Prints one row per case; --json / --junit / --html write the
@@ -76,7 +77,6 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
         model, _source = model_args.load(model_path, seed=input_args.seed)
         inputs = input_args.example_inputs(model)
         axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
-        model, inputs = _cached_decoder(session, model, inputs, onnx_path, input_args.seed)
     with session.step("validating") as update:
         report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
                           engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout, new_tokens=new_tokens,
@@ -112,20 +112,3 @@ def _model_and_onnx_paths(paths, model_args):
         )
     return paths if model_given else (None, paths[0])
 
-
-def _cached_decoder(session, model, inputs, onnx_path, seed: int):
-    """A cached export (``attn_export.with_past`` in the file) of a model without
-    ``generate()``, which the generation gate needs: the decoder with its cache as the file's
-    flat inputs, after a non-empty past (docs/huggingface.md); else as given."""
-    from pathlib import Path
-
-    from attn_export.onnx.with_past import file_geometry, for_validation, generates
-
-    if generates(model) or not Path(onnx_path).is_file():
-        return model, inputs  # the generation gate checks a cached export itself; a missing file: the gate says so
-    geometry = file_geometry(onnx_path)
-    if geometry is None:
-        return model, inputs
-    session.note("note: a cached export (--with-past): the decoder runs the example tokens after a non-empty past; "
-                 "cases that resize the sequence or the past alone are skipped")
-    return for_validation(model, inputs, geometry.get("dtype", "fp32"), seed=seed)

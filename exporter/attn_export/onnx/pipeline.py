@@ -14,6 +14,7 @@ from torch import nn
 
 from attn_export.surgery import transformers as _hf
 from attn_export import inputs as _inputs
+from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx import passes as _passes
 from attn_export.onnx import with_past as _with_past
@@ -117,7 +118,7 @@ def _result(path: Path, proto, inputs, sample: SampleRun, context: _passes.PassC
         num_attention_nodes=count_attention_nodes(proto), replacement=sample.report, notes=sample.notes,
         attention=context.attention, functions=context.functions,
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
-        with_past=cached.geometry.to_dict() if cached is not None else None, passes=outcomes,
+        with_past=cached.contract.to_dict() if cached is not None else None, passes=outcomes,
     )
 
 
@@ -199,11 +200,12 @@ def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[in
         "attention": result.attention,
         "functions": result.functions,
     }
-    if result.with_past is not None:
-        meta[_with_past.META_KEY] = json.dumps(result.with_past, sort_keys=True)
-    for key, value in meta.items():
+    props = {META_PREFIX + key: value for key, value in meta.items()}
+    if result.with_past is not None:  # a cached export: its cache's contract
+        props.update(CacheContract(**result.with_past).to_metadata())
+    for key, value in props.items():
         entry = proto.metadata_props.add()
-        entry.key, entry.value = META_PREFIX + key, value
+        entry.key, entry.value = key, value
     proto.producer_name = "attn-export"
     proto.producer_version = _package_version()
 

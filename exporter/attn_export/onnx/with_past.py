@@ -1,31 +1,33 @@
-"""``export_onnx(..., with_past=True)``: a decoder exported with its key/value cache, one graph
-for prefill (past length 0) and decode, with Optimum's names (docs/huggingface.md, "Exports
-with the cache").
+"""The cached export: a decoder exported with its key/value cache, one graph for prefill (past
+length 0) and decode, under the names and axes of the cache's contract
+(attn_export/cache_contract.py; docs/huggingface.md, "Exports with the cache").
 
 The module traced is :class:`attn_export.surgery.transformers.cache.DecoderWithPast` with a
-forward of plain parameter names (``past_key_values_0_key``); the graph's inputs get the
-contract's names (``past_key_values.0.key``) after the capture, its outputs have them from the
-start (the wrapper's output keys). The example past is traced at a length of at least 2 (sizes
-0 and 1 would be specialized) and the axes are the contract's: one ``batch``, ``sequence``
-(input_ids, position_ids), ``past_sequence`` (every past tensor, one named Dim) and
-``total_sequence`` (attention_mask); the presents' length comes out as the trace computes it.
-The model's Concat(past, new) is folded into the attention nodes after the capture: the custom
-node's cache form (onnx/custom_past.py) or opset-23 Attention's past inputs (onnx/standard_past.py).
+forward of plain parameter names (the contract's names without dots); the graph's inputs get the
+contract's names after the capture, its outputs have them from the start (the wrapper's output
+keys). The example past is traced at a length of at least 2 (sizes 0 and 1 would be
+specialized) and the axes are the contract's: one ``batch``, ``sequence`` (input_ids,
+position_ids), ``past_sequence`` (every past tensor, one named Dim) and ``total_sequence``
+(attention_mask); the presents' length comes out as the trace computes it. The model's
+Concat(past, new) is folded into the attention nodes after the capture: the custom node's cache
+form (onnx/custom_past.py) or opset-23 Attention's past inputs (onnx/standard_past.py). The
+contract goes into the file's metadata (CacheContract.to_metadata).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional
 
 import onnx
 import torch
 from torch import nn
 
+from attn_export import cache_contract as _contract
+from attn_export._moved import moved
+from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx.graph import _rename_symbols
 from attn_export.surgery.transformers import cache as _cache
-
-META_KEY = "with_past"  # the metadata property attn_export.with_past: the cache's geometry as JSON
 
 
 @dataclass
@@ -33,12 +35,12 @@ class CachedExport:
     module: nn.Module  # what torch.export traces: plain parameter names
     inputs: Dict[str, torch.Tensor]  # by plain name
     axes: Dict[str, Dict[int, str]]  # by plain name
-    geometry: _cache.CacheGeometry
+    contract: CacheContract
 
     @property
     def contract_names(self) -> Dict[str, str]:
         """plain name -> the graph input's name."""
-        return {_cache.traced_name(n): n for n in self.geometry.input_names()}
+        return {_cache.traced_name(n): n for n in self.contract.input_names()}
 
 
 def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
@@ -46,8 +48,8 @@ def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
     LM and for dynamic axes given with the cache (the contract's are the export's)."""
     _cache.check_decoder(model)
     if dynamic_axes is not None:
-        raise InputError("--with-past sets the cached export's own dynamic axes (batch, sequence, past_sequence, "
-                         "total_sequence): drop --dynamic/--static")
+        raise InputError(f"--with-past sets the cached export's own dynamic axes ({', '.join(_contract.AXES)}): "
+                         "drop --dynamic/--static")
 
 
 def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: int) -> CachedExport:
@@ -56,13 +58,14 @@ def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: i
     which the past and the metadata take)."""
     wrapped = _cache.DecoderWithPast.wrap(work, dtype_name(work))
     inputs = wrapped.example_inputs(example_inputs, seed=seed)
-    if inputs["input_ids"].shape[1] < 2:
+    ids = inputs[_contract.INPUT_IDS]
+    if ids.shape[1] < 2:
         # A new-token length of 1 would be specialized: trace a prefill of 2 tokens after the past.
-        extended = {"input_ids": inputs["input_ids"].repeat(1, 2)}
+        extended = {_contract.INPUT_IDS: ids.repeat(1, 2)}
         inputs = wrapped.example_inputs(extended, seed=seed)
     plain = {_cache.traced_name(n): t for n, t in inputs.items()}
-    axes = {_cache.traced_name(n): d for n, d in wrapped.geometry.dynamic_axes().items()}
-    return CachedExport(_cache.for_tracing(wrapped), plain, axes, wrapped.geometry)
+    axes = {_cache.traced_name(n): d for n, d in wrapped.contract.dynamic_axes().items()}
+    return CachedExport(_cache.for_tracing(wrapped), plain, axes, wrapped.contract)
 
 
 def dtype_name(model: nn.Module) -> str:
@@ -101,32 +104,28 @@ def unify_symbols(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]])
     _rename_symbols(proto, mapping)
 
 
-def generates(model) -> bool:
-    """Whether the generation gate checks a cached export of ``model`` itself (validate() reads
-    ``attn_export.with_past`` and compares greedy tokens with ``model.generate()``); a model
-    without ``generate()`` is compared by the parity gate through the wrapped decoder
-    (:func:`for_validation`)."""
-    return callable(getattr(model, "generate", None))
+def _for_validation(model: nn.Module, inputs, dtype: str, seed: int = 0):
+    from attn_export.validation.generation_gate import wrapped_decoder
+
+    wrapped, checked, _note = wrapped_decoder(model, inputs, dtype, seed)
+    return wrapped, checked
 
 
-def for_validation(model: nn.Module, inputs: Mapping[str, torch.Tensor], dtype: str,
-                   seed: int = 0) -> Tuple[nn.Module, Dict[str, torch.Tensor]]:
-    """What the parity gate compares a cached export with: the decoder with its cache as flat
-    tensors (the file's inputs), at the example's tokens after a non-empty past."""
-    wrapped = _cache.DecoderWithPast.wrap(model, dtype)
-    return wrapped, wrapped.example_inputs(inputs, seed=seed)
-
-
-def file_geometry(onnx_path) -> Optional[dict]:
-    """The ``attn_export.with_past`` metadata of an ONNX file (None: not a cached export, or not
-    a file ONNX reads, which the gate then reports); the weights are not read."""
-    import json
-
-    from attn_export.onnx.graph import read_metadata
-
+def _file_geometry(onnx_path) -> Optional[dict]:
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception:  # noqa: BLE001 - the gate's own load says what is wrong with the file
         return None
-    value = read_metadata(model).get(META_KEY)
-    return json.loads(value) if value else None
+    contract = CacheContract.from_metadata(model)
+    return contract.to_dict() if contract is not None else None
+
+
+# What this module gave before the contract (cache_contract.py) and the gate's choice of how a
+# cached export is checked (cache_contract.generates, validation/generation_gate.py) moved.
+_MOVED = {"META_KEY": ("attn_export.cache_contract.METADATA_KEY", lambda: _contract.METADATA_KEY),
+          "generates": ("attn_export.cache_contract.generates", lambda: _contract.generates),
+          "for_validation": ("attn_export.validation.generation_gate.wrapped_decoder", lambda: _for_validation),
+          "file_geometry": ("attn_export.cache_contract.CacheContract.from_metadata", lambda: _file_geometry)}
+
+
+__getattr__ = moved(__name__, _MOVED)

@@ -1,9 +1,9 @@
 """The optimization profile of a cached decoder export (``--with-past --to tensorrt``).
 
-The cached export's inputs (validation/cache_contract.py) have four kinds of dynamic axis:
-``batch`` (axis 0 of every input), ``sequence`` (the new tokens: input_ids, position_ids),
-``past_sequence`` (axis 2 of every ``past_key_values.*``) and ``total_sequence`` (the
-attention_mask: past + new). One profile covers the prefill (past 0, many new tokens) and every
+The cached export's inputs (the cache's contract, attn_export/cache_contract.py) have four
+kinds of dynamic axis: ``batch`` (axis 0 of every input), ``sequence`` (the new tokens:
+input_ids, position_ids), ``past_sequence`` (axis 2 of every past tensor) and
+``total_sequence`` (the attention_mask: past + new). One profile covers the prefill (past 0, many new tokens) and every
 decode step (past > 0, one new token):
 
     ============== ===== ========================== ==================
@@ -26,11 +26,14 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from attn_export import cache_contract as _contract
+from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.tensorrt.profiles import Dims, ShapeProfile, dynamic_overrides, graph_input_dims
 
-BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
-KINDS = (BATCH, SEQUENCE, PAST, TOTAL)
+# The axes' kinds are the contract's labels.
+BATCH, SEQUENCE, PAST, TOTAL = _contract.BATCH, _contract.SEQUENCE, _contract.PAST_SEQUENCE, _contract.TOTAL_SEQUENCE
+KINDS = _contract.AXES
 MAX_CONTEXT_FLAG = "--max-context"
 
 
@@ -52,11 +55,9 @@ def max_context_of(config, given: Optional[int]) -> int:
     return limit
 
 
-def axis_kinds(layout) -> Dict[str, Dict[int, str]]:
+def axis_kinds(contract: CacheContract) -> Dict[str, Dict[int, str]]:
     """input -> axis -> kind, as the cache's contract declares them."""
-    from attn_export.validation.cache_contract import declared_axes
-
-    return {name: dict(axes) for name, axes in declared_axes(layout).items()}
+    return contract.dynamic_axes()
 
 
 def default_bounds(max_context: int, batch: int) -> Dict[str, List[int]]:
@@ -66,11 +67,11 @@ def default_bounds(max_context: int, batch: int) -> Dict[str, List[int]]:
             PAST: [0, half, max_context - 1], TOTAL: [1, half + 1, max_context]}
 
 
-def cached_profile(model, layout, *, max_context: int, batch: int,
+def cached_profile(model, layout: CacheContract, *, max_context: int, batch: int,
                    min_shapes: Optional[Mapping[str, Dims]] = None, opt_shapes: Optional[Mapping[str, Dims]] = None,
                    max_shapes: Optional[Mapping[str, Dims]] = None) -> ShapeProfile:
     """The one optimization profile of the cached export ``model`` (an onnx.ModelProto with the
-    cache ``layout``, a CacheGeometry), for contexts up to ``max_context`` tokens and an example
+    cache's contract ``layout``), for contexts up to ``max_context`` tokens and an example
     batch of ``batch`` rows. InputError when the graph or the overrides disagree with it."""
     inputs = graph_input_dims(model)
     kinds = axis_kinds(layout)
@@ -93,7 +94,7 @@ def _check_graph(inputs: Mapping[str, List[object]], kinds: Mapping[str, Mapping
     extra = [n for n in inputs if n not in kinds]
     if extra:
         raise InputError(f"the cached export has input(s) {', '.join(extra)} beyond the cache's contract "
-                         "(input_ids, attention_mask, position_ids, past_key_values.*): no profile rule sizes them")
+                         f"({CacheContract.describe_inputs()}): no profile rule sizes them")
     symbol_kind: Dict[str, Tuple[str, str]] = {}
     for name, dims in inputs.items():
         for axis, d in enumerate(dims):

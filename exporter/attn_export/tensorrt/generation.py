@@ -4,8 +4,8 @@
     >>> logits = steps.step({"input_ids": ids, "attention_mask": mask, "position_ids": pos})  # prefill
     >>> logits = steps.step({"input_ids": next_ids, "attention_mask": wider_mask, ...})       # decode
 
-Every tensor is bound by its graph name (Optimum's: ``past_key_values.{i}.key``/``.value`` in,
-``present.{i}.key``/``.value`` out), whatever the nodes inside look like. Per step: each input's
+Every tensor is bound by its graph name (the cache's contract, attn_export/cache_contract.py:
+the tokens and the past in, the logits and the presents out), whatever the nodes inside look like. Per step: each input's
 shape is set (``IExecutionContext.set_input_shape``), the outputs' shapes read back
 (``get_tensor_shape``) and allocated as torch tensors on the device, every address bound
 (``set_tensor_address``) and the engine enqueued (``execute_async_v3``) on the current stream.
@@ -24,28 +24,26 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
+from attn_export import cache_contract as _contract
+from attn_export._moved import moved
+from attn_export.cache_contract import TOKEN_INPUTS, CacheContract
 from attn_export.errors import InputError
 from attn_export.tensorrt.runtime import EngineError
 
-PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
-TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # TensorRT's alignment for bound addresses (IExecutionContext::setTensorAddress).
 ALIGNMENT = 256
 
 
-def past_name(present: str) -> str:
-    return PAST_PREFIX + present[len(PRESENT_PREFIX):]
-
-
 def cache_pairs(inputs, outputs) -> Dict[str, str]:
-    """present output -> past input, every past input with its present; EngineError otherwise."""
-    pasts = [n for n in inputs if n.startswith(PAST_PREFIX)]
-    presents = {n: past_name(n) for n in outputs if n.startswith(PRESENT_PREFIX)}
+    """present output -> past input, every past input with its present; EngineError otherwise.
+    By name alone (CacheContract.past_of): an engine carries no metadata."""
+    pasts = [n for n in inputs if CacheContract.is_past(n)]
+    presents = {n: CacheContract.past_of(n) for n in outputs if CacheContract.is_present(n)}
     unmatched = sorted(set(pasts) ^ set(presents.values()))
     if not pasts or unmatched:
         raise EngineError("the engine is no cached export: " + (
             f"past/present without a partner: {', '.join(unmatched)}" if unmatched else
-            "it has no past_key_values.* inputs (export with --with-past)"))
+            f"it has no {_contract.PAST_ROLE}.* inputs (export with --with-past)"))
     return presents
 
 
@@ -59,7 +57,7 @@ class CachedEngineSteps:
         self.runner = runner
         self.device = torch.device(getattr(runner, "device", "cuda"))
         self.presents = cache_pairs(runner.inputs, runner.outputs)
-        unknown = [n for n in runner.inputs if not n.startswith(PAST_PREFIX) and n not in TOKEN_INPUTS]
+        unknown = [n for n in runner.inputs if not CacheContract.is_past(n) and n not in TOKEN_INPUTS]
         if unknown:
             raise EngineError(f"the engine takes input(s) {', '.join(unknown)} that a generation step does not feed")
         self._placeholder = torch.zeros(ALIGNMENT, dtype=torch.uint8, device=self.device)
@@ -122,3 +120,13 @@ class CachedEngineSteps:
 
     def _address(self, t: torch.Tensor) -> int:
         return t.data_ptr() if t.numel() else self._placeholder.data_ptr()
+
+
+# Before the contract had a module of its own (cache_contract.py) the names were spelled here.
+_MOVED = {"PAST_PREFIX": ("attn_export.cache_contract.CacheContract.is_past", lambda: _contract.PAST_ROLE + "."),
+          "PRESENT_PREFIX": ("attn_export.cache_contract.CacheContract.is_present",
+                             lambda: _contract.PRESENT_ROLE + "."),
+          "past_name": ("attn_export.cache_contract.CacheContract.past_of", lambda: CacheContract.past_of)}
+
+
+__getattr__ = moved(__name__, _MOVED)

@@ -40,8 +40,8 @@ from attn_export.validation.runners import (
     prestart_onnxruntime,
 )
 from attn_export.validation.cases import run_cases
-from attn_export.validation.generation import cache_layout
-from attn_export.validation.generation_gate import DEFAULT_NEW_TOKENS, validate_generation
+from attn_export.cache_contract import CacheContract, generates
+from attn_export.validation.generation_gate import DEFAULT_NEW_TOKENS, validate_generation, wrapped_decoder
 from attn_export.validation.tolerances import TOLERANCE_FACTOR, reduction_length, tolerance
 
 DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -95,12 +95,14 @@ def validate(
             install; a session that silently fell back to the CPU is a failed row.
         ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
         ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
-        generation: a cached export (``attn_export.with_past`` in the file's metadata) is checked
+        generation: a cached export (its cache's contract in the file's metadata) is checked
             by generating ``new_tokens`` greedy tokens through ONNX Runtime (and ``engine``) with
             its cache against ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
             ``example_inputs`` are then not used). None: so when the file is a cached export and
-            ``model`` has ``generate``; True: the file must be a cached export (InputError
-            otherwise); False: the shape cases whatever the file.
+            ``model`` generates (attn_export.cache_contract.generates); True: the file must be a
+            cached export (InputError otherwise); False: the shape cases whatever the file. A
+            cached export not checked by generating runs the shape cases through the decoder
+            wrapped with its cache as flat tensors, after a non-empty past.
 
     A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
     failed case that says which runtime, which step, the signal or timeout and the
@@ -110,10 +112,15 @@ def validate(
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
-    if _checked_by_generating(generation, onnx_model, model):
+    contract = CacheContract.from_metadata(onnx_model)
+    if _checked_by_generating(generation, contract, model):
         return validate_generation(model, onnx_path, onnx_model, new_tokens=new_tokens, seed=seed,
                                    providers=ort_providers, timeout_s=runtime_timeout_s, say=say,
                                    engine=engine, plugin=plugin, isolate=isolate)
+    cached_notes = []
+    if contract is not None:  # a cached export checked by the shape cases
+        model, example_inputs, note = wrapped_decoder(model, example_inputs, contract.dtype, seed)
+        cached_notes.append(note)
     prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
     setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
                              trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)
@@ -121,6 +128,7 @@ def validate(
         ort_runners = [open_runners.enter_context(OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s))
                        for setup in setups]
         plan = _prepare(model, onnx_path, onnx_model, example_inputs, dynamic_axes=dynamic_axes, seed=seed, say=say)
+        plan.notes += cached_notes
         _open_runners(plan, ort_runners, open_runners, engine=engine, plugin=plugin, isolate=isolate,
                       timeout_s=runtime_timeout_s, say=say)
         results = _run_shape_cases(plan, say) + plan.load_errors
@@ -128,14 +136,10 @@ def validate(
     return _report(plan, results, ort_runners, engine=engine, seed=seed, timeout_s=runtime_timeout_s, say=say)
 
 
-def _checked_by_generating(generation: Optional[bool], onnx_model, model: nn.Module) -> bool:
+def _checked_by_generating(generation: Optional[bool], contract: Optional[CacheContract], model: nn.Module) -> bool:
     """Whether the file is checked by generating rather than by the shape cases (``validate``'s
-    ``generation``)."""
-    # By default a cached export of a model that generates is checked by generating; a model
-    # that does not (e.g. the decoder wrapped to take its cache as flat tensors) gets the shape
-    # cases.
-    return bool(generation) or (generation is None and cache_layout(onnx_model) is not None
-                                and hasattr(model, "generate"))
+    ``generation``): by default, a cached export of a model that generates."""
+    return bool(generation) or (generation is None and contract is not None and generates(model))
 
 
 def _run_shape_cases(plan: _Plan, say) -> List[CaseResult]:

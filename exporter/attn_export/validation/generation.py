@@ -1,5 +1,5 @@
 """The generation gate: greedy decoding through ONNX Runtime with the key/value cache of a cached
-export (``attn_export.with_past`` in its metadata), against the PyTorch model's own
+export (the cache's contract in its metadata, attn_export/cache_contract.py), against the PyTorch model's own
 ``generate()`` (docs/validation.md, "Generation").
 
     >>> result = check_generation(model, "model.onnx", new_tokens=16)
@@ -15,52 +15,22 @@ tolerance at the scale of those logits (validation/tolerances.py).
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from attn_export._moved import moved
+from attn_export.cache_contract import METADATA_KEY, CacheContract, generates, positions
 from attn_export.errors import InputError, first_line
-from attn_export.surgery.transformers.cache import CacheGeometry
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.generation_steps import DTYPES, EngineSteps, OrtSteps
 from attn_export.validation.runners import BACKEND_TRT, OnnxRuntimeRunner, RunnerError
 from attn_export.validation.tolerances import compare, reduction_length, tolerance
 
-WITH_PAST = "with_past"  # the metadata key after attn_export.onnx.read_metadata strips "attn_export."
 DEFAULT_PROMPT_LENGTHS = (5, 9, 12)
-
-
-def cache_layout(onnx_model) -> Optional[CacheGeometry]:
-    """The cache layout a cached export records, None for a file without a cache."""
-    from attn_export.onnx import read_metadata
-
-    raw = read_metadata(onnx_model).get(WITH_PAST)
-    if raw is None:
-        return None
-    try:
-        fields = json.loads(raw)
-        return CacheGeometry(int(fields["num_layers"]), int(fields["num_kv_heads"]), int(fields["head_dim"]),
-                           bool(fields["position_ids"]), str(fields.get("dtype", "fp32")))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"the metadata attn_export.with_past is not the JSON the exporter writes ({raw!r}: "
-                         f"{first_line(exc)}); re-export the model with its cache") from exc
-
-
-def require_cache_layout(onnx_model, onnx_path) -> CacheGeometry:
-    layout = cache_layout(onnx_model)
-    if layout is None:
-        raise InputError(f"{onnx_path} has no key/value cache (no attn_export.with_past metadata): export it with "
-                         "--with-past (ConvertOptions(with_past=True)) to check generation")
-    return layout
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """position_ids of every column of a 0/1 attention mask, as generate() derives them."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +106,7 @@ def _divergence(step_logits: torch.Tensor, ref_logits: torch.Tensor, ref_tokens:
     return "; ".join(parts)
 
 
-def run_backend(steps, layout: CacheGeometry, ids, mask, reference, rtol: float) -> BackendGeneration:
+def run_backend(steps, layout: CacheContract, ids, mask, reference, rtol: float) -> BackendGeneration:
     """One backend (a step runner, generation_steps.py) against the reference (tokens, step
     logits, prefill logits)."""
     ref_tokens, ref_steps, ref_prefill = reference
@@ -173,8 +143,8 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
     from attn_export.validation.providers import provider_setups
 
     onnx_model = onnx_model if onnx_model is not None else onnx.load(str(onnx_path), load_external_data=False)
-    layout = require_cache_layout(onnx_model, onnx_path)
-    if not hasattr(model, "generate") or not hasattr(model, "config"):
+    layout = CacheContract.require(onnx_model, onnx_path)
+    if not generates(model):
         raise InputError("the generation gate needs a transformers causal LM (a model with generate() and a config)")
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
@@ -220,3 +190,16 @@ def _engine_run(engine, plugin, isolate: bool, timeout_s: float, layout, ids, ma
         return run_backend(steps, layout, ids, mask, reference, rtol)
     finally:
         steps.close()
+
+
+def _cache_layout(onnx_model) -> Optional[CacheContract]:
+    return CacheContract.from_metadata(onnx_model)
+
+
+# Before the contract had a module of its own (cache_contract.py) the gate read it here.
+_MOVED = {"WITH_PAST": ("attn_export.cache_contract.METADATA_KEY", lambda: METADATA_KEY),
+          "cache_layout": ("attn_export.cache_contract.CacheContract.from_metadata", lambda: _cache_layout),
+          "require_cache_layout": ("attn_export.cache_contract.CacheContract.require", lambda: CacheContract.require)}
+
+
+__getattr__ = moved(__name__, _MOVED)

@@ -4,8 +4,8 @@ tokens, a step runner holds the cache and runs one step.
     >>> steps.step({"input_ids": ids, "attention_mask": mask, "position_ids": pos})  # -> {"logits": ...}
 
 A step whose attention mask is as wide as its input_ids is a prefill (an empty past); every
-other step takes the presents of the step before as its past, by name (``present.{i}.key`` ->
-``past_key_values.{i}.key``). ``OrtSteps`` holds the cache on the CPU and feeds it to an ONNX
+other step takes the presents of the step before as its past, by name (the cache's contract,
+attn_export/cache_contract.py, maps each present to its past). ``OrtSteps`` holds the cache on the CPU and feeds it to an ONNX
 Runtime session; ``EngineSteps`` leaves it to attn_export.tensorrt.CachedEngineSteps, on the
 GPU, in TensorRT's child process (or in this one with ``isolate=False``).
 """
@@ -16,12 +16,9 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
+from attn_export.cache_contract import DTYPES, CacheContract  # noqa: F401 - DTYPES: public here
 from attn_export.errors import InputError
-from attn_export.surgery.transformers.cache import CacheGeometry, empty_past
-from attn_export.tensorrt.generation import PRESENT_PREFIX, past_name
 from attn_export.validation.runners import BACKEND_TRT, IsolatedEngine
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def is_prefill(feed: Mapping[str, torch.Tensor]) -> bool:
@@ -31,19 +28,20 @@ def is_prefill(feed: Mapping[str, torch.Tensor]) -> bool:
 class OrtSteps:
     """An OnnxRuntimeRunner (loaded) stepped with the cache held here."""
 
-    def __init__(self, runner, layout: CacheGeometry, output_names: List[str]) -> None:
+    def __init__(self, runner, layout: CacheContract, output_names: List[str]) -> None:
         self.runner, self.name = runner, runner.name
         self.layout, self.output_names = layout, list(output_names)
+        self.presents = layout.present_to_past()
         self.past: Dict[str, torch.Tensor] = {}
 
     def step(self, feed: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         if is_prefill(feed):
-            self.past = empty_past(self.layout, feed["input_ids"].shape[0], DTYPES[self.layout.dtype])
+            self.past = self.layout.empty_past(feed["input_ids"].shape[0])
         elif not self.past:
             raise InputError("a decode step before any prefill: the cache is empty")
         outs = dict(zip(self.output_names, self.runner.run({**feed, **self.past})))
-        self.past = {past_name(n): t for n, t in outs.items() if n.startswith(PRESENT_PREFIX)}
-        return {n: t for n, t in outs.items() if not n.startswith(PRESENT_PREFIX)}
+        self.past = {self.presents[n]: t for n, t in outs.items() if n in self.presents}
+        return {n: t for n, t in outs.items() if n not in self.presents}
 
     def close(self) -> None:
         self.runner.close()

@@ -1,15 +1,15 @@
-"""A transformers decoder with its key/value cache as flat tensors: the module that
-``export_onnx(..., with_past=True)`` exports, with Optimum's names.
+"""A transformers decoder with its key/value cache as flat tensors: the module that the cached
+export traces (``--with-past``), under the names of the cache's contract
+(attn_export/cache_contract.py).
 
     >>> wrapped = DecoderWithPast.wrap(model)          # checks that model is a decoder-only causal LM
     >>> inputs = wrapped.example_inputs({"input_ids": ids, "attention_mask": mask})
-    >>> out = wrapped(**inputs)                         # {"logits": ..., "present.0.key": ..., ...}
+    >>> out = wrapped(**inputs)                         # {"logits": ..., <each present>: ...}
 
-Inputs: ``input_ids`` [batch, sequence], ``attention_mask`` [batch, past_sequence + sequence]
-(1 = token, 0 = padding), ``position_ids`` [batch, sequence] where the model takes them,
-``past_key_values.{i}.key`` / ``.value`` [batch, num_kv_heads, past_sequence, head_dim].
-Outputs: ``logits`` then ``present.{i}.key`` / ``.value`` [batch, num_kv_heads,
-past_sequence + sequence, head_dim]. One graph serves prefill (past length 0) and decode.
+Its inputs and outputs are the contract's (``wrapped.contract.input_names()`` /
+``output_names()``): the tokens, the mask over past + new tokens, the positions where the model
+takes them and the past of every layer in; the logits and the presents out. One graph serves
+prefill (past length 0) and decode.
 
 The cache is rebuilt from the flat tensors in every call (``DynamicCache.update`` per layer),
 so the model's own code appends the new keys and values: the exported Concat is the model's.
@@ -18,52 +18,19 @@ Every layer keeps its whole past, also under a sliding window (the operator's wi
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping
 
 import torch
 from torch import nn
 
+from attn_export import cache_contract as _contract
+from attn_export._moved import moved
+from attn_export.cache_contract import CacheContract, positions
 from attn_export.errors import InputError
 from attn_export.surgery.transformers.compat import _transformers, is_hf_model
 
-PAST = "past_key_values.{layer}.{kind}"
-PRESENT = "present.{layer}.{kind}"
-KINDS = ("key", "value")
-# Axis labels of the cached export (attn_export.onnx.dims reads them as declared axes).
-BATCH, SEQUENCE, PAST_SEQUENCE, TOTAL_SEQUENCE = "batch", "sequence", "past_sequence", "total_sequence"
 # torch.export specializes sizes 0 and 1: the example past is traced at this length.
 TRACE_PAST_LENGTH = 3
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What a runtime needs to build an empty past: the metadata property ``attn_export.with_past``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    position_ids: bool  # the graph takes position_ids
-    dtype: str = "fp32"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def past_names(self) -> List[str]:
-        return [PAST.format(layer=i, kind=k) for i in range(self.num_layers) for k in KINDS]
-
-    def present_names(self) -> List[str]:
-        return [PRESENT.format(layer=i, kind=k) for i in range(self.num_layers) for k in KINDS]
-
-    def input_names(self) -> List[str]:
-        return ["input_ids", "attention_mask"] + (["position_ids"] if self.position_ids else []) + self.past_names()
-
-    def dynamic_axes(self) -> Dict[str, Dict[int, str]]:
-        axes = {"input_ids": {0: BATCH, 1: SEQUENCE}, "attention_mask": {0: BATCH, 1: TOTAL_SEQUENCE}}
-        if self.position_ids:
-            axes["position_ids"] = {0: BATCH, 1: SEQUENCE}
-        axes.update({name: {0: BATCH, 2: PAST_SEQUENCE} for name in self.past_names()})
-        return axes
 
 
 def check_decoder(model: nn.Module) -> None:
@@ -86,19 +53,24 @@ def check_decoder(model: nn.Module) -> None:
 class DecoderWithPast(nn.Module):
     """``model`` (a decoder-only causal LM) called with its cache as flat tensors (module doc)."""
 
-    def __init__(self, model: nn.Module, geometry: CacheGeometry):
+    def __init__(self, model: nn.Module, contract: CacheContract):
         super().__init__()
         self.model = model
-        self.geometry = geometry
+        self.contract = contract
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @property
+    def geometry(self) -> CacheContract:
+        """The contract (its name before it named the cache's inputs and outputs too)."""
+        return self.contract
 
     @classmethod
     def wrap(cls, model: nn.Module, dtype: str = "fp32") -> "DecoderWithPast":
         check_decoder(model)
-        return cls(model, _geometry(model, dtype))
+        return cls(model, _contract_of(model, dtype))
 
     def forward(self, input_ids, attention_mask, position_ids=None, **past):
-        names = self.geometry.past_names()
+        names = self.contract.past_names()
         missing = [n for n in names if n not in past]
         unknown = [n for n in past if n not in names]
         if missing or unknown:
@@ -106,16 +78,16 @@ class DecoderWithPast(nn.Module):
                              + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}"))
         _check_lengths(input_ids, attention_mask, past[names[0]])
         cache = _full_cache()
-        for i in range(self.geometry.num_layers):
-            cache.update(past[PAST.format(layer=i, kind="key")], past[PAST.format(layer=i, kind="value")], i)
+        for i in range(self.contract.num_layers):
+            keys, values = (past[name] for name in self.contract.layer_past_names(i))
+            cache.update(keys, values, i)
         kwargs = {"position_ids": position_ids} if position_ids is not None else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, return_dict=True,
                          **{self._cache_kwarg: cache}, **kwargs)
-        result = {"logits": out.logits}
+        result = {_contract.LOGITS: out.logits}
         # The cache given is updated in place (the output's name for it differs between versions).
-        for i, (keys, values) in enumerate(cache_tensors(cache)):
-            result[PRESENT.format(layer=i, kind="key")] = keys
-            result[PRESENT.format(layer=i, kind="value")] = values
+        for i, tensors in enumerate(cache_tensors(cache)):
+            result.update({self.contract.present_name(i, slot): t for slot, t in zip(self.contract.slots, tensors)})
         return result
 
     def example_inputs(self, inputs: Mapping[str, torch.Tensor], past_length: int = TRACE_PAST_LENGTH,
@@ -123,24 +95,24 @@ class DecoderWithPast(nn.Module):
         """The flat inputs for ``inputs`` (``input_ids`` [B, S], optionally ``attention_mask``
         [B, S] over those tokens) continuing a past of ``past_length`` valid tokens: random
         keys and values, the mask extended over the past, the positions counted from the mask."""
-        ids = inputs.get("input_ids")
+        ids = inputs.get(_contract.INPUT_IDS)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise InputError("--with-past needs input_ids [batch, sequence] among the example inputs")
-        unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+        unknown = sorted(set(inputs) - {_contract.INPUT_IDS, _contract.ATTENTION_MASK})
         if unknown:
             raise InputError(f"--with-past builds its own inputs from input_ids and attention_mask; drop "
                              f"{', '.join(unknown)}")
         batch, seq = ids.shape
-        mask = inputs.get("attention_mask")
+        mask = inputs.get(_contract.ATTENTION_MASK)
         mask = torch.ones(batch, seq, dtype=torch.int64) if mask is None else mask.to(torch.int64)
         mask = torch.cat([torch.ones(batch, past_length, dtype=torch.int64), mask], dim=1)
-        out = {"input_ids": ids, "attention_mask": mask}
-        if self.geometry.position_ids:
-            out["position_ids"] = positions(mask, seq)
+        out = {_contract.INPUT_IDS: ids, _contract.ATTENTION_MASK: mask}
+        if self.contract.position_ids:
+            out[_contract.POSITION_IDS] = positions(mask, seq)
         gen = torch.Generator().manual_seed(seed)
         dtype = next(self.model.parameters()).dtype
-        shape = (batch, self.geometry.num_kv_heads, past_length, self.geometry.head_dim)
-        out.update({name: torch.randn(shape, generator=gen).to(dtype) for name in self.geometry.past_names()})
+        shape = (batch, self.contract.num_kv_heads, past_length, self.contract.head_dim)
+        out.update({name: torch.randn(shape, generator=gen).to(dtype) for name in self.contract.past_names()})
         return out
 
 
@@ -151,20 +123,6 @@ def _check_lengths(input_ids, attention_mask, past) -> None:
     if all(isinstance(s, int) for s in sizes) and sizes[1] != sizes[0] + sizes[2]:
         raise InputError(f"attention_mask covers {sizes[1]} positions; the past ({sizes[2]}) and the new tokens "
                          f"({sizes[0]}) are {sizes[0] + sizes[2]}: give the mask over past + new tokens")
-
-
-def positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``position_ids`` of the last ``new_tokens`` tokens, as transformers' ``generate()`` counts
-    them from a left-padded mask: ``cumsum(mask) - 1`` clipped at 0. A contiguous tensor (a view
-    of a longer one would carry the longer length into torch.export's guards)."""
-    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return pos[:, pos.shape[1] - new_tokens:].contiguous()
-
-
-def empty_past(geometry: CacheGeometry, batch: int, dtype=torch.float32) -> Dict[str, torch.Tensor]:
-    """The past of a prefill: every ``past_key_values.*`` of length 0."""
-    shape = (batch, geometry.num_kv_heads, 0, geometry.head_dim)
-    return {name: torch.zeros(shape, dtype=dtype) for name in geometry.past_names()}
 
 
 def cache_tensors(cache) -> List[tuple]:
@@ -184,7 +142,7 @@ def _full_cache():
     return DynamicCache()
 
 
-def _geometry(model: nn.Module, dtype: str) -> CacheGeometry:
+def _contract_of(model: nn.Module, dtype: str) -> CacheContract:
     """The cache's layout as the model writes it: one prefill of two tokens, its presents' shapes."""
     _transformers()
     params = inspect.signature(model.forward).parameters
@@ -200,8 +158,8 @@ def _geometry(model: nn.Module, dtype: str) -> CacheGeometry:
     if any(k.shape[1] != heads or k.shape[3] != head_dim or v.shape[3] != head_dim for k, v in layers):
         raise InputError(f"--with-past: {type(model).__name__}'s layers differ in key/value heads or head size; "
                          "export it without --with-past")
-    return CacheGeometry(num_layers=len(layers), num_kv_heads=int(heads), head_dim=int(head_dim),
-                         position_ids="position_ids" in params, dtype=dtype)
+    return CacheContract(num_layers=len(layers), num_kv_heads=int(heads), head_dim=int(head_dim),
+                         position_ids=_contract.POSITION_IDS in params, dtype=dtype)
 
 
 def traced_name(name: str) -> str:
@@ -213,7 +171,7 @@ def for_tracing(wrapped: DecoderWithPast) -> DecoderWithPast:
     """The same module with a ``forward`` whose parameters are the inputs' names
     (:func:`traced_name`): torch.export binds its inputs and dynamic shapes by parameter name,
     and a ``**past`` parameter would be one nested input, not one graph input per tensor."""
-    names = wrapped.geometry.input_names()
+    names = wrapped.contract.input_names()
     traced = {traced_name(n): n for n in names}
 
     def forward(self, *args, **kwargs):
@@ -226,4 +184,23 @@ def for_tracing(wrapped: DecoderWithPast) -> DecoderWithPast:
         [Parameter("self", Parameter.POSITIONAL_OR_KEYWORD)]
         + [Parameter(n, Parameter.POSITIONAL_OR_KEYWORD) for n in traced])
     cls = type("DecoderWithPastTraced", (DecoderWithPast,), {"forward": forward})
-    return cls(wrapped.model, wrapped.geometry)
+    return cls(wrapped.model, wrapped.contract)
+
+
+def _empty_past(contract: CacheContract, batch: int, dtype=torch.float32) -> Dict[str, torch.Tensor]:
+    return contract.empty_past(batch, dtype)
+
+
+# The names this module gave before the contract had a module of its own (cache_contract.py).
+_NEW = "attn_export.cache_contract."
+_MOVED = {"CacheGeometry": (_NEW + "CacheContract", lambda: CacheContract),
+          "KINDS": (_NEW + "SLOTS", lambda: _contract.SLOTS),
+          "PAST": (_NEW + "CacheContract.past_name",
+                   lambda: _contract.cache_name(_contract.PAST_ROLE, "{layer}", "{kind}")),
+          "PRESENT": (_NEW + "CacheContract.present_name",
+                      lambda: _contract.cache_name(_contract.PRESENT_ROLE, "{layer}", "{kind}")),
+          "empty_past": (_NEW + "CacheContract.empty_past", lambda: _empty_past),
+          **{name: (_NEW + name, lambda name=name: getattr(_contract, name))
+             for name in ("BATCH", "SEQUENCE", "PAST_SEQUENCE", "TOTAL_SEQUENCE")}}
+
+__getattr__ = moved(__name__, _MOVED)

@@ -1,0 +1,234 @@
+"""The cached export's contract: the names, axes and layout that every program generating with a
+cached decoder export looks up (the exporter, the generation gate, TensorRT's profile and
+engine steps, ONNX Runtime GenAI's config), and the metadata property that carries the layout
+in the file (docs/architecture.md, "The cache contract").
+
+    >>> contract = CacheContract(num_layers=2, num_kv_heads=4, head_dim=64, position_ids=True)
+    >>> contract.input_names()        # input_ids, attention_mask, position_ids, then the past per layer
+    >>> contract.output_names()       # logits, then the present per layer
+    >>> CacheContract.from_metadata(onnx_model)   # the file's contract; None: not a cached export
+
+Names are Optimum's. Inputs: ``input_ids`` [batch, sequence], ``attention_mask`` [batch,
+total_sequence] (past + new tokens, 1 = token), ``position_ids`` [batch, sequence] where the
+model takes them, the past of every layer [batch, num_kv_heads, past_sequence, head_dim], one
+tensor per slot (key, value). Outputs: ``logits`` [batch, sequence, vocab], the present of
+every layer [batch, num_kv_heads, past_sequence + sequence, head_dim], which the next step
+takes as its past under the past's name. One graph serves the prefill (past length 0) and
+every decode step.
+
+This module is the bottom of the cached export: it imports nothing of the package but
+``errors``. The names are spelled here and nowhere else in the package.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from attn_export.errors import InputError, first_line
+
+# The inputs beside the cache, and the output.
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS = "input_ids", "attention_mask", "position_ids"
+TOKEN_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
+LOGITS = "logits"
+# The axes' labels (the graph's symbols; attn_export.onnx.dims reads them as declared axes).
+BATCH, SEQUENCE, PAST_SEQUENCE, TOTAL_SEQUENCE = "batch", "sequence", "past_sequence", "total_sequence"
+AXES = (BATCH, SEQUENCE, PAST_SEQUENCE, TOTAL_SEQUENCE)
+# A cache tensor's name: role, layer, slot. The present of a layer's slot becomes the past of
+# the same layer's slot by swapping the role's prefix alone, whatever the slot is.
+PAST_ROLE, PRESENT_ROLE = "past_key_values", "present"
+SLOTS = ("key", "value")
+# The ONNX metadata property holding the layout as JSON, and its key as
+# attn_export.onnx.read_metadata returns it (the package's prefix stripped).
+METADATA_KEY = "with_past"
+METADATA_PROPERTY = "attn_export." + METADATA_KEY
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def cache_name(role: str, layer, slot: str) -> str:
+    """``role.layer.slot``; ``layer`` may be a placeholder (``"%d"``: ONNX Runtime GenAI's
+    patterns)."""
+    return f"{role}.{layer}.{slot}"
+
+
+@dataclass(frozen=True)
+class CacheContract:
+    """A cached export's layout and every name and axis derived from it (module doc). Written
+    to the file by :meth:`to_metadata`, read back by :meth:`from_metadata`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    position_ids: bool  # the graph takes position_ids
+    dtype: str = "fp32"  # the cache's (and the export's) precision, a key of DTYPES
+    # Where later layouts go, without a change to the consumers (they iterate the names, slots
+    # and axes below): an encoder-decoder (Optimum's past_key_values.{i}.decoder.key and
+    # .encoder.key) is a field naming the layout here, whose `slots` are ("decoder.key",
+    # "decoder.value", "encoder.key", "encoder.value") and whose encoder slots take an
+    # encoder_sequence axis in `axes_of`; a past/present buffer shared in place (GenAI's
+    # past_present_share_buffer) is a field whose past axis is the buffer's fixed length.
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.position_ids, bool):
+            raise ValueError(f"position_ids must be true or false, got {self.position_ids!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    # ---- names ---------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> Tuple[str, ...]:
+        """The cache tensors of one layer, in the graph's order."""
+        return SLOTS
+
+    @staticmethod
+    def past_name(layer, slot: str) -> str:
+        return cache_name(PAST_ROLE, layer, slot)
+
+    @staticmethod
+    def present_name(layer, slot: str) -> str:
+        return cache_name(PRESENT_ROLE, layer, slot)
+
+    def layer_past_names(self, layer: int) -> Tuple[str, ...]:
+        """The past inputs of ``layer``, one per slot (key, value)."""
+        return tuple(self.past_name(layer, slot) for slot in self.slots)
+
+    def past_names(self) -> List[str]:
+        return [self.past_name(i, slot) for i in range(self.num_layers) for slot in self.slots]
+
+    def present_names(self) -> List[str]:
+        return [self.present_name(i, slot) for i in range(self.num_layers) for slot in self.slots]
+
+    def token_inputs(self) -> List[str]:
+        """The inputs beside the cache, in the graph's order."""
+        return [INPUT_IDS, ATTENTION_MASK] + ([POSITION_IDS] if self.position_ids else [])
+
+    def input_names(self) -> List[str]:
+        return self.token_inputs() + self.past_names()
+
+    def output_names(self) -> List[str]:
+        return [LOGITS] + self.present_names()
+
+    def present_to_past(self) -> Dict[str, str]:
+        """present output -> the past input the next step feeds it to."""
+        return dict(zip(self.present_names(), self.past_names()))
+
+    @staticmethod
+    def is_past(name: str) -> bool:
+        return name.startswith(PAST_ROLE + ".")
+
+    @staticmethod
+    def is_present(name: str) -> bool:
+        return name.startswith(PRESENT_ROLE + ".")
+
+    @staticmethod
+    def past_of(present: str) -> str:
+        """The past input a present output feeds (by name alone: an engine carries no metadata)."""
+        return PAST_ROLE + present[len(PRESENT_ROLE):]
+
+    @staticmethod
+    def describe_inputs() -> str:
+        """The inputs in words, for messages."""
+        return ", ".join(TOKEN_INPUTS) + f", {PAST_ROLE}.*"
+
+    # ---- axes ----------------------------------------------------------------------------
+
+    @staticmethod
+    def axes_of(name: str) -> Optional[Dict[int, str]]:
+        """axis -> label of an input of the contract by its name (what TensorRT's profile sizes
+        each axis as); None for a name that is no input of the contract."""
+        if CacheContract.is_past(name):
+            return {0: BATCH, 2: PAST_SEQUENCE}
+        if name in (INPUT_IDS, POSITION_IDS):
+            return {0: BATCH, 1: SEQUENCE}
+        if name == ATTENTION_MASK:
+            return {0: BATCH, 1: TOTAL_SEQUENCE}
+        return None
+
+    def dynamic_axes(self) -> Dict[str, Dict[int, str]]:
+        """input -> axis -> label: every axis that must be symbolic, in the inputs' order."""
+        return {name: self.axes_of(name) for name in self.input_names()}  # type: ignore[misc]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def empty_past(self, batch: int, dtype: Optional[torch.dtype] = None,
+                   device: Optional[torch.device] = None) -> Dict[str, torch.Tensor]:
+        """The past of a prefill: every past input of length 0 (in the contract's dtype unless
+        ``dtype`` says otherwise)."""
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)
+        dtype = dtype or self.torch_dtype
+        return {name: torch.zeros(shape, dtype=dtype, device=device) for name in self.past_names()}
+
+    # ---- metadata ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_metadata(self) -> Dict[str, str]:
+        """The ONNX metadata property (full key -> JSON) the file carries the contract in."""
+        return {METADATA_PROPERTY: json.dumps(self.to_dict(), sort_keys=True)}
+
+    @classmethod
+    def from_metadata(cls, model_or_props) -> Optional["CacheContract"]:
+        """The contract an ONNX file records: ``model_or_props`` is an onnx.ModelProto or its
+        metadata as a mapping (full keys, or as attn_export.onnx.read_metadata strips them).
+        None for a file without a cache; InputError for a value the exporter does not write."""
+        if hasattr(model_or_props, "metadata_props"):
+            props = {p.key: p.value for p in model_or_props.metadata_props}
+        else:
+            props = dict(model_or_props)
+        raw = props.get(METADATA_PROPERTY, props.get(METADATA_KEY))
+        if raw is None:
+            return None
+        try:
+            values = json.loads(raw)
+            if not isinstance(values, dict):
+                raise ValueError("not a JSON object")
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ValueError(f"unknown field(s) {', '.join(unknown)} (written by a newer attn-export?)")
+            return cls(**values)
+        except (ValueError, TypeError) as exc:
+            raise InputError(f"the metadata {METADATA_PROPERTY} is not the JSON the exporter writes ({raw!r}: "
+                             f"{first_line(exc)}); re-export the model with its cache") from exc
+
+    @classmethod
+    def require(cls, model_or_props, where) -> "CacheContract":
+        """:meth:`from_metadata`, or InputError for a file without a cache (``where`` names it)."""
+        contract = cls.from_metadata(model_or_props)
+        if contract is None:
+            raise InputError(f"{where} has no key/value cache (no {METADATA_PROPERTY} metadata): export it with "
+                             "--with-past (ConvertOptions(with_past=True))")
+        return contract
+
+
+def positions(attention_mask: torch.Tensor, new_tokens: Optional[int] = None) -> torch.Tensor:
+    """``position_ids`` as transformers' ``generate()`` counts them from a left-padded mask:
+    ``cumsum(mask) - 1`` clipped at 0; of the last ``new_tokens`` tokens (all when None), as a
+    contiguous tensor (a view of a longer one would carry the longer length into torch.export's
+    guards)."""
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return pos if new_tokens is None else pos[:, pos.shape[1] - new_tokens:].contiguous()
+
+
+def generates(model) -> bool:
+    """How a cached export of ``model`` is checked, decided here once: True, by generating
+    greedy tokens against the model's own ``generate()`` (the generation gate,
+    validation/generation.py); False, for a model without ``generate()`` or a config, by the
+    parity gate's cases through the decoder wrapped with its cache as flat tensors
+    (surgery/transformers/cache.py's DecoderWithPast, at the file's inputs)."""
+    return callable(getattr(model, "generate", None)) and getattr(model, "config", None) is not None
+
+
+__all__ = ["CacheContract", "cache_name", "positions", "generates", "TOKEN_INPUTS", "INPUT_IDS", "ATTENTION_MASK",
+           "POSITION_IDS", "LOGITS", "BATCH", "SEQUENCE", "PAST_SEQUENCE", "TOTAL_SEQUENCE", "AXES", "SLOTS",
+           "METADATA_KEY", "METADATA_PROPERTY", "DTYPES"]
