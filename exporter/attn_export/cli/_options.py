@@ -118,11 +118,11 @@ class SampleArgs:
 
 @dataclass(frozen=True)
 class ReportArgs:
-    """The report files (--json, --junit, --html)."""
+    """The report files (--json, --junit, --html); None: not written."""
 
-    json_path: Optional[str]
-    junit_path: Optional[str]
-    html_path: Optional[str]
+    json_path: Optional[str] = None
+    junit_path: Optional[str] = None
+    html_path: Optional[str] = None
 
 
 _MODEL_OPTIONS = [
