@@ -32,17 +32,36 @@ DEFAULT_NEW_TOKENS = 16
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What ``export_onnx`` writes (onnx/pipeline.py documents each field's effect)."""
+    """What ``export_onnx`` writes (onnx/pipeline.py).
 
-    opset: Optional[int] = None  # default-domain opset; None: 20, or 23 for the standard flavor
-    dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16"; None: the model's own
+    ``dynamic_axes``: input -> {axis: label}, each of which must come out dynamic; ``{}``
+    exports static shapes. Default (None): dim 0 "batch" and dim 1 a sequence label for every
+    input of rank 2 or 3, the batch of 4-D images (attn_export.inputs.default_axes; for
+    transformers models attn_export.surgery.transformers.default_axes), where a default axis
+    the model specializes stays static with a note. The inputs' batch axes come out as one
+    symbol ``batch`` where the example's sizes agree, and so does a label given to several axes
+    (attn_export.onnx.dims).
+
+    ``attention``: "custom" (default), one FusedAttention node per layer with its model-local
+    function; "standard", one standard ``Attention`` node (opset >= 23) per layer where it can
+    express the layer, the custom node where not (the result's ``kept_custom`` says why).
+    ``functions``: "local" (default), each custom node calls its model-local function;
+    "inline", the bodies are written into the graph, no custom node is left (for runtimes that
+    do not read model-local functions; the TensorRT plugin then has nothing to map).
+
+    ``with_past``: a transformers decoder-only causal LM with its key/value cache, one graph
+    for prefill and decode under Optimum's names (attn_export.onnx.with_past,
+    docs/huggingface.md); the example inputs are ``input_ids`` [, ``attention_mask``] and
+    ``dynamic_axes`` stays None.
+    """
+
+    opset: Optional[int] = None  # the default-domain opset (>= 18); None: 20, or 23 for the standard flavor
+    dtype: Optional[str] = None  # "fp32" | "fp16" | "bf16": exports in that precision; None: the model's own
     attention: str = DEFAULT_ATTENTION  # how each fused layer is written (onnx_options.ATTENTION_FLAVORS)
     functions: str = DEFAULT_FUNCTIONS  # where the custom nodes' bodies go (onnx_options.FUNCTION_MODES)
-    # input -> {axis: label} that must come out dynamic; {}: static; None: the defaults.
-    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None
-    # A transformers decoder-only causal LM exported with its key/value cache (onnx/with_past.py).
-    with_past: bool = False
-    replace: bool = True  # fuse the attention of the exported copy first
+    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None  # the axes that must come out dynamic
+    with_past: bool = False  # a decoder exported with its key/value cache
+    replace: bool = True  # run attn_export.replace_attention on the exported copy first
     seed: int = 0  # for the inputs the trace resizes or makes (a past for with_past)
     quiet: bool = True  # silence torch's exporter
 
@@ -191,6 +210,7 @@ _FLAT = {
                                            "max_context")},
     **{name: ("coverage", name) for name in ("min_replaced", "require_all")},
     "runtime_timeout_s": ("gate", "runtime_timeout_s"),
+    "seed": ("export", "seed"),  # read from the export's; given, the gate's too
 }
 
 
@@ -247,9 +267,9 @@ class ConvertOptions:
 
     def __getattr__(self, name: str):
         # Only called for names that are not fields: the flat names of before the groups.
-        if name not in _FLAT and name not in ("seed", "verbose"):
+        if name not in _FLAT and name != "verbose":
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        group, field_name = _FLAT.get(name, ("export", name if name == "seed" else "quiet"))
+        group, field_name = _FLAT.get(name, ("export", "quiet"))
         warnings.warn(f"ConvertOptions.{name} is deprecated: read ConvertOptions.{group}.{field_name}"
                       + (" (negated)" if name == "verbose" else ""), DeprecationWarning, stacklevel=2)
         value = getattr(getattr(self, group), field_name)
@@ -263,7 +283,7 @@ def _flat_by_group(settings: Mapping[str, object]) -> dict:
         if name == "seed":
             out.setdefault("export", {})["seed"] = value
             out.setdefault("gate", {})["seed"] = value
-        elif name == "verbose":
+        elif name == "verbose":  # the export's quiet, negated
             out.setdefault("export", {})["quiet"] = not value
         elif name in _FLAT:
             group, field_name = _FLAT[name]

@@ -138,27 +138,9 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
         example_inputs: name -> tensor, the names of ``model.forward``'s parameters; they become
             the ONNX graph's input names.
         path: the .onnx file to write (atomically).
-        options: what is written (attn_export.options.ExportOptions); ``fields``, its fields as
-            keywords (``dtype="fp16"``), are applied over it.
-
-    What the fields do: ``opset``: the default-domain opset (>= 18; default 20, 23 with
-    ``attention="standard"``). ``dtype``: "fp32" (default: the model's own), "fp16" or "bf16".
-    ``dynamic_axes``: input -> {axis: label}, each of which must come out dynamic; ``{}``
-    exports static shapes. Default: dim 0 "batch" and dim 1 a sequence label for every input of
-    rank 2 or 3, the batch of 4-D images (attn_export.inputs.default_axes; for transformers
-    models attn_export.surgery.transformers.default_axes), where a default axis the model
-    specializes stays static with a note; the inputs' batch axes come out as one symbol
-    ``batch`` where the example's sizes agree, and so does a label given to several axes
-    (attn_export.onnx.dims). ``replace``: run :func:`attn_export.replace_attention` on the copy
-    first. ``quiet``: silence torch's exporter. ``attention``: "custom" (default), one
-    FusedAttention node per layer with its model-local function; "standard", one standard
-    ``Attention`` node (opset >= 23) per layer where it can express the layer, the custom node
-    where not (``kept_custom`` says why). ``functions``: "local" (default), each custom node calls
-    its model-local function; "inline", the bodies are written into the graph, no custom node is
-    left. ``with_past``: a transformers decoder-only causal LM with its key/value cache, one graph
-    for prefill and decode under Optimum's names (attn_export.onnx.with_past,
-    docs/huggingface.md); ``example_inputs``: ``input_ids`` [, ``attention_mask``];
-    ``dynamic_axes`` None.
+        options: what is written (attn_export.options.ExportOptions documents each field:
+            opset, dtype, dynamic axes, attention flavor, function mode, with_past, ...);
+            ``fields``, its fields as keywords (``dtype="fp16"``), are applied over it.
     """
     options = with_fields(ExportOptions, options, fields, "export_onnx")
     opset, dtype, attention, functions = options.opset, options.dtype, options.attention, options.functions
