@@ -101,18 +101,19 @@ def _target_args(to: str, output: Optional[str], onnx_output: Optional[str], gen
                       validate=not no_validate)
 
 
+_FILE = click.Path(dir_okay=False)
+
+
 def target_options(f):
     """``target: TargetArgs``."""
     return _grouped(_target_args, "target", [
         click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
                      help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
                           "FusedAttention plugin library)."),
-        click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
-                     help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, "
-                          "beside it)."),
-        click.option("--onnx-output", "onnx_output", metavar="PATH", type=click.Path(dir_okay=False),
-                     help="With --to tensorrt: where the intermediate ONNX goes (default: the engine path with "
-                          ".onnx)."),
+        click.option("-o", "--output", "output", metavar="PATH", type=_FILE,
+                     help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, beside it)."),
+        click.option("--onnx-output", "onnx_output", metavar="PATH", type=_FILE,
+                     help="With --to tensorrt: where the intermediate ONNX goes (default: the engine's path, .onnx)."),
         click.option("--genai-config", "genai_config", is_flag=True,
                      help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime "
                           "GenAI generates with the export's directory (docs/onnx_consumers.md)."),
