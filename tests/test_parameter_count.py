@@ -13,7 +13,7 @@ MAX_PARAMETERS = 10
 # translation function, which torch.onnx calls with the operator's arguments.
 MIRRORS = {
     ("ops", "multi_head_attention"),  # functional.py: the operator's Python entry point
-    ("ops", "__init__"),  # module.py: FusedMultiheadAttention(...) is nn.MultiheadAttention(...)
+    ("ops", "FusedMultiheadAttention.__init__"),  # module.py: nn.MultiheadAttention(...)'s parameters
     ("ops", "check_multi_head_attention_inputs"),  # input_checks.py: the C++ layer's check, argument for argument
     ("ops", "_multi_head_attention_fake"),  # fake.py: the fake kernels take the schema's arguments
     ("ops", "_multi_head_attention_forward_fake"),
@@ -23,20 +23,23 @@ MIRRORS = {
 }
 
 
-def _count(function: ast.FunctionDef, in_class: bool) -> int:
+def _count(function: ast.FunctionDef, is_method: bool) -> int:
     args = function.args
     named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
-    if in_class and named and named[0].arg in ("self", "cls"):
+    if is_method and named and named[0].arg in ("self", "cls"):
         named = named[1:]
     return len(named) + (args.vararg is not None) + (args.kwarg is not None)
 
 
 def _functions(tree: ast.AST):
-    """(function, whether it is a method) for every function of the tree."""
-    methods = {id(child) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for child in node.body}
+    """(function, its name, whether it is a method) for every function of the tree; a method's
+    name is Class.method."""
+    classes = {id(child): node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+               for child in node.body}
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node, id(node) in methods
+            owner = classes.get(id(node))
+            yield node, f"{owner}.{node.name}" if owner else node.name, owner is not None
 
 
 def long_signatures(root: Path = PACKAGE):
@@ -44,10 +47,10 @@ def long_signatures(root: Path = PACKAGE):
     found = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
-        for function, in_class in _functions(ast.parse(path.read_text(), str(path))):
-            count = _count(function, in_class)
-            if count > MAX_PARAMETERS and (relative.parts[0], function.name) not in MIRRORS:
-                found.append(f"{relative}:{function.lineno} {function.name} ({count} parameters)")
+        for function, name, is_method in _functions(ast.parse(path.read_text(), str(path))):
+            count = _count(function, is_method)
+            if count > MAX_PARAMETERS and (relative.parts[0], name) not in MIRRORS:
+                found.append(f"{relative}:{function.lineno} {name} ({count} parameters)")
     return found
 
 
@@ -63,4 +66,4 @@ def test_the_walk_finds_a_long_signature(tmp_path):
         "class C:\n"
         "    def method(self, a, b, c, d, e, f, g, h, i, j): pass\n"
         "    def wider(self, a, b, c, d, e, f, g, h, i, j, **more): pass\n")
-    assert long_signatures(tmp_path) == ["mod.py:1 wide (11 parameters)", "mod.py:4 wider (11 parameters)"]
+    assert long_signatures(tmp_path) == ["mod.py:1 wide (11 parameters)", "mod.py:4 C.wider (11 parameters)"]
