@@ -54,9 +54,8 @@ def validate_cmd(session, paths, model_args, input_args, engine, ort, plugin, ga
       attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
       attn-export validate model.pt model.onnx --ort-provider cpu --ort-provider cuda
     """
-    from attn_export.validation import validate
-
     from attn_export.conversion import require_providers
+    from attn_export.validation import validate
 
     check_html(reports.html_path)
     _check_backends(engine, plugin, ort)
