@@ -10,6 +10,9 @@ import attn_export
 from attn_export import ConvertOptions, convert
 from attn_export.errors import EXIT_MISMATCH, InputError
 
+# convert reads the groups, never the deprecated flat names (ConvertOptions.with_past, ...).
+pytestmark = pytest.mark.filterwarnings(r"error:ConvertOptions\.:DeprecationWarning")
+
 
 class Recorder:
     def __init__(self):

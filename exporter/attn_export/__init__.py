@@ -41,6 +41,9 @@ _LAZY = {
     "convert": ("attn_export.conversion", "convert"),
     "ConvertOptions": ("attn_export.conversion", "ConvertOptions"),
     "ConvertResult": ("attn_export.conversion", "ConvertResult"),
+    # the option groups of the steps (attn_export/options.py)
+    **{name: ("attn_export.options", name)
+       for name in ("ExportOptions", "OrtOptions", "EngineOptions", "CoverageOptions", "GateOptions")},
     # hand-written attention fused in PyTorch; importing it registers torch.compile(backend="attn_export")
     "fuse_patterns": ("attn_export.surgery.fuse", "fuse_patterns"),
     "compile_backend": ("attn_export.surgery.fuse", "backend"),
@@ -61,5 +64,6 @@ __all__ = [
     "replace_attention", "inspect_attention", "restore_attention", "ReplacementReport", "CoverageError",
     "export_onnx", "ExportResult", "validate", "ValidationReport", "load_model", "heatmaps",
     "convert", "ConvertOptions", "ConvertResult", "fuse_patterns", "compile_backend",
+    "ExportOptions", "OrtOptions", "EngineOptions", "CoverageOptions", "GateOptions",
     "gemm_backend", "set_gemm_backend", "__version__",
 ]

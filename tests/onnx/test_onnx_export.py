@@ -376,6 +376,24 @@ def test_static_export_and_fp16_export(tmp_path):
     assert_parity(torch.from_numpy(out.astype(np.float32)), expected, 2e-2, "fp16 output")
 
 
+def test_the_export_group_and_its_keywords_are_one_api(tmp_path):
+    """export_onnx(..., ExportOptions(...)) and its fields as keywords (applied over the group)."""
+    from attn_export.options import ExportOptions
+
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    result = export_onnx(model, {"src": torch.randn(2, 5, 16)}, tmp_path / "g.onnx",
+                         ExportOptions(dynamic_axes={}, dtype="fp32", replace=False), dtype="fp16")
+    onnx_model = onnx.load(str(result.path))
+    assert result.dynamic_axes == {} and dims(onnx_model, "src") == [2, 5, 16]
+    assert result.dtype == "fp16" and onnx_model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert result.num_attention_nodes == 0 and result.replacement is None  # replace=False: exported as it is
+    with pytest.raises(InputError, match="--dtype fp8"):
+        export_onnx(model, {"src": torch.randn(2, 5, 16)}, tmp_path / "bad.onnx", dtype="fp8")
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        export_onnx(model, {"src": torch.randn(2, 5, 16)}, tmp_path / "bad.onnx", precision="fp16")
+    assert not (tmp_path / "bad.onnx").exists()
+
+
 def test_input_and_output_errors_leave_no_file(tmp_path):
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
     with pytest.raises(InputError, match="rejected the example inputs"):

@@ -20,6 +20,7 @@ import torch
 
 from attn_export import tensorrt as attn_trt
 from attn_export.errors import InputError
+from attn_export.options import OrtOptions
 from attn_export.validation import OnnxRuntimeRunner, Runner, providers, run_cases, tolerance, validate
 from attn_export.validation import worker as worker_module
 from helpers import invoke, one_line_error
@@ -249,7 +250,7 @@ def test_gate_reports_the_fall_back_of_a_real_onnxruntime(small_seq2seq, exporte
         pytest.skip("this ONNX Runtime has the CUDA provider: no fall back to reproduce")
     monkeypatch.setattr(providers, "probe", lambda _timeout_s: GPU_BUILD)  # pretend the GPU build and a GPU
     report = validate(small_seq2seq, exported_seq2seq.path, small_seq2seq.example_inputs,
-                      ort_providers=["cpu", "cuda"])
+                      ort=OrtOptions(providers=("cpu", "cuda")))
     assert not report.passed
     (cuda_row,) = [c for c in report.cases if c.backend == "onnxruntime-cuda"]
     assert cuda_row.status == "error"
@@ -300,7 +301,7 @@ def test_cuda_provider_matches_pytorch_on_the_gpu():
     with tempfile.TemporaryDirectory() as d:
         model, path = _exported_tiny(d)
         inputs = model.example_inputs
-        report = validate(model, path, inputs, ort_providers=["cuda"])
+        report = validate(model, path, inputs, ort=OrtOptions(providers=("cuda",)))
         assert report.passed, "\n".join(report.lines())
         (entry,) = report.environment["onnxruntime_execution_providers"]
         assert entry["session_has"][0] == "CUDAExecutionProvider"
@@ -334,7 +335,7 @@ def test_cuda_tensorrt_provider_runs_the_nodes_with_the_plugin():
     with tempfile.TemporaryDirectory() as d:
         model, path = _exported_tiny(d)
         cache = Path(d) / "trt-cache"
-        report = validate(model, path, model.example_inputs, ort_providers=["tensorrt"], ort_trt_cache_dir=cache)
+        report = validate(model, path, model.example_inputs, ort=OrtOptions(providers=("tensorrt",), trt_cache_dir=cache))
         assert report.passed, "\n".join(report.lines())
         (entry,) = report.environment["onnxruntime_execution_providers"]
         assert entry["session_has"][0] == "TensorrtExecutionProvider" and entry["plugin_library"]

@@ -1,15 +1,6 @@
-"""``--html FILE`` of the verbs that validate: the report as one self-contained HTML page."""
+"""``--html FILE`` of the verbs that validate (cli/_options.report_options): the report as one
+self-contained HTML page."""
 from __future__ import annotations
-
-import click
-
-
-def html_option(f):
-    return click.option(
-        "--html", "html_path", metavar="FILE", type=click.Path(dir_okay=False),
-        help="Write the report as one self-contained HTML page (verdict, cases, error plots, coverage; "
-             "needs matplotlib: pip install 'attn-export[plot]').",
-    )(f)
 
 
 def check_html(html_path) -> None:

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import click
 
 from attn_export.errors import EXIT_MISMATCH
-from attn_export.onnx_options import DEFAULT_OPSET, MIN_OPSET, STANDARD_MIN_OPSET
 from attn_export.cli._common import common_verb, finish_validation
-from attn_export.cli._html import check_html, html_option, write_html
-from attn_export.cli._options import (
-    coverage_options,
-    input_options,
-    logging_options,
-    model_options,
-    onnx_attention_option,
-    onnx_functions_option,
-    ort_options,
-    plugin_option,
-    profile_options,
-    report_options,
-    runtime_timeout_option,
-)
+from attn_export.cli._html import check_html, write_html
+from attn_export.cli._library_options import coverage_options, engine_options, export_options, gate_options, ort_options
+from attn_export.cli._options import _grouped, input_options, logging_options, model_path_options, report_options
 
 SUFFIXES = {"onnx": ".onnx", "tensorrt": ".engine"}
 
@@ -61,8 +51,8 @@ custom nodes' bodies into the graph, for runtimes that do not read model-local f
 one graph for prefill (past length 0) and decode, with Optimum's names (input_ids,
 attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value in; logits,
 present.{i}.key/value out) and the cache's geometry in the metadata property
-attn_export.with_past (docs/huggingface.md). The gate then generates greedy tokens with the
-cache (or, for a model without generate(), runs new tokens after a non-empty past). With --to
+attn_export.with_past (docs/huggingface.md). The gate then generates --new-tokens greedy tokens
+with the cache (or, for a model without generate(), runs new tokens after a non-empty past). With --to
 tensorrt the engine's profile runs the past from 0 to --max-context - 1 tokens (default: the
 config's max_position_embeddings) and the gate generates through the engine too.
 
@@ -93,87 +83,114 @@ def default_output(model_path, factory, to: str) -> Path:
     return Path(factory.rpartition(":")[2] + suffix)
 
 
+@dataclass(frozen=True)
+class TargetArgs:
+    """What convert makes (--to, -o, --onnx-output, --genai-config) and whether it checks it
+    (--no-validate)."""
+
+    to: str
+    output: Optional[str]
+    onnx_output: Optional[str]
+    genai_config: bool
+    validate: bool
+
+
+def _target_args(to: str, output: Optional[str], onnx_output: Optional[str], genai_config: bool,
+                 no_validate: bool) -> TargetArgs:
+    return TargetArgs(to=to, output=output, onnx_output=onnx_output, genai_config=genai_config,
+                      validate=not no_validate)
+
+
+_FILE = click.Path(dir_okay=False)
+
+
+def target_options(f):
+    """``target: TargetArgs``."""
+    return _grouped(_target_args, "target", [
+        click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
+                     help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
+                          "FusedAttention plugin library)."),
+        click.option("-o", "--output", "output", metavar="PATH", type=_FILE,
+                     help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, beside it)."),
+        click.option("--onnx-output", "onnx_output", metavar="PATH", type=_FILE,
+                     help="With --to tensorrt: where the intermediate ONNX goes (default: the engine's path, .onnx)."),
+        click.option("--genai-config", "genai_config", is_flag=True,
+                     help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime "
+                          "GenAI generates with the export's directory (docs/onnx_consumers.md)."),
+        click.option("--no-validate", is_flag=True,
+                     help="Skip the parity check (ONNX Runtime, and TensorRT) after export."),
+    ])(f)
+
+
 @click.command("convert", help=HELP)
-@click.argument("model_path", metavar="[MODEL]", required=False, type=click.Path())
-@click.option("--to", "to", type=click.Choice(list(SUFFIXES)), default="onnx", show_default=True,
-              help="Target: ONNX, or a TensorRT engine built from that ONNX (needs TensorRT, a GPU and the "
-                   "FusedAttention plugin library).")
-@click.option("-o", "--output", "output", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Where to write the result (default: MODEL with the target's suffix, .onnx or .engine, beside it).")
-@click.option("--onnx-output", "onnx_output", metavar="PATH", type=click.Path(dir_okay=False),
-              help="With --to tensorrt: where the intermediate ONNX goes (default: the engine path with .onnx).")
-@model_options
+@target_options
+@model_path_options
 @input_options
-@click.option("--opset", type=int, default=None, metavar="N",
-              help=f"ONNX opset ({MIN_OPSET} and up; default {DEFAULT_OPSET}, with --onnx-attention standard "
-                   f"{STANDARD_MIN_OPSET} and up, default {STANDARD_MIN_OPSET}).")
-@onnx_attention_option
-@onnx_functions_option
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
-              help="Export in this precision (default: the model's own).")
-@click.option("--with-past", "with_past", is_flag=True,
-              help="Export a transformers decoder-only causal LM with its key/value cache (past_key_values.* in, "
-                   "present.* out): one graph for prefill and decode (--to onnx, or --to tensorrt with "
-                   "--max-context).")
-@click.option("--genai-config", "genai_config", is_flag=True,
-              help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime GenAI "
-                   "generates with the export's directory (docs/onnx_consumers.md).")
-@click.option("--no-replace", is_flag=True, help="Export the model as it is, without fusing its attention layers.")
-@click.option("--no-validate", is_flag=True, help="Skip the parity check (ONNX Runtime, and TensorRT) after export.")
+@export_options
 @ort_options
-@plugin_option
-@profile_options
+@engine_options
 @coverage_options
-@runtime_timeout_option
+@gate_options
 @report_options
-@html_option
 @logging_options
 @common_verb
-def convert(session, model_path, to, output, onnx_output, model_args, input_args, opset, onnx_attention, onnx_functions, dtype,
-            with_past, genai_config, no_replace, no_validate, ort_args, plugin, profile_args, coverage, runtime_timeout, reports, html_path):
+def convert(session, model_args, target, input_args, export, ort, engine, coverage, gate, reports):
     import torch
 
-    from attn_export.conversion import ConvertOptions, convert as run_conversion, preflight
-    from attn_export.errors import InputError
+    from attn_export.conversion import convert as run_conversion, preflight
 
-    if html_path and no_validate:
-        raise InputError("--html writes the validation report: it does not go with --no-validate")
-    check_html(html_path)
-    if to == "onnx" and (onnx_output or (plugin and not ort_args.wants_tensorrt) or profile_args.given):
-        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes, --workspace-mib and --max-context go "
-                         "with --to tensorrt (--plugin also with --ort-provider tensorrt)")
-    if no_validate and ort_args.given:
-        raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
-                         "drop them or --no-validate")
-    shapes = profile_args.shape_specs() if to == "tensorrt" else {"min": {}, "opt": {}, "max": {}}
-    options = ConvertOptions(
-        output=output or default_output(model_path, model_args.factory, to), to=to, onnx_output=onnx_output,
-        opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype, with_past=with_past, genai_config=genai_config,
-        replace=not no_replace, validate=not no_validate,
-        seed=input_args.seed, min_replaced=coverage.min_replaced, require_all=coverage.require_all,
-        ort_providers=ort_args.providers, ort_trt_cache_dir=ort_args.trt_cache_dir, ort_trt_fp16=ort_args.trt_fp16,
-        plugin=plugin, min_shapes=shapes["min"], opt_shapes=shapes["opt"], max_shapes=shapes["max"],
-        workspace_mib=profile_args.workspace_mib, max_context=profile_args.max_context, runtime_timeout_s=runtime_timeout, verbose=session.verbose)
-    progress = ConsoleProgress(session, onnx_attention)
-    target = preflight(options, progress)
+    _check_flags(target, ort, engine, reports)
+    options = conversion_options(model_args, target, input_args, export, ort, engine, coverage, gate,
+                                 verbose=session.verbose)
+    progress = ConsoleProgress(session, options.export.attention)
+    found = preflight(options, progress)
     with session.step("loading the model"):
-        model, source = model_args.load(model_path, seed=input_args.seed)
+        model, source = model_args.load(model_args.path, seed=input_args.seed)
         torch.manual_seed(input_args.seed)
         inputs = input_args.example_inputs(model)
         # Declared axes must come out dynamic; the defaults (None) may stay static where the model says so.
-        options = dataclasses.replace(
-            options, dynamic_axes=input_args.axes(inputs, model=model) if input_args.axes_given else None)
+        axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
+        options = dataclasses.replace(options, export=dataclasses.replace(options.export, dynamic_axes=axes))
 
     progress.source = source
-    result = run_conversion(model, inputs, options, progress=progress, target=target)
+    result = run_conversion(model, inputs, options, progress=progress, target=found)
     if result.coverage_problem:
         click.echo(f"FAILED: {result.coverage_problem}", err=True)
         return EXIT_MISMATCH
     if result.report is None:
         session.out.print("validation skipped (--no-validate)")
         return 0
-    write_html(session, result.report, html_path)
+    write_html(session, result.report, reports.html_path)
     return finish_validation(session, result.report, reports, extra=result.to_dict())
+
+
+def conversion_options(model_args, target: TargetArgs, input_args, export, ort, engine, coverage, gate, *,
+                       verbose: bool = False):
+    """The library's ConvertOptions of the command line's groups: the same group objects, with
+    --seed for the export and the gate and the export quiet unless --verbose."""
+    from attn_export.conversion import ConvertOptions
+
+    return ConvertOptions(
+        target.output or default_output(model_args.path, model_args.factory, target.to), to=target.to,
+        onnx_output=target.onnx_output, genai_config=target.genai_config, validate=target.validate,
+        export=dataclasses.replace(export, seed=input_args.seed, quiet=not verbose),
+        ort=ort, engine=engine, coverage=coverage, gate=dataclasses.replace(gate, seed=input_args.seed))
+
+
+def _check_flags(target: TargetArgs, ort, engine, reports) -> None:
+    """Flags that go with a target or with the validation only (before anything is loaded)."""
+    from attn_export.errors import InputError
+
+    if reports.html_path and not target.validate:
+        raise InputError("--html writes the validation report: it does not go with --no-validate")
+    check_html(reports.html_path)
+    if target.to == "onnx" and (target.onnx_output or (engine.plugin and not ort.wants_tensorrt)
+                                or engine.profile_given):
+        raise InputError("--onnx-output, --plugin, --min/--opt/--max-shapes, --workspace-mib and --max-context go "
+                         "with --to tensorrt (--plugin also with --ort-provider tensorrt)")
+    if not target.validate and ort.given:
+        raise InputError("--ort-provider, --ort-trt-cache and --ort-trt-fp16 choose how the export is validated: "
+                         "drop them or --no-validate")
 
 
 class ConsoleProgress:

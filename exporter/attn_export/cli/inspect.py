@@ -5,7 +5,8 @@ import click
 
 from attn_export.errors import EXIT_MISMATCH
 from attn_export.cli._common import common_verb
-from attn_export.cli._options import coverage_options, logging_options, model_options, sample_input_options
+from attn_export.cli._library_options import coverage_options
+from attn_export.cli._options import logging_options, model_options, sample_input_options
 
 
 @click.command("inspect")

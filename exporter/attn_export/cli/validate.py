@@ -1,19 +1,14 @@
 """``attn-export validate``: the parity gate for an exported model."""
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from attn_export.cli._common import common_verb, finish_validation
-from attn_export.cli._html import check_html, html_option, write_html
-from attn_export.cli._options import (
-    input_options,
-    logging_options,
-    model_options,
-    ort_options,
-    plugin_option,
-    report_options,
-    runtime_timeout_option,
-)
+from attn_export.cli._html import check_html, write_html
+from attn_export.cli._library_options import gate_options, ort_options, plugin_option
+from attn_export.cli._options import input_options, logging_options, model_options, report_options
 
 
 @click.command("validate")
@@ -23,17 +18,13 @@ from attn_export.cli._options import (
 @click.option("--engine", "engine", metavar="FILE", type=click.Path(dir_okay=False),
               help="Also run this TensorRT engine (built from ONNX, e.g. by --to tensorrt) and compare it "
                    "like the other backends. Needs TensorRT, a GPU and the plugin library.")
-@click.option("--new-tokens", "new_tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="A cached export (--with-past): how many greedy tokens the generation gate generates.")
 @ort_options
 @plugin_option
-@runtime_timeout_option
+@gate_options
 @report_options
-@html_option
 @logging_options
 @common_verb
-def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort_args, plugin, runtime_timeout,
-                 reports, html_path):
+def validate_cmd(session, paths, model_args, input_args, engine, ort, plugin, gate, reports):
     """Check ONNX against the original PyTorch MODEL: runs the original model (float32
     reference), the model with its attention replaced, ONNX Runtime and, with --engine, the
     TensorRT engine at the example shape, batch 1, sequence 1, an odd and a longer sequence
@@ -64,28 +55,29 @@ def validate_cmd(session, paths, model_args, input_args, engine, new_tokens, ort
       attn-export validate model.pt model.onnx --engine model.engine --plugin build/tensorrt/libattn_export_trt_plugin.so
       attn-export validate model.pt model.onnx --ort-provider cpu --ort-provider cuda
     """
+    from attn_export.conversion import require_providers
     from attn_export.validation import validate
 
-    check_html(html_path)
-    _check_backends(engine, plugin, ort_args)
+    check_html(reports.html_path)
+    _check_backends(engine, plugin, ort)
     model_path, onnx_path = _model_and_onnx_paths(paths, model_args)
     from attn_export.validation.runners import prestart_onnxruntime
 
-    prestart_onnxruntime(runtime_timeout)  # ONNX Runtime's process starts while the model loads
-    ort_args.require(runtime_timeout, plugin)  # GPU providers: what is missing, before the model loads
+    gate = dataclasses.replace(gate, seed=input_args.seed)
+    prestart_onnxruntime(gate.runtime_timeout_s)  # ONNX Runtime's process starts while the model loads
+    require_providers(ort, gate.runtime_timeout_s, plugin)  # GPU providers: what is missing, before the model loads
     with session.step("loading the model"):
         model, _source = model_args.load(model_path, seed=input_args.seed)
         inputs = input_args.example_inputs(model)
         axes = input_args.axes(inputs, model=model) if input_args.axes_given else None
     with session.step("validating") as update:
-        report = validate(model, onnx_path, inputs, dynamic_axes=axes, seed=input_args.seed, progress=update,
-                          engine=engine, plugin=plugin, runtime_timeout_s=runtime_timeout, new_tokens=new_tokens,
-                          **ort_args.validate_kwargs())
-    write_html(session, report, html_path)
+        report = validate(model, onnx_path, inputs, dynamic_axes=axes, engine=engine, plugin=plugin, ort=ort,
+                          gate=gate, progress=update)
+    write_html(session, report, reports.html_path)
     return finish_validation(session, report, reports)
 
 
-def _check_backends(engine, plugin, ort_args) -> None:
+def _check_backends(engine, plugin, ort) -> None:
     """TensorRT present for --engine (before the model is loaded: says what to install); --plugin
     only with a backend that loads it."""
     from attn_export.errors import InputError
@@ -94,7 +86,7 @@ def _check_backends(engine, plugin, ort_args) -> None:
         from attn_export import tensorrt as attn_trt
 
         attn_trt.require_runtime()
-    elif plugin is not None and not ort_args.wants_tensorrt:
+    elif plugin is not None and not ort.wants_tensorrt:
         raise InputError("--plugin goes with --engine or --ort-provider tensorrt")
 
 

@@ -25,6 +25,7 @@ from attn_export.onnx.metadata import META_PREFIX
 from attn_export.onnx.result import ExportResult
 from attn_export.onnx.sample import SampleRun, sample_run as _sample_run
 from attn_export.onnx.saving import check_writable as _check_writable, save as _save
+from attn_export.options import ExportOptions, with_fields
 from attn_export.onnx_options import (  # noqa: F401 - ATTENTION_FLAVORS, FUNCTION_MODES, DEFAULT_OPSET: public here
     ATTENTION_FLAVORS,
     DEFAULT_ATTENTION,
@@ -37,21 +38,8 @@ from attn_export.onnx_options import (  # noqa: F401 - ATTENTION_FLAVORS, FUNCTI
 EXPORT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def export_onnx(
-    model: nn.Module,
-    example_inputs: Mapping[str, torch.Tensor],
-    path: str | Path,
-    *,
-    opset: Optional[int] = None,
-    dtype: Optional[str] = None,
-    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
-    replace: bool = True,
-    quiet: bool = True,
-    seed: int = 0,
-    attention: str = DEFAULT_ATTENTION,
-    functions: str = DEFAULT_FUNCTIONS,
-    with_past: bool = False,
-) -> ExportResult:
+def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], path: str | Path,
+                options: Optional[ExportOptions] = None, **fields) -> ExportResult:
     """Exports ``model`` to ONNX at ``path`` with one ``attn_export.FusedAttention`` node per
     fused attention layer.
 
@@ -61,28 +49,14 @@ def export_onnx(
         example_inputs: name -> tensor, the names of ``model.forward``'s parameters; they become
             the ONNX graph's input names.
         path: the .onnx file to write (atomically).
-        opset: default-domain ONNX opset (>= 18; default 20, 23 with ``attention="standard"``).
-        dtype: "fp32" (default: the model's own), "fp16" or "bf16": exports in that precision.
-        dynamic_axes: input -> {axis: label}, each of which must come out dynamic; ``{}`` exports
-            static shapes. Default: dim 0 "batch" and dim 1 a sequence label for every input of
-            rank 2 or 3, the batch of 4-D images (see attn_export.inputs.default_axes; for transformers
-            models attn_export.surgery.transformers.default_axes), where a default axis the model
-            specializes stays static with a note. The inputs' batch axes come out as one symbol
-            ``batch`` where the example's sizes agree, and so does a label given to several axes
-            (attn_export.onnx.dims).
-        replace: run :func:`attn_export.replace_attention` on the copy first.
-        quiet: silence torch's exporter output.
-        attention: "custom" (default): one FusedAttention node per layer, with its model-local
-            function; "standard": one standard ``Attention`` node (opset >= 23) per layer where
-            it can express the layer, the custom node where not (``kept_custom`` says why).
-        functions: "local" (default): each custom node calls its model-local function;
-            "inline": the bodies are written into the graph instead, no custom node is left
-            (for runtimes that do not read model-local functions; the TensorRT plugin then has
-            nothing to map).
-        with_past: a transformers decoder-only causal LM with its key/value cache: one graph for
-            prefill and decode, Optimum's names (attn_export.onnx.with_past, docs/huggingface.md);
-            ``example_inputs``: ``input_ids`` [, ``attention_mask``]; ``dynamic_axes`` None.
+        options: what is written (attn_export.options.ExportOptions documents each field:
+            opset, dtype, dynamic axes, attention flavor, function mode, with_past, ...);
+            ``fields``, its fields as keywords (``dtype="fp16"``), are applied over it.
     """
+    options = with_fields(ExportOptions, options, fields, "export_onnx")
+    opset, dtype, attention, functions = options.opset, options.dtype, options.attention, options.functions
+    dynamic_axes, with_past, replace, seed = options.dynamic_axes, options.with_past, options.replace, options.seed
+    quiet = options.quiet
     opset = _check_options(opset, dtype, attention, functions)
     path = Path(path)
     _check_writable(path)

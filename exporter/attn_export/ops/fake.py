@@ -1,8 +1,8 @@
 """Fake (meta) kernels: output shapes, dtypes and strides without computing anything, so that
 torch.export, torch.compile and FakeTensor can trace the operators.
 
-Each fake repeats the input checks of the C++ binding (csrc/ops/attention_binding.cpp,
-csrc/ops/multi_head_attention.cpp) with the same words; tests/ops/test_fake.py holds them to it.
+Each fake repeats the input checks of the C++ binding with the same words (ops/input_checks.py;
+tests/ops/test_fake.py holds them to it).
 A fake takes its operator's arguments as the schema in csrc/attention_spec.h orders them
 (``_fake`` binds them, ops/signatures.py): it names the ones it reads and takes the others as
 ``**_``, so an attribute that does not change the outputs' shapes needs no edit here.
@@ -13,34 +13,16 @@ import torch
 
 from attn_export import spec as _spec
 from attn_export.ops import signatures
+from attn_export.ops.input_checks import (  # noqa: F401 - the checks: public here too
+    check_attention_inputs,
+    check_attention_masks,
+    check_core_attributes,
+    check_multi_head_attention_inputs,
+    check_softcap,
+    sizes_text,
+)
 
 _OPS = _spec.load()  # the operators' names (csrc/attention_spec.h)
-
-_SCALAR_TYPE_NAMES = {
-    torch.float32: "Float",
-    torch.float64: "Double",
-    torch.float16: "Half",
-    torch.bfloat16: "BFloat16",
-    torch.bool: "Bool",
-    torch.int64: "Long",
-    torch.int32: "Int",
-    torch.int16: "Short",
-    torch.int8: "Char",
-    torch.uint8: "Byte",
-}
-
-
-def _name(dtype: torch.dtype) -> str:
-    """The dtype as c10 prints it, so fake and C++ messages read the same."""
-    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
-
-
-def _sizes(t: torch.Tensor | None) -> str:
-    return "[]" if t is None else str(list(t.shape))
-
-
-def _is_mask_dtype(dtype: torch.dtype) -> bool:
-    return dtype == torch.bool or dtype.is_floating_point
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,210 +40,6 @@ def empty_grad_like(like: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     if source.is_contiguous():
         return like.new_empty(source.shape)
     return empty_token_major(like, *source.shape)
-
-
-def check_attention_inputs(query, key, value, attn_mask, key_padding_mask) -> None:
-    torch._check(
-        query.dim() == 4 and key.dim() == 4 and value.dim() == 4,
-        lambda: "attention: query, key and value must be 4-D [batch, heads, seq, head_dim]; got query "
-        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
-    )
-    torch._check(
-        query.dtype.is_floating_point and key.dtype == query.dtype and value.dtype == query.dtype,
-        lambda: "attention: query, key and value must share one floating dtype; got "
-        f"{_name(query.dtype)}, {_name(key.dtype)}, {_name(value.dtype)}",
-    )
-    torch._check(
-        key.device == query.device and value.device == query.device,
-        lambda: "attention: query, key and value must be on one device; got "
-        f"{query.device}, {key.device}, {value.device}",
-    )
-    torch._check(
-        key.size(0) == query.size(0) and value.size(0) == query.size(0),
-        lambda: "attention: query, key and value must agree in batch; got query "
-        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
-    )
-    torch._check(
-        value.size(1) == key.size(1)
-        and (key.size(1) == query.size(1) or (key.size(1) > 0 and query.size(1) % key.size(1) == 0)),
-        lambda: "attention: key and value heads must divide the query heads; got query "
-        f"{_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}; give key and value one head count "
-        "Hkv with H % Hkv == 0 (grouped-query attention: query head h reads key/value head h / (H / Hkv))",
-    )
-    torch._check(
-        key.size(2) == value.size(2),
-        lambda: "attention: key and value must have the same sequence length; got key "
-        f"{_sizes(key)} and value {_sizes(value)}",
-    )
-    torch._check(
-        key.size(3) == query.size(3),
-        lambda: "attention: query and key must have the same head_dim; got query "
-        f"{_sizes(query)} and key {_sizes(key)}",
-    )
-    check_attention_masks(
-        query.size(0), query.size(1), query.size(2), key.size(2), query.device, attn_mask, key_padding_mask
-    )
-
-
-def check_attention_masks(batch, heads, seqlen_q, seqlen_k, device, attn_mask, key_padding_mask) -> None:
-    if attn_mask is not None:
-        m = attn_mask
-        torch._check(
-            _is_mask_dtype(m.dtype),
-            lambda: f"attention: attn_mask must be bool or floating; got {_name(m.dtype)}",
-        )
-        torch._check(
-            m.device == device,
-            lambda: f"attention: attn_mask must be on the query's device {device}; got {m.device}",
-        )
-        target = (batch, heads, seqlen_q, seqlen_k)
-        # nn.MultiheadAttention's [batch*heads, Lq, Lk], or PyTorch's broadcasting to
-        # [batch, heads, Lq, Lk] (the masks F.scaled_dot_product_attention takes), as the C++ checks.
-        flat = m.dim() == 3 and batch * heads != 1 and tuple(m.shape) == (batch * heads, seqlen_q, seqlen_k)
-        broadcasts = m.dim() <= 4 and all(
-            size == 1 or size == want for size, want in zip(reversed(m.shape), reversed(target)))
-        torch._check(
-            flat or broadcasts,
-            lambda: "attention: attn_mask must be [batch*heads, Lq, Lk] or broadcastable to "
-            f"[batch, heads, Lq, Lk] = [{batch}, {heads}, {seqlen_q}, {seqlen_k}]; got {_sizes(m)}",
-        )
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        torch._check(
-            _is_mask_dtype(m.dtype),
-            lambda: f"attention: key_padding_mask must be bool or floating; got {_name(m.dtype)}",
-        )
-        torch._check(
-            m.device == device,
-            lambda: f"attention: key_padding_mask must be on the query's device {device}; got {m.device}",
-        )
-        torch._check(
-            m.dim() == 2 and m.size(0) == batch and m.size(1) == seqlen_k,
-            lambda: f"attention: key_padding_mask must be [batch, Lk] = [{batch}, {seqlen_k}]; got {_sizes(m)}",
-        )
-
-
-def check_multi_head_attention_inputs(
-    query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-    attn_mask, key_padding_mask, batch_first, packed_qkv=False,
-) -> None:
-    torch._check(
-        query.dim() in (2, 3) and key.dim() == query.dim() and value.dim() == query.dim(),
-        lambda: "multi_head_attention: query, key and value must all be 3-D (batched) or all 2-D "
-        f"(unbatched); got query {_sizes(query)}, key {_sizes(key)}, value {_sizes(value)}",
-    )
-    torch._check(num_heads > 0, lambda: f"multi_head_attention: num_heads must be positive; got {num_heads}")
-    embed_dim = query.size(-1)
-    torch._check(
-        embed_dim % num_heads == 0,
-        lambda: f"multi_head_attention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}",
-    )
-    torch._check(
-        key.size(-1) == embed_dim and value.size(-1) == embed_dim,
-        lambda: f"multi_head_attention: key and value must have the query's embed_dim {embed_dim} "
-        f"(kdim/vdim are not supported); got key {_sizes(key)}, value {_sizes(value)}",
-    )
-    torch._check(
-        list(key.shape[:-1]) == list(value.shape[:-1]),
-        lambda: "multi_head_attention: key and value must have the same length and batch; got key "
-        f"{_sizes(key)}, value {_sizes(value)}",
-    )
-    if query.dim() == 3:
-        batch_dim = 0 if batch_first else 1
-        torch._check(
-            key.size(batch_dim) == query.size(batch_dim),
-            lambda: "multi_head_attention: query and key must have the same batch size (batch_first="
-            f"{int(batch_first)}); got query {_sizes(query)}, key {_sizes(key)}",
-        )
-    _check_projections(query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
-    _check_layer_masks(query, key, num_heads, attn_mask, key_padding_mask, batch_first)
-    torch._check(
-        not packed_qkv or (list(key.shape) == list(query.shape) and list(value.shape) == list(query.shape)),
-        lambda: "multi_head_attention: packed_qkv needs key and value of the query's shape "
-        f"{_sizes(query)}; got key {_sizes(key)}, value {_sizes(value)}",
-    )
-    # The masks against the layer's geometry, as the C++ layer checks them next.
-    unbatched = query.dim() == 2
-    seq_dim = 0 if unbatched or not batch_first else 1
-    check_attention_masks(
-        1 if unbatched else query.size(0 if batch_first else 1), num_heads, query.size(seq_dim),
-        key.size(seq_dim), query.device, attn_mask,
-        key_padding_mask.unsqueeze(0) if key_padding_mask is not None and unbatched else key_padding_mask,
-    )
-
-
-def _check_projections(query, key, value, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias) -> None:
-    embed_dim = query.size(-1)
-    torch._check(
-        in_proj_weight.dim() == 2
-        and in_proj_weight.size(0) == 3 * embed_dim
-        and in_proj_weight.size(1) == embed_dim,
-        lambda: "multi_head_attention: in_proj_weight must be [3*embed_dim, embed_dim] = "
-        f"[{3 * embed_dim}, {embed_dim}]; got {_sizes(in_proj_weight)}",
-    )
-    torch._check(
-        in_proj_bias is None or (in_proj_bias.dim() == 1 and in_proj_bias.size(0) == 3 * embed_dim),
-        lambda: f"multi_head_attention: in_proj_bias must be [3*embed_dim] = [{3 * embed_dim}]; got "
-        f"{_sizes(in_proj_bias)}",
-    )
-    torch._check(
-        out_proj_weight.dim() == 2
-        and out_proj_weight.size(0) == embed_dim
-        and out_proj_weight.size(1) == embed_dim,
-        lambda: "multi_head_attention: out_proj_weight must be [embed_dim, embed_dim] = "
-        f"[{embed_dim}, {embed_dim}]; got {_sizes(out_proj_weight)}",
-    )
-    torch._check(
-        out_proj_bias is None or (out_proj_bias.dim() == 1 and out_proj_bias.size(0) == embed_dim),
-        lambda: f"multi_head_attention: out_proj_bias must be [embed_dim] = [{embed_dim}]; got "
-        f"{_sizes(out_proj_bias)}",
-    )
-    for w in (key, value, in_proj_weight, out_proj_weight):
-        torch._check(
-            w.dtype == query.dtype,
-            lambda: "multi_head_attention: every input and weight must have the query's dtype "
-            f"{_name(query.dtype)}; got {_name(w.dtype)}",
-        )
-
-
-def _check_layer_masks(query, key, num_heads, attn_mask, key_padding_mask, batch_first) -> None:
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        want_dim = 2 if query.dim() == 3 else 1
-        key_len = key.size(1 if batch_first and query.dim() == 3 else 0)
-        torch._check(
-            m.dim() == want_dim and m.size(-1) == key_len,
-            lambda: "multi_head_attention: key_padding_mask must be [batch, Lk] (or [Lk] for unbatched "
-            f"input); got {_sizes(m)} for key {_sizes(key)}",
-        )
-    if attn_mask is not None:
-        m, batched = attn_mask, query.dim() == 3
-        seq_dim = 1 if batched and batch_first else 0
-        batch = query.size(0 if batch_first else 1) if batched else 1
-        torch._check(
-            (m.dim() == 2 or (m.dim() == 3 and (m.size(0) == 1 or m.size(0) == batch * num_heads)))
-            and m.size(-2) == query.size(seq_dim) and m.size(-1) == key.size(seq_dim),
-            lambda: "multi_head_attention: attn_mask must be 2-D [Lq, Lk] or 3-D [batch*num_heads, Lq, Lk]; "
-            f"got {_sizes(m)} for query {_sizes(query)} and key {_sizes(key)}",
-        )
-
-
-def check_core_attributes(attributes: dict) -> None:
-    """The C++ check_core_attributes: each argument with a range in the spec (kAttributeRanges;
-    the trailing attributes softcap, causal_alignment, ...) must lie in it."""
-    for refusal in _OPS.refusals(attributes):
-        torch._check(False, lambda refusal=refusal: f"attention: {refusal}")
-    window, is_causal = attributes.get("window", 0), attributes.get("is_causal", False)
-    torch._check(
-        window == 0 or is_causal,
-        lambda: "attention: window > 0 needs is_causal=True (the window ends at the causal diagonal); "
-        f"got window={window} with is_causal=False: pass is_causal=True, or window=0 and a boolean attn_mask",
-    )
-
-
-def check_softcap(softcap) -> None:
-    """The softcap argument's check alone (check_core_attributes for that one argument)."""
-    check_core_attributes({"softcap": softcap})
 
 
 # Each operator's fake kernel as written below (before binding), for tests/test_spec.py.
@@ -304,12 +82,12 @@ def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mas
     torch._check(
         list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],
         lambda: "attention backward: grad_output must be [batch, heads, Lq, Dv] = "
-        f"[{batch}, {heads}, {query.size(2)}, {value.size(3)}]; got {_sizes(grad_output)}",
+        f"[{batch}, {heads}, {query.size(2)}, {value.size(3)}]; got {sizes_text(grad_output)}",
     )
     torch._check(
         list(logsumexp.shape) == [batch, heads, query.size(2)],
         lambda: "attention backward: logsumexp must be [batch, heads, Lq] = "
-        f"[{batch}, {heads}, {query.size(2)}]; got {_sizes(logsumexp)}",
+        f"[{batch}, {heads}, {query.size(2)}]; got {sizes_text(logsumexp)}",
     )
     torch._check(
         grad_output.device == query.device and logsumexp.device == query.device,

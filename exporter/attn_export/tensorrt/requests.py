@@ -39,19 +39,30 @@ def expected_fields() -> List[Tuple[str, str]]:
     return [(f.name, f.plugin_field_type) for f in _spec.load().plugin_fields]
 
 
-def plugin_field_collection(trt, *, num_heads: int, scale: float, is_causal: bool = False,
-                            has_key_padding_mask: bool = False, has_attn_mask: bool = False,
-                            softcap: float = 0.0, causal_alignment: int = 0, kv_num_heads: int = 0,
-                            window: int = 0, has_past: bool = False):
+# plugin_field_collection's keywords beside num_heads and scale, and their defaults: the node's
+# optional attributes (csrc/attention_spec.h), each a mirror of the operator's argument.
+_OPTIONAL_FIELDS = {"is_causal": False, "has_key_padding_mask": False, "has_attn_mask": False, "softcap": 0.0,
+                    "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": False}
+
+
+def plugin_field_collection(trt, *, num_heads: int, scale: float, **attributes):
     """The fields for ``creator.create_plugin`` when a network is built by hand (e.g. by the
-    torch2trt converter): the spec's names and the types of :func:`expected_fields`."""
+    torch2trt converter): the spec's names and the types of :func:`expected_fields`.
+    ``attributes``: the optional ones by name (``is_causal=True``, ``softcap=50.0``; see
+    ``_OPTIONAL_FIELDS`` for the names and defaults)."""
     import numpy as np
 
+    unknown = sorted(set(attributes) - set(_OPTIONAL_FIELDS))
+    if unknown:
+        raise TypeError(f"plugin_field_collection() got unexpected keyword argument(s) {', '.join(unknown)} "
+                        f"(its attributes: {', '.join(_OPTIONAL_FIELDS)})")
+    a = {**_OPTIONAL_FIELDS, **attributes}
     s = _spec.load()
-    values = {s.attr_num_heads: num_heads, s.attr_scale: scale, s.attr_is_causal: int(is_causal),
-              s.attr_has_key_padding_mask: int(has_key_padding_mask), s.attr_has_attn_mask: int(has_attn_mask),
-              s.attr_softcap: float(softcap), s.attr_causal_alignment: int(causal_alignment),
-              s.attr_kv_num_heads: int(kv_num_heads), s.attr_window: int(window), s.attr_has_past: int(has_past)}
+    values = {s.attr_num_heads: num_heads, s.attr_scale: scale, s.attr_is_causal: int(a["is_causal"]),
+              s.attr_has_key_padding_mask: int(a["has_key_padding_mask"]), s.attr_has_attn_mask: int(a["has_attn_mask"]),
+              s.attr_softcap: float(a["softcap"]), s.attr_causal_alignment: int(a["causal_alignment"]),
+              s.attr_kv_num_heads: int(a["kv_num_heads"]), s.attr_window: int(a["window"]),
+              s.attr_has_past: int(a["has_past"])}
     fields = []
     for name, kind in expected_fields():
         array = np.array([values[name]], dtype=np.int32 if kind == "INT32" else np.float32)

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,10 +20,10 @@ from attn_export.onnx import attention_flavor, count_attention_nodes, output_nam
 from attn_export.surgery.replace import replace_attention
 from attn_export.validation import checks as _checks
 from attn_export.validation.report import CaseResult, CheckResult, ValidationReport, environment
+from attn_export.options import GateOptions, OrtOptions, pop_legacy_ort, with_fields
 from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.providers import (
     CPU_SETUP,
-    DEFAULT_PROVIDERS,
     ProviderSetup,
     environment_entry,
     provider_setups,
@@ -41,7 +41,7 @@ from attn_export.validation.runners import (
 )
 from attn_export.validation.cases import run_cases
 from attn_export.cache_contract import CacheContract, generates
-from attn_export.validation.generation_gate import DEFAULT_NEW_TOKENS, validate_generation, wrapped_decoder
+from attn_export.validation.generation_gate import validate_generation, wrapped_decoder
 from attn_export.validation.tolerances import TOLERANCE_FACTOR, reduction_length, tolerance
 
 DTYPE_FROM_NAME = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -50,24 +50,10 @@ _ELEM_TO_DTYPE_NAME = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
 Inputs = Mapping[str, torch.Tensor]
 
 
-def validate(
-    model: nn.Module,
-    onnx_path: str | Path,
-    example_inputs: Mapping[str, torch.Tensor],
-    *,
-    dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
-    seed: int = 0,
-    progress: Optional[Callable[[str], None]] = None,
-    engine: Optional[str | Path] = None,
-    plugin: Optional[str | Path] = None,
-    isolate: bool = True,
-    runtime_timeout_s: float = DEFAULT_TIMEOUT_S,
-    ort_providers: Sequence[str] = DEFAULT_PROVIDERS,
-    ort_trt_cache_dir: Optional[str | Path] = None,
-    ort_trt_fp16: bool = False,
-    generation: Optional[bool] = None,
-    new_tokens: int = DEFAULT_NEW_TOKENS,
-) -> ValidationReport:
+def validate(model: nn.Module, onnx_path: str | Path, example_inputs: Mapping[str, torch.Tensor], *,
+             dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None, engine: Optional[str | Path] = None,
+             plugin: Optional[str | Path] = None, ort: Optional[OrtOptions] = None, gate: Optional[GateOptions] = None,
+             progress: Optional[Callable[[str], None]] = None, **fields) -> ValidationReport:
     """Runs the original model (float32 reference), the replaced model, ONNX Runtime and, with
     ``engine``, a TensorRT engine built from ``onnx_path``, at the example shape, batch 1,
     sequence 1, an odd and a longer sequence, and compares every output.
@@ -78,52 +64,52 @@ def validate(
         example_inputs: name -> tensor, as for export.
         dynamic_axes: the axes that must be symbolic in the graph; default: what the exporter
             recorded in the file's metadata, else dim 0 and 1 of every input.
-        seed: for the generated inputs.
-        progress: called with a short description before each step.
         engine: a TensorRT engine of ``onnx_path`` (attn_export.tensorrt.build_engine); needs
             TensorRT and a GPU (TensorRTUnavailable otherwise). Shapes outside its optimization
             profile are reported as skipped; at least one case must run.
         plugin: the FusedAttention plugin library for the engine and for ONNX Runtime's TensorRT
             provider (default: as attn_export.tensorrt.find_plugin_library looks for it).
-        isolate: run TensorRT in a child process too (ONNX Runtime always runs in one); False
-            keeps the engine in this process (for a stand-in engine).
-        runtime_timeout_s: how long ONNX Runtime or TensorRT may take to load the model or run
-            one case before it counts as hung (a failed case).
-        ort_providers: ONNX Runtime's execution providers, "cpu", "cuda", "tensorrt", each its
-            own backend row, in this order (providers.py). A provider this ONNX Runtime lacks,
-            or a GPU provider with no GPU, raises ProviderUnavailable (exit 2) saying what to
-            install; a session that silently fell back to the CPU is a failed row.
-        ort_trt_cache_dir: the TensorRT provider's engine cache directory (created if missing).
-        ort_trt_fp16: let the TensorRT provider build float16 kernels (the tolerance follows).
-        generation: a cached export (its cache's contract in the file's metadata) is checked
-            by generating ``new_tokens`` greedy tokens through ONNX Runtime (and ``engine``) with
-            its cache against ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
-            ``example_inputs`` are then not used). None: so when the file is a cached export and
-            ``model`` generates (attn_export.cache_contract.generates); True: the file must be a
-            cached export (InputError otherwise); False: the shape cases whatever the file. A
-            cached export not checked by generating runs the shape cases through the decoder
-            wrapped with its cache as flat tensors, after a non-empty past.
+        ort: ONNX Runtime's execution providers (attn_export.options.OrtOptions; default the
+            CPU), each its own backend row, in this order (providers.py). A provider this ONNX
+            Runtime lacks, or a GPU provider with no GPU, raises ProviderUnavailable (exit 2)
+            saying what to install; a session that silently fell back to the CPU is a failed row.
+        gate: how the gate runs (attn_export.options.GateOptions: the seed of the generated
+            inputs, the runtimes' timeout, the generation gate's tokens, ...); ``fields``, its
+            fields as keywords (``seed=1``, ``new_tokens=4``), are applied over it. The former
+            ``ort_providers=``, ``ort_trt_cache_dir=``, ``ort_trt_fp16=`` still work (deprecated).
+        progress: called with a short description before each step.
+
+    A cached export (its cache's contract in the file's metadata) is checked by generating
+    ``gate.new_tokens`` greedy tokens through ONNX Runtime (and ``engine``) with its cache
+    against ``model.generate()`` instead of the shape cases (validation/generation_gate.py;
+    ``example_inputs`` are then not used): with ``gate.generation`` None so when the file is a
+    cached export and ``model`` generates (attn_export.cache_contract.generates); True: the
+    file must be a cached export (InputError otherwise); False: the shape cases whatever the
+    file. A cached export not checked by generating runs the shape cases through the decoder
+    wrapped with its cache as flat tensors, after a non-empty past.
 
     A runtime that crashes (a signal), dies or hangs while it loads or runs the model is a
     failed case that says which runtime, which step, the signal or timeout and the
     optimization level; for ONNX Runtime the report's ``diagnosis`` then says at which lower
     optimization levels the model loads and runs.
     """
+    ort = pop_legacy_ort(fields, ort, "validate") or OrtOptions()
+    gate = with_fields(GateOptions, gate, fields, "validate")
+    seed, runtime_timeout_s, isolate = gate.seed, gate.runtime_timeout_s, gate.isolate
     say = progress or (lambda _msg: None)
     onnx_path = Path(onnx_path)
     onnx_model = _load_onnx(onnx_path)
     contract = CacheContract.from_metadata(onnx_model)
-    if _checked_by_generating(generation, contract, model):
-        return validate_generation(model, onnx_path, onnx_model, new_tokens=new_tokens, seed=seed,
-                                   providers=ort_providers, timeout_s=runtime_timeout_s, say=say,
-                                   engine=engine, plugin=plugin, isolate=isolate)
+    if _checked_by_generating(gate.generation, contract, model):
+        return validate_generation(model, onnx_path, onnx_model, say=say, engine=engine, plugin=plugin,
+                                   ort=ort, gate=gate)
     cached_notes = []
     if contract is not None:  # a cached export checked by the shape cases
         model, example_inputs, note = wrapped_decoder(model, example_inputs, contract.dtype, seed)
         cached_notes.append(note)
     prestart_onnxruntime(runtime_timeout_s)  # its process imports ONNX Runtime while PyTorch runs below
-    setups = provider_setups(ort_providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
-                             trt_cache_dir=ort_trt_cache_dir, trt_fp16=ort_trt_fp16)
+    setups = provider_setups(ort.providers, onnx_model, timeout_s=runtime_timeout_s, plugin=plugin,
+                             trt_cache_dir=ort.trt_cache_dir, trt_fp16=ort.trt_fp16)
     with contextlib.ExitStack() as open_runners:
         ort_runners = [open_runners.enter_context(OnnxRuntimeRunner(onnx_path, setup, timeout_s=runtime_timeout_s))
                        for setup in setups]

@@ -15,6 +15,7 @@ tolerance at the scale of those logits (validation/tolerances.py).
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -24,8 +25,8 @@ from torch import nn
 from attn_export._moved import moved
 from attn_export.cache_contract import METADATA_KEY, CacheContract, generates, positions
 from attn_export.errors import InputError, first_line
+from attn_export.options import GateOptions, OrtOptions, with_fields
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
-from attn_export.validation.isolation import DEFAULT_TIMEOUT_S
 from attn_export.validation.generation_steps import DTYPES, EngineSteps, OrtSteps
 from attn_export.validation.runners import BACKEND_TRT, OnnxRuntimeRunner, RunnerError
 from attn_export.validation.tolerances import compare, reduction_length, tolerance
@@ -128,20 +129,25 @@ def run_backend(steps, layout: CacheContract, ids, mask, reference, rtol: float)
     return result
 
 
-def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int = 16,
-                     prompts: Optional[Sequence[Sequence[int]]] = None, providers: Sequence[str] = ("cpu",),
-                     seed: int = 0, prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, onnx_model=None, engine: Optional[str | Path] = None,
-                     plugin: Optional[str | Path] = None, isolate: bool = True) -> GenerationResult:
-    """Greedy generation of ``new_tokens`` tokens through ONNX Runtime (each of ``providers``)
-    and, with ``engine``, a TensorRT engine of the file (the FusedAttention ``plugin``; in a
-    child process unless ``isolate=False``), with the cache, against ``model.generate()`` (the
-    ORIGINAL transformers decoder, run in float32; not modified). ``prompts``: token id lists
-    (default: random prompts of ``prompt_lengths`` tokens, seeded), left-padded into one batch."""
+def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Optional[Sequence[Sequence[int]]] = None,
+                     prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, onnx_model=None,
+                     engine: Optional[str | Path] = None, plugin: Optional[str | Path] = None,
+                     ort: Optional[OrtOptions] = None, gate: Optional[GateOptions] = None, **fields) -> GenerationResult:
+    """Greedy generation of ``gate.new_tokens`` tokens through ONNX Runtime (each of
+    ``ort.providers``) and, with ``engine``, a TensorRT engine of the file (the FusedAttention
+    ``plugin``; in a child process unless ``gate.isolate`` is False), with the cache, against
+    ``model.generate()`` (the ORIGINAL transformers decoder, run in float32; not modified).
+    ``prompts``: token id lists (default: random prompts of ``prompt_lengths`` tokens, seeded by
+    ``gate.seed``), left-padded into one batch. ``fields``: GateOptions' fields as keywords
+    (``new_tokens=4``), applied over ``gate``."""
     import onnx
 
     from attn_export.validation.providers import provider_setups
 
+    ort, fields = _legacy(fields, ort)
+    providers = ort.providers
+    gate = with_fields(GateOptions, gate, fields, "check_generation")
+    new_tokens, seed, timeout_s, isolate = gate.new_tokens, gate.seed, gate.runtime_timeout_s, gate.isolate
     onnx_model = onnx_model if onnx_model is not None else onnx.load(str(onnx_path), load_external_data=False)
     layout = CacheContract.require(onnx_model, onnx_path)
     if not generates(model):
@@ -177,6 +183,19 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, new_tokens: int
     if engine is not None:
         result.runs.append(_engine_run(engine, plugin, isolate, timeout_s, layout, ids, mask, reference, rtol))
     return result
+
+
+def _legacy(fields: dict, ort: Optional[OrtOptions]) -> Tuple[OrtOptions, dict]:
+    """``providers=`` and ``timeout_s=`` of before the groups (deprecated): ``ort.providers`` and
+    GateOptions' ``runtime_timeout_s``."""
+    if "providers" in fields or "timeout_s" in fields:
+        warnings.warn("check_generation(providers=..., timeout_s=...) is deprecated: pass ort=OrtOptions(providers=...) "
+                      "and runtime_timeout_s=... (attn_export.options)", DeprecationWarning, stacklevel=3)
+    if "timeout_s" in fields:
+        fields["runtime_timeout_s"] = fields.pop("timeout_s")
+    if "providers" in fields:
+        ort = OrtOptions(providers=fields.pop("providers"))
+    return ort or OrtOptions(), fields
 
 
 def _engine_run(engine, plugin, isolate: bool, timeout_s: float, layout, ids, mask, reference,

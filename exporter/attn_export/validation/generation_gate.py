@@ -7,28 +7,28 @@ through the decoder wrapped with its cache as flat tensors (:func:`wrapped_decod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from attn_export.cache_contract import ATTENTION_MASK, INPUT_IDS, CacheContract
+from attn_export.options import DEFAULT_NEW_TOKENS, GateOptions, OrtOptions
 from attn_export.validation import checks as _checks
 from attn_export.validation.generation import DEFAULT_PROMPT_LENGTHS, DTYPES, check_generation
 from attn_export.validation.report import ValidationReport, environment
 from attn_export.validation.tolerances import TOLERANCE_FACTOR
 
-DEFAULT_NEW_TOKENS = 16
 
-
-def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int = DEFAULT_NEW_TOKENS, seed: int = 0,
-                        providers: Sequence[str] = ("cpu",), timeout_s: float, say: Callable[[str], None],
-                        engine=None, plugin=None, isolate: bool = True) -> ValidationReport:
+def validate_generation(model, onnx_path: Path, onnx_model, *, say: Callable[[str], None], engine=None, plugin=None,
+                        ort: Optional[OrtOptions] = None, gate: Optional[GateOptions] = None) -> ValidationReport:
     """The report of a cached export (``onnx_model`` records its cache's contract); with
     ``engine``, a TensorRT engine of it generates too (its own backend rows)."""
     from attn_export import shapes as _shapes
     from attn_export.onnx import attention_flavor, read_metadata
 
+    gate = gate or GateOptions()
+    new_tokens, seed = gate.new_tokens, gate.seed
     contract = CacheContract.require(onnx_model, onnx_path)
     init_names = {i.name for i in onnx_model.graph.initializer}
     graph_inputs = [v.name for v in onnx_model.graph.input if v.name not in init_names]
@@ -36,9 +36,8 @@ def validate_generation(model, onnx_path: Path, onnx_model, *, new_tokens: int =
               _checks.dynamic_axes_check(contract.dynamic_axes(), _shapes.graph_axes(onnx_model, graph_inputs))]
     checks += _checks.attention_checks(onnx_model, read_metadata(onnx_model))
     say(f"generating {new_tokens} tokens with the cache, against the model's generate()")
-    result = check_generation(model, onnx_path, new_tokens=new_tokens, providers=providers, seed=seed,
-                              timeout_s=timeout_s, onnx_model=onnx_model, engine=engine, plugin=plugin,
-                              isolate=isolate)
+    result = check_generation(model, onnx_path, onnx_model=onnx_model, engine=engine, plugin=plugin, ort=ort,
+                              gate=gate)
     backends = [run.backend for run in result.runs]
     return ValidationReport(
         cases=result.case_results(), checks=checks + result.checks(), dtype=result.dtype,

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
+from attn_export.options import DEFAULT_TIMEOUT_S
 from attn_export.validation import worker as _protocol
 
 WORKER_SCRIPT = Path(_protocol.__file__).resolve()
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass
