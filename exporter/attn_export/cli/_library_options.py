@@ -50,8 +50,8 @@ def export_options(f):
         click.option("--dtype", type=click.Choice(EXPORT_DTYPE_NAMES), default=None,
                      help="Export in this precision (default: the model's own)."),
         click.option("--with-past", "with_past", is_flag=True,
-                     help="Export a transformers decoder-only causal LM with its key/value cache (past_key_values.* "
-                          "in, present.* out): one graph for prefill and decode (--to onnx, or --to tensorrt with "
+                     help="Export a transformers decoder-only causal LM with its key/value cache (Optimum's "
+                          "names): one graph for prefill and decode (--to onnx, or --to tensorrt with "
                           "--max-context)."),
         click.option("--no-replace", is_flag=True,
                      help="Export the model as it is, without fusing its attention layers."),

@@ -50,8 +50,8 @@ custom nodes' bodies into the graph, for runtimes that do not read model-local f
 --with-past (transformers decoder-only causal LMs) exports the model with its key/value cache:
 one graph for prefill (past length 0) and decode, with Optimum's names (input_ids,
 attention_mask over past + new tokens, position_ids, past_key_values.{i}.key/value in; logits,
-present.{i}.key/value out) and the cache's geometry in the metadata property
-attn_export.with_past (docs/huggingface.md). The gate then generates --new-tokens greedy tokens
+present.{i}.key/value out) and the cache's contract in the file's metadata
+(docs/huggingface.md). The gate then generates --new-tokens greedy tokens
 with the cache (or, for a model without generate(), runs new tokens after a non-empty past). With --to
 tensorrt the engine's profile runs the past from 0 to --max-context - 1 tokens (default: the
 config's max_position_embeddings) and the gate generates through the engine too.
