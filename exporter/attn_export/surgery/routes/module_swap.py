@@ -48,6 +48,10 @@ def _parent_path(path: str) -> tuple[str, str]:
 
 class ModuleSwap(Route):
     name = "module"
+    by_type = True
+
+    def missing(self, scan: Scan) -> Optional[str]:
+        return "it is not a torch.nn.MultiheadAttention"
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         if isinstance(module, FusedMultiheadAttention):
