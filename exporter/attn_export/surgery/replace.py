@@ -46,8 +46,8 @@ from torch import nn
 
 from attn_export.errors import InputError
 from attn_export.surgery import routes as _routes
+from attn_export.surgery.geometry import geometry as _geometry
 from attn_export.surgery.routes.base import Scan, Site
-from attn_export.surgery.routes.geometry import geometry as _geometry
 from attn_export.surgery.routes.undo import Surgery
 from attn_export.surgery.sdpa.observe import observe_calls
 from attn_export.surgery.site_report import (  # noqa: F401 - re-exported: the statuses belong to the report

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from torch import nn
 
-from attn_export.surgery.routes.base import CallCount, Route, Scan, Site
-from attn_export.surgery.routes.sdpa import UNOBSERVED_NOTE, sdpa_note, sdpa_site, unconfirmed_calls
+from attn_export.surgery.routes.base import CallCount, Scan
+from attn_export.surgery.routes.sdpa import SdpaSites, sdpa_site
 from attn_export.surgery.sdpa.intercept import routing
 from attn_export.surgery.sdpa.source import _calls_sdpa
-from attn_export.surgery.site_report import ROUTED, WILL_ROUTE, AttentionLayer
+from attn_export.surgery.site_report import AttentionLayer
 
 _classes: Dict[type, type] = {}
 
@@ -83,10 +83,8 @@ def processor_counts(processor) -> Optional[CallCount]:
     return CallCount.from_counter(getattr(processor, "calls", {})) if is_fused_processor(processor) else None
 
 
-class DiffusersProcessors(Route):
+class DiffusersProcessors(SdpaSites):
     name = "diffusers"
-    descend = True  # as the SDPA route: a site inside a site is its own
-    unobserved_note = UNOBSERVED_NOTE  # a processor's source is read as a forward's is
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         processor = processor_of(module)
@@ -96,18 +94,10 @@ class DiffusersProcessors(Route):
         return sdpa_site(scan, module, path, lambda: _calls_sdpa(cls.__call__, cls, 2, set()),
                          is_fused_processor(processor))
 
-    def notes(self, sites: List[Site], applied: bool) -> List[str]:
-        return sdpa_note(self.name, sites, applied)
-
-    def apply(self, model: nn.Module, sites: List[Site]):
-        replaced = []
-        for site in sites:
-            if site.layer.status == WILL_ROUTE:
-                original = site.module.processor
-                site.module.set_processor(fused_processor(original))
-                site.layer.status = ROUTED
-                replaced.append((site.layer.path, original))
-        return [], replaced
+    def route_site(self, module: nn.Module):
+        original = module.processor
+        module.set_processor(fused_processor(original))
+        return original
 
     def undo(self, model: nn.Module, applied) -> None:
         for path, original in applied:
@@ -116,9 +106,6 @@ class DiffusersProcessors(Route):
     def calls(self, module: nn.Module) -> Optional[CallCount]:
         processor = processor_of(module)
         return None if processor is None else processor_counts(processor)
-
-    def unconfirmed(self, module: nn.Module) -> Optional[str]:
-        return unconfirmed_calls(self.calls(module))
 
 
 def use_fused_processors(model: nn.Module) -> int:

@@ -9,8 +9,8 @@ are never sites (the module route has them). Undo removes the instance ``forward
 one the module had before); the calls are counted on it, and a site that made no fused call when
 the routed model ran is reported as skipped (:meth:`SdpaCalls.unconfirmed`).
 
-The diffusers route (:mod:`attn_export.surgery.routes.diffusers`) reports its sites with the
-functions here: its processors' calls are SDPA calls too.
+The diffusers route (:mod:`attn_export.surgery.routes.diffusers`) is an :class:`SdpaSites` route
+too: its processors' calls are SDPA calls, reported, noted and confirmed alike.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Callable, List, Optional
 from torch import nn
 
 from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention
+from attn_export.surgery.geometry import geometry
 from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes
-from attn_export.surgery.routes.geometry import geometry
 from attn_export.surgery.sdpa.intercept import call_counter, is_routed, route_module
 from attn_export.surgery.sdpa.source import calls_sdpa
 from attn_export.surgery.site_report import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _qualname
@@ -93,10 +93,33 @@ def unconfirmed_calls(count: Optional[CallCount]) -> Optional[str]:
     return None
 
 
-class SdpaCalls(Route):
-    name = "sdpa"
+class SdpaSites(Route):
+    """A route whose sites are modules in which SDPA calls run: its notes, the check after the run,
+    and ``apply`` (``route_site`` per site to route, which returns what undo needs) are shared."""
+
     descend = True  # attention inside attention (a block calling SDPA around an inner site) is its own site
-    unobserved_note = UNOBSERVED_NOTE
+    unobserved_note = UNOBSERVED_NOTE  # found by reading source without a sample forward
+
+    def route_site(self, module: nn.Module):
+        raise NotImplementedError
+
+    def notes(self, sites: List[Site], applied: bool) -> List[str]:
+        return sdpa_note(self.name, sites, applied)
+
+    def apply(self, model: nn.Module, sites: List[Site]):
+        done = []
+        for site in sites:
+            if site.layer.status == WILL_ROUTE:
+                done.append((site.layer.path, self.route_site(site.module)))
+                site.layer.status = ROUTED
+        return [], done
+
+    def unconfirmed(self, module: nn.Module) -> Optional[str]:
+        return unconfirmed_calls(self.calls(module))
+
+
+class SdpaCalls(SdpaSites):
+    name = "sdpa"
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         if isinstance(module, (StockMultiheadAttention, FusedMultiheadAttention)):
@@ -114,17 +137,10 @@ class SdpaCalls(Route):
             return "no F.scaled_dot_product_attention call ran in it in the sample forward"
         return "its forward calls no F.scaled_dot_product_attention"
 
-    def notes(self, sites: List[Site], applied: bool) -> List[str]:
-        return sdpa_note(self.name, sites, applied)
-
-    def apply(self, model: nn.Module, sites: List[Site]):
-        routed = []
-        for site in sites:
-            if site.layer.status == WILL_ROUTE:
-                routed.append((site.layer.path, {"forward": site.module.__dict__.get("forward", MISSING)}))
-                route_module(site.module)
-                site.layer.status = ROUTED
-        return [], routed
+    def route_site(self, module: nn.Module):
+        saved = {"forward": module.__dict__.get("forward", MISSING)}
+        route_module(module)
+        return saved
 
     def undo(self, model: nn.Module, applied) -> None:
         for path, saved in applied:
@@ -133,6 +149,3 @@ class SdpaCalls(Route):
     def calls(self, module: nn.Module) -> Optional[CallCount]:
         counter = call_counter(module)
         return None if counter is None else CallCount.from_counter(counter)
-
-    def unconfirmed(self, module: nn.Module) -> Optional[str]:
-        return unconfirmed_calls(self.calls(module))
