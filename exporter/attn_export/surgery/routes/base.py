@@ -99,7 +99,7 @@ class Route:
 
     def missing(self, scan: Scan) -> Optional[str]:
         """What a module no route claimed lacks to be a site of this route, as a clause of the
-        report's general reason ("not a torch.nn.MultiheadAttention"); None to say nothing."""
+        report's general reason ("it is not a torch.nn.MultiheadAttention"); None to say nothing."""
         return None
 
     def unconfirmed(self, module: nn.Module) -> Optional[str]:

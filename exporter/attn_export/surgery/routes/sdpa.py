@@ -101,6 +101,7 @@ class SdpaSites(Route):
     unobserved_note = UNOBSERVED_NOTE  # found by reading source without a sample forward
 
     def route_site(self, module: nn.Module):
+        """Runs the SDPA calls of the site ``module`` on the operator; returns what undo needs."""
         raise NotImplementedError
 
     def notes(self, sites: List[Site], applied: bool) -> List[str]:
