@@ -1,5 +1,5 @@
 """Small models whose attention calls F.scaled_dot_product_attention or is written out by hand, the way popular
-code writes them (tests of the SDPA route, attn_export.surgery.sdpa_route). Also importable as
+code writes them (tests of the SDPA route, attn_export.surgery.routes.sdpa). Also importable as
 ``--model sdpa_models:<factory>`` by the command-line tests."""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ carry the `cuda` marker too (`pytest -m cuda tests/` runs them all).
 Every test carries the `cuda` marker and is skipped without a GPU (conftest.py). On a GPU,
 scripts/gpu_check.sh builds the extension for the device and runs this file twice: as dispatched
 by default (only the paths verified on a GPU; grouped-query heads and the bottom-right alignment
-routed onto them, csrc/ops/verified_route.h), and with ATTN_EXPORT_CUDA_PREVIEW=1, where the same
+rewritten for them, csrc/ops/verified_inputs.h), and with ATTN_EXPORT_CUDA_PREVIEW=1, where the same
 tests run the paths that wait for a GPU: the flash kernels at head dims 96/192/256 and padded
 ones, grouped-query heads and the causal shift in the kernels, split-KV decoding, the forward's
 128-row blocks (docs/cuda.md "Preview"). Both runs must pass.

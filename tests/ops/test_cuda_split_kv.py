@@ -9,7 +9,7 @@ see no key in some chunk or in all of them.
 
 The preview switch off (the default on a GPU): only what was verified on a GPU is dispatched;
 grouped-query heads and the bottom-right alignment still give the right results through the
-verified kernels (verified_route.h).
+verified kernels (verified_inputs.h).
 
 Tolerances (cuda_emulator/testing.py): float16/bfloat16 inputs exact in their dtype, the
 output rounded to it (and the probabilities for the P V product): 2 eps of the dtype. The split

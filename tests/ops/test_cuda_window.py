@@ -5,7 +5,7 @@ With the preview switch on, the kernels mask the window themselves: the flash ke
 bfloat16, forward and backward, tiles that straddle the window's start and tiles wholly before
 it), the generic kernels (float32) and split-KV decoding (chunks wholly outside the window).
 With the switch off (the default on a GPU), the binding's verified route passes the window and
-the causal diagonal as a boolean mask to the verified kernels (csrc/ops/verified_route.cpp).
+the causal diagonal as a boolean mask to the verified kernels (csrc/ops/verified_inputs.cpp).
 Tolerances: cuda_emulator/testing.py.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""diffusers' native route (attn_export.surgery.diffusers): fused processors set through diffusers'
+"""diffusers' native route (attn_export.surgery.routes.diffusers): fused processors set through diffusers'
 own set_attn_processor, on UNet, SD3 and Flux models from small configs: the same outputs as the
 stock processors, every SDPA call fused, one operator node per call under torch.export."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="needs diffusers (the test extra installs it)")
 
-from attn_export.surgery import diffusers as fused_diffusers  # noqa: E402
+from attn_export.surgery.routes import diffusers as fused_diffusers  # noqa: E402
 from helpers import assert_parity  # noqa: E402
 
 import library_zoo as zoo  # noqa: E402

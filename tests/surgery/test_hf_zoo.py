@@ -61,15 +61,13 @@ def _fast_exports(torchlib_ops_once):
 def _transformers_layers(report):
     """The layers of transformers' modules: routed through AttentionInterface, or (modules
     that call F.scaled_dot_product_attention themselves, e.g. Falcon) through the SDPA route."""
-    return [layer for layer in report.layers if layer.found in ("routed", "sdpa")]
+    return [layer for layer in report.layers if layer.found in ("transformers", "sdpa")]
 
 
 def _unfused_calls(module) -> dict:
-    from attn_export.surgery import sdpa_route as sdpa
+    from attn_export.surgery import fused_calls
 
-    if sdpa.is_routed(module):
-        return {reason: n for reason, n in sdpa.calls(module).items() if reason != "fused"}
-    return hf.unfused_calls(module)
+    return dict(fused_calls(module).unfused)
 
 
 def _modules_by_path(model):

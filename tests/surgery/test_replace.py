@@ -319,8 +319,9 @@ def test_attention_like_modules_are_listed_unless_they_hold_a_multihead_attentio
     (hand,) = report.skipped
     assert hand.path == "hand" and hand.num_heads == 2 and hand.embed_dim == 16 and hand.found == ""
     assert hand.cls == f"{SelfAttention.__module__}.{SelfAttention.__qualname__}"
-    assert hand.reason == ("not a torch.nn.MultiheadAttention and its forward calls no F.scaled_dot_product_attention "
-                           "(hand-written softmax(q k^T) v is rewritten in the export, where it matches)")
+    assert hand.reason == ("its forward calls no F.scaled_dot_product_attention and it is not a "
+                           "torch.nn.MultiheadAttention (hand-written softmax(q k^T) v is rewritten in the export, "
+                           "where it matches)")
     assert type(model["block"].inner) is FusedMultiheadAttention
     # The model itself named like attention is not listed (nothing to swap it into).
     assert inspect_attention(SelfAttention()).layers == []
@@ -379,21 +380,25 @@ ROUTING_NOTE = ("transformers attention layers {} through transformers' Attentio
                 "(attn_implementation='attn_export'); the modules themselves stay in place")
 SDPA_NOTE = ("F.scaled_dot_product_attention calls of the 'sdpa' sites {} on the fused operator; calls it cannot "
              "express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
-             "(attn_export.surgery.sdpa_route.calls(module) counts both)")
+             "(attn_export.surgery.fused_calls(module) counts both)")
 
 
 @pytest.mark.parametrize("status,applied,verb", [("routed", True, "are routed"), ("will be routed", False, "will be routed")])
 def test_the_routing_note_names_the_implementation_only_when_layers_route(status, applied, verb):
-    from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _routing_note
+    from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer
+    from attn_export.surgery.routes.base import Site
+    from attn_export.surgery.routes.transformers import TransformersLayers
 
-    def layers(*statuses):
-        return [(AttentionLayer(f"l{i}", "Attn", 2, 16, s, found="routed"), None) for i, s in enumerate(statuses)]
+    def sites(*statuses):
+        return [Site(AttentionLayer(f"l{i}", "Attn", 2, 16, s, found="transformers"), None, [], None)
+                for i, s in enumerate(statuses)]
 
+    notes = TransformersLayers().notes
     routing = {"routed": ROUTED, "will be routed": WILL_ROUTE}[status]
-    assert _routing_note(layers(SKIPPED, routing), applied) == [ROUTING_NOTE.format(verb)]
-    assert _routing_note(layers(routing), applied) == [ROUTING_NOTE.format(verb)]
-    assert _routing_note(layers(SKIPPED, ALREADY_FUSED), applied) == []
-    assert _routing_note([], applied) == []
+    assert notes(sites(SKIPPED, routing), applied) == [ROUTING_NOTE.format(verb)]
+    assert notes(sites(routing), applied) == [ROUTING_NOTE.format(verb)]
+    assert notes(sites(SKIPPED, ALREADY_FUSED), applied) == []
+    assert notes([], applied) == []
 
 
 def test_inspect_notes_the_routes_it_would_take_without_taking_them():
@@ -445,7 +450,7 @@ def test_transformers_layers_are_routed_in_place_and_the_plan_says_so_first():
     before = model.config._attn_implementation
     plan = inspect_attention(model)
     assert [(layer.path, layer.status, layer.found, layer.num_heads, layer.embed_dim) for layer in plan.layers] == [
-        (path, "will be routed", "routed", 2, 8) for path in GPT2_LAYERS]
+        (path, "will be routed", "transformers", 2, 8) for path in GPT2_LAYERS]
     assert plan.notes == [ROUTING_NOTE.format("will be routed")]
     assert {layer.cls for layer in plan.layers} == {f"{type(model.h[0].attn).__module__}.GPT2Attention"}
     assert model.config._attn_implementation == before != "attn_export"  # inspect changes nothing
@@ -495,7 +500,8 @@ def test_a_transformers_attention_layer_outside_a_transformers_model_is_not_rout
     layer = tiny_gpt2().h[0].attn
     plan = inspect_attention(nn.ModuleDict({"attn": layer}))
     assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == [("attn", "skipped", "")]
-    assert plan.layers[0].reason.startswith("not a torch.nn.MultiheadAttention")
+    assert plan.layers[0].reason.startswith("its forward calls no F.scaled_dot_product_attention and it is not a "
+                                            "torch.nn.MultiheadAttention")
 
 
 def test_hand_written_attention_beside_a_transformers_model_says_routing_cannot_reach_it():

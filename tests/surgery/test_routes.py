@@ -1,8 +1,8 @@
 """The route registry (attn_export.surgery.routes): every route undone exactly by
 restore_attention on a real model (module objects in their places, every module's instance
 attributes, configs, state_dict and outputs as before the surgery), one call counter for every
-route, and a route added to the table with no other change reaching the report, the run, the
-counter and the undo."""
+route, a route added with one line (``routes.registered``) reaching the report under its name, the
+run, the counter and the undo, and the old homes of two routes still answering, with a warning."""
 import copy
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import attn_export
-from attn_export.surgery import fused_calls, routes, sdpa_route
+from attn_export.surgery import fused_calls, routes
 from attn_export.surgery.routes.base import CallCount, Route
 from attn_export.surgery.site_report import AttentionLayer, ROUTED, WILL_ROUTE
 
@@ -147,7 +147,9 @@ def test_restore_refuses_a_plan_another_model_and_a_second_undo():
         attn_export.restore_attention(model, report)
 
 
-def test_fused_calls_counts_the_sdpa_route_and_its_alias_agrees():
+def test_fused_calls_counts_the_sdpa_route_and_its_deprecated_alias_agrees():
+    from attn_export.surgery import sdpa_route
+
     model, inputs = _whisper()
     report = attn_export.replace_attention(model, inputs)
     _run(model, inputs)
@@ -155,7 +157,8 @@ def test_fused_calls_counts_the_sdpa_route_and_its_alias_agrees():
         module = model.get_submodule(layer.path)
         count = fused_calls(module)
         assert count.fused >= 1 and count.unfused == {}, layer.path
-        assert sdpa_route.calls(module) == {"fused": count.fused}
+        with pytest.warns(DeprecationWarning, match="fused_calls"):
+            assert sdpa_route.calls(module) == {"fused": count.fused}
 
 
 def test_fused_calls_counts_transformers_layers_fused_and_unfused():
@@ -174,7 +177,7 @@ def test_fused_calls_counts_the_diffusers_processors_and_processor_calls_agrees(
     model, inputs = _unet()
     report = attn_export.replace_attention(model, inputs)
     _run(model, inputs)
-    from attn_export.surgery.diffusers import processor_calls
+    from attn_export.surgery.routes.diffusers import processor_calls
 
     counts = [fused_calls(model.get_submodule(layer.path)) for layer in report.layers]
     assert counts == [CallCount(1, {})] * 8
@@ -191,16 +194,29 @@ class _Doubler(nn.Module):
         return 2 * x
 
 
+class _FakeAttention(nn.Module):
+    """Named like attention, reached by no route: the report says what it lacks for each."""
+
+    def forward(self, x):
+        return x
+
+
 class _HalvingRoute(Route):
     """A route written in a test: it claims _Doubler modules and gives them an instance forward
-    that halves instead, counting the calls."""
+    that halves instead, counting the calls; a site that was not called is not confirmed."""
 
     name = "halving"
 
     def claim(self, scan, module, parent, path):
         if isinstance(module, _Doubler):
-            return AttentionLayer(path, "test._Doubler", None, None, WILL_ROUTE, found="halving")
+            return AttentionLayer(path, "test._Doubler", None, None, WILL_ROUTE)
         return None
+
+    def missing(self, scan):
+        return "it is not a _Doubler"
+
+    def unconfirmed(self, module):
+        return None if self.calls(module) else "it was not called"
 
     def notes(self, sites, applied):
         return [f"{len(sites)} halving site(s)"] if sites else []
@@ -225,25 +241,67 @@ class _HalvingRoute(Route):
         return CallCount(module.__dict__["halving_calls"]) if "halving_calls" in vars(module) else None
 
 
-def test_a_route_added_to_the_table_drives_the_report_the_run_the_counter_and_the_undo(monkeypatch):
-    model = nn.Sequential(_Doubler(), nn.Linear(4, 4), _Doubler())
+def test_a_route_registered_with_one_line_drives_the_report_the_run_the_counter_and_the_undo():
+    model = nn.Sequential(_Doubler(), nn.Linear(4, 4), _Doubler(), _FakeAttention())
     x = torch.randn(3, 4)
     expected = model(x)
     before = _snapshot(model)
-    assert attn_export.inspect_attention(model).layers == []  # unknown without the route
-    monkeypatch.setattr(routes, "ROUTES", routes.ROUTES + [_HalvingRoute()])
-    plan = attn_export.inspect_attention(model)
-    assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == \
-        [("0", WILL_ROUTE, "halving"), ("2", WILL_ROUTE, "halving")]
-    assert plan.notes[0] == "2 halving site(s)"
-    report = attn_export.replace_attention(model)
-    assert [layer.status for layer in report.layers] == [ROUTED, ROUTED]
-    halved = model(x)
-    torch.testing.assert_close(halved, model[1](x / 2) / 2)
-    assert fused_calls(model[0]) == CallCount(1) and fused_calls(model[1]) == CallCount()
-    attn_export.restore_attention(model, report)
-    assert _differences(before, _snapshot(model)) == []
-    assert torch.equal(model(x), expected)
+    assert [layer.path for layer in attn_export.inspect_attention(model).layers] == ["3"]  # the fake one only
+    table = list(routes.ROUTES)
+    with routes.registered(_HalvingRoute()):
+        plan = attn_export.inspect_attention(model)
+        assert [(layer.path, layer.status, layer.found) for layer in plan.layers] == \
+            [("0", WILL_ROUTE, "halving"), ("2", WILL_ROUTE, "halving"), ("3", "skipped", "")]
+        assert plan.notes[0] == "2 halving site(s)"
+        assert plan.layers[2].reason.startswith("its forward calls no F.scaled_dot_product_attention and it is not a "
+                                                "torch.nn.MultiheadAttention and it is not a _Doubler (")
+        assert plan.to_dict()["num_by_found"] == {"halving": 2, "": 1}
+        report = attn_export.replace_attention(model)
+        assert [layer.status for layer in report.layers[:2]] == [ROUTED, ROUTED]
+        halved = model(x)
+        torch.testing.assert_close(halved, model[1](x / 2) / 2)
+        assert fused_calls(model[0]) == CallCount(1) and fused_calls(model[1]) == CallCount()
+        assert report.confirm_calls(model) == []
+        attn_export.restore_attention(model, report)
+        assert _differences(before, _snapshot(model)) == []
+        assert torch.equal(model(x), expected)
+        unconfirmed = attn_export.replace_attention(model)
+        assert unconfirmed.confirm_calls(model) == ["0: it was not called", "2: it was not called"]
+        assert [layer.status for layer in unconfirmed.layers[:2]] == ["skipped", "skipped"]
+        attn_export.restore_attention(model, unconfirmed)
+    assert routes.ROUTES == table  # taken out again
+
+
+def test_registered_places_a_route_by_name_and_refuses_a_name_taken():
+    with routes.registered(_HalvingRoute(), before="sdpa") as route:
+        assert [r.name for r in routes.ROUTES].index("halving") == [r.name for r in routes.ROUTES].index("sdpa") - 1
+        with pytest.raises(ValueError, match="a name of its own"):
+            with routes.registered(_HalvingRoute()):
+                pass
+    assert route not in routes.ROUTES
+
+
+def test_the_report_names_each_site_by_its_route():
+    """found is the name of the route that reached the site, for every route of the table."""
+    model, inputs = _unet()
+    assert {layer.found for layer in attn_export.inspect_attention(model, inputs).layers} == {"diffusers"}
+    model, inputs = _transformer()
+    assert {layer.found for layer in attn_export.inspect_attention(model, inputs).layers} == {"module"}
+
+
+def test_the_old_homes_of_the_sdpa_and_diffusers_routes_still_answer_with_a_warning():
+    from attn_export.surgery import diffusers as old_diffusers
+    from attn_export.surgery import sdpa, sdpa_route
+    from attn_export.surgery.routes import diffusers
+
+    for name in ("route_module", "observe_calls", "calls_sdpa", "sdpa_via_operator", "known_equal", "RoutedForward"):
+        with pytest.warns(DeprecationWarning, match=f"attn_export.surgery.sdpa.[a-z]+.{name}"):
+            assert getattr(sdpa_route, name) is getattr(sdpa, name)
+    for name in ("use_fused_processors", "processor_calls", "fused_processor", "is_fused_processor"):
+        with pytest.warns(DeprecationWarning, match=f"attn_export.surgery.routes.diffusers.{name}"):
+            assert getattr(old_diffusers, name) is getattr(diffusers, name)
+    with pytest.raises(AttributeError):
+        sdpa_route.no_such_name
 
 
 def test_the_report_keeps_its_record_out_of_comparisons_and_copies():

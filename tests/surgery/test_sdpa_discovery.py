@@ -8,7 +8,7 @@ from torch import nn
 
 import attn_export
 from attn_export import inspect_attention, replace_attention
-from attn_export.surgery import sdpa_route
+from attn_export.surgery import fused_calls, sdpa
 from helpers import assert_parity
 
 _BACKENDS = {"sdpa": lambda q, k, v, **kw: F.scaled_dot_product_attention(q, k, v, **kw)}
@@ -94,9 +94,9 @@ def test_the_calls_found_are_routed_and_the_plan_is_what_ran():
     with torch.no_grad():
         out = model(x)
     assert_parity(out, expected, 2e-6, "output", n=16)
-    assert report.confirm_sdpa_calls(model) == []  # every routed site made fused calls, no stock ones
+    assert report.confirm_calls(model) == []  # every routed site made fused calls, no stock ones
     for path in ("0.attn", "0.inner", "1.attn", "1.inner"):
-        assert sdpa_route.calls(model.get_submodule(path)) == {"fused": 1}, path
+        assert fused_calls(model.get_submodule(path)).as_counter() == {"fused": 1}, path
 
 
 def test_the_routed_calls_are_one_operator_node_each_under_torch_export():
@@ -118,7 +118,7 @@ def test_calls_the_operator_cannot_express_are_planned_as_skipped_with_the_reaso
     (layer,) = plan.layers
     assert layer.status == "skipped" and "dropout_p=0.5 (attention dropout is not fused)" in layer.reason
     replace_attention(model, (torch.randn(1, 2, 3, 4),))
-    assert not sdpa_route.is_routed(model[0])
+    assert not sdpa.is_routed(model[0])
 
 
 def test_a_module_whose_source_calls_sdpa_but_took_another_path_says_so():
@@ -222,9 +222,9 @@ def test_the_reasons_of_attention_modules_no_call_ran_in():
             return (x @ x.transpose(-2, -1)).softmax(-1) @ x
 
     (layer,) = inspect_attention(nn.Sequential(HandAttention()), (torch.randn(1, 2, 3, 4),)).layers
-    assert layer.reason == ("not a torch.nn.MultiheadAttention and no F.scaled_dot_product_attention call ran in it "
-                            "in the sample forward (hand-written softmax(q k^T) v is rewritten in the export, where "
-                            "it matches)")
+    assert layer.reason == ("no F.scaled_dot_product_attention call ran in it in the sample forward and it is not a "
+                            "torch.nn.MultiheadAttention (hand-written softmax(q k^T) v is rewritten in the export, "
+                            "where it matches)")
 
     class SwitchedAttention(HandAttention):
         fused_attn = False

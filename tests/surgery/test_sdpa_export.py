@@ -12,7 +12,7 @@ import torch
 
 import attn_export
 from attn_export import spec
-from attn_export.surgery import sdpa_route as sdpa
+from attn_export.surgery import sdpa
 from attn_export.onnx import export_onnx
 from attn_export.surgery.replace import ROUTED, inspect_attention, replace_attention
 
@@ -71,7 +71,7 @@ def test_timm_vision_transformer(tmp_path):
     out = fused(x)
     with torch.no_grad():
         assert float((out - model(x)).abs().max() / model(x).abs().max()) <= 2e-6
-    assert [sdpa.calls(m) for m in fused.modules() if sdpa.is_routed(m)] == [{"fused": 1}] * 2
+    assert [sdpa.call_counter(m) for m in fused.modules() if sdpa.is_routed(m)] == [{"fused": 1}] * 2
     result = export_onnx(model, {"x": x}, tmp_path / "vit.onnx", dynamic_axes={"x": {0: "batch"}})
     assert result.num_attention_nodes == 2 and sdpa_nodes_left(result.path) == []
     check = attn_export.validate(model, result.path, {"x": x}, dynamic_axes={"x": {0: "batch"}})
@@ -131,7 +131,7 @@ def test_site_that_makes_no_sdpa_call_is_confirmed_and_its_by_hand_branch_rewrit
     report = replace_attention(routed)
     with torch.no_grad():
         routed(model.example_inputs["x"])
-    changed = report.confirm_sdpa_calls(routed)
+    changed = report.confirm_calls(routed)
     assert len(changed) == 2 and all("no F.scaled_dot_product_attention call" in line for line in changed)
     assert report.coverage_error(require_all=True) is not None
 

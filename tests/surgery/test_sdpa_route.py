@@ -1,8 +1,8 @@
-"""The SDPA route (attn_export.surgery.sdpa_route): F.scaled_dot_product_attention calls inside a model run on
-the fused operator, with SDPA's exact semantics, in eager (inference and training with
-gradients), through torch.export and into ONNX (one FusedAttention node per call); whatever the
-operator cannot express stays on PyTorch's SDPA and says why. Every check compares against the
-untouched model."""
+"""The SDPA route (attn_export.surgery.routes.sdpa; its parts in attn_export.surgery.sdpa):
+F.scaled_dot_product_attention calls inside a model run on the fused operator, with SDPA's exact
+semantics, in eager (inference and training with gradients), through torch.export and into ONNX
+(one FusedAttention node per call); whatever the operator cannot express stays on PyTorch's SDPA
+and says why. Every check compares against the untouched model."""
 import copy
 import math
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attn_export
-from attn_export.surgery import sdpa_route as sdpa
+from attn_export.surgery import sdpa
 from attn_export.surgery.replace import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, inspect_attention, replace_attention
 
 import sdpa_models as M
@@ -90,7 +90,7 @@ def test_semantics_match_sdpa(case):
     expected = model(q, k, v, mask)
     fused = routed(model)
     out = fused(q, k, v, mask)
-    assert sdpa.calls(fused) == {"fused": 1}
+    assert sdpa.call_counter(fused) == {"fused": 1}
     assert out.shape == expected.shape
     assert_parity(out, expected, FP32_REL)
 
@@ -123,7 +123,7 @@ def test_gradients_match_sdpa(case):
     grad_out = torch.randn_like(model(*inputs, mask))
     expected = torch.autograd.grad(model(*inputs, mask), inputs, grad_out)
     got = torch.autograd.grad(fused(*inputs, mask), inputs, grad_out)
-    assert sdpa.calls(fused) == {"fused": 1}
+    assert sdpa.call_counter(fused) == {"fused": 1}
     for name, g, e in zip("qkv", got, expected):
         assert_parity(g, e, 4 * FP32_REL, f"grad {name}", scale=expected)  # the input gradients' scale
 
@@ -144,7 +144,7 @@ def test_half_precision_within_sdpas_own_error(case, dtype):
     stock_err = max_rel_err(model(*low, low_mask), reference)
     fused = routed(model)
     fused_err = max_rel_err(fused(*low, low_mask), reference)
-    assert sdpa.calls(fused) == {"fused": 1}
+    assert sdpa.call_counter(fused) == {"fused": 1}
     assert fused_err <= 2 * stock_err + 4 * EPS[dtype], (fused_err, stock_err)
 
 
@@ -172,7 +172,7 @@ def test_stock_sdpa_keeps_what_the_operator_cannot_express():
         assert (out is None) == (expected is None), words
         if out is not None:
             assert torch.equal(out, expected), words
-        (key,) = sdpa.calls(fused)
+        (key,) = sdpa.call_counter(fused)
         assert key.startswith("stock: ") and words in key, key
 
 
@@ -183,12 +183,12 @@ def test_mask_requiring_grad_stays_on_sdpa_in_training_and_is_fused_without_grad
     fused = routed(model)
     out = fused(q, k, v, bias)
     assert torch.equal(out, model(q, k, v, bias))
-    assert list(sdpa.calls(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
+    assert list(sdpa.call_counter(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
     out.sum().backward()
     assert bias.grad is not None  # the stock path keeps the mask's gradient
     with torch.no_grad():
         assert_parity(fused(q, k, v, bias), model(q, k, v, bias), FP32_REL)
-    assert sdpa.calls(fused)["fused"] == 1
+    assert sdpa.call_counter(fused)["fused"] == 1
 
 
 def test_fully_masked_rows_give_zeros():
@@ -237,7 +237,7 @@ def test_sites_are_found_in_forward_helpers_and_methods():
     for model in (ViaHelper(), ViaMethod()):
         fused = routed(model)
         assert_parity(fused(q, k, v), model(q, k, v), FP32_REL)
-        assert sdpa.calls(fused) == {"fused": 1}
+        assert sdpa.call_counter(fused) == {"fused": 1}
 
 
 def test_report_lists_every_site_with_how_it_was_found():
@@ -255,7 +255,7 @@ def test_report_lists_every_site_with_how_it_was_found():
 
     report = replace_attention(model)
     assert [layer.status for layer in report.layers] == [ROUTED] * 6
-    assert report.to_dict()["num_sdpa"] == 6
+    assert report.to_dict()["num_by_found"] == {"sdpa": 6}
     again = replace_attention(model)
     assert [layer.status for layer in again.layers] == [ALREADY_FUSED] * 6
 
@@ -295,7 +295,7 @@ def test_gqa_decoder_forward_and_training_gradients():
     grads = [p.grad for p in model.parameters()]
     for name, p in model.named_parameters():
         assert_parity(fused_params[name].grad, p.grad, 1e-5, f"grad {name}", scale=grads)  # the parameters' scale
-    calls = [sdpa.calls(m) for m in fused.modules() if sdpa.is_routed(m)]
+    calls = [sdpa.call_counter(m) for m in fused.modules() if sdpa.is_routed(m)]
     assert calls == [{"fused": 2}, {"fused": 2}]  # per layer: the eval forward and the training forward
 
 
@@ -314,7 +314,7 @@ def test_dropout_in_training_runs_stock_sdpa_and_is_reported():
     assert torch.equal(out, model(x))
     fused.eval(), model.eval()
     assert_parity(fused(x), model(x), FP32_REL)
-    assert sdpa.calls(fused) == {"stock: dropout_p=0.2 (attention dropout is not fused)": 1, "fused": 1}
+    assert sdpa.call_counter(fused) == {"stock: dropout_p=0.2 (attention dropout is not fused)": 1, "fused": 1}
 
 
 def test_route_survives_deepcopy_and_torch_export():
@@ -324,7 +324,7 @@ def test_route_survives_deepcopy_and_torch_export():
     inputs = model.example_inputs
     assert all(sdpa.is_routed(m) and m.forward.module is m for m in twice.modules() if sdpa.calls_sdpa(m))
     assert_parity(twice(**inputs), model(**inputs), FP32_REL)
-    assert all(sdpa.calls(m) == {} for m in fused.modules() if sdpa.calls_sdpa(m))  # the copy counted its own
+    assert all(sdpa.call_counter(m) == {} for m in fused.modules() if sdpa.calls_sdpa(m))  # the copy counted its own
     exported = torch.export.export(twice, (), kwargs=inputs, strict=False)
     nodes = [n for n in exported.graph.nodes if n.op == "call_function" and "attn_export" in str(n.target)]
     assert len(nodes) == 6
@@ -342,10 +342,10 @@ def test_swin_style_learned_bias_mask_training_stays_stock_inference_is_fused():
     fused(x).sum().backward()
     model(x).sum().backward()
     assert_parity(fused.bias_table.grad, model.bias_table.grad, 1e-6)
-    assert list(sdpa.calls(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
+    assert list(sdpa.call_counter(fused)) == ["stock: attn_mask requires grad (the operator treats masks as constants)"]
     with torch.no_grad():
         assert_parity(fused(x), model(x), FP32_REL)
-    assert sdpa.calls(fused)["fused"] == 1
+    assert sdpa.call_counter(fused)["fused"] == 1
 
 
 def test_torch_compile_traces_the_fused_calls():

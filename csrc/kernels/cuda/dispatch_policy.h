@@ -14,7 +14,7 @@
 //
 // Without it, the PyTorch binding reaches the same results through verified code (key/value
 // expanded to every query head, the bottom-right diagonal and the window passed as a mask: csrc/ops/
-// verified_route.h), and the kernels' own entry points refuse the two features they cannot
+// verified_inputs.h), and the kernels' own entry points refuse the two features they cannot
 // route around without memory (attention_params_error).
 //
 // Pure host code over AttentionParams, so a test compiles it alone (tests/ops/test_dispatch_policy.py).

@@ -6,8 +6,8 @@
 //
 // Unlike the CPU binding, float16/bfloat16 are not upcast: the kernels read them natively and
 // accumulate in float32 (tensor cores for head dims 32/64/128, CUDA cores otherwise). Without the
-// preview switch (csrc/kernels/cuda/dispatch_policy.h) every call is first routed onto the paths
-// verified on a GPU (verified_route.h).
+// preview switch (csrc/kernels/cuda/dispatch_policy.h) every call's inputs are first rewritten so
+// that it runs on the paths verified on a GPU (verified_inputs.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,7 +19,7 @@
 #include "../../attention_spec.h"
 #include "../../kernels/cuda/attention_cuda.h"
 #include "../attention_binding.h"
-#include "../verified_route.h"
+#include "../verified_inputs.h"
 
 namespace attn_export::ops {
 namespace {
@@ -53,10 +53,10 @@ void run_forward(const AttentionParams& params, const at::Tensor& like, cudaStre
 
 ForwardResults attention_forward_cuda(const ForwardArgs& a) {
   const c10::cuda::CUDAGuard device_guard(a.query.device());
-  const ForwardArgs routed = verified_forward_args(a, cuda::attention_preview_enabled());
+  const ForwardArgs verified = verified_forward_args(a, cuda::attention_preview_enabled());
   // float16/bfloat16 stay as they are: the kernels read them natively.
   const AttentionForward forward =
-      prepare_attention_forward(routed, a.query.scalar_type(), /*masks_in_compute_dtype=*/false);
+      prepare_attention_forward(verified, a.query.scalar_type(), /*masks_in_compute_dtype=*/false);
   run_forward(forward.params, a.query, current_stream(a.query), "attention forward");
   return attention_forward_results(forward, a.query);
 }
@@ -68,10 +68,10 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   check_attention_inputs(query, key, value, a.options.attn_mask, a.options.key_padding_mask);
   check_core_attributes(a.options);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
-  // The kernels' key/value and options (verified_route.h); key and value keep their own shapes
+  // The kernels' key/value and options (verified_inputs.h); key and value keep their own shapes
   // for the gradients.
-  const KernelRoute route = verified_route(query, key, value, a.options, cuda::attention_preview_enabled());
-  const CoreOptions& options = route.options;
+  const KernelInputs verified = verified_inputs(query, key, value, a.options, cuda::attention_preview_enabled());
+  const CoreOptions& options = verified.options;
   const std::optional<at::Tensor>&attn_mask = options.attn_mask, &key_padding_mask = options.key_padding_mask;
   const c10::cuda::CUDAGuard device_guard(query.device());
   const cudaStream_t stream = current_stream(query);
@@ -80,8 +80,8 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
 
   const at::Tensor q = kernel_operand(query);
-  const at::Tensor k = kernel_operand(route.key);
-  const at::Tensor v = kernel_operand(route.value);
+  const at::Tensor k = kernel_operand(verified.key);
+  const at::Tensor v = kernel_operand(verified.value);
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
   // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).

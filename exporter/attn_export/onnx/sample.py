@@ -37,7 +37,7 @@ def sample_run(work: nn.Module, inputs, axes, replace: bool, seed: int) -> Sampl
         except Exception as exc:  # noqa: BLE001 - the model rejected the inputs
             raise InputError(f"the model rejected the example inputs {_inputs.describe(inputs)}: {_first_line(exc)}") from exc
     output_names = output_names_for(outputs, taken=inputs)
-    confirmed = report.confirm_sdpa_calls(work) if report is not None else []
+    confirmed = report.confirm_calls(work) if report is not None else []
     # Decided on the example as given: resizing an axis of size 1 to 2 can make sizes agree.
     shared, notes = _dims.shared_labels(inputs, axes)
     trace_inputs, resized = _check_trace_sizes(inputs, axes, seed)

@@ -21,12 +21,13 @@ attention themselves cannot be reached this way and are listed as skipped, with 
 
 Modules in which ``F.scaled_dot_product_attention`` calls run (timm, diffusers' processors,
 torchtune, Whisper-style and nanoGPT-style code, most research models) get an instance ``forward``
-that runs those calls on the operator (:mod:`attn_export.surgery.sdpa_route`); they are reported
+that runs those calls on the operator (:mod:`attn_export.surgery.routes.sdpa`); they are reported
 with ``found="sdpa"``. With example inputs a sample forward finds them, as they run.
 
 Each of these ways is a route (:mod:`attn_export.surgery.routes`): this module walks the model
 and asks the routes of the registry, in order, which of them reaches each module, then applies
-them. :func:`restore_attention` undoes what :func:`replace_attention` did.
+them; what the report says about a site comes from its route (its ``found`` is the route's name).
+:func:`restore_attention` undoes what :func:`replace_attention` did.
 
 PyTorch's native fast paths are kept from bypassing the fused layers, per instance:
 
@@ -43,11 +44,12 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from attn_export.errors import InputError
 from attn_export.surgery import routes as _routes
+from attn_export.surgery.geometry import geometry as _geometry
 from attn_export.surgery.routes.base import Scan, Site
-from attn_export.surgery.routes.geometry import geometry as _geometry
-from attn_export.surgery.routes.transformers import routing_note as _site_routing_note
 from attn_export.surgery.routes.undo import Surgery
+from attn_export.surgery.sdpa.observe import observe_calls
 from attn_export.surgery.site_report import (  # noqa: F401 - re-exported: the statuses belong to the report
     ALREADY_FUSED,
     REPLACED,
@@ -69,8 +71,8 @@ def _is_attention_like(module: nn.Module) -> bool:
 
 def _plan(model: nn.Module, observed: Optional[Dict[int, object]] = None):
     """Every attention site (by first path): the report rows, and the sites the routes claimed.
-    ``observed``: the SDPA calls a sample forward saw per module id (sdpa_route.observe_calls),
-    None without one."""
+    ``observed``: the SDPA calls a sample forward saw per module id (sdpa.observe.observe_calls),
+    None without one. Each row's ``found`` is the name of the route that claimed it."""
     scan = Scan(model, observed)
     routes = list(_routes.ROUTES)
     layers: List[AttentionLayer] = []
@@ -89,6 +91,7 @@ def _plan(model: nn.Module, observed: Optional[Dict[int, object]] = None):
         for route in routes:
             layer = route.claim(scan, module, parent, path)
             if layer is not None:
+                layer.found = route.name
                 layers.append(layer)
                 by_id[id(module)] = Site(layer, module, [(path, parent, attr)], route)
                 sites.append(by_id[id(module)])
@@ -109,15 +112,15 @@ def _plan(model: nn.Module, observed: Optional[Dict[int, object]] = None):
 
 
 def _unreached(scan: Scan, routes, module: nn.Module) -> str:
-    """Why no route reaches ``module``: the most specific route's reason, else the general one."""
+    """Why no route reaches ``module``: the most specific route's reason, else what it lacks for
+    each route, in table order."""
     for route in routes:
         reason = route.decline(scan, module)
         if reason is not None:
             return reason
-    return ("not a torch.nn.MultiheadAttention and "
-            + ("no F.scaled_dot_product_attention call ran in it in the sample forward"
-               if scan.observed is not None else "its forward calls no F.scaled_dot_product_attention")
-            + " (hand-written softmax(q k^T) v is rewritten in the export, where it matches)")
+    lacks = [clause for clause in (route.missing(scan) for route in routes) if clause]
+    return (" and ".join(lacks) or "no route reaches it") + \
+        " (hand-written softmax(q k^T) v is rewritten in the export, where it matches)"
 
 
 def _by_route(sites: List[Site], route) -> List[Site]:
@@ -129,25 +132,20 @@ def _add_notes(notes: List[str], new: List[str]) -> None:
     notes.extend(note for note in new if note not in notes)
 
 
-def _routing_note(hf_layers, applied: bool) -> List[str]:
-    """The transformers route's note, from (layer, module) pairs."""
-    return _site_routing_note([Site(layer, module, [], None) for layer, module in hf_layers], applied)
-
-
-def _source_note(layers: List[AttentionLayer], inputs) -> List[str]:
-    # Not needed where every layer found is a module or a transformers layer: those are found by type.
-    if inputs is not None or (layers and all(layer.found in ("module", "routed") for layer in layers)):
+def _unobserved_notes(routes, layers: List[AttentionLayer], inputs) -> List[str]:
+    """Without a sample forward, the notes of the routes that may have missed sites; none where
+    every site found is one a route recognizes by its class."""
+    by_type = {route.name for route in routes if route.by_type}
+    if inputs is not None or (layers and all(layer.found in by_type for layer in layers)):
         return []
-    return ["no sample forward ran, so F.scaled_dot_product_attention calls were looked for in the modules' source, "
-            "which misses calls through processors, dispatch functions and stored callables: pass example inputs"]
+    notes: List[str] = []
+    _add_notes(notes, [route.unobserved_note for route in routes if route.unobserved_note])
+    return notes
 
 
 def _observe(model: nn.Module, inputs) -> Optional[Dict[int, object]]:
     if inputs is None:
         return None
-    from attn_export.errors import InputError
-    from attn_export.surgery.sdpa.observe import observe_calls
-
     try:
         return observe_calls(model, inputs)
     except Exception as exc:  # noqa: BLE001 - the model's own error, in one line
@@ -166,7 +164,7 @@ def inspect_attention(model: nn.Module, inputs=None) -> ReplacementReport:
     notes: List[str] = []
     for route in _routes.ROUTES:
         _add_notes(notes, route.notes(_by_route(sites, route), applied=False))
-    return ReplacementReport(layers, notes=notes + _source_note(layers, inputs), applied=False)
+    return ReplacementReport(layers, notes=notes + _unobserved_notes(_routes.ROUTES, layers, inputs), applied=False)
 
 
 def replace_attention(
@@ -176,8 +174,8 @@ def replace_attention(
     :class:`FusedMultiheadAttention` sharing its parameters, routes the attention layers of
     Hugging Face transformers models to the operator (``attn_implementation="attn_export"``,
     see :mod:`attn_export.surgery.transformers`), gives diffusers' attention modules fused
-    processors (:mod:`attn_export.surgery.diffusers`), routes the ``F.scaled_dot_product_attention``
-    calls of other modules whose forward makes them (:mod:`attn_export.surgery.sdpa_route`), and
+    processors (:mod:`attn_export.surgery.routes.diffusers`), routes the ``F.scaled_dot_product_attention``
+    calls of other modules whose forward makes them (:mod:`attn_export.surgery.routes.sdpa`), and
     returns the report: the routes of :data:`attn_export.surgery.routes.ROUTES`, in order.
 
     Args:
@@ -194,7 +192,7 @@ def replace_attention(
     The report keeps what was done: :func:`restore_attention` undoes it.
     """
     layers, sites = _plan(model, _observe(model, inputs))
-    report = ReplacementReport(layers, notes=_source_note(layers, inputs))
+    report = ReplacementReport(layers, notes=_unobserved_notes(_routes.ROUTES, layers, inputs))
     problem = report.coverage_error(min_replaced, require_all)
     if problem:
         raise CoverageError(problem)

@@ -1,86 +1,37 @@
-"""The SDPA route: ``F.scaled_dot_product_attention`` calls inside a model run on the fused core
-operator (:func:`attn_export.attention`).
-
-Sites are the modules in which SDPA calls run: :func:`observe_calls` runs a sample forward and
-attributes every call to the innermost module on the call stack, however the call is reached
-(a processor object, a dispatch function, a closure or a callable stored on the instance). Without
-a sample forward, :func:`calls_sdpa` reads the source (the code object's names, following helper
-functions and methods of the same class two levels deep): a hint, which misses indirect calls.
-:func:`route_module` gives a site an instance ``forward`` (:class:`RoutedForward`) that runs the
-class's own forward under :class:`SdpaMode`, a ``TorchFunctionMode`` that intercepts each SDPA
-call made while it runs, reached however it is, and maps it onto the operator:
-
-* boolean masks: SDPA's ``True`` = may attend is inverted (the operator's ``True`` = masked out);
-  floating masks are additive in both;
-* masks are made 4-D ([1, ...] prepended; 3-D inputs get a head axis) and their query/key axes
-  expanded when broadcast; a ``[B|1, 1, 1, Lk]`` mask becomes the key-padding mask;
-* ``is_causal`` is top-left aligned in both (``tril`` of an ``Lq x Lk`` matrix of ones);
-* ``enable_gqa``: key/value heads repeated (``repeat_interleave`` on the head axis, as SDPA); a
-  single key/value head (multi-query attention, e.g. Falcon) broadcasts to every query head, as
-  SDPA broadcasts it;
-* 3-D ``[N, L, E]`` inputs run as ``[N, 1, L, E]``.
-
-Calls the operator cannot express run on PyTorch's SDPA unchanged, and the reason is recorded on
-the site (:attr:`RoutedForward.calls`): ``dropout_p > 0``, a mask that requires grad while
-gradients are on (the operator treats masks as constants; during ``torch.export`` the mask is
-detached, since an exported graph has no backward), ``attn_mask`` together with ``is_causal``
-(SDPA refuses it), inputs other than 3-D/4-D, head counts or batch sizes that differ without
-``enable_gqa``, unsupported dtypes or devices.
-
-The instance ``forward`` refers to its module, so ``copy.deepcopy`` carries the route to the
-copy, and ``torch.export`` (non-strict) traces through the mode: each routed call becomes one
-``attn_export::attention`` node, hence one ``FusedAttention`` ONNX node.
-
-This module is the public face of :mod:`attn_export.surgery.sdpa` (``source``, ``observe``,
-``translate``, ``intercept``: one job each); the route that uses them is
-:mod:`attn_export.surgery.routes.sdpa`.
-"""
+"""Deprecated: the SDPA route lives in :mod:`attn_export.surgery.routes.sdpa` (the route) and
+:mod:`attn_export.surgery.sdpa` (its parts). Every name this module had still resolves, with a
+DeprecationWarning that says where it lives now; ``calls(module)`` is
+``attn_export.surgery.fused_calls(module).as_counter()``."""
 from __future__ import annotations
 
-from typing import Dict
+import importlib
+import warnings
 
-from torch import nn
+from attn_export.surgery.routes import fused_calls
 
-from attn_export.surgery.sdpa.intercept import (  # noqa: F401 - the public face of the parts
-    RoutedForward,
-    SdpaMode,
-    _rebuild,
-    _state,
-    call_counter,
-    is_routed,
-    route_module,
-    routing,
-    unroute_module,
-)
-from attn_export.surgery.sdpa.observe import ObservedSite, _ObserveMode, observe_calls  # noqa: F401
-from attn_export.surgery.sdpa.source import (  # noqa: F401
-    SDPA_NAME,
-    _cache,
-    _calls_sdpa,
-    _class_attr,
-    _code_names,
-    _function,
-    calls_sdpa,
-    sites,
-)
-from attn_export.surgery.sdpa.translate import (  # noqa: F401
-    SUPPORTED_DTYPES,
-    _agree,
-    _device_supported,
-    _exporting,
-    _operator_masks,
-    _sdpa_arguments,
-    explain_refusal,
-    is_one,
-    known_equal,
-    repeat_heads,
-    sdpa_via_operator,
-)
+_PARTS = {
+    "intercept": ["RoutedForward", "SdpaMode", "_rebuild", "_state", "call_counter", "is_routed", "route_module",
+                  "routing", "unroute_module"],
+    "observe": ["ObservedSite", "_ObserveMode", "observe_calls"],
+    "source": ["SDPA_NAME", "_cache", "_calls_sdpa", "_class_attr", "_code_names", "_function", "calls_sdpa", "sites"],
+    "translate": ["SUPPORTED_DTYPES", "_agree", "_device_supported", "_exporting", "_operator_masks",
+                  "_sdpa_arguments", "explain_refusal", "is_one", "known_equal", "repeat_heads", "sdpa_via_operator"],
+}
+_MOVED = {name: f"attn_export.surgery.sdpa.{part}" for part, names in _PARTS.items() for name in names}
 
 
-def calls(module: nn.Module) -> Dict[str, int]:
-    """The SDPA calls a routed module has made: ``{"fused": n, "stock: <reason>": m}``
-    (:func:`attn_export.surgery.fused_calls` in SDPA's terms)."""
-    from attn_export.surgery.routes import fused_calls
-
+def _calls(module):
+    """The SDPA calls a routed module has made: ``{"fused": n, "stock: <reason>": m}``."""
     return fused_calls(module).as_counter()
+
+
+def __getattr__(name):
+    if name == "calls":
+        warnings.warn("attn_export.surgery.sdpa_route.calls(module) is deprecated: use "
+                      "attn_export.surgery.fused_calls(module).as_counter()", DeprecationWarning, stacklevel=2)
+        return _calls
+    if name in _MOVED:
+        warnings.warn(f"attn_export.surgery.sdpa_route.{name} is deprecated: use {_MOVED[name]}.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'attn_export.surgery.sdpa_route' has no attribute {name!r}")

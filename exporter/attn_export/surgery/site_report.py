@@ -3,14 +3,15 @@
 (``ReplacementReport``: table, JSON, coverage gate). exporter/attn_export/surgery/replace.py fills it."""
 from __future__ import annotations
 
+import collections
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from torch import nn
 
-REPLACED = "replaced"
+REPLACED = "replaced"  # the module route: the module swapped for the fused one
 WILL_REPLACE = "will be replaced"
-# transformers models: the attention layer stays, its attention function is routed to the operator
+# every other route: the module stays, its attention calls reach the operator
 ROUTED = "routed"
 WILL_ROUTE = "will be routed"
 ALREADY_FUSED = "already fused"
@@ -41,10 +42,9 @@ class AttentionLayer:
     reason: Optional[str] = None
     notes: List[str] = field(default_factory=list)
     also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
-    # how the site was found: "module" (an nn.MultiheadAttention), "routed" (a transformers layer
-    # dispatching through AttentionInterface), "sdpa" (a module whose forward calls
-    # F.scaled_dot_product_attention), "pattern" (hand-written attention), "" (an unrecognized
-    # module named like an attention layer)
+    # how the site was found: the name of the route that reached it (attn_export.surgery.routes:
+    # "transformers", "diffusers", "sdpa", "module"), "pattern" (hand-written attention rewritten
+    # in the export), "" (an unrecognized module named like an attention layer)
     found: str = "module"
 
 
@@ -90,32 +90,14 @@ class ReplacementReport:
             )
         return None
 
-    def confirm_sdpa_calls(self, model: nn.Module) -> List[str]:
-        """After ``model`` (the one :func:`replace_attention` changed) has run: every routed
-        ``sdpa`` site that made no SDPA call, or whose calls ran on PyTorch's SDPA, becomes
-        skipped with the reason. Returns one line per site changed."""
-        from attn_export.surgery.routes import fused_calls
+    def confirm_calls(self, model: nn.Module) -> List[str]:
+        """After ``model`` (the one :func:`replace_attention` changed) has run: every routed site
+        that its route says did not run on the operator (an ``sdpa`` site that made no SDPA call,
+        or whose calls ran on PyTorch's SDPA) becomes skipped with the reason. Returns one line per
+        site changed (none for a plan, which changed nothing)."""
+        return self.surgery.confirm(model, self.layers) if self.surgery is not None else []
 
-        changed = []
-        for layer in self.layers:
-            if layer.found != "sdpa" or layer.status not in (ROUTED, ALREADY_FUSED):
-                continue
-            try:
-                module = model.get_submodule(layer.path) if layer.path else model
-            except AttributeError:
-                continue
-            counts = fused_calls(module)
-            stock = sorted(counts.unfused)
-            if counts.fused and not stock:
-                continue
-            layer.status = SKIPPED
-            if stock:
-                layer.reason = "its F.scaled_dot_product_attention call(s) ran on PyTorch's SDPA: " + "; ".join(stock)
-            else:
-                layer.reason = ("its forward made no F.scaled_dot_product_attention call when the model ran (it took "
-                                "another path, e.g. a switch such as timm's fused_attn=False)")
-            changed.append(f"{layer.path or '(model)'}: {layer.reason}")
-        return changed
+    confirm_sdpa_calls = confirm_calls  # its earlier name, when only the SDPA routes confirmed
 
     def add_pattern_sites(self, sites, model: Optional[nn.Module] = None) -> None:
         """Records the hand-written attention found in a captured graph
@@ -156,7 +138,7 @@ class ReplacementReport:
             "num_found": len(self.layers),
             "num_replaced": self.num_replaced,  # swapped modules and routed transformers layers
             "num_routed": sum(1 for layer in self.layers if layer.status in (ROUTED, WILL_ROUTE)),
-            "num_sdpa": sum(1 for layer in self.layers if layer.found == "sdpa"),
+            "num_by_found": dict(collections.Counter(layer.found for layer in self.layers)),
             "num_already_fused": len(self.already_fused),
             "num_skipped": len(self.skipped),
             "layers": [asdict(layer) for layer in self.layers],

@@ -87,7 +87,7 @@ def load(verbose: bool = False):
         + sorted(HERE.glob("*.h"))
         + sorted(HERE.glob("*.cpp"))
         + [CSRC / "attention_params.h", CSRC / "ops" / "attention_binding.h", CSRC / "ops" / "attention_binding.cpp",
-           CSRC / "ops" / "verified_route.h", CSRC / "ops" / "verified_route.cpp"]
+           CSRC / "ops" / "verified_inputs.h", CSRC / "ops" / "verified_inputs.cpp"]
     )
     name = f"attn_export_emu_{_build_hash(inputs)}"
     build_dir = pathlib.Path(os.environ.get("ATTN_EXPORT_EMU_BUILD", pathlib.Path.home() / ".cache" / "attn_export_emu")) / name
@@ -110,7 +110,7 @@ def load(verbose: bool = False):
         sources.append(str(unit))
     sources += [str(HERE / f) for f in ("emulator_runtime.cpp", "emulator_ops.cpp", "emulator_selftest.cpp",
                                         "guarded_memory.cpp")]
-    sources += [str(CSRC / "ops" / "attention_binding.cpp"), str(CSRC / "ops" / "verified_route.cpp")]
+    sources += [str(CSRC / "ops" / "attention_binding.cpp"), str(CSRC / "ops" / "verified_inputs.cpp")]
 
     cflags = [
         "-std=c++20", "-O2", "-g0", "-pthread", "-fno-strict-aliasing",

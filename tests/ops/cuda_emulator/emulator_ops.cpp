@@ -17,7 +17,7 @@
 #include "guarded_memory_scope.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "ops/attention_binding.h"
-#include "ops/verified_route.h"
+#include "ops/verified_inputs.h"
 #include "simt_emulator.h"
 
 namespace attn_export::ops {
@@ -96,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_core_attributes(given);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
-  const KernelRoute route = verified_route(query, key, value, given, cuda::attention_preview_enabled());
+  const KernelInputs route = verified_inputs(query, key, value, given, cuda::attention_preview_enabled());
   const CoreOptions& options = route.options;
   const at::ScalarType dtype = query.scalar_type(), acc = accumulation_dtype(dtype);
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from attn_export.surgery.sdpa_route import known_equal as same  # noqa: F401 - shared by the modules here
+from attn_export.surgery.sdpa.translate import known_equal as same  # noqa: F401 - shared by the modules here
 
 aten = torch.ops.aten
 Node = torch.fx.Node

@@ -5,7 +5,8 @@ sites (``claim``), say why a module it cannot reach is refused (``decline``), ``
 count what ran at a site (``calls``). :func:`attn_export.replace_attention`,
 :func:`attn_export.inspect_attention` and the export's plan walk the model and ask the routes of
 :data:`ROUTES` in this order: the first that claims a module owns it, and the routes apply in this
-order (undo runs in reverse). A new route is one module and one line here.
+order (undo runs in reverse). A new route is one module and one line here (or, for a while,
+``with registered(route):``); everything the report says about its sites comes from the route.
 
 Graph patterns (:mod:`attn_export.surgery.patterns`) are not a route: they rewrite a captured
 graph (a copy made by ``torch.export``), so they have nothing to apply to the model or undo; the
@@ -13,7 +14,8 @@ export adds their rows to the report after capture (``ReplacementReport.add_patt
 """
 from __future__ import annotations
 
-from typing import List
+import contextlib
+from typing import Iterator, List, Optional
 
 from torch import nn
 
@@ -34,6 +36,20 @@ ROUTES: List[Route] = [
 ]
 
 
+@contextlib.contextmanager
+def registered(route: Route, before: Optional[str] = None) -> Iterator[Route]:
+    """Adds ``route`` to :data:`ROUTES` for the block (ahead of the route named ``before``, else
+    last) and takes it out again; refuses a name already in the table."""
+    names = [r.name for r in ROUTES]
+    if not route.name or route.name in names:
+        raise ValueError(f"a route needs a name of its own: {route.name!r} (the table has {names})")
+    ROUTES.insert(names.index(before) if before is not None else len(ROUTES), route)
+    try:
+        yield route
+    finally:
+        ROUTES.remove(route)
+
+
 def fused_calls(module: nn.Module) -> CallCount:
     """Did the fused operator run at this site: the calls counted at ``module`` since it was
     routed, by whichever route reached it (``CallCount(0, {})`` where none counts; the module route
@@ -46,4 +62,4 @@ def fused_calls(module: nn.Module) -> CallCount:
     return total
 
 
-__all__ = ["ROUTES", "Route", "CallCount", "fused_calls"]
+__all__ = ["ROUTES", "Route", "CallCount", "fused_calls", "registered"]

@@ -76,19 +76,36 @@ class Site:
 
 class Route:
     """One way attention sites are reached. Subclasses set ``name`` and override ``claim``; the
-    other methods default to "nothing to do"."""
+    other methods default to "nothing to do". Everything the report says about a route's sites
+    comes from here: the rows' ``found`` is the route's ``name``."""
 
     name = ""
     descend = False  # whether the modules inside a claimed site are visited too
+    # True where sites are recognized by their class, so that a sample forward finds no more
+    by_type = False
+    # The report's note when no sample forward ran and this route may have missed sites
+    unobserved_note: Optional[str] = None
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         """The report row of ``module`` if it is a site of this route (its status ``will be ...``,
-        ``already fused`` or ``skipped`` with the reason), else None."""
+        ``already fused`` or ``skipped`` with the reason), else None. The walk sets the row's
+        ``found`` to :attr:`name`."""
         raise NotImplementedError
 
     def decline(self, scan: Scan, module: nn.Module) -> Optional[str]:
         """Why a module named like an attention layer that no route claimed cannot be reached by
         this route, where this route has the most specific reason; None otherwise."""
+        return None
+
+    def missing(self, scan: Scan) -> Optional[str]:
+        """What a module no route claimed lacks to be a site of this route, as a clause of the
+        report's general reason ("it is not a torch.nn.MultiheadAttention"); None to say nothing."""
+        return None
+
+    def unconfirmed(self, module: nn.Module) -> Optional[str]:
+        """After the routed model ran: why this route's site ``module`` did not run on the
+        operator (the report marks it skipped with this reason); None where it did, or where the
+        route's sites need no confirming."""
         return None
 
     def notes(self, sites: List[Site], applied: bool) -> List[str]:

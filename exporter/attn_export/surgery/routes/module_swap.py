@@ -18,8 +18,8 @@ from typing import List, Optional
 from torch import nn
 
 from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention, fusion_notes
+from attn_export.surgery.geometry import geometry
 from attn_export.surgery.routes.base import Route, Scan, Site, restore_attributes, saved_attributes
-from attn_export.surgery.routes.geometry import geometry
 from attn_export.surgery.site_report import ALREADY_FUSED, REPLACED, SKIPPED, WILL_REPLACE, AttentionLayer, _qualname
 
 
@@ -48,6 +48,10 @@ def _parent_path(path: str) -> tuple[str, str]:
 
 class ModuleSwap(Route):
     name = "module"
+    by_type = True
+
+    def missing(self, scan: Scan) -> Optional[str]:
+        return "it is not a torch.nn.MultiheadAttention"
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         if isinstance(module, FusedMultiheadAttention):

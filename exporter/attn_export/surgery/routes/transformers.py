@@ -52,6 +52,7 @@ def _copied(saved: Dict) -> Dict:
 
 class TransformersLayers(Route):
     name = "transformers"
+    by_type = True
 
     def claim(self, scan: Scan, module: nn.Module, parent: Optional[nn.Module], path: str) -> Optional[AttentionLayer]:
         if not scan.once("contains_hf_model", lambda: _hf.contains_hf_model(scan.model)):
@@ -63,7 +64,7 @@ class TransformersLayers(Route):
         heads, embed = _hf.layer_geometry(module)
         status = {"routed": ALREADY_FUSED, "routable": WILL_ROUTE}.get(state, SKIPPED)
         return AttentionLayer(path, _qualname(module), heads, embed, status, reason=reason,
-                              notes=notes if status != SKIPPED else [], found="routed")
+                              notes=notes if status != SKIPPED else [])
 
     def decline(self, scan: Scan, module: nn.Module) -> Optional[str]:
         if scan.once("contains_hf_model", lambda: _hf.contains_hf_model(scan.model)):

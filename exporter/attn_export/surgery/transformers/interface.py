@@ -31,9 +31,7 @@ def unfused_calls(module: nn.Module) -> Dict[str, int]:
     """The calls of ``module`` that ran transformers' attention instead of the operator since
     it was built: reason -> count (empty when every call was fused). The unfused part of
     :func:`attn_export.surgery.fused_calls`."""
-    from attn_export.surgery.routes import fused_calls
-
-    return dict(fused_calls(module).unfused)
+    return dict(module.__dict__.get(_UNFUSED_CALLS) or {})
 
 
 _FUSED_CALLS, _UNFUSED_CALLS = "_attn_export_fused_calls", "_attn_export_unfused_calls"

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from attn_export.surgery.sdpa_route import is_one as _is_one
-from attn_export.surgery.sdpa_route import known_equal as _same_size
+from attn_export.surgery.sdpa.translate import is_one as _is_one
+from attn_export.surgery.sdpa.translate import known_equal as _same_size
 from attn_export.surgery.transformers.compat import IMPLEMENTATION
 
 _NOT_COMPACT = object()  # the arguments ask for a mask the compact forms cannot express

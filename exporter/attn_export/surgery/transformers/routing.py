@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
+from attn_export.surgery.geometry import geometry
 from attn_export.surgery.transformers.compat import IMPLEMENTATION, UNSERVED_KWARGS
 from attn_export.surgery.transformers.interface import register
 
@@ -53,21 +54,10 @@ def module_config(module: nn.Module):
 
 def layer_geometry(module: nn.Module) -> Tuple[Optional[int], Optional[int]]:
     """(heads, hidden size) of an attention module, from its attributes or its config."""
+    heads, embed = geometry(module)
     config = module_config(module)
-    heads = None
-    for name in ("num_heads", "num_attention_heads", "n_head"):
-        value = getattr(module, name, None)
-        if isinstance(value, int):
-            heads = value
-            break
     if heads is None and config is not None:
         heads = getattr(config, "num_attention_heads", None)
-    embed = None
-    for name in ("embed_dim", "hidden_size"):
-        value = getattr(module, name, None)
-        if isinstance(value, int):
-            embed = value
-            break
     if embed is None and config is not None:
         embed = getattr(config, "hidden_size", None)
     return (heads if isinstance(heads, int) else None), (embed if isinstance(embed, int) else None)

@@ -1,4 +1,4 @@
-#include "verified_route.h"
+#include "verified_inputs.h"
 
 #include <limits>
 
@@ -39,18 +39,18 @@ at::Tensor with_causal_keys(const std::optional<at::Tensor>& mask, int64_t seqle
 
 }  // namespace
 
-KernelRoute verified_route(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           const CoreOptions& options, bool preview) {
-  KernelRoute route{key, value, options};
+KernelInputs verified_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const CoreOptions& options, bool preview) {
+  KernelInputs inputs{key, value, options};
   if (preview) {
-    return route;
+    return inputs;
   }
   const int64_t heads = query.size(1);
   if (key.size(1) != heads && key.size(1) > 0 && heads % key.size(1) == 0) {
-    route.key = expand_heads(key, heads);
-    route.value = expand_heads(value, heads);
+    inputs.key = expand_heads(key, heads);
+    inputs.value = expand_heads(value, heads);
   }
-  CoreOptions& o = route.options;
+  CoreOptions& o = inputs.options;
   const int64_t seqlen_q = query.size(2), seqlen_k = key.size(2);
   if (o.is_causal && o.window > 0) {
     // The window is a preview path: the verified kernels get it as a boolean [Lq, Lk] mask.
@@ -68,14 +68,14 @@ KernelRoute verified_route(const at::Tensor& query, const at::Tensor& key, const
     }
     o.causal_alignment = kCausalTopLeft;
   }
-  return route;
+  return inputs;
 }
 
 ForwardArgs verified_forward_args(const ForwardArgs& a, bool preview) {
   check_attention_inputs(a.query, a.key, a.value, a.options.attn_mask, a.options.key_padding_mask);
   check_core_attributes(a.options);
-  KernelRoute route = verified_route(a.query, a.key, a.value, a.options, preview);
-  return ForwardArgs{a.query, std::move(route.key), std::move(route.value), std::move(route.options), a.need_weights};
+  KernelInputs inputs = verified_inputs(a.query, a.key, a.value, a.options, preview);
+  return ForwardArgs{a.query, std::move(inputs.key), std::move(inputs.value), std::move(inputs.options), a.need_weights};
 }
 
 }  // namespace attn_export::ops

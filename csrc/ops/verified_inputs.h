@@ -18,15 +18,15 @@
 
 namespace attn_export::ops {
 
-struct KernelRoute {
+struct KernelInputs {
   at::Tensor key, value;
   CoreOptions options;
 };
 
-KernelRoute verified_route(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           const CoreOptions& options, bool preview);
+KernelInputs verified_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const CoreOptions& options, bool preview);
 
-// The forward's arguments routed as above, after the checks of the caller's own inputs (so that
+// The forward's arguments rewritten as above, after the checks of the caller's own inputs (so that
 // a bad input is refused with its own shapes, not the rewritten ones).
 ForwardArgs verified_forward_args(const ForwardArgs& args, bool preview);
 
