@@ -1,5 +1,5 @@
 """The generation gate's reference cannot fail a correct export, and cannot crash: on the same
-stock cached export of a tiny GPT-2 (benchmarks/stock_cached.py), the model handed to the gate
+cached export of a tiny GPT-2 (``export_onnx(..., with_past=True)``), the model handed to the gate
 with rows that reach their end-of-sequence token, special ids outside the vocabulary, a
 generation_config with logits processors, one prompt or several: each gives a verdict (passed),
 never a padded reference row or a Python exception. These run on every supported transformers
@@ -21,8 +21,8 @@ from attn_export.validation.generation import (  # noqa: E402
     random_prompts,
     reference_generation,
 )
-from benchmarks.stock_cached import export_stock_cached  # noqa: E402
-from hf_models import tiny_gpt2  # noqa: E402
+from attn_export.onnx import export_onnx  # noqa: E402
+from hf_models import padded_batch, tiny_gpt2  # noqa: E402
 
 NEW_TOKENS = 8
 VOCAB = 97  # tiny_gpt2's
@@ -33,8 +33,8 @@ def gpt2(tmp_path_factory):
     """The model and its stock cached export; the special ids are the config's only (the file
     does not depend on them), so every test below varies them on a copy of the model."""
     model = tiny_gpt2()
-    path = tmp_path_factory.mktemp("gen_ref") / "gpt2_stock.onnx"
-    export_stock_cached(model, path)
+    path = tmp_path_factory.mktemp("gen_ref") / "gpt2.onnx"
+    export_onnx(model, padded_batch((5, 3), 5, left=True), path, with_past=True)
     return model, path
 
 
@@ -150,3 +150,23 @@ def test_the_cli_exits_0_for_a_gpt2_whose_special_ids_lie_outside_its_vocabulary
     proc = invoke("validate", tmp_path / "gpt2", path, "--new-tokens", "4", "--json", tmp_path / "r.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "r.json").read_text())["generation"]["passed"]
+
+
+def test_transformers_ends_rows_on_the_models_eos_despite_eos_token_id_none(gpt2):
+    """The behaviour the reference sets aside (``_plain_generation_defaults``), pinned by name:
+    a GenerationConfig's ``eos_token_id=None`` counts as "unset", and generate() takes the
+    model's own EOS (transformers 5: always; 4.50-4.57: ``use_model_defaults``), ends the row
+    there and pads it. If this fails, a transformers release changed how generate() merges the
+    model's generation_config; the gate's reference (tested above) must still run every row to
+    the end."""
+    model, _path = gpt2
+    prompts = [[5, 6, 7], [8, 9]]
+    eos, pad = first_greedy_token(model, prompts), 1
+    stopping = with_special_ids(model, eos_token_id=eos)
+    ids, mask = left_padded(prompts, pad_id=pad)
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                           pad_token_id=pad)
+    with torch.no_grad():
+        row = stopping.generate(input_ids=ids, attention_mask=mask, generation_config=config)[0, ids.shape[1]:]
+    ended = row.tolist().index(eos) if eos in row.tolist() else len(row)
+    assert ended < 2 and (row[ended + 1:] == pad).all(), f"transformers {transformers.__version__}: {row.tolist()}"
