@@ -6,6 +6,8 @@ never a padded reference row or a Python exception. These run on every supported
 (the Makefile's test-transformers-oldest runs this file on the oldest)."""
 import copy
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +172,19 @@ def test_transformers_ends_rows_on_the_models_eos_despite_eos_token_id_none(gpt2
         row = stopping.generate(input_ids=ids, attention_mask=mask, generation_config=config)[0, ids.shape[1]:]
     ended = row.tolist().index(eos) if eos in row.tolist() else len(row)
     assert ended < 2 and (row[ended + 1:] == pad).all(), f"transformers {transformers.__version__}: {row.tolist()}"
+
+
+def test_the_oldest_transformers_ci_runs_is_the_minimum_the_package_allows():
+    """``make test-transformers-oldest`` (the Makefile's TRANSFORMERS_OLDEST), pyproject's
+    ``transformers>=``, the refusal's MIN_VERSION and docs/install.md name one release."""
+    from attn_export.surgery.transformers.compat import MIN_VERSION
+
+    root = Path(__file__).resolve().parents[2]
+    minimum = re.search(r'"transformers>=([\d.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    pinned = re.search(r"^TRANSFORMERS_OLDEST := ([\d.]+)$", (root / "Makefile").read_text(), re.M).group(1)
+
+    def padded(text):
+        return tuple(int(x) for x in text.split(".")) + (0,) * (3 - len(text.split(".")))
+
+    assert padded(pinned) == padded(minimum) == padded(".".join(map(str, MIN_VERSION)))
+    assert f"transformers {pinned} and newer" in (root / "docs" / "install.md").read_text()
