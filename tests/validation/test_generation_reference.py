@@ -137,7 +137,7 @@ def test_a_generate_that_fails_is_a_clear_usage_error(gpt2):
 
     broken = copy.deepcopy(model)
     broken.__class__ = Broken
-    with pytest.raises(InputError, match="generate\\(\\) failed.*RuntimeError: index out of range"):
+    with pytest.raises(InputError, match="generate\\(\\) or forward failed.*RuntimeError: index out of range"):
         check_generation(broken, path, new_tokens=NEW_TOKENS)
 
 

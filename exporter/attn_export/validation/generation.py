@@ -8,7 +8,8 @@ export (``attn_export.with_past`` in its metadata), against the PyTorch model's 
 A left-padded batch of prompts of different lengths is prefilled with an empty past of the
 shapes the metadata gives, then one token per step is fed with the presents of the step before,
 the attention mask grown by one column and ``position_ids = cumsum(attention_mask) - 1`` (clipped
-at 0), as ``generate()`` does. Passes when every step picks the reference's token and every
+at 0), as ``generate()`` does. The reference is plain greedy decoding: every row runs to the end
+(EOS does not stop it) and each step's token is the argmax of its logits. Passes when every step picks the reference's token and every
 step's logits (and the prefill's, at the prompts' valid tokens) are within the dtype's
 tolerance at the scale of those logits (validation/tolerances.py).
 """
@@ -137,15 +138,15 @@ def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0,
                                            eos_token_id=None, pad_token_id=pad_id, use_cache=True,
                                            output_logits=True, return_dict_in_generate=True)
+    extra = {"position_ids": positions(mask)} if takes_positions else {}
     with torch.no_grad():
         try:
             with _plain_generation_defaults(model):
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            prefill = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            raise InputError(f"the model's generate() failed on {ids.shape[0]} left-padded prompts: "
+            raise InputError(f"the model's generate() or forward failed on {ids.shape[0]} left-padded prompts: "
                              f"{type(exc).__name__}: {first_line(exc)}") from exc
-        extra = {"position_ids": positions(mask)} if takes_positions else {}
-        prefill = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
     if len(out.logits) != new_tokens:
         raise InputError(f"the model's generate() stopped after {len(out.logits)} of {new_tokens} tokens")
     tokens, logits = out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits])
