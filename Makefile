@@ -15,7 +15,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-fast test-wheel wheel bench install clean plugin mutants
+.PHONY: demo test test-fast test-wheel test-transformers-oldest wheel bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,28 @@ DURATIONS ?= --durations=25
 # from the package, a dependency missing from its metadata), since the suite imports the checkout.
 test: install test-wheel
 	$(PY) -m pytest $(PYTEST_ARGS) $(DURATIONS)
+	$(MAKE) test-transformers-oldest
+
+# The generation gate's tests again on the oldest transformers the `hf` extra allows (pyproject:
+# transformers>=TRANSFORMERS_OLDEST; docs/install.md, "Which transformers"): `make test` runs the
+# suite on the newest release the index has, this target runs the gate's file on the oldest
+# (about a minute). The old release goes into a folder of its own, first on PYTHONPATH, with
+# --no-deps and the tokenizers, huggingface_hub and kernels releases of its time (the venv's
+# newer ones do not import with it); torch and everything else come from $(VENV).
+TRANSFORMERS_OLDEST := 4.53.0
+OLDEST_DIR := .venv-transformers-oldest
+OLDEST_PINS := transformers==$(TRANSFORMERS_OLDEST) tokenizers==0.21.4 huggingface_hub==0.36.0 kernels==0.7.1
+OLDEST_TESTS := tests/validation/test_generation_reference.py
+
+$(OLDEST_DIR)/.installed: Makefile
+	rm -rf $(OLDEST_DIR)
+	$(PIP) install --no-deps --target $(OLDEST_DIR) $(OLDEST_PINS)
+	touch $@
+
+test-transformers-oldest: install $(OLDEST_DIR)/.installed
+	PYTHONPATH=$(OLDEST_DIR) $(PY) -c "import torch, transformers; v = transformers.__version__; \
+		assert v == '$(TRANSFORMERS_OLDEST)', v; print('transformers', v, 'torch', torch.__version__)"
+	PYTHONPATH=$(OLDEST_DIR) $(PY) -m pytest -n 0 -p no:cacheprovider $(OLDEST_TESTS)
 
 # The everyday loop: every package's tests without the slow ones (the CUDA emulator, the model
 # zoo, the fuzzers, the other instruction sets, end-to-end runs); under 3 minutes on 2 cores once
@@ -138,4 +160,4 @@ plugin:
 	cmake --build build/tensorrt -j
 
 clean:
-	rm -rf build dist exporter/attn_export/_C*.so exporter/attn_export/_build_info.py $(VENV)
+	rm -rf build dist exporter/attn_export/_C*.so exporter/attn_export/_build_info.py $(VENV) $(OLDEST_DIR)

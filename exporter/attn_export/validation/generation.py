@@ -8,12 +8,14 @@ export (the cache's contract in its metadata, attn_export/cache_contract.py), ag
 A left-padded batch of prompts of different lengths is prefilled with an empty past of the
 shapes the metadata gives, then one token per step is fed with the presents of the step before,
 the attention mask grown by one column and ``position_ids = cumsum(attention_mask) - 1`` (clipped
-at 0), as ``generate()`` does. Passes when every step picks the reference's token and every
+at 0), as ``generate()`` does. The reference is plain greedy decoding: every row runs to the end
+(EOS does not stop it) and each step's token is the argmax of its logits. Passes when every step picks the reference's token and every
 step's logits (and the prefill's, at the prompts' valid tokens) are within the dtype's
 tolerance at the scale of those logits (validation/tolerances.py).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from pathlib import Path
@@ -47,8 +49,9 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> Tuple[torch.Te
 
 
 def random_prompts(vocab_size: int, lengths: Sequence[int], seed: int, avoid: Sequence[int] = ()) -> List[List[int]]:
-    """Prompts of the given lengths from the vocabulary (seeded), without the special tokens."""
-    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)])
+    """Prompts of the given lengths from the vocabulary (seeded), without the special tokens
+    (unless they are all the vocabulary has)."""
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(avoid)] or list(range(vocab_size)))
     gen = torch.Generator().manual_seed(seed)
     return [allowed[torch.randint(len(allowed), (n,), generator=gen)].tolist() for n in lengths]
 
@@ -59,23 +62,80 @@ def _special_tokens(config) -> List[int]:
     return [int(i) for i in flat if i is not None]
 
 
+def vocabulary_size(model: nn.Module) -> int:
+    """The number of token ids the model embeds: its config's ``vocab_size`` (the text config's
+    for a composite model), else the rows of its input embeddings."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(config, "vocab_size", None) or getattr(text, "vocab_size", None)
+    if size is None and hasattr(model, "get_input_embeddings"):
+        size = model.get_input_embeddings().weight.shape[0]
+    if not size:
+        raise InputError("the generation gate could not tell the model's vocabulary size (no config.vocab_size)")
+    return int(size)
+
+
+def choose_pad_id(config, vocab_size: int) -> int:
+    """The id that fills the left padding: the model's pad, else its EOS, else its BOS, the first
+    of them inside the vocabulary (a config may name ids its vocabulary lacks: GPT-2's 50256 in a
+    resized model); else 0. Padded positions are masked, so any id the model embeds serves."""
+    return next((i for i in _special_tokens(config) if 0 <= i < vocab_size), 0)
+
+
+@contextlib.contextmanager
+def _plain_generation_defaults(model: nn.Module):
+    """The model's own generation_config set aside for one generate() call. transformers fills
+    the fields a GenerationConfig leaves None from it (5.x always; 4.50+ through
+    ``use_model_defaults``): its EOS would end rows (eos_token_id=None does not stop that), its
+    repetition penalty, suppressed or forced tokens would pick other tokens than the argmax of
+    the logits the gate compares."""
+    import transformers
+
+    saved = getattr(model, "generation_config", None)
+    model.generation_config = transformers.GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 def reference_generation(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int,
                          takes_positions: bool):
     """The model's own greedy generate(): tokens [B, N], each step's logits [N, B, V] (before any
-    logits processor) and the prefill's logits [B, S, V]. EOS does not end generation: every row
-    runs N steps."""
+    logits processor) and the prefill's logits [B, S, V]. EOS does not end generation and no
+    logits processor runs: every row runs N steps, each picking the argmax of its logits."""
     import transformers
 
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0,
                                            eos_token_id=None, pad_token_id=pad_id, use_cache=True,
                                            output_logits=True, return_dict_in_generate=True)
+    extra = {"position_ids": positions(mask)} if takes_positions else {}
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        extra = {"position_ids": positions(mask)} if takes_positions else {}
-        prefill = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
+        try:
+            with _plain_generation_defaults(model):
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            prefill = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            raise InputError(f"the model's generate() or forward failed on {ids.shape[0]} left-padded prompts: "
+                             f"{type(exc).__name__}: {first_line(exc)}") from exc
     if len(out.logits) != new_tokens:
         raise InputError(f"the model's generate() stopped after {len(out.logits)} of {new_tokens} tokens")
-    return out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits]), prefill.float()
+    tokens, logits = out.sequences[:, ids.shape[1]:], torch.stack([l.float() for l in out.logits])
+    _require_greedy(tokens, logits)
+    return tokens, logits, prefill.float()
+
+
+def _require_greedy(tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """Every reference token is the argmax of its step's logits: the gate compares the backend's
+    argmax to it, so anything else (a row ended and padded, a logits processor) would fail a
+    correct export. A transformers release that changes generate() shows up here, by name."""
+    differ = torch.nonzero(logits.argmax(-1).T != tokens)
+    if len(differ):
+        row, step = (int(x) for x in differ[0])
+        raise InputError(f"the model's generate() picked token {int(tokens[row, step])} at step {step} of row {row}, "
+                         f"not the argmax of its logits ({int(logits[step, row].argmax())}): transformers "
+                         "ended the row or ran a logits processor the gate did not turn off; the gate cannot judge "
+                         "the export against it")
 
 
 def _decode(steps, ids, mask, tokens, takes_positions: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
@@ -155,13 +215,12 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Option
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
     reference_model = copy.deepcopy(model).float().eval()
-    special = _special_tokens(reference_model.config)
-    pad_id = special[0] if special else 0
+    vocab = vocabulary_size(reference_model)
+    pad_id = choose_pad_id(reference_model.config, vocab)
     prompts = list(prompts) if prompts is not None else random_prompts(
-        reference_model.config.vocab_size, prompt_lengths, seed, avoid=special)
+        vocab, prompt_lengths, seed, avoid=_special_tokens(reference_model.config))
     if not prompts or min(len(p) for p in prompts) < 1:
         raise InputError("every prompt needs at least one token")
-    vocab = reference_model.config.vocab_size
     if any(not 0 <= int(t) < vocab for p in prompts for t in p):
         raise InputError(f"prompt token ids must lie in [0, {vocab}), the model's vocabulary")
     ids, mask = left_padded(prompts, pad_id)
