@@ -270,7 +270,9 @@ def onnx_attention_option(f):
              f"it as the plugin). standard: one standard ONNX Attention node (opset {STANDARD_MIN_OPSET}; --opset "
              f"defaults to {STANDARD_MIN_OPSET}) "
              "that ONNX Runtime and TensorRT implement themselves, no plugin; a layer it cannot express keeps the "
-             "custom node and the output says why.",
+             "custom node and the output says why. ort: ONNX Runtime's own contrib operators (GroupQueryAttention, "
+             "MultiHeadAttention) and graph fusions, for ONNX Runtime and ONNX Runtime GenAI ONLY (no other runtime "
+             "reads the com.microsoft domain); a layer they cannot express keeps the custom node and the output says why.",
     )(f)
 
 

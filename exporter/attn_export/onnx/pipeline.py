@@ -23,6 +23,7 @@ from attn_export.errors import ExportError, InputError, first_line as _first_lin
 from attn_export.atomic_io import atomic_output
 from attn_export.onnx import dims as _dims
 from attn_export.onnx import with_past as _with_past
+from attn_export.onnx import ort as _ort
 from attn_export.onnx.custom_past import fold_past
 from attn_export.onnx.graph import (
     META_PREFIX,
@@ -190,7 +191,7 @@ def export_onnx(
         with_past=cached.geometry.to_dict() if cached is not None else None,
     )
     _write_metadata(proto, result, _came_out_dynamic(axes, labels))
-    _save(proto, path)
+    _save(proto, path, _ort.check_model if attention == "ort" else onnx.checker.check_model)
     return result
 
 
@@ -369,6 +370,9 @@ def _finish_graph(proto, axes, opset: int, attention: str, functions: str, notes
         notes.extend(f"kept as the custom node: {line}" for line in rewrite.kept)
     if count_attention_nodes(proto):
         fold_past(proto)  # a cached export: the Concat(past, new) into the nodes' cache form
+        if attention == "ort":  # ONNX Runtime's contrib operators where they compute the node (onnx/ort/)
+            rewrite = _ort.finish(proto, notes)
+    if count_attention_nodes(proto):
         attach_function(proto, opset)
         if functions == "inline":
             inline_functions(proto)
@@ -397,10 +401,10 @@ def _write_metadata(proto, result: ExportResult, dynamic_axes: Dict[str, Dict[in
     proto.producer_version = _package_version()
 
 
-def _save(proto, path: Path) -> None:
+def _save(proto, path: Path, check=onnx.checker.check_model) -> None:
     """Checked (full_check) and written whole or not at all."""
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        check(proto, full_check=True)
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"the exported model fails onnx.checker.check_model(full_check=True): {_first_line(exc)}") from exc
     if proto.ByteSize() > 2**31 - 1:
