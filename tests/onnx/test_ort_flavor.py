@@ -133,3 +133,22 @@ def test_lowering_reports_nothing_on_a_model_without_attention():
     model = onnx.helper.make_model(graph)
     lowered = lower_attention(model)
     assert lowered.converted == {} and lowered.kept == [] and len(model.graph.node) == 1
+
+
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
+    """Gemma 2: soft-capping on every layer, a window of 4 (shorter than the prompts) on every
+    other one: GroupQueryAttention's softcap and local_window_size = the node's window."""
+    from test_with_past import tiny_gemma2
+
+    model = tiny_gemma2()
+    path = tmp_path / "gemma2.onnx"
+    ids = torch.randint(1, 97, (2, 5))
+    export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
+                attention="ort")
+    graph = onnx.load(str(path))
+    windows = sorted(onnx.helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "GroupQueryAttention"
+                     for a in n.attribute if a.name == "local_window_size")
+    assert windows == [-1, 4]
+    result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
+    assert result.passed, result.to_dict()
