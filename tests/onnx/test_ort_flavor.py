@@ -51,10 +51,12 @@ def llama(tmp_path_factory):
 def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
     graph = onnx.load(str(path))
-    ops = op_counts(graph)
-    assert ops["GroupQueryAttention"] == model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    # Each layer: If(some key padded) -> the operator with the padding bias, else without it.
+    branches = [[n.op_type for n in a.g.node] for n in graph.graph.node if n.op_type == "If" for a in n.attribute]
+    assert op_counts(graph)["If"] == layers and branches == [["GroupQueryAttention"]] * (2 * layers)
     assert count_attention_nodes(graph) == 0 and not graph.functions
-    gqa = next(n for n in graph.graph.node if n.op_type == "GroupQueryAttention")
+    gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
     assert result.attention == "ort" and result.kept_custom == []
@@ -147,8 +149,8 @@ def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                 attention="ort")
     graph = onnx.load(str(path))
-    windows = sorted(onnx.helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "GroupQueryAttention"
-                     for a in n.attribute if a.name == "local_window_size")
+    gqa = [n for node in graph.graph.node if node.op_type == "If" for branch in node.attribute for n in branch.g.node]
+    windows = sorted({onnx.helper.get_attribute_value(a) for n in gqa for a in n.attribute if a.name == "local_window_size"})
     assert windows == [-1, 4]
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()

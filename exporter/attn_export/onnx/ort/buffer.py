@@ -16,12 +16,21 @@ from attn_export.onnx.ort.nodes import MS_DOMAIN
 def shares_buffer(model: onnx.ModelProto) -> bool:
     """True for an ``ort``-flavor cached export whose every attention is a GroupQueryAttention
     fed from the graph's ``attention_mask``."""
-    ops = [n for n in model.graph.node if n.domain == MS_DOMAIN and n.op_type in (GQA, MHA)]
+    ops = [n for n in _nodes(model.graph) if n.domain == MS_DOMAIN and n.op_type in (GQA, MHA)]
     if not ops or count_attention_nodes(model) or any(n.op_type != GQA for n in ops):
         return False
     if "attention_mask" not in {i.name for i in model.graph.input}:
         return False
     return all(len(n.input) > 4 and n.input[3] and n.input[4] and _from_mask(model, n.input[6]) for n in ops)
+
+
+def _nodes(graph: onnx.GraphProto):
+    """The graph's nodes and those of its If branches (attention.py puts a layer's two forms there)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attr.g)
 
 
 def _from_mask(model: onnx.ModelProto, total: str) -> bool:

@@ -52,6 +52,16 @@ class SharedInputs:
             self.nodes.extend(b.nodes)
         return self.built[key]
 
+    def padded(self, kpm: str) -> str:
+        """A bool scalar: whether the additive padding mask ``kpm`` masks any key."""
+        key = ("padded", kpm)
+        if key not in self.built:
+            b = NodeBuilder(f"ort_padded_{len(self.built)}")
+            low = b.op("ReduceMin", [kpm], "min", keepdims=0)
+            self.built[key] = b.op("Less", [low, b.const("zero", [0.0], dtype=TensorProto.FLOAT, dims=[])], "padded")
+            self.nodes.extend(b.nodes)
+        return self.built[key]
+
     def lengths(self, batch_of: str, total_of: tuple) -> tuple:
         """(seqlens_k, total_sequence_length): ``total_of`` is the (value, axis) whose size is
         the total length; ``batch_of`` a value whose axis 0 is the batch (the first caller's
