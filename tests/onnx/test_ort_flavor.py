@@ -79,7 +79,7 @@ def right_padded(prompts, pad_id):
 
 
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
-@pytest.mark.parametrize("lengths", [(7,), LENGTHS])
+@pytest.mark.parametrize("lengths", [(7,), pytest.param(LENGTHS, marks=pytest.mark.slow)])
 def test_genai_generator_with_the_shared_buffer(llama, lengths):
     og = pytest.importorskip("onnxruntime_genai")
     model, _, path = llama
@@ -137,6 +137,7 @@ def test_lowering_reports_nothing_on_a_model_without_attention():
     assert lowered.converted == {} and lowered.kept == [] and len(model.graph.node) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
     """Gemma 2: soft-capping on every layer, a window of 4 (shorter than the prompts) on every
