@@ -56,6 +56,8 @@ def test_decoder_is_group_query_attention(llama):
     branches = [[n.op_type for n in a.g.node] for n in graph.graph.node if n.op_type == "If" for a in n.attribute]
     assert op_counts(graph)["If"] == layers and branches == [["GroupQueryAttention"]] * (2 * layers)
     assert count_attention_nodes(graph) == 0 and not graph.functions
+    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
+    assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
     gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)

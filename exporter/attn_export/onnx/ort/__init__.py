@@ -12,6 +12,7 @@ Each step is a function ``model -> outcome`` over the exported ModelProto, editi
 """
 from attn_export.onnx.ort.attention import OrtLowering, lower_attention, why_not_ort  # noqa: F401
 from attn_export.onnx.ort.fusions import OrtFusions, fuse_for_ort  # noqa: F401
+from attn_export.onnx.ort.packed_matmul import pack_sibling_matmuls  # noqa: F401
 
 from attn_export.onnx.ort.nodes import MS_DOMAIN  # noqa: F401, E402
 
@@ -29,6 +30,9 @@ def finish(model, notes):
     notes.extend(f"kept as the custom node: {line}" for line in lowered.kept)
     fused = fuse_for_ort(model)
     notes.append(fused.note())
+    packed = pack_sibling_matmuls(model)
+    if packed:
+        notes.append(f"projections that read the same input packed into one MatMul each: {packed} group(s)")
     return StandardRewrite(converted=0, kept=lowered.kept)
 
 
