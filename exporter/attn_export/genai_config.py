@@ -8,7 +8,9 @@ greedy search.
     >>> import onnxruntime_genai as og; og.Model("out")
 
 The search section asks for greedy decoding and ``past_present_share_buffer: false``: the
-export's past grows by concatenation (present = past + new), not in a preallocated buffer.
+export's past grows by concatenation (present = past + new), not in a preallocated buffer;
+``true`` for an ``--onnx-attention ort`` export whose every attention is ONNX Runtime's
+GroupQueryAttention, which writes the new tokens into one buffer at max length (onnx/ort/buffer.py).
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def _io_names(contract: CacheContract):
 def genai_config(onnx_model, filename: str, config, *, context_length: Optional[int] = None) -> Dict[str, object]:
     """The config for the cached export ``onnx_model`` (saved as ``filename``) of a transformers
     decoder with ``config`` (its PretrainedConfig)."""
+    from attn_export.onnx.ort.buffer import shares_buffer
+
     layout = CacheContract.require(onnx_model, filename)
     context = context_length or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not context:
@@ -74,7 +78,7 @@ def genai_config(onnx_model, filename: str, config, *, context_length: Optional[
                   "eos_token_id": eos, "pad_token_id": pad,
                   "type": MODEL_TYPE, "vocab_size": config.vocab_size},
         "search": {"do_sample": False, "num_beams": 1, "max_length": int(context), "min_length": 0,
-                   "past_present_share_buffer": False, "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1,
+                   "past_present_share_buffer": shares_buffer(onnx_model), "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1,
                    "top_p": 1.0, "early_stopping": True, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
                    "num_return_sequences": 1, "diversity_penalty": 0.0},
     }

@@ -12,8 +12,9 @@ from attn_export import spec as _spec
 from attn_export.errors import InputError
 
 # How each fused layer is written: the custom FusedAttention node (with its model-local function
-# and the TensorRT plugin), or the standard Attention operator (docs/onnx_node.md).
-ATTENTION_FLAVORS = ("custom", "standard")
+# and the TensorRT plugin), the standard Attention operator (docs/onnx_node.md), or ONNX
+# Runtime's own contrib operators (GroupQueryAttention, MultiHeadAttention; ONNX Runtime only).
+ATTENTION_FLAVORS = ("custom", "standard", "ort")
 DEFAULT_ATTENTION = "custom"
 # Where the custom nodes' bodies go: model-local functions called by the nodes (the TensorRT
 # plugin maps the nodes), or written inline into the graph for runtimes and tools that do not

@@ -11,7 +11,8 @@ from attn_export.onnx.passes import GraphPass, PassContext, PassOutcome
 from attn_export.onnx_options import ATTENTION_FLAVORS
 
 S = spec.load()
-ORDER = ["label_axes", "project_before_transpose", "standard_attention", "fold_past_custom", "attach_functions",
+ORDER = ["label_axes", "project_before_transpose", "standard_attention", "fold_past_custom", "ort_attention",
+         "ort_fusions", "ort_pack_matmuls", "attach_functions",
          "inline_functions", "record_shapes"]
 
 

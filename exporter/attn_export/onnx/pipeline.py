@@ -22,6 +22,7 @@ from attn_export.onnx._moved import moved_names
 from attn_export.onnx.capture import capture as _capture
 from attn_export.onnx.editing import count_attention_nodes
 from attn_export.onnx.metadata import META_PREFIX
+from attn_export.onnx.ort import check_model as _check_ort_model
 from attn_export.onnx.result import ExportResult
 from attn_export.onnx.sample import SampleRun, sample_run as _sample_run
 from attn_export.onnx.saving import check_writable as _check_writable, save as _save
@@ -69,7 +70,7 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     outcomes = _finish_graph(proto, context, sample.notes)
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
     _write_metadata(proto, result, _came_out_dynamic(axes, context.labels))
-    _save(proto, path)
+    _save(proto, path, _check_ort_model if attention == "ort" else None)
     return result
 
 

@@ -10,10 +10,11 @@ from attn_export.atomic_io import atomic_output
 from attn_export.errors import ExportError, InputError, first_line as _first_line
 
 
-def save(proto, path: Path) -> None:
-    """Checked (full_check) and written whole or not at all."""
+def save(proto, path: Path, check=None) -> None:
+    """Checked by ``check`` (default ``onnx.checker.check_model``; with full_check) and written
+    whole or not at all."""
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        (check or onnx.checker.check_model)(proto, full_check=True)
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"the exported model fails onnx.checker.check_model(full_check=True): {_first_line(exc)}") from exc
     if proto.ByteSize() > 2**31 - 1:

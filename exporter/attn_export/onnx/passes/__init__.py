@@ -19,6 +19,9 @@ from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
 from attn_export.onnx.passes.fold_past_custom import FoldPastCustom
 from attn_export.onnx.passes.inline_functions import InlineFunctions
 from attn_export.onnx.passes.label_axes import LabelAxes
+from attn_export.onnx.passes.ort_attention import OrtAttention
+from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
+from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
 from attn_export.onnx.passes.project_before_transpose import ProjectBeforeTranspose
 from attn_export.onnx.passes.record_shapes import RecordShapes
 from attn_export.onnx.passes.standard_attention import StandardAttention
@@ -28,6 +31,9 @@ PASSES: List[GraphPass] = [
     ProjectBeforeTranspose(),  # fp16 MatMul before a graph input's Transpose (an ONNX Runtime crash)
     StandardAttention(),  # standard flavor: FusedAttention -> opset-23 Attention (and its cache)
     FoldPastCustom(),  # a cached export's Concat(past, new) into the custom nodes' cache form
+    OrtAttention(),  # ort flavor: the (folded) nodes -> ONNX Runtime's GroupQueryAttention / MultiHeadAttention
+    OrtGraphFusions(),  # ort flavor: onnxscript's ONNX Runtime fusions over the rest of the graph
+    OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     AttachFunctions(),  # each custom node's model-local function
     InlineFunctions(),  # functions="inline": the bodies into the graph
     RecordShapes(),  # last: shape inference over the finished graph

@@ -1,0 +1,198 @@
+"""Ours against ONNX Runtime GenAI's model builder, both run by ONNX Runtime GenAI's generator
+(docs/benchmarks.md, "ONNX Runtime GenAI: the ort flavor against the model builder").
+
+    python -m benchmarks.genai_peers --contexts 128,1024 --markdown benchmarks/results/genai_peers.md \\
+        --json benchmarks/results/genai_peers.json
+
+One Llama-style decoder with grouped-query attention (hidden 256, 4 layers, 8 query heads over 2
+key/value heads, head dim 32, vocabulary 2048, random weights, seeded) saved with
+``save_pretrained`` beside a ``tokenizers`` WordLevel tokenizer (so the builder runs offline),
+exported twice from that folder:
+
+* ours: ``attn-export DIR --to onnx --onnx-attention ort --with-past --genai-config``;
+* the builder's: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e cpu``.
+
+Both get the same session options in their genai_config.json (``--threads`` intra-op threads;
+GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pass before each
+model runs: on a shared 2-core machine a spinning pool steals the cores from the next session). At context C, batch 1: ``prefill`` is ``append_tokens`` of C prompt tokens on a
+fresh generator; ``decode`` is one ``generate_next_token`` after it (the mean over
+``--new-tokens`` calls). Interleaved rounds (the order alternates); a time is the median over
+rounds. Both must generate the same greedy tokens (checked once). The nodes each file has after
+ONNX Runtime's own graph optimization are counted (``optimized_model_filepath``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+OURS, BUILDER = "attn-export ort", "GenAI builder"
+CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def save_model(directory: Path, seed: int = 0) -> None:
+    """The decoder and a WordLevel tokenizer over its vocabulary, as a local transformers folder."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval().save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", pad_token="t0",
+                                         unk_token="t3").save_pretrained(directory)
+
+
+def export_both(hf: Path, work: Path) -> Dict[str, Path]:
+    ours, builder = work / "ours", work / "builder"
+    if (ours / "model.onnx").exists() and (builder / "model.onnx").exists():  # a --work folder of an earlier run
+        return {OURS: ours, BUILDER: builder}
+    ours.mkdir(exist_ok=True)
+    cli = Path(sys.executable).with_name("attn-export")
+    subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--genai-config",
+                    "--no-validate", "-o", str(ours / "model.onnx")], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(builder),
+                    "-p", "fp32", "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
+    return {OURS: ours, BUILDER: builder}
+
+
+def set_session_options(directory: Path, threads: int, max_length: int) -> None:
+    path = directory / "genai_config.json"
+    config = json.loads(path.read_text())
+    options = config["model"]["decoder"].setdefault("session_options", {})
+    options.pop("config_entries", None)
+    options.update({"intra_op_num_threads": threads, "inter_op_num_threads": 1})
+    config["model"]["eos_token_id"] = CONFIG["eos_token_id"]
+    config["model"]["context_length"] = max(config["model"].get("context_length", 0), max_length)
+    config["search"]["max_length"] = max_length
+    path.write_text(json.dumps(config, indent=4))
+
+
+def optimized_nodes(onnx_file: Path, threads: int) -> Dict[str, int]:
+    """Node types after ONNX Runtime's graph optimization (level ALL, CPU)."""
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        so.intra_op_num_threads = threads
+        ort.InferenceSession(str(onnx_file), so, providers=["CPUExecutionProvider"])
+        model = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return dict(collections.Counter(n.op_type for n in model.graph.node).most_common())
+
+
+def generate(model, prompt: np.ndarray, new_tokens: int):
+    """(prefill seconds, decode seconds per token, the tokens)."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt.shape[1] + new_tokens + 1, do_sample=False, batch_size=1)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(prompt)
+    prefill = time.perf_counter() - start
+    generator.generate_next_token()  # the token the prefill's logits give
+    tokens = [int(generator.get_next_tokens()[0])]
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return prefill, (time.perf_counter() - start) / new_tokens, tokens
+
+
+def time_context(models, context: int, rounds: int, new_tokens: int, pause: float) -> List[dict]:
+    prompt = np.random.default_rng(context).integers(4, CONFIG["vocab_size"], (1, context)).astype(np.int32)
+    times = {name: {"prefill": [], "decode": []} for name in models}
+    tokens = {}
+    names = list(models)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            time.sleep(pause)
+            prefill, decode, tokens[name] = generate(models[name], prompt, new_tokens)
+            times[name]["prefill"].append(prefill * 1e3)
+            times[name]["decode"].append(decode * 1e3)
+    same = len({tuple(t) for t in tokens.values()}) == 1
+    return [{"context": context, "phase": phase, "implementation": name, "ms": statistics.median(t[phase]),
+             "rounds": rounds, "same_tokens": same} for name, t in times.items() for phase in ("prefill", "decode")]
+
+
+def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, facts: Dict[str, str],
+             threads: int, load: str) -> str:
+    table = {(r["context"], r["phase"], r["implementation"]): r for r in rows}
+    lines = [f"`{command}`", "", f"CPU: {facts['cpu']} ({facts['isa']}), {threads} intra-op threads, a pause before each model; "
+             f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; batch 1, float32; "
+             f"load before the run (`uptime`): {load}", "",
+             f"| context | phase | {OURS} (ms) | {BUILDER} (ms) | ours / builder | same tokens |", "|---|---|---:|---:|---:|---|"]
+    for context in dict.fromkeys(r["context"] for r in rows):
+        for phase in ("prefill", "decode"):
+            ours, peer = table[(context, phase, OURS)], table[(context, phase, BUILDER)]
+            lines.append(f"| {context} | {phase}{' (per token)' if phase == 'decode' else ''} | {ours['ms']:.2f} | "
+                         f"{peer['ms']:.2f} | {ours['ms'] / peer['ms']:.2f}x | {'yes' if ours['same_tokens'] else 'NO'} |")
+    lines.append("")
+    for name, counts in nodes.items():
+        lines.append(f"* {name}: {sum(counts.values())} nodes after ONNX Runtime's optimization: "
+                     + ", ".join(f"{op} {n}" for op, n in counts.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    import onnxruntime_genai as og
+
+    from benchmarks.onnx_runtime import machine
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="128,1024")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
+    parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    command = "python -m benchmarks.genai_peers " + " ".join(argv if argv is not None else sys.argv[1:])
+    load = os.popen("uptime").read().strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        hf = work / "hf"
+        if not (hf / "config.json").exists():
+            save_model(hf)
+        dirs = export_both(hf, work)
+        nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
+        for d in dirs.values():
+            set_session_options(d, args.threads, max(contexts) + args.new_tokens + 8)
+        models = {name: og.Model(str(d)) for name, d in dirs.items()}
+        rows = []
+        for context in contexts:
+            print(f"context {context}", file=sys.stderr)
+            rows += time_context(models, context, args.rounds, args.new_tokens, args.pause)
+    facts = {**machine(), "onnxruntime_genai": og.__version__}
+    text = markdown(rows, nodes, command, facts, args.threads, load)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "machine": facts, "load": load, "threads": args.threads,
+                                         "results": rows, "optimized_nodes": nodes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

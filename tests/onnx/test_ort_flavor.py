@@ -1,0 +1,159 @@
+"""The ONNX Runtime flavor (--onnx-attention ort, attn_export/onnx/ort/): a grouped-query
+Llama-style decoder with its cache lowered to GroupQueryAttention and generating the tokens
+of generate() through ONNX Runtime (a left-padded batch, the gate) and, when installed, ONNX
+Runtime GenAI's generator with the shared max-length buffer (right-padded, as GenAI pads); a
+padded encoder lowered to MultiHeadAttention at parity; a layer the contrib ops cannot compute
+kept as the portable node, with the reason."""
+import collections
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from attn_export.onnx import export_onnx
+from attn_export.onnx.graph import count_attention_nodes
+from attn_export.onnx.ort import lower_attention
+from portability_models import cases
+
+transformers = pytest.importorskip("transformers")
+
+from attn_export.genai_config import write_genai_config  # noqa: E402
+from attn_export.validation.generation import check_generation, left_padded, random_prompts, reference_generation  # noqa: E402
+from hf_models import HF5, tiny_llama  # noqa: E402
+
+NEW_TOKENS = 12
+LENGTHS = (5, 9, 12)
+
+
+def op_counts(model):
+    return collections.Counter(n.op_type for n in model.graph.node)
+
+
+def export_llama(path):
+    model = tiny_llama()  # 2 layers, 8 query heads over 2 key/value heads
+    ids = torch.randint(1, 97, (2, 5))
+    result = export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
+                         attention="ort")
+    return model, result
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ort_llama") / "model.onnx"
+    model, result = export_llama(path)
+    return model, result, path
+
+
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_decoder_is_group_query_attention(llama):
+    model, result, path = llama
+    graph = onnx.load(str(path))
+    layers = model.config.num_hidden_layers
+    # Each layer: If(some key padded) -> the operator with the padding bias, else without it.
+    branches = [[n.op_type for n in a.g.node] for n in graph.graph.node if n.op_type == "If" for a in n.attribute]
+    assert op_counts(graph)["If"] == layers and branches == [["GroupQueryAttention"]] * (2 * layers)
+    assert count_attention_nodes(graph) == 0 and not graph.functions
+    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
+    assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
+    gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
+    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+    assert result.attention == "ort" and result.kept_custom == []
+    assert any(note.startswith("fused for ONNX Runtime by onnxscript") for note in result.notes)
+
+
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_decoder_generates_the_tokens_of_generate(llama):
+    model, _, path = llama
+    result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
+    assert result.passed, result.to_dict()
+    assert len({tuple(t) for t in result.reference_tokens}) == len(LENGTHS)  # a non-trivial comparison
+
+
+def right_padded(prompts, pad_id):
+    ids = np.full((len(prompts), max(map(len, prompts))), pad_id, dtype=np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+    return ids
+
+
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+@pytest.mark.parametrize("lengths", [(7,), pytest.param(LENGTHS, marks=pytest.mark.slow)])
+def test_genai_generator_with_the_shared_buffer(llama, lengths):
+    og = pytest.importorskip("onnxruntime_genai")
+    model, _, path = llama
+    config = json.loads(write_genai_config(path, model.config).read_text())
+    assert config["search"]["past_present_share_buffer"] is True
+    prompts = random_prompts(model.config.vocab_size, lengths, seed=0, avoid=[0])
+    ids, mask = left_padded(prompts, 0)
+    expected = reference_generation(model, ids, mask, NEW_TOKENS, 0, takes_positions=True)[0].tolist()
+    genai = og.Model(str(path.parent))
+    params = og.GeneratorParams(genai)
+    params.set_search_options(max_length=max(lengths) + NEW_TOKENS, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(genai, params)
+    generator.append_tokens(right_padded(prompts, 0))  # GenAI reads a padded batch as right-padded
+    steps = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps.append(generator.get_next_tokens().tolist())
+    assert np.array(steps).T.tolist() == expected
+
+
+def run_encoder(path, inputs):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: inputs[i.name].numpy() for i in session.get_inputs()}
+    return session.run(None, feeds)[0]
+
+
+def test_encoder_is_multi_head_attention_at_parity(tmp_path):
+    case = cases(["encoder"])["encoder"]
+    path = tmp_path / "encoder.onnx"
+    result = export_onnx(case.model, case.batch(2, 12, 0), path, attention="ort")
+    assert op_counts(onnx.load(str(path)))["MultiHeadAttention"] == 2 and result.kept_custom == []
+    for batch, seq in ((2, 12), (3, 5), (1, 17)):
+        inputs = case.batch(batch, seq, 1)
+        with torch.no_grad():
+            expected = case.model(**inputs).numpy()
+        valid = case.valid(inputs).numpy()
+        np.testing.assert_allclose(run_encoder(path, inputs)[valid], expected[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_what_no_contrib_op_computes_stays_custom(tmp_path):
+    case = cases(["encoder"])["encoder"]
+    path = tmp_path / "encoder_bf16.onnx"
+    result = export_onnx(case.model, case.batch(2, 12, 0), path, attention="ort", dtype="bf16")
+    assert len(result.kept_custom) == 2
+    assert all("float32 and float16 only" in line for line in result.kept_custom)
+    assert count_attention_nodes(onnx.load(str(path))) == 2
+
+
+def test_lowering_reports_nothing_on_a_model_without_attention():
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(graph)
+    lowered = lower_attention(model)
+    assert lowered.converted == {} and lowered.kept == [] and len(model.graph.node) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
+    """Gemma 2: soft-capping on every layer, a window of 4 (shorter than the prompts) on every
+    other one: GroupQueryAttention's softcap and local_window_size = the node's window."""
+    from test_with_past import tiny_gemma2
+
+    model = tiny_gemma2()
+    path = tmp_path / "gemma2.onnx"
+    ids = torch.randint(1, 97, (2, 5))
+    export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
+                attention="ort")
+    graph = onnx.load(str(path))
+    gqa = [n for node in graph.graph.node if node.op_type == "If" for branch in node.attribute for n in branch.g.node]
+    windows = sorted({onnx.helper.get_attribute_value(a) for n in gqa for a in n.attribute if a.name == "local_window_size"})
+    assert windows == [-1, 4]
+    result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
+    assert result.passed, result.to_dict()
