@@ -29,20 +29,22 @@ from hf_models import tiny_gpt2, tiny_llama  # noqa: E402
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
-    model = tiny_gpt2()
-    path = tmp_path_factory.mktemp("gen") / "gpt2_stock.onnx"
+def _stock_export(tmp_path_factory, make, name):
+    """A tiny decoder and its stock cached export (benchmarks/stock_cached.py), once per module."""
+    model = make()
+    path = tmp_path_factory.mktemp("gen") / f"{name}_stock.onnx"
     export_stock_cached(model, path)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return _stock_export(tmp_path_factory, tiny_gpt2, "gpt2")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    model = tiny_llama()
-    path = tmp_path_factory.mktemp("gen") / "llama_stock.onnx"
-    export_stock_cached(model, path)
-    return model, path
+    return _stock_export(tmp_path_factory, tiny_llama, "llama")
 
 
 def _rename_everywhere(model, old, new):
