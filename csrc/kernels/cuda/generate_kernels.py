@@ -5,7 +5,7 @@ compiles them in parallel and a build can leave some out.
     python csrc/kernels/cuda/generate_kernels.py      # rewrites instantiations/
 
 The files it writes start with an "auto-generated" line: edit this script, not them.
-tests/ops/test_cuda_build.py checks that the files on disk are what this script writes.
+tests/ops/cuda/test_cuda_build.py checks that the files on disk are what this script writes.
 """
 from __future__ import annotations
 

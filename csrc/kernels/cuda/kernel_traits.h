@@ -7,7 +7,7 @@
 // cp.async and ldmatrix, and the 8 row addresses of one ldmatrix phase fall on distinct banks.
 //
 // These are choices made without a GPU at hand, held to no register spills on sm_80 and sm_90
-// by test_flash_kernels_do_not_spill (tests/ops/test_cuda_build.py, `nvcc -Xptxas -v`); tuning
+// by test_flash_kernels_do_not_spill (tests/ops/cuda/test_cuda_build.py, `nvcc -Xptxas -v`); tuning
 // them on a GPU is a change of this file only.
 #pragma once
 

@@ -5,7 +5,7 @@ Tests that hold on every device take a `device` parameter (helpers.DEVICES): the
 the GPU where there is one and the extension has its CUDA kernels (marked `cuda`, skipped with
 the reason otherwise). Each device keeps its own tolerances: the CPU operator's fixed bounds
 (helpers.CPU_REL), the GPU's derived ones (helpers.assert_within). What only the GPU has
-(tensor-core head dims, long sequences, streams) is in tests/ops/test_cuda.py."""
+(tensor-core head dims, long sequences, streams) is in tests/ops/cuda/test_cuda.py."""
 import math
 
 import pytest
@@ -17,7 +17,7 @@ from helpers import (
     reference_attention,
 )
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 
 ops = torch.ops.attn_export
@@ -257,7 +257,7 @@ def test_opcheck_core_ops(dtype, mask, device):
 # (E, H, L, S, B) and opcheck's tolerances. On the CPU, eager runs the layer's own kernel; the
 # AOT-traced graph (symbolic sizes) the generic implementation through the dispatcher. The two
 # differ by float rounding, amplified in some gradient entries: the tolerance covers that, not
-# the parity with nn.MultiheadAttention, which tests/ops/test_module_parity.py holds to ~1e-6.
+# the parity with nn.MultiheadAttention, which tests/ops/module/test_module_parity.py holds to ~1e-6.
 LAYER_OPCHECK = {"cpu": ((8, 2, 5, 3, 2), dict(atol=1e-4, rtol=1e-4)), "cuda": ((64, 2, 21, 21, 2), {})}
 
 
@@ -431,7 +431,7 @@ def test_softcap_of_another_type_is_refused(bad):
 @pytest.mark.parametrize("bad", [-2.0, math.nan, math.inf])
 def test_operators_refuse_a_bad_softcap(bad):
     """The operators check too (callers of torch.ops bypass the Python wrapper), and so do the
-    fake kernels (tests/ops/test_fake.py), with the same words."""
+    fake kernels (tests/ops/core/test_fake.py), with the same words."""
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
         ops.attention(q, k, v, None, None, False, None, bad)

@@ -13,7 +13,7 @@ import attn_export
 from attn_export import FusedMultiheadAttention
 from helpers import assert_parity, qkv, reference_attention
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 
 B, H, LQ, LK, D = 2, 3, 5, 7, 8

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import attn_export
 from helpers import assert_parity
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 
 

@@ -43,7 +43,7 @@ import torch
 from attn_export import FusedMultiheadAttention
 from helpers import EPS, make_pair
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 pytestmark = [pytestmark, pytest.mark.slow]  # make test-fast leaves it out
 

@@ -12,7 +12,7 @@ import attn_export
 from attn_export import CausalAlignment
 from helpers import assert_rel_close, reference_attention
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 
 ops = torch.ops.attn_export

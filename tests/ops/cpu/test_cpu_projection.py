@@ -4,7 +4,7 @@ On CPUs with AVX-512 or AVX2+FMA float32 projections of up to 2^25 multiply-adds
 2^23, behind MKL on AMD CPUs with AVX2 2^31: attn_export_linear_kernel_max_work_log2) run on it,
 with the token rows or the weight's column panels split across threads (whichever each thread's
 packing repeats less); everything else goes to the GEMM library in force
-(tests/ops/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
+(tests/ops/cpu/test_gemm_backends.py). The shapes below cover its row tails (1-13 rows per tile), narrow last
 column panels (3E not a multiple of 32), the column split, the dot-product path of up to 16
 token rows (with an embed dim, 22, that leaves a tail of k past the last whole vector and of
 columns past the last block of three), cross attention writing into

@@ -1,7 +1,7 @@
 """The flash-style CPU core (csrc/kernels/cpu/flash_cpu.cpp) where its structure could go wrong:
 key blocks that the masks hide entirely (skipped), causality across query and key blocks with
 Lq != Lk, dQ summed over key blocks that different threads own, float64 gradcheck across
-blocks (every instruction set the machine has: tests/ops/test_instruction_sets.py). References: the float64 definition
+blocks (every instruction set the machine has: tests/ops/cpu/test_instruction_sets.py). References: the float64 definition
 (helpers.reference_attention) and torch.autograd.gradcheck."""
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 import attn_export
 from helpers import check_core, padding_mask
 
-# Run again under every lower instruction set the CPU has (tests/ops/test_instruction_sets.py).
+# Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
 
 f32, f64 = torch.float32, torch.float64

@@ -101,7 +101,7 @@ LOWER_ISAS_SKIP = "test_matches_stock_module_full_sweep"
 @pytest.mark.skipif(not LOWER, reason="this CPU runs only the generic kernels, which the default run tests")
 @pytest.mark.parametrize("isa", LOWER)
 def test_kernel_tests_under_a_lower_instruction_set(isa):
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "kernels",
          "-k", f"not {LOWER_ISAS_SKIP}", "tests"],

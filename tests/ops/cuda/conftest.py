@@ -4,7 +4,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def emu_ops():
-    """The emulated kernels (tests/ops/cuda_emulator), their preview switch and SM count restored
+    """The emulated kernels (tests/ops/cuda/cuda_emulator), their preview switch and SM count restored
     when the module's tests are done."""
     from cuda_emulator.build import ops_restored_after
 

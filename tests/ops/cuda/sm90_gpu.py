@@ -7,6 +7,11 @@ import os
 import pytest
 import torch
 
+DEVICE = "cuda"
+F16, BF16 = torch.float16, torch.bfloat16
+# The head dims both Hopper kernels are compiled for (hopper/flash_fwd_sm90.h kHeadDims, flash_bwd_sm90.h kBwdTiles).
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]
+
 
 def skip_reason(kernel: str) -> str | None:
     """Why `kernel` (e.g. "the sm_90a forward") cannot run here, or None where it is dispatched."""

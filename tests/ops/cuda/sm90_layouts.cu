@@ -1,5 +1,5 @@
 // Host checks of the Hopper kernels' register and shared-memory layout assumptions: CuTe's layout
-// algebra evaluated on the CPU for every compiled tile (tests/ops/test_cuda_sm90_layouts.py
+// algebra evaluated on the CPU for every compiled tile (tests/ops/cuda/test_cuda_sm90_layouts.py
 // compiles and runs this). Prints JSON: {"problems": [...], "controls": [...]}; problems is empty
 // when every assumption holds; controls are deliberately broken mappings, each of which must be
 // caught (true), so that the checks are shown able to fail.

@@ -6,7 +6,7 @@ agreement with the CPU operator.
 
 The tests that hold on every device (every mask kind, fully masked rows, weights and their
 gradient, float64 gradcheck, opcheck; the layer against nn.MultiheadAttention) take a `device`
-parameter in tests/ops/test_attention_op.py and tests/ops/test_module_parity.py; their CUDA variants
+parameter in tests/ops/core/test_attention_op.py and tests/ops/module/test_module_parity.py; their CUDA variants
 carry the `cuda` marker too (`pytest -m cuda tests/` runs them all).
 
 Every test carries the `cuda` marker and is skipped without a GPU (conftest.py). On a GPU,
@@ -54,6 +54,16 @@ def _core_check(B, H, Lq, Lk, D, dtype, masks, backward=True):
     check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, backward=backward)
 
 
+def assert_output_within(out, q, k, v, masks, dtype, n):
+    """The operator's output `out` against the float64 reference, within the rounding of a `dtype`
+    computation of it (n: the longest reduction)."""
+    exact, _ = reference_attention(q, k, v, **masks)
+    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
+    assert out.shape == exact.shape and torch.isfinite(out).all()
+    assert_within(out, plain, exact, dtype, "output", n)
+    return exact, plain
+
+
 # ---- The attention core ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -78,11 +88,8 @@ def test_grouped_query_heads_and_causal_alignment(dtype, head_dim, group, alignm
     q, k, v = make(2, H, Lq, head_dim), make(2, H // group, Lk, head_dim), make(2, H // group, Lk, head_dim)
     masks = {"is_causal": True, "causal_alignment": alignment}
     out = attn_export.attention(q, k, v, **masks)
-    exact, _ = reference_attention(q, k, v, **masks)
-    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
     n = max(Lq, Lk, head_dim)
-    assert out.shape == exact.shape and torch.isfinite(out).all()
-    assert_within(out, plain, exact, dtype, "output", n)
+    exact, plain = assert_output_within(out, q, k, v, masks, dtype, n)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(exact, (q, k, v), grad.double())
@@ -109,11 +116,7 @@ def test_decode(dtype, heads_k, Lq, Lk, mask):
         masks["key_padding_mask"] = torch.arange(Lk, device=DEVICE)[None, :] >= torch.tensor([[Lk], [Lk // 3]], device=DEVICE)
     elif mask == "bottom_right":
         masks = {"is_causal": True, "causal_alignment": 1}
-    out = attn_export.attention(q, k, v, **masks)
-    exact, _ = reference_attention(q, k, v, **masks)
-    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
-    assert out.shape == exact.shape and torch.isfinite(out).all()
-    assert_within(out, plain, exact, dtype, "output", Lk)
+    assert_output_within(attn_export.attention(q, k, v, **masks), q, k, v, masks, dtype, Lk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -129,11 +132,7 @@ def test_decode_packed_rows_keep_their_masks(dtype, Lq):
     masks = {"attn_mask": torch.randn(1, H, Lq, Lk, dtype=dtype, device=DEVICE),
              "key_padding_mask": padding_mask(B, Lk, device=DEVICE), "is_causal": True, "causal_alignment": 1,
              "window": 1000}
-    out = attn_export.attention(q, k, v, **masks)
-    exact, _ = reference_attention(q, k, v, **masks)
-    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
-    assert out.shape == exact.shape and torch.isfinite(out).all()
-    assert_within(out, plain, exact, dtype, "output", Lk)
+    assert_output_within(attn_export.attention(q, k, v, **masks), q, k, v, masks, dtype, Lk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -160,10 +159,7 @@ def test_wide_forward_blocks(dtype, head_dim, masks):
     hopper = sm90_gpu.skip_reason("the sm_90a forward") is None  # dispatched here: it takes this prefill
     wide = any(f"FlashFwdTraits<{head_dim}, 2>" in name for name in ran)
     assert wide == (PREVIEW and not hopper), sorted(ran)
-    exact, _ = reference_attention(q, k, v, **masks)
-    plain, _ = reference_attention(q, k, v, dtype=dtype, **masks)
-    assert torch.isfinite(out).all()
-    assert_within(out, plain, exact, dtype, "output", Lk)
+    assert_output_within(out, q, k, v, masks, dtype, Lk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 KERNELS = ROOT / "csrc" / "kernels"
 
 

@@ -1,11 +1,11 @@
 """The CUDA kernels (csrc/kernels/cuda), run on the CPU by the SIMT emulator
-(tests/ops/cuda_emulator/simt_emulator.h), against float64 references written from the definition.
+(tests/ops/cuda/cuda_emulator/simt_emulator.h), against float64 references written from the definition.
 
 This checks the kernels' logic where no GPU is at hand: tiling and bounds, masks, online
 softmax, fully masked rows, the backward's recomputation and accumulation, cp.async ordering
 and the MMA/ldmatrix fragment bookkeeping (the emulator implements those instructions from
 the PTX ISA's definitions). It cannot check speed or the hardware's exact rounding: the GPU
-tests (tests/ops/test_cuda.py, scripts/gpu_check.sh) do that.
+tests (tests/ops/cuda/test_cuda.py, scripts/gpu_check.sh) do that.
 
 Tolerances are relative to each tensor's largest magnitude. float32/float64 run the generic
 kernels, which compute in the accumulation type: a few ulps of float32, or float64 noise.
@@ -32,7 +32,7 @@ pytestmark = EMULATOR_MARKS
 def emu_ops():
     """The emulated kernels with the preview switch on (csrc/kernels/cuda/dispatch_policy.h): these
     tests check every path the kernels have, the ones still waiting for a GPU included;
-    tests/ops/test_cuda_split_kv.py checks what runs with the switch off."""
+    tests/ops/cuda/test_cuda_split_kv.py checks what runs with the switch off."""
     from cuda_emulator.build import load
 
     ops = load()

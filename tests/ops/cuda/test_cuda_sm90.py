@@ -21,17 +21,14 @@ import torch
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import filling_batch, kernels_run, nan_padded, padded_batch_mask
+from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, filling_batch, kernels_run, nan_padded, padded_batch_mask
 
-DEVICE = "cuda"
 KERNEL = "flash_fwd_sm90_kernel"
-HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_fwd_sm90.h kHeadDims
 
 pytestmark = pytest.mark.cuda
 
-F16, BF16 = torch.float16, torch.bfloat16
 # The quick tier (-m sm90_quick; tests/conftest.py marks these): one case per code path, head dims
-# and dtypes alternating, every test function at least once (tests/ops/test_cuda_sm90_quick.py);
+# and dtypes alternating, every test function at least once (tests/ops/cuda/test_cuda_sm90_quick.py);
 # half of the mask kinds here, the other half in test_cuda_sm90_bwd.py (check_core runs both
 # directions). Each entry: (test, parameters picking exactly one case).
 SM90_QUICK = [

@@ -27,7 +27,7 @@ import pytest
 
 from test_cuda_build import _nvcc, ptxas_spills
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 INSTANTIATIONS = ROOT / "csrc" / "kernels" / "cuda" / "instantiations"
 # The CI set, the most distinct code paths in three units: ping-pong with overlap at 128 (causal,
 # 128-byte swizzle, 2 stages), a head dim added later with narrower rows (96: 64-byte swizzle, 3
@@ -373,21 +373,43 @@ def test_hopper_forward_leaves_decode_to_the_sm80_path(tmp_path):
 
 # ---- The compile gate.
 
-def _gate_units() -> list[pathlib.Path]:
+def _gate_units(pattern: str, names: tuple[str, ...]) -> list[pathlib.Path]:
+    """The instantiations a gate compiles: `names` (CI), or every one matching `pattern` with
+    ATTN_EXPORT_SM90_GATE=all."""
     if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all":
-        return sorted(INSTANTIATIONS.glob("sm90_flash_fwd_*.cu"))
-    return [INSTANTIATIONS / name for name in GATE_UNITS]
+        return sorted(INSTANTIATIONS.glob(pattern))
+    return [INSTANTIATIONS / name for name in names]
 
 
-def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[str, pathlib.Path]:
+def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str,
+             flags: tuple[str, ...]) -> tuple[str, pathlib.Path]:
     obj = out_dir / f"{unit.stem}.o"
     result = subprocess.run(
-        [_nvcc(), "-c", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+        [_nvcc(), "-c", "-O3", *flags, "--expt-relaxed-constexpr", "-Xptxas", "-v",
          "-gencode=arch=compute_90a,code=sm_90a", "-DATTN_EXPORT_WITH_SM90=1",
          "-I", str(ROOT / "csrc"), "-I", include, str(unit), "-o", str(obj)],
         capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{unit.name}:\n{result.stderr[-4000:]}"
     return result.stdout + result.stderr, obj
+
+
+def _compile_and_disassemble(units: list[pathlib.Path], out_dir: pathlib.Path, kernel: str,
+                             flags: tuple[str, ...]) -> tuple[list[str], dict, dict[str, str]]:
+    """Compiles `units` in parallel: each one's ptxas log, ptxas's spill counts of every kernel, and
+    the SASS of each `kernel` function."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        built = list(pool.map(lambda unit: _compile(unit, out_dir, _cutlass_include(), flags), units))
+    spills, kernels = {}, {}
+    # cuobjdump runs nvdisasm, which the wheels install beside it
+    env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for log, obj in built:
+        assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
+        spills.update(ptxas_spills(log))
+        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
+                              env=env).stdout
+        kernels.update({name: body for name, body in sass_functions(sass).items() if kernel in name})
+    assert len(kernels) == len(units), f"expected one {kernel} per file, found {sorted(kernels)}"
+    return [log for log, _ in built], spills, kernels
 
 
 @pytest.mark.slow
@@ -398,22 +420,12 @@ def _compile(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[s
                     reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
 @pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler (the tile table is read from a host program)")
 def test_sm90_forward_compiles_to_hopper_code(tmp_path):
-    units = _gate_units()
+    units = _gate_units("sm90_flash_fwd_*.cu", GATE_UNITS)
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        built = list(pool.map(lambda unit: _compile(unit, tmp_path, _cutlass_include()), units))
-    spills, kernels = {}, {}
-    for log, obj in built:
-        assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
+    logs, spills, kernels = _compile_and_disassemble(units, tmp_path, KERNEL, ("-std=c++17",))
+    for log, unit in zip(logs, units):
         # (C7510 and its kin: a wgmma batch left to wait across a call, or too few registers for it)
-        assert "instructions are serialized" not in log, f"ptxas serialized the wgmma in {obj.name}:\n{log[-2000:]}"
-        spills.update(ptxas_spills(log))
-        # cuobjdump runs nvdisasm, which the wheels install beside it
-        env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
-                              env=env).stdout
-        kernels.update({name: body for name, body in sass_functions(sass).items() if KERNEL in name})
-    assert len(kernels) == len(units), f"expected one {KERNEL} per file, found {sorted(kernels)}"
+        assert "instructions are serialized" not in log, f"ptxas serialized the wgmma in {unit.name}:\n{log[-2000:]}"
     assert {arch for _, arch in spills} == {"sm_90a"}
     spilling = [f"{name}: {stores} B stores, {loads} B loads" for (name, _), (stores, loads) in spills.items()
                 if KERNEL in name and (stores or loads)]
@@ -545,23 +557,6 @@ TORCH_NVCC_DEFINES = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSI
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
 
 
-def _bwd_gate_units() -> list[pathlib.Path]:
-    if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all":
-        return sorted(INSTANTIATIONS.glob("sm90_flash_bwd_*.cu"))
-    return [INSTANTIATIONS / name for name in BWD_GATE_UNITS]
-
-
-def _compile_bwd(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tuple[str, pathlib.Path]:
-    obj = out_dir / f"{unit.stem}.o"
-    result = subprocess.run(
-        [_nvcc(), "-c", "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xptxas", "-v", *TORCH_NVCC_DEFINES,
-         "-gencode=arch=compute_90a,code=sm_90a", "-DATTN_EXPORT_WITH_SM90=1",
-         "-I", str(ROOT / "csrc"), "-I", include, str(unit), "-o", str(obj)],
-        capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"{unit.name}:\n{result.stderr[-4000:]}"
-    return result.stdout + result.stderr, obj
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
 @pytest.mark.skipif(_cutlass_include() is None,
@@ -569,19 +564,9 @@ def _compile_bwd(unit: pathlib.Path, out_dir: pathlib.Path, include: str) -> tup
 @pytest.mark.skipif(_cuobjdump() is None,
                     reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
 def test_sm90_backward_compiles_to_hopper_code(tmp_path):
-    units = _bwd_gate_units()
+    units = _gate_units("sm90_flash_bwd_*.cu", BWD_GATE_UNITS)
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        built = list(pool.map(lambda unit: _compile_bwd(unit, tmp_path, _cutlass_include()), units))
-    spills, kernels = {}, {}
-    env = dict(os.environ, PATH=f"{pathlib.Path(_cuobjdump()).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    for log, obj in built:
-        assert "C7508" not in log, f"ptxas ignored setmaxnreg in {obj.name}:\n{log[-2000:]}"
-        spills.update(ptxas_spills(log))
-        sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True, text=True,
-                              env=env).stdout
-        kernels.update({name: body for name, body in sass_functions(sass).items() if BWD_KERNEL in name})
-    assert len(kernels) == len(units), f"expected one {BWD_KERNEL} per file, found {sorted(kernels)}"
+    _, spills, kernels = _compile_and_disassemble(units, tmp_path, BWD_KERNEL, ("-std=c++20", *TORCH_NVCC_DEFINES))
     # Every kernel of the units (the prepare and dQ-convert kernels too) spills nothing.
     spilling = [f"{name}: {stores} B stores, {loads} B loads" for (name, _), (stores, loads) in spills.items()
                 if stores or loads]

@@ -18,18 +18,15 @@ import torch.nn.functional as F
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import kernels_run, nan_padded, padded_batch_mask
+from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, kernels_run, nan_padded, padded_batch_mask
 
-DEVICE = "cuda"
 KERNEL = "flash_bwd_sm90_kernel"
-HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # hopper/flash_bwd_sm90.h kBwdTiles
 
 pytestmark = pytest.mark.cuda
 
-F16, BF16 = torch.float16, torch.bfloat16
 # The quick tier (-m sm90_quick; tests/conftest.py marks these): one case per code path, head dims
 # and dtypes alternating (the forward file's the other way round), every test function at least
-# once (tests/ops/test_cuda_sm90_quick.py); the mask kinds the forward file's quick cases leave out.
+# once (tests/ops/cuda/test_cuda_sm90_quick.py); the mask kinds the forward file's quick cases leave out.
 # Each entry: (test, parameters picking exactly one case).
 SM90_QUICK = [
     *(("test_gradients_match_reference", dict(dtype=t, head_dim=d, causal=c, seqlen=n)) for t, d, c, n in [

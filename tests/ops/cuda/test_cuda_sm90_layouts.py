@@ -1,6 +1,6 @@
 """The Hopper kernels' layout assumptions, checked offline on the CPU (no GPU): CuTe's layout
 algebra of every compiled tile (hopper/flash_{fwd,bwd}_sm90_traits.cuh) evaluated by a host
-program, tests/ops/sm90_layouts.cu. What it checks, each a wrong result on the GPU if it failed:
+program, tests/ops/cuda/sm90_layouts.cu. What it checks, each a wrong result on the GPU if it failed:
 
 - the accumulators converted in place are the A operand of the register-sourced wgmma that reads
   them (acc_as_operand_a): the forward's P of S, the backward's P^T and dS^T of S^T and dP^T;
@@ -30,7 +30,7 @@ import pytest
 from test_cuda_build import _nvcc
 from test_cuda_sm90_build import _cutlass_include
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 PROGRAM = pathlib.Path(__file__).resolve().parent / "sm90_layouts.cu"
 
 

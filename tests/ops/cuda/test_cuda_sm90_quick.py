@@ -12,7 +12,7 @@ import sys
 import test_cuda_sm90
 import test_cuda_sm90_bwd
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 MODULES = (test_cuda_sm90, test_cuda_sm90_bwd)
 # The estimate in docs/testing.md ("The next GPU session, call by call") counts these cases.
 MOST_CASES = 60

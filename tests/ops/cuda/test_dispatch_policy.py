@@ -3,7 +3,7 @@
 the preview switch, nothing beyond what ran on the H200 at commit f427ebe may be dispatched.
 
 The dispatch itself (attention_cuda.cu consulting the policy) is checked by running it under the
-SIMT emulator in tests/ops/test_cuda_split_kv.py (slow); this file is the fast tier's check.
+SIMT emulator in tests/ops/cuda/test_cuda_split_kv.py (slow); this file is the fast tier's check.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 CUDA_KERNELS = ROOT / "csrc" / "kernels" / "cuda"
 
 # What f427ebe's attention_cuda.cu dispatched to the flash kernels: head_dim == head_dim_v in

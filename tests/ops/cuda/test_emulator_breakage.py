@@ -1,5 +1,5 @@
 """The SIMT emulator against deliberate breakage: tiny purpose-written kernels
-(tests/ops/cuda_emulator/breakage.cpp), each with one synchronization bug a first GPU run would find
+(tests/ops/cuda/cuda_emulator/breakage.cpp), each with one synchronization bug a first GPU run would find
 or its correct twin, run by the emulator in a standalone ThreadSanitizer build (no torch, one
 compile of a few seconds, cached by the sources' hash).
 

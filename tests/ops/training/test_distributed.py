@@ -3,7 +3,7 @@ real 2-rank gloo group (loopback, separate processes), distributed checkpoints, 
 checkpointing and torch.compile. The references are the stock nn.MultiheadAttention model under
 DDP and a single-process run on the full batch.
 
-The ranks run tests/ops/training_workers.py once for the whole module (each process imports torch:
+The ranks run tests/ops/training/training_workers.py once for the whole module (each process imports torch:
 launches are the expensive part); every launch is bounded in time and a failing rank's error is
 shown."""
 from __future__ import annotations
@@ -81,7 +81,7 @@ def launch_ranks(out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """The ranks' results (tests/ops/training_workers.py:run_rank) and their output directory."""
+    """The ranks' results (tests/ops/training/training_workers.py:run_rank) and their output directory."""
     out_dir = tmp_path_factory.mktemp("ranks")
     launch_ranks(out_dir)
     return torch.load(out_dir / "results.pt"), out_dir
@@ -152,7 +152,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
 def test_activation_checkpointing_lowers_peak_memory_at_a_long_sequence(tmp_path):
-    # A fresh process (tests/ops/training_workers.py:probe_memory), its allocator set to return
+    # A fresh process (tests/ops/training/training_workers.py:probe_memory), its allocator set to return
     # large blocks on free: the peak resident memory of one step then follows the live tensors.
     (output,) = run_processes([([sys.executable, str(WORKERS), "memory"], {"MALLOC_MMAP_THRESHOLD_": "65536"})],
                               LAUNCH_TIMEOUT_S, tmp_path)
@@ -190,7 +190,7 @@ def test_torch_compile_inductor_trains_without_graph_breaks(tmp_path, monkeypatc
 
 
 def test_the_train_ddp_example_runs_end_to_end(tmp_path):
-    script = Path(__file__).resolve().parents[2] / "scripts" / "train_ddp.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "train_ddp.py"
     out = tmp_path / "out"
     (output,) = run_processes(
         [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),

@@ -12,7 +12,7 @@ import torch
 
 from attn_export import FusedMultiheadAttention
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_curve.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "train_curve.py"
 spec = importlib.util.spec_from_file_location("train_curve", SCRIPT)
 train_curve = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = train_curve  # dataclasses look their module up

@@ -1,8 +1,8 @@
-"""What tests/ops/test_distributed.py runs in other processes: the ranks of a 2-process gloo group
+"""What tests/ops/training/test_distributed.py runs in other processes: the ranks of a 2-process gloo group
 (DDP, FSDP2, distributed checkpoints) and the peak-memory probe of activation checkpointing.
 
-    python tests/ops/training_workers.py ranks OUT_DIR   # one rank; RANK and WORLD_SIZE from the env
-    MALLOC_MMAP_THRESHOLD_=65536 python tests/ops/training_workers.py memory   # JSON {"plain_mb", "checkpointed_mb"}
+    python tests/ops/training/training_workers.py ranks OUT_DIR   # one rank; RANK and WORLD_SIZE from the env
+    MALLOC_MMAP_THRESHOLD_=65536 python tests/ops/training/training_workers.py memory   # JSON {"plain_mb", "checkpointed_mb"}
 
 Also imported by the test for the model, the data and the training loop, so that the ranks and
 the single-process references run the same code.
@@ -192,4 +192,4 @@ if __name__ == "__main__":
     elif len(sys.argv) == 3 and sys.argv[1] == "ranks":
         run_rank(Path(sys.argv[2]))
     else:
-        raise SystemExit("usage: python tests/ops/training_workers.py ranks OUT_DIR | memory")
+        raise SystemExit("usage: python tests/ops/training/training_workers.py ranks OUT_DIR | memory")

@@ -48,7 +48,7 @@ inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
 // tile n+1's Q K^T and tile n's P V are issued together and tile n+1's softmax runs while P V
 // executes. At 192 and 256 the overlap holds P beside O (96 or 128 floats) and spilled (124 and
 // 164 bytes), so those run serially. Either switch can be flipped here for a GPU A/B run; the
-// offline gate checks that the SASS follows them (tests/ops/test_cuda_sm90_build.py).
+// offline gate checks that the SASS follows them (tests/ops/cuda/test_cuda_sm90_build.py).
 struct FwdTile {
   int block_n;
   int stages;

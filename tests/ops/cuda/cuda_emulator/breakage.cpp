@@ -1,6 +1,6 @@
 // Tiny purpose-written kernels, each with one deliberate synchronization bug of the kind a first
 // GPU run finds (or its correct twin), run by the SIMT emulator (simt_emulator.h) in a standalone
-// program built with ThreadSanitizer (tests/ops/test_emulator_breakage.py):
+// program built with ThreadSanitizer (tests/ops/cuda/test_emulator_breakage.py):
 //
 //     breakage CASE late|early        prints "result: ok" / "result: wrong ..." and the
 //                                     emulator's error, if any; TSan reports go to stderr

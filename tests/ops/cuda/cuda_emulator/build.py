@@ -30,7 +30,7 @@ import torch
 import torch.utils.cpp_extension
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[3]
 CSRC = ROOT / "csrc"
 KERNELS = CSRC / "kernels" / "cuda"
 

@@ -1,4 +1,4 @@
-// Small kernels that check the emulator itself (tests/ops/test_cuda_emulator.py): each selftest case
+// Small kernels that check the emulator itself (tests/ops/cuda/test_cuda_emulator.py): each selftest case
 // does one thing a GPU refuses or faults on (or its legal twin) and returns the emulator's error
 // message, "" when there was none; mma_product multiplies one 16x16 by one 16x8 matrix the way
 // the flash kernels do (ldmatrix fragments into mma.sync), to cross-check the fragment tables

@@ -1,7 +1,7 @@
 // A host-side SIMT emulator for the CUDA kernels of csrc/kernels/cuda/: it runs the very same
 // kernel sources on a CPU, one std::thread per CUDA thread, so that their indexing, masking,
 // online softmax, tiling, synchronization and fragment bookkeeping can be tested on a machine
-// without a GPU (tests/ops/test_cuda_emulator.py). It is test code only; nothing in the library
+// without a GPU (tests/ops/cuda/test_cuda_emulator.py). It is test code only; nothing in the library
 // depends on it.
 //
 // What it models, each from the CUDA programming guide / PTX ISA definition:

@@ -3,10 +3,10 @@ emulated threads is a missing __syncthreads() (or, with --order early, a cp.asyn
 buffer other warps still read). Heavier than the unit tests (hundreds of threads per launch),
 so not part of `make test`; `make tsan` runs it under both cp.async orderings:
 
-    ATTN_EXPORT_EMU_TSAN=1 python tests/ops/cuda_emulator/tsan_check.py --build
+    ATTN_EXPORT_EMU_TSAN=1 python tests/ops/cuda/cuda_emulator/tsan_check.py --build
     for order in late early; do
       ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$(gcc -print-file-name=libtsan.so) \\
-        python tests/ops/cuda_emulator/tsan_check.py --order $order
+        python tests/ops/cuda/cuda_emulator/tsan_check.py --order $order
     done
 
 (The build step runs without LD_PRELOAD: a sanitizer preloaded into the compiler breaks it.)
