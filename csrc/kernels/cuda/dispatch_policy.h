@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "../../attention_params.h"
+#include "kernel_traits.h"
 
 namespace attn_export::cuda::policy {
 
@@ -48,15 +49,7 @@ enum PreviewFeature : unsigned {
 
 
 inline bool verified_flash_head_dims(int64_t head_dim, int64_t head_dim_v) {
-  if (head_dim != head_dim_v) {
-    return false;
-  }
-  for (int d : kVerifiedFlashHeadDims) {
-    if (head_dim == d) {
-      return true;
-    }
-  }
-  return false;
+  return equal_head_dims_in(kVerifiedFlashHeadDims, head_dim, head_dim_v);
 }
 
 inline bool grouped_query(const AttentionParams& p) {

@@ -126,28 +126,34 @@ def _sm90_head_dims() -> list[int]:
     return [int(d) for d in found.group(1).split(",")]
 
 
-def sm90_files() -> dict[str, str]:
-    """The Hopper forward's instantiations. Each compiles to nothing unless the build defines
-    ATTN_EXPORT_WITH_SM90 (an arch list with 9.0a and the CUTLASS headers found: setup.py,
-    csrc/CMakeLists.txt), so every build can glob this folder."""
+def _sm90_files(direction: str, head_dims: list[int], signature: str) -> dict[str, str]:
+    """One Hopper instantiation of run_flash_{direction}_sm90_ per dtype, head dim and causality.
+    Each compiles to nothing unless the build defines ATTN_EXPORT_WITH_SM90 (an arch list with 9.0a
+    and the CUTLASS headers found: setup.py, csrc/CMakeLists.txt), so every build can glob this folder."""
+    what_kind = {"fwd": "forward", "bwd": "backward"}[direction]
     files = {}
     for suffix, ctype in FLASH_DTYPES:
-        for head_dim in _sm90_head_dims():
+        for head_dim in head_dims:
             for causal in (False, True):
-                name = f"sm90_flash_fwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
-                what = (f"Hopper (sm_90a) flash forward for {suffix}, head dim {head_dim}, "
+                name = f"sm90_flash_{direction}_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
+                what = (f"Hopper (sm_90a) flash {what_kind} for {suffix}, head dim {head_dim}, "
                         f"{'causal' if causal else 'not causal'}.")
                 args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
                 files[name] = (
                     HEADER.format(what=what)
                     + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
-                    + '#include "../hopper/flash_fwd_sm90_kernel.cuh"\n\n'
+                    + f'#include "../hopper/flash_{direction}_sm90_kernel.cuh"\n\n'
                     + "namespace attn_export::cuda::sm90 {\n\n"
-                    + f"template cudaError_t run_flash_fwd_sm90_<{args}>(const AttentionParams&, cudaStream_t);\n\n"
+                    + f"template cudaError_t run_flash_{direction}_sm90_<{args}>({signature});\n\n"
                     + "}  // namespace attn_export::cuda::sm90\n"
                     + "#endif\n"
                 )
     return files
+
+
+def sm90_files() -> dict[str, str]:
+    """The Hopper forward's instantiations."""
+    return _sm90_files("fwd", _sm90_head_dims(), "const AttentionParams&, cudaStream_t")
 
 
 def _sm90_bwd_head_dims() -> list[int]:
@@ -160,27 +166,8 @@ def _sm90_bwd_head_dims() -> list[int]:
 
 
 def sm90_bwd_files() -> dict[str, str]:
-    """The Hopper backward's instantiations, empty unless the build defines ATTN_EXPORT_WITH_SM90
-    (as the forward's)."""
-    files = {}
-    for suffix, ctype in FLASH_DTYPES:
-        for head_dim in _sm90_bwd_head_dims():
-            for causal in (False, True):
-                name = f"sm90_flash_bwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
-                what = (f"Hopper (sm_90a) flash backward for {suffix}, head dim {head_dim}, "
-                        f"{'causal' if causal else 'not causal'}.")
-                args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
-                files[name] = (
-                    HEADER.format(what=what)
-                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
-                    + '#include "../hopper/flash_bwd_sm90_kernel.cuh"\n\n'
-                    + "namespace attn_export::cuda::sm90 {\n\n"
-                    + f"template cudaError_t run_flash_bwd_sm90_<{args}>(const AttentionBackwardParams&, void*, "
-                    + "cudaStream_t);\n\n"
-                    + "}  // namespace attn_export::cuda::sm90\n"
-                    + "#endif\n"
-                )
-    return files
+    """The Hopper backward's instantiations."""
+    return _sm90_files("bwd", _sm90_bwd_head_dims(), "const AttentionBackwardParams&, void*, cudaStream_t")
 
 
 def all_files() -> dict[str, str]:

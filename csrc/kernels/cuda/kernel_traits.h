@@ -37,6 +37,21 @@ inline constexpr int kFlashHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline constexpr int kNumFlashHeadDims = sizeof(kFlashHeadDims) / sizeof(kFlashHeadDims[0]);
 inline constexpr int kMaxFlashHeadDim = kFlashHeadDims[kNumFlashHeadDims - 1];
 
+// Whether head_dim and head_dim_v are equal and one of `table`'s head dims (the dispatch policy's
+// verified ones, the Hopper forward's compiled ones).
+template <std::size_t N>
+constexpr bool equal_head_dims_in(const int (&table)[N], int64_t head_dim, int64_t head_dim_v) {
+  if (head_dim != head_dim_v) {
+    return false;
+  }
+  for (int d : table) {
+    if (head_dim == d) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Smallest compiled head dim >= dim, or 0 when there is none.
 constexpr int flash_tile_head_dim(int64_t dim) {
   for (int d : kFlashHeadDims) {

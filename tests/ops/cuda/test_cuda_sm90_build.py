@@ -531,15 +531,16 @@ def test_hopper_backward_dispatch_rules(tmp_path):
 
 
 def test_backward_gpu_tests_cover_every_tile_row():
-    """test_cuda_sm90_bwd.py runs every head dim of kBwdTiles, the table that the generator and the
-    dispatch walk: a row added without its GPU tests fails here."""
+    """test_cuda_sm90_bwd.py runs every head dim of kBwdTiles (sm90_gpu.py's HEAD_DIMS), the table
+    that the generator and the dispatch walk: a row added without its GPU tests fails here."""
     script = ROOT / "csrc" / "kernels" / "cuda" / "generate_kernels.py"
     spec = importlib.util.spec_from_file_location("generate_kernels", script)
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
-    gpu_tests = (ROOT / "tests" / "ops" / "test_cuda_sm90_bwd.py").read_text()
-    found = re.search(r"^HEAD_DIMS = \[([^\]]*)\]", gpu_tests, flags=re.M)
-    assert found, "test_cuda_sm90_bwd.py declares no HEAD_DIMS = [...]"
+    here = pathlib.Path(__file__).resolve().parent
+    assert re.search(r"^from sm90_gpu import .*\bHEAD_DIMS\b", (here / "test_cuda_sm90_bwd.py").read_text(), flags=re.M)
+    found = re.search(r"^HEAD_DIMS = \[([^\]]*)\]", (here / "sm90_gpu.py").read_text(), flags=re.M)
+    assert found, "sm90_gpu.py declares no HEAD_DIMS = [...]"
     head_dims = [int(d) for d in found.group(1).split(",")]
     assert head_dims == generate._sm90_bwd_head_dims() == [32, 64, 96, 128, 192, 256]
 
