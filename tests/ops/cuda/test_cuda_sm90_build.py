@@ -177,16 +177,33 @@ def test_sass_check_fails_local_memory():
 
 # ---- Host-side rules: the policy and the launcher's operand checks, compiled alone.
 
-POLICY_PROGRAM = r"""
+# What both host programs share: the headers, a buffer for the operands' pointers, the policy's answer
+# for every (compute capability major, preview switch, sm90 switch), and CASE: `supports` of base()
+# after one edit, as one JSON entry.
+HOST_PRELUDE = r"""
 #include <cstdio>
 #include <initializer_list>
 #include "kernels/cuda/dispatch_policy.h"
+#include "kernels/cuda/hopper/flash_bwd_sm90.h"
 #include "kernels/cuda/hopper/flash_fwd_sm90.h"
 using namespace attn_export;
 using namespace attn_export::cuda;
 
 alignas(16) static unsigned char buffer[1 << 16];
 
+void print_allowed(bool (*allowed)(int, bool, bool)) {
+  const char* sep = "";
+  for (int major : {8, 9, 10}) for (int preview : {0, 1}) for (int sw : {0, 1}) {
+    std::printf("%s[%d, %d, %d, %d]", sep, major, preview, sw, allowed(major, preview, sw));
+    sep = ", ";
+  }
+}
+
+#define CASE(name, edit, supports) \
+  do { p = base(); edit; std::printf("%s\"%s\": %d", sep, name, supports(p)); sep = ", "; } while (0)
+"""
+
+POLICY_PROGRAM = HOST_PRELUDE + r"""
 AttentionParams base() {
   AttentionParams p;
   p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
@@ -200,26 +217,24 @@ AttentionParams base() {
 
 int main() {
   std::printf("{\"allowed\": [");
-  const char* sep = "";
-  for (int major : {8, 9, 10}) for (int preview : {0, 1}) for (int sw : {0, 1}) {
-    std::printf("%s[%d, %d, %d, %d]", sep, major, preview, sw, policy::hopper_forward_allowed(major, preview, sw));
-    sep = ", ";
-  }
+  print_allowed(policy::hopper_forward_allowed);
   std::printf("], \"supports\": {");
-  AttentionParams p = base();
-  std::printf("\"base\": %d, ", sm90::supports(p));
-  p.dtype = DataType::kFloat16; std::printf("\"fp16\": %d, ", sm90::supports(p));
-  p.dtype = DataType::kFloat32; std::printf("\"fp32\": %d, ", sm90::supports(p));
-  p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports(p));
-  p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports(p));
-  p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports(p));
-  p.head_dim = p.head_dim_v = 80; std::printf("\"d80\": %d, ", sm90::supports(p));
-  p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports(p));
-  p = base(); p.k = buffer + 8; std::printf("\"k_misaligned\": %d, ", sm90::supports(p));
-  p = base(); p.v_row_stride = 132; std::printf("\"v_row_stride_132\": %d, ", sm90::supports(p));
-  p = base(); p.q_head_stride = 0; std::printf("\"q_head_stride_0\": %d, ", sm90::supports(p));
-  p = base(); p.out_row_stride = 130; std::printf("\"out_row_stride_130\": %d, ", sm90::supports(p));
-  p = base(); p.seqlen_k = 0; std::printf("\"no_keys\": %d", sm90::supports(p));
+  AttentionParams p;
+  const char* sep = "";
+  CASE("base", , sm90::supports);
+  CASE("fp16", p.dtype = DataType::kFloat16, sm90::supports);
+  CASE("fp32", p.dtype = DataType::kFloat32, sm90::supports);
+  for (int d : {64, 256, 96, 80}) {
+    char name[8];
+    std::snprintf(name, sizeof(name), "d%d", d);
+    CASE(name, p.head_dim = p.head_dim_v = d, sm90::supports);
+  }
+  CASE("dv_differs", p.head_dim_v = 64, sm90::supports);
+  CASE("k_misaligned", p.k = buffer + 8, sm90::supports);
+  CASE("v_row_stride_132", p.v_row_stride = 132, sm90::supports);
+  CASE("q_head_stride_0", p.q_head_stride = 0, sm90::supports);
+  CASE("out_row_stride_130", p.out_row_stride = 130, sm90::supports);
+  CASE("no_keys", p.seqlen_k = 0, sm90::supports);
   std::printf("}, \"tiles\": [");
   sep = "";
   for (int d : sm90::kHeadDims) for (bool causal : {false, true}) {
@@ -443,16 +458,7 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
 
 # ---- The Hopper backward (hopper/flash_bwd_sm90*): host-side rules and its compile gate.
 
-BWD_POLICY_PROGRAM = r"""
-#include <cstdio>
-#include <initializer_list>
-#include "kernels/cuda/dispatch_policy.h"
-#include "kernels/cuda/hopper/flash_bwd_sm90.h"
-using namespace attn_export;
-using namespace attn_export::cuda;
-
-alignas(16) static unsigned char buffer[1 << 16];
-
+BWD_POLICY_PROGRAM = HOST_PRELUDE + r"""
 AttentionBackwardParams base() {
   AttentionBackwardParams p;
   p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
@@ -477,29 +483,25 @@ int main() {
     sep = ", ";
   }
   std::printf("], \"backward_bit\": %u, \"allowed\": [", static_cast<unsigned>(policy::kHopperBackward));
-  sep = "";
-  for (int major : {8, 9, 10}) for (int preview : {0, 1}) for (int sw : {0, 1}) {
-    std::printf("%s[%d, %d, %d, %d]", sep, major, preview, sw, policy::hopper_backward_allowed(major, preview, sw));
-    sep = ", ";
-  }
+  print_allowed(policy::hopper_backward_allowed);
   std::printf("], \"supports\": {");
-  AttentionBackwardParams p = base();
-  std::printf("\"base\": %d, ", sm90::supports_backward(p));
-  p.dtype = DataType::kFloat16; std::printf("\"fp16\": %d, ", sm90::supports_backward(p));
-  p.dtype = DataType::kFloat32; std::printf("\"fp32\": %d, ", sm90::supports_backward(p));
-  p = base(); p.head_dim = p.head_dim_v = 64; std::printf("\"d64\": %d, ", sm90::supports_backward(p));
-  p.head_dim = p.head_dim_v = 256; std::printf("\"d256\": %d, ", sm90::supports_backward(p));
-  p.head_dim = p.head_dim_v = 96; std::printf("\"d96\": %d, ", sm90::supports_backward(p));
-  p.head_dim = p.head_dim_v = 32; std::printf("\"d32\": %d, ", sm90::supports_backward(p));
-  p.head_dim = p.head_dim_v = 80; std::printf("\"d80\": %d, ", sm90::supports_backward(p));
-  p.head_dim = p.head_dim_v = 192; std::printf("\"d192\": %d, ", sm90::supports_backward(p));
-  p = base(); p.head_dim_v = 64; std::printf("\"dv_differs\": %d, ", sm90::supports_backward(p));
-  p = base(); p.grad_out = buffer + 8; std::printf("\"dout_misaligned\": %d, ", sm90::supports_backward(p));
-  p = base(); p.grad_out_row_stride = 132; std::printf("\"dout_row_stride_132\": %d, ", sm90::supports_backward(p));
-  p = base(); p.grad_k_row_stride = 127; std::printf("\"dk_row_stride_odd\": %d, ", sm90::supports_backward(p));
-  p = base(); p.grad_weights = buffer; std::printf("\"grad_weights\": %d, ", sm90::supports_backward(p));
-  p = base(); p.num_heads_k = 3; std::printf("\"heads_not_divisible\": %d, ", sm90::supports_backward(p));
-  p = base(); p.seqlen_q = 0; std::printf("\"no_queries\": %d", sm90::supports_backward(p));
+  AttentionBackwardParams p;
+  sep = "";
+  CASE("base", , sm90::supports_backward);
+  CASE("fp16", p.dtype = DataType::kFloat16, sm90::supports_backward);
+  CASE("fp32", p.dtype = DataType::kFloat32, sm90::supports_backward);
+  for (int d : {64, 256, 96, 32, 80, 192}) {
+    char name[8];
+    std::snprintf(name, sizeof(name), "d%d", d);
+    CASE(name, p.head_dim = p.head_dim_v = d, sm90::supports_backward);
+  }
+  CASE("dv_differs", p.head_dim_v = 64, sm90::supports_backward);
+  CASE("dout_misaligned", p.grad_out = buffer + 8, sm90::supports_backward);
+  CASE("dout_row_stride_132", p.grad_out_row_stride = 132, sm90::supports_backward);
+  CASE("dk_row_stride_odd", p.grad_k_row_stride = 127, sm90::supports_backward);
+  CASE("grad_weights", p.grad_weights = buffer, sm90::supports_backward);
+  CASE("heads_not_divisible", p.num_heads_k = 3, sm90::supports_backward);
+  CASE("no_queries", p.seqlen_q = 0, sm90::supports_backward);
   p = base();
   const sm90::BwdWorkspace w = sm90::bwd_workspace(p);
   p.deterministic = true;
