@@ -203,6 +203,23 @@ void print_allowed(bool (*allowed)(int, bool, bool)) {
   do { p = base(); edit; std::printf("%s\"%s\": %d", sep, name, supports(p)); sep = ", "; } while (0)
 """
 
+def _cases(cases, supports: str) -> str:
+    """C++ lines printing `supports` after each (name, edit) of base(): HOST_PRELUDE's CASE."""
+    return "".join(f'  CASE("{name}", {edit}, {supports});\n' for name, edit in cases)
+
+
+def _head_dims(*dims: int) -> list[tuple[str, str]]:
+    return [(f"d{d}", f"p.head_dim = p.head_dim_v = {d}") for d in dims]
+
+
+# The forward's operand cases (test_hopper_dispatch_rules): base() is a supported bf16 head-dim-128 problem.
+SUPPORTS_CASES = [
+    ("base", ""), ("fp16", "p.dtype = DataType::kFloat16"), ("fp32", "p.dtype = DataType::kFloat32"),
+    *_head_dims(64, 256, 96, 80), ("dv_differs", "p.head_dim_v = 64"), ("k_misaligned", "p.k = buffer + 8"),
+    ("v_row_stride_132", "p.v_row_stride = 132"), ("q_head_stride_0", "p.q_head_stride = 0"),
+    ("out_row_stride_130", "p.out_row_stride = 130"), ("no_keys", "p.seqlen_k = 0"),
+]
+
 POLICY_PROGRAM = HOST_PRELUDE + r"""
 AttentionParams base() {
   AttentionParams p;
@@ -221,20 +238,7 @@ int main() {
   std::printf("], \"supports\": {");
   AttentionParams p;
   const char* sep = "";
-  CASE("base", , sm90::supports);
-  CASE("fp16", p.dtype = DataType::kFloat16, sm90::supports);
-  CASE("fp32", p.dtype = DataType::kFloat32, sm90::supports);
-  for (int d : {64, 256, 96, 80}) {
-    char name[8];
-    std::snprintf(name, sizeof(name), "d%d", d);
-    CASE(name, p.head_dim = p.head_dim_v = d, sm90::supports);
-  }
-  CASE("dv_differs", p.head_dim_v = 64, sm90::supports);
-  CASE("k_misaligned", p.k = buffer + 8, sm90::supports);
-  CASE("v_row_stride_132", p.v_row_stride = 132, sm90::supports);
-  CASE("q_head_stride_0", p.q_head_stride = 0, sm90::supports);
-  CASE("out_row_stride_130", p.out_row_stride = 130, sm90::supports);
-  CASE("no_keys", p.seqlen_k = 0, sm90::supports);
+""" + _cases(SUPPORTS_CASES, "sm90::supports") + r"""
   std::printf("}, \"tiles\": [");
   sep = "";
   for (int d : sm90::kHeadDims) for (bool causal : {false, true}) {
@@ -458,6 +462,15 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
 
 # ---- The Hopper backward (hopper/flash_bwd_sm90*): host-side rules and its compile gate.
 
+# The backward's operand cases (test_hopper_backward_dispatch_rules).
+BWD_SUPPORTS_CASES = [
+    ("base", ""), ("fp16", "p.dtype = DataType::kFloat16"), ("fp32", "p.dtype = DataType::kFloat32"),
+    *_head_dims(64, 256, 96, 32, 80, 192), ("dv_differs", "p.head_dim_v = 64"),
+    ("dout_misaligned", "p.grad_out = buffer + 8"), ("dout_row_stride_132", "p.grad_out_row_stride = 132"),
+    ("dk_row_stride_odd", "p.grad_k_row_stride = 127"), ("grad_weights", "p.grad_weights = buffer"),
+    ("heads_not_divisible", "p.num_heads_k = 3"), ("no_queries", "p.seqlen_q = 0"),
+]
+
 BWD_POLICY_PROGRAM = HOST_PRELUDE + r"""
 AttentionBackwardParams base() {
   AttentionBackwardParams p;
@@ -487,21 +500,7 @@ int main() {
   std::printf("], \"supports\": {");
   AttentionBackwardParams p;
   sep = "";
-  CASE("base", , sm90::supports_backward);
-  CASE("fp16", p.dtype = DataType::kFloat16, sm90::supports_backward);
-  CASE("fp32", p.dtype = DataType::kFloat32, sm90::supports_backward);
-  for (int d : {64, 256, 96, 32, 80, 192}) {
-    char name[8];
-    std::snprintf(name, sizeof(name), "d%d", d);
-    CASE(name, p.head_dim = p.head_dim_v = d, sm90::supports_backward);
-  }
-  CASE("dv_differs", p.head_dim_v = 64, sm90::supports_backward);
-  CASE("dout_misaligned", p.grad_out = buffer + 8, sm90::supports_backward);
-  CASE("dout_row_stride_132", p.grad_out_row_stride = 132, sm90::supports_backward);
-  CASE("dk_row_stride_odd", p.grad_k_row_stride = 127, sm90::supports_backward);
-  CASE("grad_weights", p.grad_weights = buffer, sm90::supports_backward);
-  CASE("heads_not_divisible", p.num_heads_k = 3, sm90::supports_backward);
-  CASE("no_queries", p.seqlen_q = 0, sm90::supports_backward);
+""" + _cases(BWD_SUPPORTS_CASES, "sm90::supports_backward") + r"""
   p = base();
   const sm90::BwdWorkspace w = sm90::bwd_workspace(p);
   p.deterministic = true;
