@@ -199,6 +199,18 @@ void print_allowed(bool (*allowed)(int, bool, bool)) {
   }
 }
 
+// A supported bf16 head-dim-128 problem: 2 x 4 heads on 2 key/value heads, 100 queries, 300 keys.
+AttentionParams forward_base() {
+  AttentionParams p;
+  p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
+  p.head_dim = p.head_dim_v = 128; p.dtype = DataType::kBFloat16;
+  p.q = p.k = p.v = buffer; p.out = buffer; p.lse = buffer;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = 128;
+  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.out_head_stride = 128 * 300;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 4 * 128 * 300;
+  return p;
+}
+
 #define CASE(name, edit, supports) \
   do { p = base(); edit; std::printf("%s\"%s\": %d", sep, name, supports(p)); sep = ", "; } while (0)
 """
@@ -213,24 +225,15 @@ def _head_dims(*dims: int) -> list[tuple[str, str]]:
 
 
 # The forward's operand cases (test_hopper_dispatch_rules): base() is a supported bf16 head-dim-128 problem.
+DTYPE_CASES = [("base", ""), ("fp16", "p.dtype = DataType::kFloat16"), ("fp32", "p.dtype = DataType::kFloat32")]
 SUPPORTS_CASES = [
-    ("base", ""), ("fp16", "p.dtype = DataType::kFloat16"), ("fp32", "p.dtype = DataType::kFloat32"),
-    *_head_dims(64, 256, 96, 80), ("dv_differs", "p.head_dim_v = 64"), ("k_misaligned", "p.k = buffer + 8"),
+    *DTYPE_CASES, *_head_dims(64, 256, 96, 80), ("dv_differs", "p.head_dim_v = 64"), ("k_misaligned", "p.k = buffer + 8"),
     ("v_row_stride_132", "p.v_row_stride = 132"), ("q_head_stride_0", "p.q_head_stride = 0"),
     ("out_row_stride_130", "p.out_row_stride = 130"), ("no_keys", "p.seqlen_k = 0"),
 ]
 
 POLICY_PROGRAM = HOST_PRELUDE + r"""
-AttentionParams base() {
-  AttentionParams p;
-  p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
-  p.head_dim = p.head_dim_v = 128; p.dtype = DataType::kBFloat16;
-  p.q = p.k = p.v = buffer; p.out = buffer; p.lse = buffer;
-  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = 128;
-  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.out_head_stride = 128 * 300;
-  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 4 * 128 * 300;
-  return p;
-}
+AttentionParams base() { return forward_base(); }
 
 int main() {
   std::printf("{\"allowed\": [");
@@ -464,25 +467,21 @@ def test_sm90_forward_compiles_to_hopper_code(tmp_path):
 
 # The backward's operand cases (test_hopper_backward_dispatch_rules).
 BWD_SUPPORTS_CASES = [
-    ("base", ""), ("fp16", "p.dtype = DataType::kFloat16"), ("fp32", "p.dtype = DataType::kFloat32"),
-    *_head_dims(64, 256, 96, 32, 80, 192), ("dv_differs", "p.head_dim_v = 64"),
+    *DTYPE_CASES, *_head_dims(64, 256, 96, 32, 80, 192), ("dv_differs", "p.head_dim_v = 64"),
     ("dout_misaligned", "p.grad_out = buffer + 8"), ("dout_row_stride_132", "p.grad_out_row_stride = 132"),
     ("dk_row_stride_odd", "p.grad_k_row_stride = 127"), ("grad_weights", "p.grad_weights = buffer"),
     ("heads_not_divisible", "p.num_heads_k = 3"), ("no_queries", "p.seqlen_q = 0"),
 ]
 
 BWD_POLICY_PROGRAM = HOST_PRELUDE + r"""
+// forward_base() and its gradients, laid out as the forward's operands.
 AttentionBackwardParams base() {
   AttentionBackwardParams p;
-  p.batch = 2; p.num_heads = 4; p.num_heads_k = 2; p.seqlen_q = 100; p.seqlen_k = 300;
-  p.head_dim = p.head_dim_v = 128; p.dtype = DataType::kBFloat16;
-  p.q = p.k = p.v = p.grad_out = buffer; p.out = p.lse = p.grad_q = p.grad_k = p.grad_v = buffer;
-  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = p.grad_out_row_stride = 128;
-  p.grad_q_row_stride = p.grad_k_row_stride = p.grad_v_row_stride = 128;
-  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.grad_out_head_stride = 128 * 300;
-  p.grad_q_head_stride = p.grad_k_head_stride = p.grad_v_head_stride = p.out_head_stride = 128 * 300;
-  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.grad_out_batch_stride = 4 * 128 * 300;
-  p.grad_q_batch_stride = p.grad_k_batch_stride = p.grad_v_batch_stride = p.out_batch_stride = 4 * 128 * 300;
+  static_cast<AttentionParams&>(p) = forward_base();
+  p.grad_out = p.grad_q = p.grad_k = p.grad_v = buffer;
+  p.grad_out_row_stride = p.grad_q_row_stride = p.grad_k_row_stride = p.grad_v_row_stride = 128;
+  p.grad_out_head_stride = p.grad_q_head_stride = p.grad_k_head_stride = p.grad_v_head_stride = 128 * 300;
+  p.grad_out_batch_stride = p.grad_q_batch_stride = p.grad_k_batch_stride = p.grad_v_batch_stride = 4 * 128 * 300;
   return p;
 }
 
