@@ -63,6 +63,16 @@ HEADER = (
 )
 
 
+def _unit(what: str, header: str, namespace: str, instantiation: str, guard: str | None = None) -> str:
+    """One instantiation file: its header line, the kernel's header included, one explicit
+    instantiation in `namespace`; with `guard`, all of it inside #if defined(guard)."""
+    body = (f'#include "../{header}"\n\n'
+            + f"namespace {namespace} {{\n\n"
+            + f"template cudaError_t {instantiation};\n\n"
+            + f"}}  // namespace {namespace}\n")
+    return HEADER.format(what=what) + (f"#if defined({guard})\n{body}#endif\n" if guard else body)
+
+
 def _variants(direction: str, head_dim: int) -> list[tuple[str, str, str]]:
     """(file-name tag, extra template argument, description) of one head dim's kernels: the
     forward's row tiles a warp are 1, and at WIDE_FORWARD_HEAD_DIMS also WIDE_FORWARD_ROW_TILES;
@@ -94,13 +104,8 @@ def flash_files() -> dict[str, str]:
                         what = (f"Flash {word} kernel for {suffix}, head dim {head_dim}, "
                                 f"{'causal' if causal else 'not causal'}{note}.")
                         args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}{extra}"
-                        files[name] = (
-                            HEADER.format(what=what)
-                            + f'#include "../{header}"\n\n'
-                            + "namespace attn_export::cuda {\n\n"
-                            + f"template cudaError_t run_flash_{direction}_<{args}>({signature});\n\n"
-                            + "}  // namespace attn_export::cuda\n"
-                        )
+                        files[name] = _unit(what, header, "attn_export::cuda",
+                                            f"run_flash_{direction}_<{args}>({signature})")
     return files
 
 
@@ -139,15 +144,8 @@ def _sm90_files(direction: str, head_dims: list[int], signature: str) -> dict[st
                 what = (f"Hopper (sm_90a) flash {what_kind} for {suffix}, head dim {head_dim}, "
                         f"{'causal' if causal else 'not causal'}.")
                 args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
-                files[name] = (
-                    HEADER.format(what=what)
-                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
-                    + f'#include "../hopper/flash_{direction}_sm90_kernel.cuh"\n\n'
-                    + "namespace attn_export::cuda::sm90 {\n\n"
-                    + f"template cudaError_t run_flash_{direction}_sm90_<{args}>({signature});\n\n"
-                    + "}  // namespace attn_export::cuda::sm90\n"
-                    + "#endif\n"
-                )
+                files[name] = _unit(what, f"hopper/flash_{direction}_sm90_kernel.cuh", "attn_export::cuda::sm90",
+                                    f"run_flash_{direction}_sm90_<{args}>({signature})", guard="ATTN_EXPORT_WITH_SM90")
     return files
 
 
