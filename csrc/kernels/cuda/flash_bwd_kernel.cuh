@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       // P^T = exp2(cap(S^T * scale) * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta),
       // times the soft-cap's derivative 1 - t^2 (t = tanh(S^T * scale / softcap)) when capped.
       const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || m0 + kBM > seqlen_q ||
-          (kIsCausal && bounds::causal_edge_in_tile(params, m0, m0 + kBM - 1, n0, kBN, shift));
+          (kIsCausal && n0 + kBN - 1 > m0 + shift) || (kIsCausal && bounds::window_hides(params, m0 + kBM - 1, n0, shift));
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
