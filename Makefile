@@ -31,7 +31,7 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	# Their other dependencies come with the hf and zoo extras. The tests skip a library that is missing.
 	$(PIP) install --no-deps "timm>=1.0" "vit-pytorch>=1.6" "openai-whisper>=20240930" "torchtune>=0.6"
 	# The CUTLASS/CuTe headers of the sm_90a kernels (setup.py CUTLASS_PIN), for a 9.0a build and the offline
-	# gate (tests/ops/test_cuda_sm90_build.py). --no-deps: the package's Python tools (cuda-python, scipy,
+	# gate (tests/ops/cuda/test_cuda_sm90_build.py). --no-deps: the package's Python tools (cuda-python, scipy,
 	# networkx, ...) are never imported; only its headers are read.
 	$(PIP) install --no-deps "nvidia-cutlass==4.2.0.0"
 	touch $@
@@ -149,9 +149,9 @@ mutants: $(VENV)/.mutation
 # emulated threads is a missing __syncthreads. Builds its own sanitized extension (cached).
 .PHONY: tsan
 tsan: install
-	ATTN_EXPORT_EMU_TSAN=1 $(PY) tests/ops/cuda_emulator/tsan_check.py --build
+	ATTN_EXPORT_EMU_TSAN=1 $(PY) tests/ops/cuda/cuda_emulator/tsan_check.py --build
 	for order in late early; do \
-	  ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) $(PY) tests/ops/cuda_emulator/tsan_check.py --order $$order || exit 1; \
+	  ATTN_EXPORT_EMU_TSAN=1 LD_PRELOAD=$$(gcc -print-file-name=libtsan.so) $(PY) tests/ops/cuda/cuda_emulator/tsan_check.py --order $$order || exit 1; \
 	done
 
 # The TensorRT plugin library (docs/tensorrt.md): make plugin TENSORRT_ROOT=<dir with include/NvInferRuntime.h>

@@ -2,10 +2,10 @@
 # The GPU check of the CUDA kernels, for a machine with an NVIDIA GPU, a CUDA build of PyTorch
 # and nvcc, and no network. In under 8 minutes on an H200 it
 #   1. builds attn_export for this GPU only (TORCH_CUDA_ARCH_LIST from its compute capability),
-#   2. runs the GPU tests (the `cuda`-marked tests: tests/ops/test_cuda.py, the device-parametrized
+#   2. runs the GPU tests (the `cuda`-marked tests: tests/ops/cuda/test_cuda.py, the device-parametrized
 #      operator and layer tests, and ONNX Runtime's CUDA and TensorRT execution providers in
 #      tests/validation/test_ort_providers.py, which skip with the reason without onnxruntime-gpu; with pytest
-#      if installed, else with tests/run_without_pytest.py), then tests/ops/test_cuda.py again with
+#      if installed, else with tests/run_without_pytest.py), then tests/ops/cuda/test_cuda.py again with
 #      ATTN_EXPORT_CUDA_PREVIEW=1: the paths that wait for a GPU (docs/cuda.md "Preview"),
 #   3. runs every kernel path once under compute-sanitizer's memcheck, and a few under racecheck,
 #      initcheck and synccheck (scripts/gpu_sanitize.py; skipped with a line in the summary where
@@ -22,7 +22,7 @@
 # The Hopper (sm_90a) forward, not yet run on a GPU (docs/cuda.md "Hopper forward"): on a
 # compute-capability-9 GPU the build targets 9.0a when the CUTLASS headers are at hand (the
 # nvidia-cutlass package, or ATTN_EXPORT_CUTLASS_INCLUDE: this machine has no network, so carry an
-# unpacked `pip download nvidia-cutlass==4.2.0.0`), and the step `sm90` runs tests/ops/test_cuda_sm90.py
+# unpacked `pip download nvidia-cutlass==4.2.0.0`), and the step `sm90` runs tests/ops/cuda/test_cuda_sm90.py
 # with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 (after a smoke run of one call per schedule
 # under a 120-s timeout, sm90_smoke.log, which skips the step if it fails or hangs), then leaves
 # ATTN_EXPORT_CUDA_SM90=1 set for the steps after it: GPU_CHECK_STEPS="sm90 sanitize bench" verifies
@@ -163,7 +163,7 @@ build_step || exit 1
 
 # ---- 2. GPU tests
 tests_step() {
-  GPU_TEST_MODULES="ops/test_cuda ops/test_attention_op ops/test_module_parity validation/test_ort_providers"
+  GPU_TEST_MODULES="ops/cuda/test_cuda ops/core/test_attention_op ops/module/test_module_parity validation/test_ort_providers"
   log "running the cuda tests of: $GPU_TEST_MODULES"
   T0=$SECONDS
   if "$PY" -c 'import pytest' 2>/dev/null; then
@@ -171,8 +171,8 @@ tests_step() {
       --junitxml "$OUT_DIR/test_cuda.xml" > "$OUT_DIR/test_cuda.log" 2>&1
   else
     # the stand-in ignores marks: the device-parametrized modules are filtered to their cuda ids
-    ( timeout 150 "$PY" tests/run_without_pytest.py ops/test_cuda --junit "$OUT_DIR/test_cuda.xml" &&
-      for m in ops/test_attention_op ops/test_module_parity; do
+    ( timeout 150 "$PY" tests/run_without_pytest.py ops/cuda/test_cuda --junit "$OUT_DIR/test_cuda.xml" &&
+      for m in ops/core/test_attention_op ops/module/test_module_parity; do
         timeout 60 "$PY" tests/run_without_pytest.py "$m" -k cuda --junit "$OUT_DIR/$(basename $m).xml" || exit 1
       done &&
       timeout 120 "$PY" tests/run_without_pytest.py validation/test_ort_providers -k ::test_cuda_ \
@@ -194,20 +194,29 @@ tests_step() {
 # heads and the bottom-right alignment in the kernels, split-KV decoding (docs/cuda.md "Preview").
 preview_tests() {
   [ "${CHECK_PREVIEW:-1}" = 1 ] || { summary "SKIPPED preview tests: CHECK_PREVIEW=${CHECK_PREVIEW}"; return 0; }
-  local T0=$SECONDS rc
-  log "running tests/ops/test_cuda.py with ATTN_EXPORT_CUDA_PREVIEW=1"
+  run_gpu_tests "preview tests" ops/cuda/test_cuda 240 test_cuda_preview.log ATTN_EXPORT_CUDA_PREVIEW=1
+}
+
+# One module of GPU tests, tests/MODULE.py, its `cuda` tests under pytest (else under
+# tests/run_without_pytest.py), within SECONDS and with the environment's VAR=value pairs given,
+# into $OUT_DIR/LOG; then its summary line, LABEL (STATUS=2 where it fails).
+#   run_gpu_tests LABEL MODULE SECONDS LOG [VAR=value ...]
+run_gpu_tests() {
+  local label=$1 module=$2 seconds=$3 out="$OUT_DIR/$4" T0=$SECONDS rc
+  shift 4
+  log "running tests/$module.py${*:+ with $*}"
   if "$PY" -c 'import pytest' 2>/dev/null; then
-    ATTN_EXPORT_CUDA_PREVIEW=1 timeout 240 "$PY" -m pytest -m cuda tests/ops/test_cuda.py -q -rf -p no:cacheprovider \
-      > "$OUT_DIR/test_cuda_preview.log" 2>&1
+    env "$@" timeout "$seconds" "$PY" -m pytest -m cuda "tests/$module.py" -q -rfs -p no:cacheprovider $CASE_TIMEOUT \
+      > "$out" 2>&1
   else
-    ATTN_EXPORT_CUDA_PREVIEW=1 timeout 240 "$PY" tests/run_without_pytest.py ops/test_cuda > "$OUT_DIR/test_cuda_preview.log" 2>&1
+    env "$@" timeout "$seconds" "$PY" tests/run_without_pytest.py "$module" > "$out" 2>&1
   fi
   rc=$?
-  tail -5 "$OUT_DIR/test_cuda_preview.log"
+  tail -5 "$out"
   if [ $rc -eq 0 ]; then
-    summary "PASSED preview tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_preview.log")"
+    summary "PASSED $label in $((SECONDS - T0)) s: $(tail -1 "$out")"
   else
-    summary "FAILED preview tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_preview.log")"
+    summary "FAILED $label (exit $rc): $(tail -1 "$out")"
     STATUS=2
   fi
 }
@@ -273,23 +282,8 @@ bench_step() {
 
 # ---- The Hopper backward's gradient tests (part of the sm90 step; the build is 9.0a there).
 sm90_bwd_tests() {
-  local T0=$SECONDS rc
-  log "running tests/ops/test_cuda_sm90_bwd.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
-  if "$PY" -c 'import pytest' 2>/dev/null; then
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout "$(capped 300)" "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90_bwd.py -q -rfs \
-      -p no:cacheprovider $CASE_TIMEOUT > "$OUT_DIR/test_cuda_sm90_bwd.log" 2>&1
-  else
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout "$(capped 300)" "$PY" tests/run_without_pytest.py ops/test_cuda_sm90_bwd \
-      > "$OUT_DIR/test_cuda_sm90_bwd.log" 2>&1
-  fi
-  rc=$?
-  tail -5 "$OUT_DIR/test_cuda_sm90_bwd.log"
-  if [ $rc -eq 0 ]; then
-    summary "PASSED sm90 backward tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_sm90_bwd.log")"
-  else
-    summary "FAILED sm90 backward tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_sm90_bwd.log")"
-    STATUS=2
-  fi
+  run_gpu_tests "sm90 backward tests" ops/cuda/test_cuda_sm90_bwd "$(capped 300)" test_cuda_sm90_bwd.log \
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1
 }
 
 # ---- The Hopper kernels need the 9.0a build.
@@ -329,26 +323,11 @@ PY
 
 # ---- The Hopper forward: its parity tests, then ATTN_EXPORT_CUDA_SM90=1 for the steps after this one.
 sm90_step() {
-  local T0=$SECONDS rc
   sm90_built sm90 || return 0
   sm90_smoke || return 0
   # 480 s: six head dims since issue 47's second step (twice the parity cases of the first)
-  log "running tests/ops/test_cuda_sm90.py with ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1"
-  if "$PY" -c 'import pytest' 2>/dev/null; then
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout "$(capped 480)" "$PY" -m pytest -m cuda tests/ops/test_cuda_sm90.py -q -rfs \
-      -p no:cacheprovider $CASE_TIMEOUT > "$OUT_DIR/test_cuda_sm90.log" 2>&1
-  else
-    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout "$(capped 480)" "$PY" tests/run_without_pytest.py ops/test_cuda_sm90 \
-      > "$OUT_DIR/test_cuda_sm90.log" 2>&1
-  fi
-  rc=$?
-  tail -5 "$OUT_DIR/test_cuda_sm90.log"
-  if [ $rc -eq 0 ]; then
-    summary "PASSED sm90 tests in $((SECONDS - T0)) s: $(tail -1 "$OUT_DIR/test_cuda_sm90.log")"
-  else
-    summary "FAILED sm90 tests (exit $rc): $(tail -1 "$OUT_DIR/test_cuda_sm90.log")"
-    STATUS=2
-  fi
+  run_gpu_tests "sm90 tests" ops/cuda/test_cuda_sm90 "$(capped 480)" test_cuda_sm90.log \
+    ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1
   sm90_bwd_tests
   export ATTN_EXPORT_CUDA_SM90=1  # the sanitizer and the benchmark after this step run the Hopper forward
 }
@@ -377,7 +356,7 @@ sm90_quick_tests() {
   "$PY" -c 'import pytest' 2>/dev/null || { summary "FAILED sm90 quick tier: it needs pytest (a marker)"; STATUS=2; return 0; }
   log "sm90 quick tier (-m sm90_quick), $timeout_s s at most"
   ATTN_EXPORT_CUDA_PREVIEW=1 ATTN_EXPORT_CUDA_SM90=1 timeout "$timeout_s" "$PY" -m pytest -m "cuda and sm90_quick" \
-    tests/ops/test_cuda_sm90.py tests/ops/test_cuda_sm90_bwd.py -v -rfs --durations=15 -p no:cacheprovider $CASE_TIMEOUT \
+    tests/ops/cuda/test_cuda_sm90.py tests/ops/cuda/test_cuda_sm90_bwd.py -v -rfs --durations=15 -p no:cacheprovider $CASE_TIMEOUT \
     > "$OUT_DIR/test_sm90_quick.log" 2>&1
   rc=$?
   last=$(tail -1 "$OUT_DIR/test_sm90_quick.log")

@@ -19,7 +19,7 @@ def _seed():
 # (test_cuda_build.py, about 650 s of one worker in CI, several times any other file). Dealt in
 # collection order it came after eleven slow files, and a file that long decides when the run ends
 # unless it starts early; at the head, the other worker takes everything else meanwhile.
-LONGEST_FIRST = ("tests/ops/test_cuda_build.py",)
+LONGEST_FIRST = ("tests/ops/cuda/test_cuda_build.py",)
 
 
 def _run_order(item) -> tuple[bool, bool]:
@@ -37,7 +37,7 @@ def _mark_sm90_quick(items) -> None:
     """The Hopper GPU tests' quick tier (gpu_check.sh's sm90quick step, docs/testing.md): the
     cases a module lists in SM90_QUICK, (test name, parameters picking one case), get the mark
     sm90_quick. Lists of parameters rather than node ids: a renamed id or a new parameter
-    value cannot unselect a case silently (tests/ops/test_cuda_sm90_quick.py counts them)."""
+    value cannot unselect a case silently (tests/ops/cuda/test_cuda_sm90_quick.py counts them)."""
     for item in items:
         quick = getattr(getattr(item, "module", None), "SM90_QUICK", ())
         if any(item.originalname == name and _selects(params, item) for name, params in quick):

@@ -4,7 +4,7 @@ network to install it): scripts/gpu_check.sh falls back to this.
 
     python tests/run_without_pytest.py test_cuda [--junit FILE] [-k SUBSTRING]
 
-Supports what tests/ops/test_cuda.py uses: plain test functions, stacked
+Supports what tests/ops/cuda/test_cuda.py uses: plain test functions, stacked
 @pytest.mark.parametrize, pytest.param (its marks are ignored), pytest.raises, pytest.skip and
 module-level marks. Each test runs with torch.manual_seed(0), like conftest.py's autouse
 fixture. Exit status 1 on any failure.
@@ -104,7 +104,7 @@ def _cases(fn):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("module", help="test module under tests/, e.g. ops/test_cuda")
+    parser.add_argument("module", help="test module under tests/, e.g. ops/cuda/test_cuda")
     parser.add_argument("-k", dest="keyword", default=None, help="run only tests whose id contains this")
     parser.add_argument("--junit", type=pathlib.Path, default=None, help="write a JUnit XML report here")
     args = parser.parse_args()

@@ -45,9 +45,9 @@ def test_gpu_check_script_parses():
 
 def test_runner_without_pytest_finds_every_gpu_test():
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                str(ROOT / "tests" / "ops" / "test_cuda.py")], capture_output=True, text=True, cwd=ROOT)
+                                str(ROOT / "tests" / "ops" / "cuda" / "test_cuda.py")], capture_output=True, text=True, cwd=ROOT)
     count = sum(1 for line in collected.stdout.splitlines() if "::test_" in line)
-    ran = subprocess.run([sys.executable, str(ROOT / "tests" / "run_without_pytest.py"), "ops/test_cuda"],
+    ran = subprocess.run([sys.executable, str(ROOT / "tests" / "run_without_pytest.py"), "ops/cuda/test_cuda"],
                          capture_output=True, text=True, cwd=ROOT)
     assert count > 0 and ran.stdout.count("test_cuda::test_") == count, ran.stdout[-2000:] + ran.stderr[-2000:]
 
@@ -106,59 +106,60 @@ sanitize_step; echo "STATUS=$STATUS"
     assert "== racecheck: exit 9, reports naming attn_export's kernels: 0" in log and "nvjet_sm90_tst" in log
 
 
-def run_bench_step(tmp_path, extra_env):
-    """gpu_check.sh's benchmark step with a stand-in python that records its arguments."""
-    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    step = script[script.index("bench_step() {"):]
-    step = step[:step.index("\n}\n") + 3]
+def run_step(tmp_path, functions: tuple[str, ...], call: str, fake_python: str, extra_env=None) -> list[str]:
+    """gpu_check.sh's named shell `functions` run by the bash of `call`, with a stand-in python
+    (`fake_python`: its script after the shebang line): the lines it printed."""
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\necho "wrote it (9 rows, 0 skipped)"\n')
+    fake.write_text("#!/bin/bash\n" + fake_python)
     fake.chmod(0o755)
     driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
 OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
-{step}
-bench_step; echo "STATUS=$STATUS"
+{_functions(*functions)}
+{call}
 """
     ran = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
-                         env={"PATH": "/usr/bin:/bin", **extra_env}, timeout=60)
-    return ran.stdout.splitlines(), (tmp_path / "args").read_text().split()
+                         env={"PATH": "/usr/bin:/bin", **(extra_env or {})}, timeout=60)
+    return ran.stdout.splitlines()
+
+
+# A stand-in python for the benchmark step that records its arguments.
+RECORD_ARGS = 'echo "$@" > "$(dirname "$0")/args"\necho "wrote it (9 rows, 0 skipped)"\n'
+
+
+def bench_args(tmp_path, extra_env) -> tuple[list[str], list[str]]:
+    """The benchmark step's output lines and the arguments it passed to python."""
+    lines = run_step(tmp_path, ("bench_step",), 'bench_step; echo "STATUS=$STATUS"', RECORD_ARGS, extra_env)
+    return lines, (tmp_path / "args").read_text().split()
 
 
 def test_gpu_check_runs_the_benchmark_within_its_budget(tmp_path):
-    lines, args = run_bench_step(tmp_path, {"GPU_CHECK_BUDGET_S": "540"})
+    lines, args = bench_args(tmp_path, {"GPU_CHECK_BUDGET_S": "540"})
     assert args[:2] == ["-m", "benchmarks.gpu"] and args[-1] == "--quick"  # the default: every group, fewer rows
     budget = int(args[args.index("--budget-s") + 1])
     assert 480 <= budget <= 500  # 540 less the margin (and the second or so this step took to start)
     assert lines[0].startswith("PASSED benchmark in") and lines[0].endswith("(9 rows, 0 skipped)")
     assert lines[-1] == "STATUS=0"
-    _, args = run_bench_step(tmp_path, {"GPU_CHECK_BUDGET_S": "540", "GPU_BENCH_ARGS": ""})
+    _, args = bench_args(tmp_path, {"GPU_CHECK_BUDGET_S": "540", "GPU_BENCH_ARGS": ""})
     assert "--quick" not in args  # set but empty: the full default set
-    _, args = run_bench_step(tmp_path, {"GPU_BENCH_ARGS": "--cases decode,hdims"})
+    _, args = bench_args(tmp_path, {"GPU_BENCH_ARGS": "--cases decode,hdims"})
     assert args[-2:] == ["--cases", "decode,hdims"]
 
 
 def test_gpu_check_measures_and_sanitizes_the_preview_paths(tmp_path):
     """The benchmark and the sanitizer run with ATTN_EXPORT_CUDA_PREVIEW=1 unless CHECK_PREVIEW=0,
-    and the test step runs tests/ops/test_cuda.py once more with it (docs/cuda.md "Preview")."""
-    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    step = script[script.index("bench_step() {"):]
-    step = step[:step.index("\n}\n") + 3]
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\necho "preview=$ATTN_EXPORT_CUDA_PREVIEW" > "$(dirname "$0")/env"\necho done\n')
-    fake.chmod(0o755)
+    and the test step runs tests/ops/cuda/test_cuda.py once more with it (docs/cuda.md "Preview")."""
     for check, want in (({}, "preview=1"), ({"CHECK_PREVIEW": "0"}, "preview=0")):
-        driver = f"""summary() {{ echo "$*"; }}; log() {{ :; }}
-OUT_DIR={tmp_path}; PY={fake}; STATUS=0; START=$SECONDS
-{step}
-bench_step
-"""
-        subprocess.run(["bash", "-c", driver], capture_output=True, text=True, cwd=ROOT,
-                       env={"PATH": "/usr/bin:/bin", **check}, timeout=60)
+        run_step(tmp_path, ("bench_step",), "bench_step",
+                 'echo "preview=$ATTN_EXPORT_CUDA_PREVIEW" > "$(dirname "$0")/env"\necho done\n', check)
         assert (tmp_path / "env").read_text().strip() == want
+    lines = run_step(tmp_path, ("preview_tests", "run_gpu_tests"), "preview_tests",
+                     'echo "preview=$ATTN_EXPORT_CUDA_PREVIEW $*" >> "$(dirname "$0")/calls"\necho "1 passed"\n')
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[-1].startswith("preview=1 -m pytest -m cuda tests/ops/cuda/test_cuda.py"), calls
+    assert lines[-1].startswith("PASSED preview tests in") and lines[-1].endswith(": 1 passed"), lines
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     sanitize = script[script.index("sanitize_step() {"):]
     assert "ATTN_EXPORT_CUDA_PREVIEW=${CHECK_PREVIEW:-1}" in sanitize[:sanitize.index("\n}\n")]
-    preview = script[script.index("preview_tests() {"):]
-    assert "ATTN_EXPORT_CUDA_PREVIEW=1 timeout" in preview and "tests/ops/test_cuda.py" in preview
     assert "  preview_tests\n}" in script[script.index("tests_step() {"):]
 
 
@@ -212,7 +213,7 @@ def test_quick_step_runs_smoke_quick_tier_and_headline_rows(tmp_path):
     lines, calls = run_quick_step(tmp_path)
     assert [c.split()[0] for c in calls] == ["-", "-c", "-m", "-"]  # smoke, pytest?, the tier, the benchmark
     tier = calls[2]
-    assert '-m cuda and sm90_quick' in tier and "tests/ops/test_cuda_sm90.py tests/ops/test_cuda_sm90_bwd.py" in tier
+    assert '-m cuda and sm90_quick' in tier and "tests/ops/cuda/test_cuda_sm90.py tests/ops/cuda/test_cuda_sm90_bwd.py" in tier
     assert "-o timeout=90 -o timeout_method=thread" in tier and "--durations=15" in tier
     assert lines[0].startswith("PASSED sm90 quick tier in") and lines[0].endswith(": 53 passed in 40.00s")
     assert lines[1] == "headline: B4 H16 Lq4096 Lk4096 D128 bfloat16 forward: attn_export / cudnn = 0.50"

@@ -9,7 +9,7 @@
 //     mask merged into the attention mask (or'd into a bool one, -inf into a floating one), and
 //     causality is turned off. With seqlen_q == seqlen_k both alignments are the same (top-left).
 // With the preview switch on, the inputs pass unchanged. The CUDA binding and the emulator's
-// test ops (tests/ops/cuda_emulator/emulator_ops.cpp) both call this; the CPU kernels never do.
+// test ops (tests/ops/cuda/cuda_emulator/emulator_ops.cpp) both call this; the CPU kernels never do.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -20,7 +20,7 @@ every key, odd sizes (embed 8..48, heads dividing it, sequences 1..13), batch 1 
 examples, and dynamic axes (batch and sequence, sequence only, batch only, or static).
 
 What is not drawn: ``add_bias_kv``/``add_zero_attn``/different ``kdim``/``vdim`` (fused on the
-attention-core operator; tests/ops/test_module_conformance.py and
+attention-core operator; tests/ops/module/test_module_conformance.py and
 test_onnx_export.py's core-operator test cover them, and drawing them here would change every
 seeded case). Not drawn either, because the product documents it as unsupported or it is a
 torch.export limitation (docs, README, ENVIRONMENT): an attention mask given to an encoder/decoder without an explicit

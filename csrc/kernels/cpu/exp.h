@@ -4,7 +4,7 @@
 // exp(r) by a degree-6 polynomial and the product with 2^n built from its exponent bits.
 // The polynomial is a relative-error minimax fit (Lawson-weighted least squares on Chebyshev
 // nodes, float64), 3.1e-9 from exp on the interval, below float's rounding; evaluated in float
-// the whole is within 1.2 ulp of exp(x) over [-87, 0] (tests/ops/test_flash_cpu.py holds the
+// the whole is within 1.2 ulp of exp(x) over [-87, 0] (tests/ops/cpu/test_flash_cpu.py holds the
 // softmax built on it to float64). Cephes' expf, used before, spends a degree-7 polynomial.
 #pragma once
 

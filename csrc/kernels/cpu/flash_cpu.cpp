@@ -902,7 +902,7 @@ const char* isa() {
 
 }  // namespace attn_export::cpu::flash
 
-// For Python (ctypes: benchmarks/core.py, tests/ops/test_instruction_sets.py): isa().
+// For Python (ctypes: benchmarks/core.py, tests/ops/cpu/test_instruction_sets.py): isa().
 extern "C" __attribute__((visibility("default"))) const char* attn_export_flash_isa() {
   return attn_export::cpu::flash::isa();
 }

@@ -1,5 +1,5 @@
 // The highest instruction set the CPU kernels may use: ATTN_EXPORT_CPU_ISA=avx2|generic lowers
-// it, so that one machine can test every code path it can run (tests/ops/test_instruction_sets.py).
+// it, so that one machine can test every code path it can run (tests/ops/cpu/test_instruction_sets.py).
 // Every kernel that picks an instruction set from the CPU's features caps its pick with this
 // limit, so a lowered run runs no code of a higher set anywhere. A limit never raises the
 // level: code for a set the CPU lacks would crash.

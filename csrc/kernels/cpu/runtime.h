@@ -1,6 +1,6 @@
 // What the CPU kernels take from their host instead of implementing it: a thread pool and a
 // BLAS. Declared here with plain types only, so that nothing under csrc/kernels/ includes a
-// framework header (tests/ops/test_cuda_build.py checks). The PyTorch extension defines these with
+// framework header (tests/ops/cuda/test_cuda_build.py checks). The PyTorch extension defines these with
 // ATen's (csrc/ops/cpu/runtime_aten.cpp: at::parallel_for, at::get_num_threads, and addmm_ on
 // the blocks wrapped as tensors, i.e. the BLAS torch was built with); another program that
 // links the kernels defines its own. A link-time seam rather than function pointers in the

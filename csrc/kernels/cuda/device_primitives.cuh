@@ -3,7 +3,7 @@
 // copies (cp.async), the fast exp2, and the dynamic shared-memory base.
 //
 // Everything else in the kernels is ordinary CUDA C++. Keeping the inline PTX behind these
-// functions is what lets tests/ops/cuda_emulator/ run the very same kernel sources on a CPU: when
+// functions is what lets tests/ops/cuda/cuda_emulator/ run the very same kernel sources on a CPU: when
 // ATTN_EXPORT_SIMT_EMULATOR is defined, the emulator's header supplies host implementations of
 // exactly these functions (and of threadIdx, __syncthreads, __shfl_xor_sync, atomicAdd, kernel
 // launches), each written from the PTX ISA's definition of the instruction.

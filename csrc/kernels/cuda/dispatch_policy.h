@@ -1,7 +1,7 @@
 // What the CUDA dispatch may run by default: only the paths measured on a GPU.
 //
 // The project's rule: GPU work that was not run on a GPU stays built and tested (the SIMT
-// emulator, tests/ops/cuda_emulator/) but undispatched, until a GPU session verifies it. The
+// emulator, tests/ops/cuda/cuda_emulator/) but undispatched, until a GPU session verifies it. The
 // verified set is what ran on an NVIDIA H200 at commit f427ebe (docs/cuda.md "Verification"):
 // the flash kernels at head_dim == head_dim_v in {32, 64, 128} (the backward at 128 with 4 warps,
 // no column split), every key/value head its own query head's, causality top-left only, one
@@ -17,12 +17,13 @@
 // verified_inputs.h), and the kernels' own entry points refuse the two features they cannot
 // route around without memory (attention_params_error).
 //
-// Pure host code over AttentionParams, so a test compiles it alone (tests/ops/test_dispatch_policy.py).
+// Pure host code over AttentionParams, so a test compiles it alone (tests/ops/cuda/test_dispatch_policy.py).
 #pragma once
 
 #include <cstdint>
 
 #include "../../attention_params.h"
+#include "kernel_traits.h"
 
 namespace attn_export::cuda::policy {
 
@@ -48,15 +49,7 @@ enum PreviewFeature : unsigned {
 
 
 inline bool verified_flash_head_dims(int64_t head_dim, int64_t head_dim_v) {
-  if (head_dim != head_dim_v) {
-    return false;
-  }
-  for (int d : kVerifiedFlashHeadDims) {
-    if (head_dim == d) {
-      return true;
-    }
-  }
-  return false;
+  return equal_head_dims_in(kVerifiedFlashHeadDims, head_dim, head_dim_v);
 }
 
 inline bool grouped_query(const AttentionParams& p) {

@@ -124,7 +124,7 @@ struct ScoreMask {
   Acc mask_scale = 1;
 
   // with_window false: the caller applies the window itself (the flash backward reads it from the
-  // kernel parameters, so that it holds no registers in its tight loops: flash_window_hides; the
+  // kernel parameters, so that it holds no registers in its tight loops: bounds::window_hides; the
   // flash forward spills the other way round, with the window outside the mask).
   __device__ ScoreMask(const AttentionParams& p, int64_t b, int64_t h, Acc scale_of_mask, bool with_window = true)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), causal(p.is_causal), causal_shift(p.causal_shift()),
@@ -190,12 +190,5 @@ struct ScoreMask {
     return s;
   }
 };
-
-// Whether the sliding window hides key col from query row (any key up to col from some query up
-// to row, with row a tile's last query and col its first key): the flash kernels' window, read
-// from the kernel parameters at each use. shift: the kernel's causal shift.
-__device__ __forceinline__ bool flash_window_hides(const AttentionParams& p, int row, int col, int shift) {
-  return p.window > 0 && col <= row + shift - p.window;
-}
 
 }  // namespace attn_export::cuda::device

@@ -18,6 +18,7 @@
 //   3. flash_bwd_dq_kernel: dQ = scale * accumulated dQ, converted to the element type.
 #pragma once
 
+#include "block_bounds.h"
 #include "device_primitives.cuh"
 #include "element.cuh"
 #include "flash_fwd_kernel.cuh"
@@ -71,19 +72,14 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       : static_cast<const float*>(params.grad_weights) + b * params.grad_weights_batch_stride +
           h * params.grad_weights_head_stride;
 
-  // Causal: query i sees keys j <= i + shift, so queries before n0 - shift see none of this
-  // block's keys.
+  // Causal: the query blocks from which some query sees a key of this block (block_bounds.h):
+  // none before the diagonal reaches n0, none past the last query whose window reaches the
+  // block's last key (the per-element window below still masks the blocks visited).
   const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
-  const int m_begin = kIsCausal ? imax(0, n0 - shift) / kBM : 0;
-  // Sliding window: query i sees key j only while i < j - shift + window, so no query at or past
-  // window_end (from this block's last key) sees any of its keys: the query blocks wholly past
-  // it are skipped (the per-element window below still masks the blocks visited).
-  const int64_t window_end = imin(n0 + kBN, seqlen_k) - 1 - shift + params.window;
-  const int q_end = kIsCausal && params.window > 0 && window_end < seqlen_q
-      ? static_cast<int>(window_end < 0 ? 0 : window_end) : seqlen_q;
-  const int m_blocks = (q_end + kBM - 1) / kBM;
+  const bounds::TileRange seen_by = bounds::query_blocks<kBM, kBN, kIsCausal>(params, n0);
+  const int m_begin = seen_by.begin, m_blocks = seen_by.end;
   // A block whose keys the padding mask pads entirely: dK = dV = 0, and nothing for dQ (sK is free yet).
-  const KeyTiles own = key_tile_range<kBN, kNT>(params, b, n0 / kBN, n0 / kBN + 1, reinterpret_cast<int*>(sK));
+  const bounds::TileRange own = key_tile_range<kBN, kNT>(params, b, n0 / kBN, n0 / kBN + 1, reinterpret_cast<int*>(sK));
 
   // Query block m into buffer `buf`: Q and dO by cp.async; lse (log2 domain) and delta by
   // plain loads. A row without any visible key (lse = -inf), and the padding rows of a
@@ -156,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       // P^T = exp2(cap(S^T * scale) * log2(e) + masks - lse); dS^T = P^T * (dP^T (+ gW^T) - delta),
       // times the soft-cap's derivative 1 - t^2 (t = tanh(S^T * scale / softcap)) when capped.
       const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k || m0 + kBM > seqlen_q ||
-          (kIsCausal && n0 + kBN - 1 > m0 + shift) || (kIsCausal && flash_window_hides(params, m0 + kBM - 1, n0, shift));
+          (kIsCausal && n0 + kBN - 1 > m0 + shift) || (kIsCausal && bounds::window_hides(params, m0 + kBM - 1, n0, shift));
 #pragma unroll
       for (int nt = 0; nt < kQTiles; ++nt) {
 #pragma unroll
@@ -172,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
           }
           if (masked_tile) {
             s = mask.apply(s, m0 + qi, key);
-            if (kIsCausal && flash_window_hides(params, m0 + qi, key, shift)) {
+            if (kIsCausal && bounds::window_hides(params, m0 + qi, key, shift)) {
               s = neg_inf<float>();
             }
           }

@@ -26,6 +26,7 @@
 
 #include <utility>
 
+#include "block_bounds.h"
 #include "device_primitives.cuh"
 #include "element.cuh"
 #include "kernel_traits.h"
@@ -224,24 +225,20 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
   const Element* k = static_cast<const Element*>(params.k) + b * params.k_batch_stride + kv * params.k_head_stride;
   const Element* v = static_cast<const Element*>(params.v) + b * params.v_batch_stride + kv * params.v_head_stride;
 
-  // Causal: query i sees keys j <= i + shift, so no row of this block sees a key past its last
-  // query's diagonal (unpacked: at or past m0 + kBM + shift): those tiles are skipped (all of
-  // them for a block of rows that see no key).
-  const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
-  const int key_end = kIsCausal ? imax(0, imin(seqlen_k, qrows.last_query(m0, kBM) + 1 + shift)) : seqlen_k;
-  const int n_blocks_all = (key_end + kBN - 1) / kBN;
-  // Sliding window: no row of this block sees a key before its first query's window
-  // (causal_key_begin: the window's start grows with the query), so the tiles wholly before it
-  // are skipped too. Packed, the first query is the least over the tile's live rows
+  // Causal: the key tiles some row of this block can see (block_bounds.h): none past its last
+  // query's diagonal, none wholly before its first query's window (none at all for a block of rows
+  // that see no key). Packed, the first query is the least over the tile's live rows
   // (QueryRows::first_query). ScoreMask still masks each score of the tiles visited.
-  const int window_begin =
-      kIsCausal ? imin(n_blocks_all, static_cast<int>(params.causal_key_begin(qrows.first_query(m0, kBM)) / kBN)) : 0;
+  const int shift = kIsCausal ? static_cast<int>(params.causal_shift()) : 0;
+  const bounds::TileRange visible =
+      bounds::key_tiles<kBN, kIsCausal>(params, qrows.first_query(m0, kBM), qrows.last_query(m0, kBM));
+  const int n_blocks_all = visible.end, window_begin = visible.begin;
   // Without a split, tiles [window_begin, n_blocks_all); with one, this chunk's share of
   // [0, n_blocks_all) intersected with them (maybe none); either clamped to the tiles holding a
   // key the padding mask leaves visible (sK is free yet).
   const int chunk_begin = kSplit ? imin(n_blocks_all, chunk * split.blocks_per_split) : 0;
   const int chunk_end = kSplit ? imin(n_blocks_all, chunk_begin + split.blocks_per_split) : n_blocks_all;
-  const KeyTiles tiles =
+  const bounds::TileRange tiles =
       key_tile_range<kBN, kNT>(params, b, imax(chunk_begin, window_begin), chunk_end, reinterpret_cast<int*>(sK));
   const int n_begin = tiles.begin, n_blocks = tiles.end;
 
@@ -334,8 +331,8 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
 
     // Scale (and soft-cap) into the log2 domain; mask only the tiles that can need it.
     const bool masked_tile = mask.reads_memory() || n0 + kBN > seqlen_k ||
-        (kIsCausal && n0 + kBN - 1 > qrows.first_query(m0, kBM) + shift) ||
-        (kIsCausal && flash_window_hides(params, qrows.last_query(m0, kBM), n0, shift));
+        (kIsCausal &&
+         bounds::causal_edge_in_tile(params, qrows.first_query(m0, kBM), qrows.last_query(m0, kBM), n0, kBN, shift));
     // Unrolled by the template, not by `#pragma unroll`: cicc left that loop rolled in the
     // split-KV kernel, which put acc_s in local memory and multiplied its code (and compile time) tenfold.
     unrolled<kRT * kSTiles * 4>([&](auto e) {

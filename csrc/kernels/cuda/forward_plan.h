@@ -4,8 +4,8 @@
 // decides the sm80 launch, the forward's workspace size and whether the Hopper forward runs from
 // this one plan, so the three never disagree.
 //
-// Pure host code over AttentionParams, so a test compiles it alone (tests/ops/test_dispatch_policy.py,
-// tests/ops/test_cuda_sm90_build.py).
+// Pure host code over AttentionParams, so a test compiles it alone (tests/ops/cuda/test_dispatch_policy.py,
+// tests/ops/cuda/test_cuda_sm90_build.py).
 #pragma once
 
 #include <cstddef>

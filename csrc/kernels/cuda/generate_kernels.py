@@ -5,7 +5,7 @@ compiles them in parallel and a build can leave some out.
     python csrc/kernels/cuda/generate_kernels.py      # rewrites instantiations/
 
 The files it writes start with an "auto-generated" line: edit this script, not them.
-tests/ops/test_cuda_build.py checks that the files on disk are what this script writes.
+tests/ops/cuda/test_cuda_build.py checks that the files on disk are what this script writes.
 """
 from __future__ import annotations
 
@@ -63,6 +63,16 @@ HEADER = (
 )
 
 
+def _unit(what: str, header: str, namespace: str, instantiation: str, guard: str | None = None) -> str:
+    """One instantiation file: its header line, the kernel's header included, one explicit
+    instantiation in `namespace`; with `guard`, all of it inside #if defined(guard)."""
+    body = (f'#include "../{header}"\n\n'
+            + f"namespace {namespace} {{\n\n"
+            + f"template cudaError_t {instantiation};\n\n"
+            + f"}}  // namespace {namespace}\n")
+    return HEADER.format(what=what) + (f"#if defined({guard})\n{body}#endif\n" if guard else body)
+
+
 def _variants(direction: str, head_dim: int) -> list[tuple[str, str, str]]:
     """(file-name tag, extra template argument, description) of one head dim's kernels: the
     forward's row tiles a warp are 1, and at WIDE_FORWARD_HEAD_DIMS also WIDE_FORWARD_ROW_TILES;
@@ -94,13 +104,8 @@ def flash_files() -> dict[str, str]:
                         what = (f"Flash {word} kernel for {suffix}, head dim {head_dim}, "
                                 f"{'causal' if causal else 'not causal'}{note}.")
                         args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}{extra}"
-                        files[name] = (
-                            HEADER.format(what=what)
-                            + f'#include "../{header}"\n\n'
-                            + "namespace attn_export::cuda {\n\n"
-                            + f"template cudaError_t run_flash_{direction}_<{args}>({signature});\n\n"
-                            + "}  // namespace attn_export::cuda\n"
-                        )
+                        files[name] = _unit(what, header, "attn_export::cuda",
+                                            f"run_flash_{direction}_<{args}>({signature})")
     return files
 
 
@@ -126,28 +131,27 @@ def _sm90_head_dims() -> list[int]:
     return [int(d) for d in found.group(1).split(",")]
 
 
-def sm90_files() -> dict[str, str]:
-    """The Hopper forward's instantiations. Each compiles to nothing unless the build defines
-    ATTN_EXPORT_WITH_SM90 (an arch list with 9.0a and the CUTLASS headers found: setup.py,
-    csrc/CMakeLists.txt), so every build can glob this folder."""
+def _sm90_files(direction: str, head_dims: list[int], signature: str) -> dict[str, str]:
+    """One Hopper instantiation of run_flash_{direction}_sm90_ per dtype, head dim and causality.
+    Each compiles to nothing unless the build defines ATTN_EXPORT_WITH_SM90 (an arch list with 9.0a
+    and the CUTLASS headers found: setup.py, csrc/CMakeLists.txt), so every build can glob this folder."""
+    what_kind = {"fwd": "forward", "bwd": "backward"}[direction]
     files = {}
     for suffix, ctype in FLASH_DTYPES:
-        for head_dim in _sm90_head_dims():
+        for head_dim in head_dims:
             for causal in (False, True):
-                name = f"sm90_flash_fwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
-                what = (f"Hopper (sm_90a) flash forward for {suffix}, head dim {head_dim}, "
+                name = f"sm90_flash_{direction}_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
+                what = (f"Hopper (sm_90a) flash {what_kind} for {suffix}, head dim {head_dim}, "
                         f"{'causal' if causal else 'not causal'}.")
                 args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
-                files[name] = (
-                    HEADER.format(what=what)
-                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
-                    + '#include "../hopper/flash_fwd_sm90_kernel.cuh"\n\n'
-                    + "namespace attn_export::cuda::sm90 {\n\n"
-                    + f"template cudaError_t run_flash_fwd_sm90_<{args}>(const AttentionParams&, cudaStream_t);\n\n"
-                    + "}  // namespace attn_export::cuda::sm90\n"
-                    + "#endif\n"
-                )
+                files[name] = _unit(what, f"hopper/flash_{direction}_sm90_kernel.cuh", "attn_export::cuda::sm90",
+                                    f"run_flash_{direction}_sm90_<{args}>({signature})", guard="ATTN_EXPORT_WITH_SM90")
     return files
+
+
+def sm90_files() -> dict[str, str]:
+    """The Hopper forward's instantiations."""
+    return _sm90_files("fwd", _sm90_head_dims(), "const AttentionParams&, cudaStream_t")
 
 
 def _sm90_bwd_head_dims() -> list[int]:
@@ -160,27 +164,8 @@ def _sm90_bwd_head_dims() -> list[int]:
 
 
 def sm90_bwd_files() -> dict[str, str]:
-    """The Hopper backward's instantiations, empty unless the build defines ATTN_EXPORT_WITH_SM90
-    (as the forward's)."""
-    files = {}
-    for suffix, ctype in FLASH_DTYPES:
-        for head_dim in _sm90_bwd_head_dims():
-            for causal in (False, True):
-                name = f"sm90_flash_bwd_hdim{head_dim}_{suffix}{'_causal' if causal else ''}.cu"
-                what = (f"Hopper (sm_90a) flash backward for {suffix}, head dim {head_dim}, "
-                        f"{'causal' if causal else 'not causal'}.")
-                args = f"{ctype}, {head_dim}, {'true' if causal else 'false'}"
-                files[name] = (
-                    HEADER.format(what=what)
-                    + "#if defined(ATTN_EXPORT_WITH_SM90)\n"
-                    + '#include "../hopper/flash_bwd_sm90_kernel.cuh"\n\n'
-                    + "namespace attn_export::cuda::sm90 {\n\n"
-                    + f"template cudaError_t run_flash_bwd_sm90_<{args}>(const AttentionBackwardParams&, void*, "
-                    + "cudaStream_t);\n\n"
-                    + "}  // namespace attn_export::cuda::sm90\n"
-                    + "#endif\n"
-                )
-    return files
+    """The Hopper backward's instantiations."""
+    return _sm90_files("bwd", _sm90_bwd_head_dims(), "const AttentionBackwardParams&, void*, cudaStream_t")
 
 
 def all_files() -> dict[str, str]:

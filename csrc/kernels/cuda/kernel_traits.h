@@ -7,7 +7,7 @@
 // cp.async and ldmatrix, and the 8 row addresses of one ldmatrix phase fall on distinct banks.
 //
 // These are choices made without a GPU at hand, held to no register spills on sm_80 and sm_90
-// by test_flash_kernels_do_not_spill (tests/ops/test_cuda_build.py, `nvcc -Xptxas -v`); tuning
+// by test_flash_kernels_do_not_spill (tests/ops/cuda/test_cuda_build.py, `nvcc -Xptxas -v`); tuning
 // them on a GPU is a change of this file only.
 #pragma once
 
@@ -36,6 +36,21 @@ inline constexpr int kSmemPad = 8;
 inline constexpr int kFlashHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline constexpr int kNumFlashHeadDims = sizeof(kFlashHeadDims) / sizeof(kFlashHeadDims[0]);
 inline constexpr int kMaxFlashHeadDim = kFlashHeadDims[kNumFlashHeadDims - 1];
+
+// Whether head_dim and head_dim_v are equal and one of `table`'s head dims (the dispatch policy's
+// verified ones, the Hopper forward's compiled ones).
+template <std::size_t N>
+constexpr bool equal_head_dims_in(const int (&table)[N], int64_t head_dim, int64_t head_dim_v) {
+  if (head_dim != head_dim_v) {
+    return false;
+  }
+  for (int d : table) {
+    if (head_dim == d) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // Smallest compiled head dim >= dim, or 0 when there is none.
 constexpr int flash_tile_head_dim(int64_t dim) {

@@ -13,6 +13,7 @@
 // bytes of K and V that a skipped tile saves.
 #pragma once
 
+#include "block_bounds.h"
 #include "element.cuh"
 
 namespace attn_export::cuda::device {
@@ -26,17 +27,12 @@ __device__ __forceinline__ bool key_padded(const AttentionMask& m, int64_t b, in
   return load_additive<float>(m.ptr, at, m.dtype) == neg_inf<float>();
 }
 
-// Tiles [begin, end) of kBlockN keys; empty when begin >= end.
-struct KeyTiles {
-  int begin = 0, end = 0;
-};
-
 // The tiles of [tile_begin, tile_end) that hold a key of batch row `b` the key-padding mask
 // leaves visible: [tile of the first visible key, tile of the last one]; all of them when
 // skipping is off or there is no key-padding mask. `scratch`: two ints of shared memory that no
 // copy in flight writes. Every thread of the block must call it (it synchronizes the block).
 template <int kBlockN, int kNThreads>
-__device__ KeyTiles key_tile_range(const AttentionParams& p, int64_t b, int tile_begin, int tile_end, int* scratch) {
+__device__ bounds::TileRange key_tile_range(const AttentionParams& p, int64_t b, int tile_begin, int tile_end, int* scratch) {
   if (!p.skip_padded_key_tiles || !mask_present(p.key_padding_mask) || tile_begin >= tile_end) {
     return {tile_begin, tile_end};
   }

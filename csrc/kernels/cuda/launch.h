@@ -1,5 +1,5 @@
 // Kernel launch, the only place that uses the <<<...>>> syntax: the SIMT emulator of
-// tests/ops/cuda_emulator/ replaces it to run the same kernels on a CPU.
+// tests/ops/cuda/cuda_emulator/ replaces it to run the same kernels on a CPU.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -179,7 +179,7 @@ ProjectionGrads core_backward_cpu(
   // The forward's attention output lets the flash backward (kernels/cpu/flash_cpu.h) take
   // rowsum(dO * O) from it. Only where it was kept at full precision: float16/bfloat16 saved it
   // rounded, and rowsum over rounded O misses the bfloat16 gradient bounds of
-  // tests/ops/test_property.py, so there the row kernels recompute the probabilities in float32.
+  // tests/ops/core/test_property.py, so there the row kernels recompute the probabilities in float32.
   // The row kernels (for a gradient of the weights) ignore it.
   at::Tensor attn_out;
   if (s.attn.scalar_type() == acc) {

@@ -2,7 +2,7 @@
 torch.export, torch.compile and FakeTensor can trace the operators.
 
 Each fake repeats the input checks of the C++ binding with the same words (ops/input_checks.py;
-tests/ops/test_fake.py holds them to it).
+tests/ops/core/test_fake.py holds them to it).
 A fake takes its operator's arguments as the schema in csrc/attention_spec.h orders them
 (``_fake`` binds them, ops/signatures.py): it names the ones it reads and takes the others as
 ``**_``, so an attribute that does not change the outputs' shapes needs no edit here.

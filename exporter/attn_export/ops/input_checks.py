@@ -1,6 +1,6 @@
 """The input checks of the C++ binding (csrc/ops/attention_binding.cpp,
 csrc/ops/multi_head_attention.cpp) in Python, with the same words, for the fake kernels
-(ops/fake.py): tests/ops/test_fake.py holds the two to each other. Each refusal is a
+(ops/fake.py): tests/ops/core/test_fake.py holds the two to each other. Each refusal is a
 ``torch._check`` so that it also holds on symbolic sizes.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // The Hopper (sm_90a) flash backward: what it runs, its tiles, its workspace and the launcher's
 // declaration. Host code only, no CuTe: attention_cuda.cu includes this to dispatch and size the
-// workspace, and a test compiles it alone (tests/ops/test_cuda_sm90_build.py).
+// workspace, and a test compiles it alone (tests/ops/cuda/test_cuda_sm90_build.py).
 //
 // The kernel (flash_bwd_sm90_kernel.cuh) is built only when the arch list holds 9.0a and the
 // CUTLASS/CuTe headers were found (ATTN_EXPORT_WITH_SM90, as the forward); it runs only on a

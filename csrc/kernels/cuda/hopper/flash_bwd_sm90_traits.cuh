@@ -186,4 +186,19 @@ struct BwdKernelParams {
   int64_t seqlen_q_rounded;
 };
 
+namespace bwd {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+// Named barriers of the MMA warpgroups (ids counted after CUTLASS's reserved ones).
+inline constexpr uint32_t kBarrierDs = 0;     // dS of a query block is in shared memory
+inline constexpr uint32_t kBarrierOrder = 1;  // deterministic mode: this key block's turn
+inline constexpr uint32_t kBarrierDsFree = 2;  // one dS/P buffer (d256): the last block's readers are done
+
+// Query heads per key/value head.
+__device__ __forceinline__ int group_size(const AttentionParams& p) {
+  return static_cast<int>(p.num_heads / (p.num_heads_k > 0 ? p.num_heads_k : p.num_heads));
+}
+
+}  // namespace bwd
+
 }  // namespace attn_export::cuda::sm90

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "../../../attention_params.h"
+#include "../kernel_traits.h"
 
 namespace attn_export::cuda::sm90 {
 
@@ -22,15 +23,7 @@ inline constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline constexpr int kNumHeadDims = sizeof(kHeadDims) / sizeof(kHeadDims[0]);
 
 inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
-  if (head_dim != head_dim_v) {
-    return false;
-  }
-  for (int d : kHeadDims) {
-    if (head_dim == d) {
-      return true;
-    }
-  }
-  return false;
+  return equal_head_dims_in(kHeadDims, head_dim, head_dim_v);
 }
 
 // The tile table: key-tile rows, K/V ring depth and the two scheduling switches of the sm_90a
@@ -48,7 +41,7 @@ inline bool compiled_head_dim(int64_t head_dim, int64_t head_dim_v) {
 // tile n+1's Q K^T and tile n's P V are issued together and tile n+1's softmax runs while P V
 // executes. At 192 and 256 the overlap holds P beside O (96 or 128 floats) and spilled (124 and
 // 164 bytes), so those run serially. Either switch can be flipped here for a GPU A/B run; the
-// offline gate checks that the SASS follows them (tests/ops/test_cuda_sm90_build.py).
+// offline gate checks that the SASS follows them (tests/ops/cuda/test_cuda_sm90_build.py).
 struct FwdTile {
   int block_n;
   int stages;

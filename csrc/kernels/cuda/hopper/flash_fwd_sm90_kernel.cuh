@@ -42,6 +42,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../block_bounds.h"
 #include "../key_tile_range.cuh"
 #include "../launch.h"
 #include "flash_fwd_sm90.h"
@@ -70,32 +71,8 @@ struct CutlassElement<__nv_bfloat16> {
   using type = cutlass::bfloat16_t;
 };
 
-// x clamped to [0, seqlen_k].
-__device__ __forceinline__ int64_t clamp_keys(int64_t x, int64_t seqlen_k) {
-  return x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x);
-}
-
-struct KeyTiles {
-  int begin = 0, end = 0;
-};
-
-// The key tiles any row of the block starting at m0 can see: none past the last row's causal
-// diagonal, none before the first row's window. Producer and consumers compute the same range.
-template <typename Traits, bool kIsCausal>
-__device__ __forceinline__ KeyTiles key_tiles(const AttentionParams& p, int m0) {
-  constexpr int kBN = Traits::kBlockN;
-  const int64_t seqlen_k = p.seqlen_k;
-  if constexpr (!kIsCausal) {
-    return {0, static_cast<int>((seqlen_k + kBN - 1) / kBN)};
-  }
-  const int64_t shift = p.causal_shift();
-  const int64_t key_end = clamp_keys(m0 + Traits::kBlockM + shift, seqlen_k);
-  const int end = static_cast<int>((key_end + kBN - 1) / kBN);
-  const int64_t first_key = p.window > 0 ? clamp_keys(m0 + 1 + shift - p.window, seqlen_k) : 0;
-  return {device::imin(end, static_cast<int>(first_key / kBN)), end};
-}
-
-// The key tiles the block visits, into shared `tiles` ([begin, end)): key_tiles(), clamped with
+// The key tiles the block visits, into shared `tiles` ([begin, end)): the key tiles any of its rows
+// can see (block_bounds.h; producer and consumers walk the same range), clamped with
 // params.skip_padded_key_tiles to the tiles holding the first and the last key of the batch row
 // that the key-padding mask leaves visible (key_tile_range.cuh, as the sm80 forward; interior
 // holes stay masked per element). Every thread calls it, before the role split: the producer and
@@ -104,8 +81,9 @@ __device__ __forceinline__ KeyTiles key_tiles(const AttentionParams& p, int m0) 
 // no visible key visits no tile: zero output, lse = -inf. `tiles` doubles as the range's scratch.
 template <typename Traits, bool kIsCausal>
 __device__ __forceinline__ void find_key_tiles(const AttentionParams& p, int m_block, int b, int* tiles) {
-  const KeyTiles all = key_tiles<Traits, kIsCausal>(p, m_block * Traits::kBlockM);
-  const device::KeyTiles visible =
+  const int m0 = m_block * Traits::kBlockM;
+  const bounds::TileRange all = bounds::key_tiles<Traits::kBlockN, kIsCausal>(p, m0, m0 + Traits::kBlockM - 1);
+  const bounds::TileRange visible =
       device::key_tile_range<Traits::kBlockN, Traits::kThreads>(p, b, all.begin, all.end, tiles);
   if (threadIdx.x == 0) {  // after key_tile_range's last barrier: every thread has read the scratch
     tiles[0] = visible.begin;
@@ -117,7 +95,7 @@ __device__ __forceinline__ void find_key_tiles(const AttentionParams& p, int m_b
 
 template <typename Traits, bool kIsCausal>
 __device__ void produce(const FwdKernelParams<Traits>& kp, typename Traits::SharedStorage& shared,
-                        typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block,
+                        typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, bounds::TileRange tiles, int m_block,
                         int h, int b) {
   using T = Traits;
   const AttentionParams& p = kp.attn;
@@ -159,8 +137,8 @@ template <typename Traits, bool kIsCausal>
 __device__ __forceinline__ bool tile_masked(const AttentionParams& p, const device::ScoreMask<float>& mask, int m0, int n0) {
   constexpr int kBM = Traits::kBlockM, kBN = Traits::kBlockN;
   const int shift = kIsCausal ? static_cast<int>(p.causal_shift()) : 0;
-  return mask.reads_memory() || n0 + kBN > p.seqlen_k || (kIsCausal && n0 + kBN - 1 > m0 + shift) ||
-      (kIsCausal && device::flash_window_hides(p, m0 + kBM - 1, n0, shift));
+  return mask.reads_memory() || n0 + kBN > p.seqlen_k ||
+      (kIsCausal && bounds::causal_edge_in_tile(p, m0, m0 + kBM - 1, n0, kBN, shift));
 }
 
 // Scores of one tile into the log2 domain: scaled (and soft-capped), and with kMasked, masked.
@@ -280,7 +258,7 @@ struct ConsumerMma {
 // With ping-pong, a turn is Q K^T of tile n+1 issued after P V of tile n (one wait between).
 template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
 __device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
-    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, bounds::TileRange tiles, PP pp, Scores&& scores) {
   typename T::PipelineState read;
   for (int n = tiles.begin; n < tiles.end; ++n) {
     Tensor tSrS = partition_fragment_C(m.qk, Shape<typename T::BlockM, typename T::BlockN>{});
@@ -315,7 +293,7 @@ __device__ __forceinline__ void mainloop_serial(ConsumerMma<T>& m, const TQ& tSr
 // tile n's softmax while P V executes; O's rescale waits for P V. The last P V follows the loop.
 template <typename T, typename PP, typename TQ, typename TK, typename TV, typename TO, typename Scores>
 __device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ& tSrQ, const TK& tSrK, const TV& tOrV,
-    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, KeyTiles tiles, PP pp, Scores&& scores) {
+    TO& tOrO, typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, bounds::TileRange tiles, PP pp, Scores&& scores) {
   if (tiles.begin == tiles.end) {
     return;
   }
@@ -359,7 +337,7 @@ __device__ __forceinline__ void mainloop_overlapped(ConsumerMma<T>& m, const TQ&
 
 template <typename Traits, typename RawElement>
 __device__ __forceinline__ void consume(const AttentionParams& p, typename Traits::SharedStorage& shared,
-    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, KeyTiles tiles, int m_block, int h, int b) {
+    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v, bounds::TileRange tiles, int m_block, int h, int b) {
   using T = Traits;
   constexpr float kLog2e = 1.4426950408889634f;
   ConsumerMma<T> m{static_cast<int>(threadIdx.x) - 128};
@@ -433,12 +411,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
-      const KeyTiles tiles{shared.key_tiles[0], shared.key_tiles[1]};
+      const bounds::TileRange tiles{shared.key_tiles[0], shared.key_tiles[1]};
       produce<T, kIsCausal>(kp, shared, pipe_k, pipe_v, tiles, m_block, h, b);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    const KeyTiles tiles{shared.key_tiles[0], shared.key_tiles[1]};
+    const bounds::TileRange tiles{shared.key_tiles[0], shared.key_tiles[1]};
     consume<T, RawElement>(kp.attn, shared, pipe_k, pipe_v, tiles, m_block, h, b);
   }
 #elif defined(__CUDA_ARCH__)
