@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.onnx_runtime import SETTLE_S, _median_call, machine, round_order
+from benchmarks.onnx_runtime import interleaved_rounds, machine
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 64
 FORWARD_SEQS = (512, 2048, 4096)
@@ -124,15 +123,9 @@ def parity(seq: int = 256) -> Dict[str, float]:
 
 
 def _time(runners: Dict[str, Callable[[], object]], rounds: int, min_run_time: float) -> Dict[str, float]:
-    for run in runners.values():
-        run()  # warm-up
-    per_round: Dict[str, List[float]] = {impl: [] for impl in runners}
-    for index in range(rounds):
-        # The order rotates (bench_onnx.round_order) and a pause separates the blocks, so that
-        # whatever one leaves behind does not always fall on the same neighbour.
-        for impl in round_order(runners, index):
-            time.sleep(SETTLE_S)
-            per_round[impl].append(_median_call(runners[impl], min_run_time))
+    # The order rotates (onnx_runtime.round_order) and a pause separates the blocks, so that
+    # whatever one leaves behind does not always fall on the same neighbour.
+    per_round = interleaved_rounds(runners, rounds, min_run_time)
     return {impl: statistics.median(times) * 1e3 for impl, times in per_round.items()}
 
 

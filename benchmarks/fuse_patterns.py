@@ -8,7 +8,6 @@ the per-round medians is kept, since a shared machine's bursts only ever add tim
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable, Dict, List
 
 import click
@@ -17,7 +16,7 @@ from torch import nn
 
 import attn_export
 from attn_export.surgery import fuse
-from benchmarks.onnx_runtime import _median_call, machine, round_order
+from benchmarks.onnx_runtime import interleaved_rounds, machine
 
 IMPLS = ("eager", "fuse_patterns", "compile")
 
@@ -73,13 +72,7 @@ def runners(model, args) -> Dict[str, Callable[[], object]]:
 
 def timed(run: Dict[str, Callable[[], object]], rounds: int, min_run_time: float) -> Dict[str, float]:
     with torch.no_grad():
-        for fn in run.values():
-            fn()
-        per_round = {impl: [] for impl in run}
-        for index in range(rounds):
-            for impl in round_order(run, index):
-                time.sleep(0.05)
-                per_round[impl].append(_median_call(run[impl], min_run_time))
+        per_round = interleaved_rounds(run, rounds, min_run_time)
     return {impl: min(t) * 1e3 for impl, t in per_round.items()}
 
 

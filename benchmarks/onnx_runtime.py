@@ -170,13 +170,7 @@ def run_benchmark(seqs=SEQS, batches=BATCHES, *, threads: int = 2, rounds: int =
             progress(f"batch {batch}, sequence {seq}")
             inputs = make_inputs(batch, seq)
             runners = {impl: _runner(impl, model, fused, sessions, inputs) for impl in IMPLEMENTATIONS}
-            for run in runners.values():
-                run()  # warm-up
-            per_round: Dict[str, List[float]] = {impl: [] for impl in IMPLEMENTATIONS}
-            for index in range(rounds):
-                for impl in round_order(IMPLEMENTATIONS, index):
-                    time.sleep(SETTLE_S)
-                    per_round[impl].append(_median_call(runners[impl], min_run_time))
+            per_round = interleaved_rounds(runners, rounds, min_run_time)
             medians = {impl: statistics.median(times) for impl, times in per_round.items()}
             results += [OnnxResult(batch, seq, impl, medians[impl] * 1e3,
                                    None if impl == REFERENCE else medians[impl] / medians[REFERENCE])
@@ -192,6 +186,20 @@ def round_order(impls, index: int) -> List[str]:
     impls = list(impls)
     shift = index % len(impls)
     return impls[shift:] + impls[:shift]
+
+
+def interleaved_rounds(runners: Dict[str, Callable[[], object]], rounds: int, min_run_time: float,
+                       settle_s: float = SETTLE_S) -> Dict[str, List[float]]:
+    """Each runner's median call time (seconds) per round, after one warm-up call each: the
+    runners take turns within a round, in :func:`round_order`, a pause before each block."""
+    for run in runners.values():
+        run()  # warm-up
+    per_round: Dict[str, List[float]] = {impl: [] for impl in runners}
+    for index in range(rounds):
+        for impl in round_order(runners, index):
+            time.sleep(settle_s)
+            per_round[impl].append(_median_call(runners[impl], min_run_time))
+    return per_round
 
 
 def _median_call(run: Callable[[], object], min_run_time: float) -> float:

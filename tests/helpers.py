@@ -303,3 +303,16 @@ def one_line_error(proc, *words):
     assert len(errors) == 1, proc.stderr
     for word in words:
         assert word in errors[0], errors[0]
+
+
+class MaskedSelfAttention(torch.nn.Module):
+    """``nn.MultiheadAttention`` self-attention (batch first, no weights returned) with its
+    ``attn_mask`` as the second input: the models of the export tests that pass masks of their own."""
+
+    def __init__(self, embed_dim: int, num_heads: int):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+
+    def forward(self, x, mask):
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+

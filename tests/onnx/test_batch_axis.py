@@ -13,7 +13,7 @@ from attn_export.errors import InputError
 from attn_export.onnx import export_onnx
 from attn_export.onnx.dims import shared_labels
 from attn_export.tensorrt.profiles import derive_profile
-from helpers import assert_parity
+from helpers import MaskedSelfAttention, assert_parity
 
 
 def dims(model, name):
@@ -104,28 +104,18 @@ def test_independent_batches_declared_apart_are_respected(tmp_path):
     assert_parity(out, model(**other).numpy(), 1e-6)
 
 
-class SquareMask(nn.Module):
-    """A float [L, L] attention mask: its dim 0, labelled a batch by the defaults, is a sequence."""
-
-    def __init__(self):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-
-    def forward(self, x, bias):
-        return self.attn(x, x, x, attn_mask=bias, need_weights=False)[0]
-
-
 def test_a_batch_the_trace_ties_to_a_sequence_is_traced_again_apart(tmp_path):
     """Example batch == sequence (4): one batch Dim would make x's batch and sequence one symbol
-    through the mask; the export notices and keeps the batch apart."""
+    through the mask; the export notices and keeps the batch apart. The float [L, L] mask's dim
+    0, labelled a batch by the defaults, is a sequence."""
     torch.manual_seed(0)
-    model = SquareMask().eval()
-    inputs = {"x": torch.randn(4, 4, 8), "bias": torch.randn(4, 4)}
+    model = MaskedSelfAttention(8, 2).eval()
+    inputs = {"x": torch.randn(4, 4, 8), "mask": torch.randn(4, 4)}
     result = export_onnx(model, inputs, tmp_path / "square.onnx")
     assert any("separate symbols" in note and "x[1] (seq)" in note for note in result.notes), result.notes
     proto = inferred(result.path)
-    assert dims(proto, "x")[:2] == ["batch", "seq"] and dims(proto, "bias") == ["seq", "seq"]
-    other = {"x": torch.randn(2, 5, 8), "bias": torch.randn(5, 5)}
+    assert dims(proto, "x")[:2] == ["batch", "seq"] and dims(proto, "mask") == ["seq", "seq"]
+    other = {"x": torch.randn(2, 5, 8), "mask": torch.randn(5, 5)}
     (out,) = ort_run(result.path, other)
     with torch.no_grad():
         assert_parity(out, model(**other).numpy(), 2e-6)

@@ -18,7 +18,7 @@ from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
 from attn_export.onnx import export_onnx, read_metadata
 from attn_export.validation import validate
-from helpers import assert_parity, slow_path_outputs
+from helpers import MaskedSelfAttention, assert_parity, slow_path_outputs
 
 S = spec.load()
 
@@ -323,16 +323,8 @@ def test_unbatched_and_float_masks(tmp_path):
 
 
 def test_per_head_boolean_mask(tmp_path):
-    class PerHead(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
-
-        def forward(self, x, mask):
-            return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
-
     torch.manual_seed(0)
-    model = PerHead().eval()
+    model = MaskedSelfAttention(16, 2).eval()
     mask = torch.rand(2 * 2, 5, 5) < 0.3
     mask[..., 0] = False
     result = export_onnx(model, {"x": torch.randn(2, 5, 16), "mask": mask}, tmp_path / "h.onnx", dynamic_axes={})

@@ -13,6 +13,32 @@ F16, BF16 = torch.float16, torch.bfloat16
 HEAD_DIMS = [32, 64, 96, 128, 192, 256]
 
 
+def over_shapes(test):
+    """The Hopper tests' shape sweep: dtype x head dim x causal x sequence (1, odd, a tile, past one)."""
+    for mark in (pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025]),
+                 pytest.mark.parametrize("causal", [False, True]),
+                 pytest.mark.parametrize("head_dim", HEAD_DIMS),
+                 pytest.mark.parametrize("dtype", [F16, BF16])):
+        test = mark(test)
+    return test
+
+
+def over_masks(test):
+    """The Hopper tests' mask sweep: dtype x head dim x every mask of helpers.MASKS."""
+    from helpers import MASKS
+
+    for mark in (pytest.mark.parametrize("mask", sorted(MASKS)),
+                 pytest.mark.parametrize("head_dim", HEAD_DIMS),
+                 pytest.mark.parametrize("dtype", [F16, BF16])):
+        test = mark(test)
+    return test
+
+
+def assert_ran(ran: set[str], kernel: str, what: str) -> None:
+    """That a kernel whose name contains ``kernel`` (``what``: e.g. "the sm_90a forward") ran."""
+    assert any(kernel in name for name in ran), f"{what} did not run; kernels: {sorted(ran)}"
+
+
 def skip_reason(kernel: str) -> str | None:
     """Why `kernel` (e.g. "the sm_90a forward") cannot run here, or None where it is dispatched."""
     if not torch.cuda.is_available():

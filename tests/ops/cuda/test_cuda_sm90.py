@@ -21,7 +21,7 @@ import torch
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, filling_batch, kernels_run, nan_padded, padded_batch_mask
+from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, assert_ran, over_masks, over_shapes, filling_batch, kernels_run, nan_padded, padded_batch_mask
 
 KERNEL = "flash_fwd_sm90_kernel"
 
@@ -62,7 +62,7 @@ def _kernels_run(fn) -> set[str]:
 
 
 def _assert_ran(ran: set[str]) -> None:
-    assert any(KERNEL in name for name in ran), f"the sm_90a forward did not run; kernels: {sorted(ran)}"
+    assert_ran(ran, KERNEL, "the sm_90a forward")
 
 
 def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
@@ -73,17 +73,12 @@ def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
     _assert_ran(_kernels_run(lambda: check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, softcap=softcap)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
+@over_shapes
 def test_matches_reference(dtype, head_dim, causal, seqlen):
     _check(dtype, 2, 3, seqlen, seqlen, head_dim, {"is_causal": causal})
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("mask", sorted(MASKS))
+@over_masks
 def test_masks(dtype, head_dim, mask):
     H, Lq, Lk = 3, 97, 301
     _check(dtype, 2, H, Lq, Lk, head_dim, lambda B: MASKS[mask](B, H, Lq, Lk, device=DEVICE))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import attn_export
 from helpers import MASKS, assert_within, check_core, padding_mask, reference_attention
-from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, kernels_run, nan_padded, padded_batch_mask
+from sm90_gpu import BF16, DEVICE, F16, HEAD_DIMS, assert_ran, over_masks, over_shapes, kernels_run, nan_padded, padded_batch_mask
 
 KERNEL = "flash_bwd_sm90_kernel"
 
@@ -61,24 +61,19 @@ def _kernels_run(fn) -> set[str]:
 
 
 def _assert_ran(ran: set[str]) -> None:
-    assert any(KERNEL in name for name in ran), f"the sm_90a backward did not run; kernels: {sorted(ran)}"
+    assert_ran(ran, KERNEL, "the sm_90a backward")
 
 
 def _check(dtype, B, H, Lq, Lk, D, masks, softcap=None):
     _assert_ran(_kernels_run(lambda: check_core(DEVICE, dtype, B, H, Lq, Lk, D, masks, softcap=softcap)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen", [1, 7, 97, 128, 1025])
+@over_shapes
 def test_gradients_match_reference(dtype, head_dim, causal, seqlen):
     _check(dtype, 2, 3, seqlen, seqlen, head_dim, {"is_causal": causal})
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("mask", sorted(MASKS))
+@over_masks
 def test_masks(dtype, head_dim, mask):
     B, H, Lq, Lk = 2, 3, 97, 301
     _check(dtype, B, H, Lq, Lk, head_dim, MASKS[mask](B, H, Lq, Lk, device=DEVICE))
