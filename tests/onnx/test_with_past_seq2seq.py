@@ -159,3 +159,18 @@ def test_the_cli_exports_an_encoder_decoder_from_a_config_folder_and_the_gate_pa
     assert "m_encoder.onnx" in proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["passed"] and encoder_path(out).is_file()
+
+
+def test_a_genai_config_or_an_engine_of_the_pair_is_refused_before_the_export(tmp_path):
+    from attn_export.conversion import convert
+    from attn_export.options import ConvertOptions
+
+    model = tiny("bart")
+    with pytest.raises(InputError, match="a TensorRT engine or a GenAI config of the pair is not built"):
+        convert(model, source(model), ConvertOptions(str(tmp_path / "m.onnx"), with_past=True, genai_config=True))
+    assert not list(tmp_path.iterdir())
+
+
+def test_what_is_not_an_encoder_decoder_is_refused_by_its_wrapper():
+    with pytest.raises(InputError, match="is not a transformers encoder-decoder"):
+        Seq2SeqDecoderWithPast.wrap(torch.nn.Linear(2, 2))
