@@ -14,7 +14,9 @@ model takes them, the past of every layer [batch, num_kv_heads, past_sequence, h
 tensor per slot (key, value). Outputs: ``logits`` [batch, sequence, vocab], the present of
 every layer [batch, num_kv_heads, past_sequence + sequence, head_dim], which the next step
 takes as its past under the past's name. One graph serves the prefill (past length 0) and
-every decode step.
+every decode step. An encoder-decoder (``layout="encoder-decoder"``) is a pair of files: its
+encoder's names are ``encoder_input_names()`` / ``encoder_output_names()``, its decoder's the
+same methods as a decoder-only file's, with four slots per layer (below).
 
 This module is the bottom of the cached export: it imports nothing of the package but
 ``errors``. The names are spelled here and nowhere else in the package.

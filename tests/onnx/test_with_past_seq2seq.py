@@ -34,7 +34,8 @@ CONFIGS = {
     "bart": lambda t: t.BartConfig(vocab_size=VOCAB, max_position_embeddings=64, init_std=0.2, **SIZES),
     "marian": lambda t: t.MarianConfig(vocab_size=VOCAB, max_position_embeddings=64, init_std=0.2, pad_token_id=0,
                                        decoder_start_token_id=0, eos_token_id=1, **SIZES),
-    "t5": lambda t: t.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+    # One layer each: T5's position bias makes its export the slowest of the four.
+    "t5": lambda t: t.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
                                decoder_start_token_id=0),
     "whisper": lambda t: t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, max_source_positions=16,
                                          max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
@@ -124,6 +125,7 @@ def test_the_gate_fails_a_decoder_whose_cross_attention_reads_another_layers_key
     assert any("logits" in failure for failure in gate.failures), gate.failures
 
 
+@pytest.mark.slow
 def test_the_gate_names_a_missing_encoder_file(bart, tmp_path):
     model, path, _ = bart
     shutil.copy(path, tmp_path / "alone.onnx")
@@ -132,13 +134,14 @@ def test_the_gate_names_a_missing_encoder_file(bart, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["t5", "whisper", "marian"])
+@pytest.mark.parametrize("name", ["t5", "marian"])  # Whisper: through the CLI below
 def test_the_family_exports_a_pair_and_generates_the_models_tokens(name, tmp_path):
     model = tiny(name)
     path = tmp_path / f"{name}.onnx"
     export_onnx(model, source(model), path, with_past=True)
     _, attrs = fused(path)
-    assert len(attrs) == 4
+    layers = getattr(model.config, "decoder_layers", None) or model.config.num_decoder_layers
+    assert len(attrs) == 2 * layers  # self- and cross-attention
     if name == "t5":  # the relative position bias reaches every node as a materialized mask
         assert all(a["has_attn_mask"] == 1 for a in attrs)
     gate = check_generation(model, path, new_tokens=6)
@@ -159,6 +162,7 @@ def test_the_cli_exports_an_encoder_decoder_from_a_config_folder_and_the_gate_pa
     assert "m_encoder.onnx" in proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["passed"] and encoder_path(out).is_file()
+    assert len(fused(out)[1]) == 4 and len(fused(encoder_path(out))[1]) == 2  # every attention fused
 
 
 def test_a_genai_config_or_an_engine_of_the_pair_is_refused_before_the_export(tmp_path):

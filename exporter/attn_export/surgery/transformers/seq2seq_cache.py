@@ -27,6 +27,9 @@ from attn_export.errors import InputError
 from attn_export.surgery.transformers.cache import TRACE_PAST_LENGTH, cache_tensors
 from attn_export.surgery.transformers.compat import is_hf_model
 
+# The example's decoder inputs (transformers' names), which the cached export makes itself.
+DECODER_EXAMPLE = ("decoder_input_ids", "decoder_attention_mask")
+
 
 def check_seq2seq(model: nn.Module) -> None:
     """InputError unless ``model`` is a transformers encoder-decoder that generates with a
@@ -119,10 +122,10 @@ def encoder_example(contract: CacheContract, inputs: Mapping[str, torch.Tensor])
     main = inputs.get(contract.encoder_input)
     if not isinstance(main, torch.Tensor):
         raise InputError(f"--with-past: the encoder-decoder's example inputs need {contract.encoder_input}")
-    unknown = sorted(set(inputs) - set(names))
+    unknown = sorted(set(inputs) - set(names) - set(DECODER_EXAMPLE))
     if unknown:
         raise InputError(f"--with-past: the encoder takes {', '.join(names)}; drop {', '.join(unknown)}")
-    out = {contract.encoder_input: main}
+    out = {contract.encoder_input: main}  # the decoder's example tokens are the wrapper's own
     if contract.encoder_masked:
         mask = inputs.get(_contract.ATTENTION_MASK)
         out[_contract.ATTENTION_MASK] = torch.ones(main.shape[:2], dtype=torch.int64) if mask is None \
