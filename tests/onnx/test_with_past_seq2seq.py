@@ -101,6 +101,9 @@ def test_bart_exports_a_pair_with_every_attention_fused_and_generates_the_models
     proto, attrs = fused(path)
     assert len(attrs) == 4  # two layers' self- and cross-attention
     assert sorted(a["is_causal"] for a in attrs) == [0, 0, 1, 1] and not any(a["has_attn_mask"] for a in attrs)
+    # The self-attention's Concat(past, new) stays outside its node: the cache form is all of a
+    # model's nodes or none, and the cross-attention reads no past (docs/huggingface.md).
+    assert not any(a["has_past"] for a in attrs)
     assert len(fused(encoder_path(path))[1]) == 2
     contract = json.loads(read_metadata(proto)["with_past"])
     assert contract["layout"] == "encoder-decoder" and contract["num_kv_heads"] == 4
