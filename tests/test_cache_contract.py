@@ -103,7 +103,9 @@ def test_a_file_without_a_cache_has_no_contract():
     ('{"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "position_ids": true, "dtype": "int8"}',
      "dtype must be one of fp32"),
     ('{"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "position_ids": true, "layout": "seq2seq"}',
-     "unknown field(s) layout"),
+     "layout must be one of decoder, encoder-decoder"),
+    ('{"num_layers": 2, "num_kv_heads": 4, "head_dim": 16, "position_ids": true, "shared_buffer": true}',
+     "unknown field(s) shared_buffer"),
 ])
 def test_a_malformed_value_is_refused_with_the_fix(raw, why):
     with pytest.raises(InputError, match=re.escape(why)) as info:
@@ -212,3 +214,40 @@ def test_the_deprecated_names_keep_their_meaning():
         assert generation.past_name("present.1.value") == "past_key_values.1.value"
         assert old.contract_names(2, True) == (CONTRACT.input_names(), CONTRACT.output_names())
         assert old.declared_axes(CONTRACT) == CONTRACT.dynamic_axes()
+
+
+SEQ2SEQ = CacheContract(num_layers=2, num_kv_heads=4, head_dim=16, position_ids=False, layout="encoder-decoder")
+
+
+def test_an_encoder_decoder_takes_its_self_attention_past_and_gives_both_presents():
+    assert SEQ2SEQ.encoder_decoder and not CONTRACT.encoder_decoder
+    assert SEQ2SEQ.input_names() == ["input_ids", "encoder_hidden_states", "encoder_attention_mask",
+                                     "past_key_values.0.decoder.key", "past_key_values.0.decoder.value",
+                                     "past_key_values.1.decoder.key", "past_key_values.1.decoder.value"]
+    assert SEQ2SEQ.output_names()[:5] == ["logits", "present.0.decoder.key", "present.0.decoder.value",
+                                          "present.0.encoder.key", "present.0.encoder.value"]
+    assert SEQ2SEQ.present_to_past() == {"present.0.decoder.key": "past_key_values.0.decoder.key",
+                                         "present.0.decoder.value": "past_key_values.0.decoder.value",
+                                         "present.1.decoder.key": "past_key_values.1.decoder.key",
+                                         "present.1.decoder.value": "past_key_values.1.decoder.value"}
+    assert SEQ2SEQ.axes_of("encoder_hidden_states") == {0: "batch", 1: "encoder_sequence"}
+    assert SEQ2SEQ.axes_of("past_key_values.1.encoder.value") == {0: "batch", 2: "encoder_sequence"}
+    assert SEQ2SEQ.axes_of("past_key_values.1.decoder.value") == {0: "batch", 2: "past_sequence"}
+    assert SEQ2SEQ.encoder_input_names() == ["input_ids", "attention_mask"]
+    assert SEQ2SEQ.encoder_output_names() == ["last_hidden_state"]
+    whisper = CacheContract(2, 4, 16, False, layout="encoder-decoder", encoder_input="input_features")
+    assert whisper.encoder_input_names() == ["input_features"]
+    assert whisper.token_inputs() == ["input_ids", "encoder_hidden_states"]
+    assert whisper.encoder_dynamic_axes() == {"input_features": {0: "batch"}}
+    assert set(SEQ2SEQ.empty_past(3)) == set(SEQ2SEQ.past_names())
+
+
+def test_the_layout_round_trips_and_a_decoder_only_file_keeps_its_fields():
+    assert "layout" not in CONTRACT.to_dict() and "encoder_input" not in CONTRACT.to_dict()
+    for contract in (SEQ2SEQ, CacheContract(1, 1, 8, False, layout="encoder-decoder", encoder_input="input_features")):
+        assert CacheContract.from_metadata(contract.to_metadata()) == contract
+    with pytest.raises(InputError, match="layout must be one of"):
+        CacheContract.from_metadata({METADATA_PROPERTY: '{"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, '
+                                                        '"position_ids": false, "layout": "mixture"}'})
+    with pytest.raises(ValueError, match="no position_ids"):
+        CacheContract(1, 1, 1, True, layout="encoder-decoder")

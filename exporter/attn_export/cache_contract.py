@@ -14,7 +14,9 @@ model takes them, the past of every layer [batch, num_kv_heads, past_sequence, h
 tensor per slot (key, value). Outputs: ``logits`` [batch, sequence, vocab], the present of
 every layer [batch, num_kv_heads, past_sequence + sequence, head_dim], which the next step
 takes as its past under the past's name. One graph serves the prefill (past length 0) and
-every decode step.
+every decode step. An encoder-decoder (``layout="encoder-decoder"``) is a pair of files: its
+encoder's names are ``encoder_input_names()`` / ``encoder_output_names()``, its decoder's the
+same methods as a decoder-only file's, with four slots per layer (below).
 
 This module is the bottom of the cached export: it imports nothing of the package but
 ``errors``. The names are spelled here and nowhere else in the package.
@@ -40,6 +42,20 @@ AXES = (BATCH, SEQUENCE, PAST_SEQUENCE, TOTAL_SEQUENCE)
 # the same layer's slot by swapping the role's prefix alone, whatever the slot is.
 PAST_ROLE, PRESENT_ROLE = "past_key_values", "present"
 SLOTS = ("key", "value")
+# An encoder-decoder's layout (Optimum's seq2seq-lm-with-past): two files. The encoder takes the
+# source (token ids and their mask, or Whisper's log-mel features) and gives its hidden states;
+# the decoder takes its tokens, the encoder's hidden states and their mask, and the past of its
+# self-attention, and gives the logits and the presents of both attentions. Every layer has four
+# cache slots: the self-attention's (decoder.*, growing by the new tokens) and the
+# cross-attention's (encoder.*, as long as the source).
+DECODER_ONLY, ENCODER_DECODER = "decoder", "encoder-decoder"
+LAYOUTS = (DECODER_ONLY, ENCODER_DECODER)
+SELF_SLOTS = ("decoder.key", "decoder.value")
+CROSS_SLOTS = ("encoder.key", "encoder.value")
+ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK = "encoder_hidden_states", "encoder_attention_mask"
+LAST_HIDDEN_STATE, INPUT_FEATURES = "last_hidden_state", "input_features"
+ENCODER_INPUTS = (INPUT_IDS, INPUT_FEATURES)  # what an encoder reads: tokens, or log-mel features
+ENCODER_SEQUENCE = "encoder_sequence"
 # The ONNX metadata property holding the layout as JSON, and its key as
 # attn_export.onnx.read_metadata returns it (the package's prefix stripped).
 METADATA_KEY = "with_past"
@@ -63,12 +79,14 @@ class CacheContract:
     head_dim: int
     position_ids: bool  # the graph takes position_ids
     dtype: str = "fp32"  # the cache's (and the export's) precision, a key of DTYPES
+    # The layout, a key of LAYOUTS: a decoder-only file, or the decoder of an encoder-decoder
+    # pair (its slots are SELF_SLOTS + CROSS_SLOTS, the cross slots on an encoder_sequence axis).
+    # Written to the metadata only when not the default: a decoder-only file reads as before.
+    layout: str = DECODER_ONLY
+    encoder_input: str = INPUT_IDS  # an encoder-decoder's encoder input, a key of ENCODER_INPUTS
     # Where later layouts go, without a change to the consumers (they iterate the names, slots
-    # and axes below): an encoder-decoder (Optimum's past_key_values.{i}.decoder.key and
-    # .encoder.key) is a field naming the layout here, whose `slots` are ("decoder.key",
-    # "decoder.value", "encoder.key", "encoder.value") and whose encoder slots take an
-    # encoder_sequence axis in `axes_of`; a past/present buffer shared in place (GenAI's
-    # past_present_share_buffer) is a field whose past axis is the buffer's fixed length.
+    # and axes below): a past/present buffer shared in place (GenAI's past_present_share_buffer)
+    # is a field whose past axis is the buffer's fixed length.
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -79,13 +97,34 @@ class CacheContract:
             raise ValueError(f"position_ids must be true or false, got {self.position_ids!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.encoder_input not in ENCODER_INPUTS:
+            raise ValueError(f"encoder_input must be one of {', '.join(ENCODER_INPUTS)}, got {self.encoder_input!r}")
+        if self.layout == DECODER_ONLY and self.encoder_input != INPUT_IDS:
+            raise ValueError("encoder_input belongs to the encoder-decoder layout")
+        if self.layout == ENCODER_DECODER and self.position_ids:
+            raise ValueError("an encoder-decoder's decoder takes no position_ids (it counts them from its past)")
 
     # ---- names ---------------------------------------------------------------------------
 
     @property
+    def encoder_decoder(self) -> bool:
+        """The decoder of an encoder-decoder pair (the encoder is a file of its own)."""
+        return self.layout == ENCODER_DECODER
+
+    @property
     def slots(self) -> Tuple[str, ...]:
-        """The cache tensors of one layer, in the graph's order."""
-        return SLOTS
+        """The cache tensors of one layer, in the graph's order (the presents')."""
+        return SELF_SLOTS + CROSS_SLOTS if self.encoder_decoder else SLOTS
+
+    @property
+    def past_slots(self) -> Tuple[str, ...]:
+        """The slots a step takes as its past: an encoder-decoder's decoder takes its
+        self-attention's alone and computes the cross-attention's keys and values from
+        ``encoder_hidden_states`` in every step (one graph for every step, no If); it gives
+        them as presents all the same."""
+        return SELF_SLOTS if self.encoder_decoder else SLOTS
 
     @staticmethod
     def past_name(layer, slot: str) -> str:
@@ -97,16 +136,19 @@ class CacheContract:
 
     def layer_past_names(self, layer: int) -> Tuple[str, ...]:
         """The past inputs of ``layer``, one per slot (key, value)."""
-        return tuple(self.past_name(layer, slot) for slot in self.slots)
+        return tuple(self.past_name(layer, slot) for slot in self.past_slots)
 
     def past_names(self) -> List[str]:
-        return [self.past_name(i, slot) for i in range(self.num_layers) for slot in self.slots]
+        return [self.past_name(i, slot) for i in range(self.num_layers) for slot in self.past_slots]
 
     def present_names(self) -> List[str]:
         return [self.present_name(i, slot) for i in range(self.num_layers) for slot in self.slots]
 
     def token_inputs(self) -> List[str]:
-        """The inputs beside the cache, in the graph's order."""
+        """The inputs beside the cache, in the graph's order (an encoder-decoder's decoder:
+        its tokens, the encoder's hidden states and, for a token encoder, their mask)."""
+        if self.encoder_decoder:
+            return [INPUT_IDS, ENCODER_HIDDEN_STATES] + ([ENCODER_ATTENTION_MASK] if self.encoder_masked else [])
         return [INPUT_IDS, ATTENTION_MASK] + ([POSITION_IDS] if self.position_ids else [])
 
     def input_names(self) -> List[str]:
@@ -117,7 +159,28 @@ class CacheContract:
 
     def present_to_past(self) -> Dict[str, str]:
         """present output -> the past input the next step feeds it to."""
-        return dict(zip(self.present_names(), self.past_names()))
+        past = set(self.past_names())
+        return {n: self.past_of(n) for n in self.present_names() if self.past_of(n) in past}
+
+    # ---- an encoder-decoder's encoder ------------------------------------------------------
+
+    @property
+    def encoder_masked(self) -> bool:
+        """The encoder (and the decoder's cross-attention) takes a mask over the source: token
+        encoders do, Whisper's features encoder does not."""
+        return self.encoder_input == INPUT_IDS
+
+    def encoder_input_names(self) -> List[str]:
+        return [self.encoder_input] + ([ATTENTION_MASK] if self.encoder_masked else [])
+
+    @staticmethod
+    def encoder_output_names() -> List[str]:
+        return [LAST_HIDDEN_STATE]
+
+    def encoder_dynamic_axes(self) -> Dict[str, Dict[int, str]]:
+        """The encoder file's symbolic axes (log-mel features have a fixed number of frames)."""
+        source = {0: BATCH, 1: ENCODER_SEQUENCE} if self.encoder_masked else {0: BATCH}
+        return {name: dict(source) for name in self.encoder_input_names()}
 
     @staticmethod
     def is_past(name: str) -> bool:
@@ -144,7 +207,10 @@ class CacheContract:
         """axis -> label of an input of the contract by its name (what TensorRT's profile sizes
         each axis as); None for a name that is no input of the contract."""
         if CacheContract.is_past(name):
-            return {0: BATCH, 2: PAST_SEQUENCE}
+            cross = any(name.endswith("." + slot) for slot in CROSS_SLOTS)
+            return {0: BATCH, 2: ENCODER_SEQUENCE if cross else PAST_SEQUENCE}
+        if name in (ENCODER_HIDDEN_STATES, ENCODER_ATTENTION_MASK):
+            return {0: BATCH, 1: ENCODER_SEQUENCE}
         if name in (INPUT_IDS, POSITION_IDS):
             return {0: BATCH, 1: SEQUENCE}
         if name == ATTENTION_MASK:
@@ -170,7 +236,12 @@ class CacheContract:
     # ---- metadata ------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; the layout's only for an encoder-decoder (older readers refuse an
+        unknown field, and a decoder-only file keeps the fields it always had)."""
+        values = asdict(self)
+        if not self.encoder_decoder:
+            del values["layout"], values["encoder_input"]
+        return values
 
     def to_metadata(self) -> Dict[str, str]:
         """The ONNX metadata property (full key -> JSON) the file carries the contract in."""
@@ -231,4 +302,6 @@ def generates(model) -> bool:
 
 __all__ = ["CacheContract", "cache_name", "positions", "generates", "TOKEN_INPUTS", "INPUT_IDS", "ATTENTION_MASK",
            "POSITION_IDS", "LOGITS", "BATCH", "SEQUENCE", "PAST_SEQUENCE", "TOTAL_SEQUENCE", "AXES", "SLOTS",
-           "METADATA_KEY", "METADATA_PROPERTY", "DTYPES"]
+           "METADATA_KEY", "METADATA_PROPERTY", "DTYPES", "LAYOUTS", "DECODER_ONLY", "ENCODER_DECODER", "SELF_SLOTS",
+           "CROSS_SLOTS", "ENCODER_HIDDEN_STATES", "ENCODER_ATTENTION_MASK", "LAST_HIDDEN_STATE", "INPUT_FEATURES",
+           "ENCODER_INPUTS", "ENCODER_SEQUENCE"]

@@ -107,6 +107,7 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
     when the caller ran it already (the CLI does, before it loads the model)."""
     progress = progress or Silent()
     onnx_path, engine_path = _paths(options)
+    _check_encoder_decoder(model, options)
     plugin = (target or preflight(options, progress)).plugin
 
     from attn_export.surgery.replace import inspect_attention
@@ -143,6 +144,17 @@ def convert(model: nn.Module, inputs: Mapping[str, torch.Tensor], options: Conve
                                      engine=engine_path, plugin=plugin, ort=options.ort, gate=options.gate,
                                      progress=update)
     return result
+
+
+def _check_encoder_decoder(model: nn.Module, options: ConvertOptions) -> None:
+    """An encoder-decoder's cached export is a pair of ONNX files checked in ONNX Runtime: no
+    engine or GenAI config of the pair is built yet."""
+    from attn_export.onnx.with_past import is_encoder_decoder
+
+    if options.export.with_past and (options.to == "tensorrt" or options.genai_config) and is_encoder_decoder(model):
+        raise InputError("--with-past exports an encoder-decoder as two ONNX files (docs/huggingface.md, "
+                         "\"Encoder-decoders\"); a TensorRT engine or a GenAI config of the pair is not built: "
+                         "drop --to tensorrt / --genai-config")
 
 
 def _paths(options: ConvertOptions) -> tuple[Path, Optional[Path]]:

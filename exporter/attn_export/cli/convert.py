@@ -212,6 +212,9 @@ class ConsoleProgress:
             nodes = f"{export.num_standard_attention_nodes} standard Attention node(s)" + (
                 f", {export.num_attention_nodes} kept as fused attention node(s)" if export.num_attention_nodes else "")
         self.session.out.print(f"wrote {onnx_path}: opset {export.opset}, {export.dtype}, {nodes}, dynamic axes: {axes}")
+        if export.encoder is not None:  # an encoder-decoder's cached export: the decoder above, its encoder here
+            self.session.out.print(f"wrote {export.encoder.path} (its encoder): "
+                                   f"{export.encoder.num_attention_nodes} fused attention node(s)")
         if self.session.verbose:  # the graph passes that ran, in order (attn_export.onnx.passes)
             self.note(f"graph passes: {export.passes_text()}")
 

@@ -5,6 +5,7 @@ of onnx/passes (label the axes, the flavor, the node's functions, ...), check, w
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Dict, Mapping, Optional
@@ -17,6 +18,7 @@ from attn_export import inputs as _inputs
 from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx import passes as _passes
+from attn_export.onnx import seq2seq as _seq2seq
 from attn_export.onnx import with_past as _with_past
 from attn_export.onnx._moved import moved_names
 from attn_export.onnx.capture import capture as _capture
@@ -71,6 +73,9 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
     _write_metadata(proto, result, _came_out_dynamic(axes, context.labels))
     _save(proto, path, _check_ort_model if attention == "ort" else None)
+    if cached is not None and cached.contract.encoder_decoder:  # its encoder, a file beside it
+        encoder_options = dataclasses.replace(options, with_past=False)
+        result.encoder = _seq2seq.export_encoder(model, example_inputs, path, encoder_options, cached.contract)
     return result
 
 

@@ -26,8 +26,15 @@ class ExportResult:
     kept_custom: List[str] = field(default_factory=list)  # standard flavor: layers left custom, and why
     with_past: Optional[dict] = None  # a cached export: the cache's geometry (the metadata's attn_export.with_past)
     passes: List[PassOutcome] = field(default_factory=list)  # the graph passes that ran, in order
+    encoder: Optional["ExportResult"] = None  # an encoder-decoder's cached export: its encoder file's
+
+    @property
+    def paths(self) -> List[Path]:
+        """Every file written: the encoder's (an encoder-decoder's cached export), then this one."""
+        return ([self.encoder.path] if self.encoder is not None else []) + [self.path]
 
     def to_dict(self) -> dict:
+        encoder = {"encoder": self.encoder.to_dict()} if self.encoder is not None else {}
         return {
             "path": str(self.path),
             "opset": self.opset,
@@ -44,6 +51,7 @@ class ExportResult:
             "kept_custom": self.kept_custom,
             "with_past": self.with_past,
             "passes": [p.to_dict() for p in self.passes],
+            **encoder,
         }
 
     def passes_text(self) -> str:

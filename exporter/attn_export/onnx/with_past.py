@@ -28,6 +28,7 @@ from attn_export.cache_contract import CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx.graph import _rename_symbols
 from attn_export.surgery.transformers import cache as _cache
+from attn_export.surgery.transformers import seq2seq_cache as _seq2seq
 
 
 @dataclass
@@ -46,7 +47,10 @@ class CachedExport:
 def check_request(model: nn.Module, dynamic_axes: Optional[Mapping]) -> None:
     """InputError, before anything is copied or run, for a model that is no decoder-only causal
     LM and for dynamic axes given with the cache (the contract's are the export's)."""
-    _cache.check_decoder(model)
+    if is_encoder_decoder(model):
+        _seq2seq.check_seq2seq(model)
+    else:
+        _cache.check_decoder(model)
     if dynamic_axes is not None:
         raise InputError(f"--with-past sets the cached export's own dynamic axes ({', '.join(_contract.AXES)}): "
                          "drop --dynamic/--static")
@@ -56,16 +60,22 @@ def prepare(work: nn.Module, example_inputs: Mapping[str, torch.Tensor], seed: i
     """The traced module, its example inputs (a past of ``TRACE_PAST_LENGTH`` tokens after the
     example's) and the contract's axes, for the working copy ``work`` (already in its dtype,
     which the past and the metadata take)."""
-    wrapped = _cache.DecoderWithPast.wrap(work, dtype_name(work))
+    wrapper = _seq2seq.Seq2SeqDecoderWithPast if is_encoder_decoder(work) else _cache.DecoderWithPast
+    wrapped = wrapper.wrap(work, dtype_name(work))
     inputs = wrapped.example_inputs(example_inputs, seed=seed)
     ids = inputs[_contract.INPUT_IDS]
-    if ids.shape[1] < 2:
+    if ids.shape[1] < 2 and not wrapped.contract.encoder_decoder:
         # A new-token length of 1 would be specialized: trace a prefill of 2 tokens after the past.
         extended = {_contract.INPUT_IDS: ids.repeat(1, 2)}
         inputs = wrapped.example_inputs(extended, seed=seed)
     plain = {_cache.traced_name(n): t for n, t in inputs.items()}
     axes = {_cache.traced_name(n): d for n, d in wrapped.contract.dynamic_axes().items()}
     return CachedExport(_cache.for_tracing(wrapped), plain, axes, wrapped.contract)
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """An encoder-decoder: its cached export is a pair of files (onnx/seq2seq.py)."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def dtype_name(model: nn.Module) -> str:

@@ -214,6 +214,14 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Option
         raise InputError("the generation gate needs a transformers causal LM (a model with generate() and a config)")
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
+    if layout.encoder_decoder:  # the encoder file, then the decoder file (generation_seq2seq.py)
+        from attn_export.validation.generation_seq2seq import check_seq2seq_generation
+
+        if prompts is not None or engine is not None:
+            raise InputError("an encoder-decoder's generation gate makes its own sources and runs ONNX Runtime alone "
+                             "(no prompts=, no engine)")
+        return check_seq2seq_generation(model, onnx_path, onnx_model, layout, prompt_lengths=prompt_lengths, ort=ort,
+                                        gate=gate)
     reference_model = copy.deepcopy(model).float().eval()
     vocab = vocabulary_size(reference_model)
     pad_id = choose_pad_id(reference_model.config, vocab)

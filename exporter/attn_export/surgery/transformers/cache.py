@@ -41,8 +41,8 @@ def check_decoder(model: nn.Module) -> None:
                          f"{type(model).__name__} is not a transformers model: export it without --with-past")
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise InputError(f"--with-past: {type(model).__name__} is an encoder-decoder; only decoder-only causal LMs "
-                         "are exported with their cache: export it without --with-past")
+        raise InputError(f"--with-past: {type(model).__name__} is an encoder-decoder; DecoderWithPast wraps "
+                         "decoder-only causal LMs (seq2seq_cache.Seq2SeqDecoderWithPast wraps an encoder-decoder)")
     params = inspect.signature(model.forward).parameters
     if not model.can_generate() or not ({"cache", "past_key_values"} & set(params)) or "input_ids" not in params:
         raise InputError(f"--with-past: {type(model).__name__} does not generate text with a key/value cache (load a "
@@ -170,20 +170,22 @@ def traced_name(name: str) -> str:
 def for_tracing(wrapped: DecoderWithPast) -> DecoderWithPast:
     """The same module with a ``forward`` whose parameters are the inputs' names
     (:func:`traced_name`): torch.export binds its inputs and dynamic shapes by parameter name,
-    and a ``**past`` parameter would be one nested input, not one graph input per tensor."""
+    and a ``**past`` parameter would be one nested input, not one graph input per tensor. Any
+    wrapper of a model and its contract (an encoder-decoder's decoder too)."""
     names = wrapped.contract.input_names()
     traced = {traced_name(n): n for n in names}
+    base = type(wrapped)
 
     def forward(self, *args, **kwargs):
         given = dict(zip(traced, args))
         given.update(kwargs)
-        return DecoderWithPast.forward(self, **{traced.get(k, k): v for k, v in given.items()})
+        return base.forward(self, **{traced.get(k, k): v for k, v in given.items()})
 
     Parameter = inspect.Parameter
     forward.__signature__ = inspect.Signature(
         [Parameter("self", Parameter.POSITIONAL_OR_KEYWORD)]
         + [Parameter(n, Parameter.POSITIONAL_OR_KEYWORD) for n in traced])
-    cls = type("DecoderWithPastTraced", (DecoderWithPast,), {"forward": forward})
+    cls = type(base.__name__ + "Traced", (base,), {"forward": forward})
     return cls(wrapped.model, wrapped.contract)
 
 

@@ -106,7 +106,8 @@ def max_positions(model: nn.Module) -> Optional[int]:
 def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> Dict[str, torch.Tensor]:
     """Example inputs for a transformers model, from its ``main_input_name``: token ids
     (``input_ids`` within the vocabulary and an ``attention_mask`` whose second row is padded)
-    or ``pixel_values`` at the configured image size."""
+    or ``pixel_values`` at the configured image size, or log-mel ``input_features`` of the
+    configured size (Whisper)."""
     from attn_export import inputs as _inputs
 
     gen = torch.Generator().manual_seed(seed)
@@ -122,6 +123,11 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
         size = size if isinstance(size, int) else int(size[0])
         channels = getattr(vision, "num_channels", 3)
         return {"pixel_values": torch.randn(batch, channels, size, size, generator=gen)}
+    if main == "input_features" and getattr(config, "num_mel_bins", None):
+        from attn_export.surgery.transformers.seq2seq_cache import example_features
+
+        # Whisper's log-mel features, sized by its config
+        return _decoder_inputs(top, {main: example_features(config, batch, seed)}, gen)
     if main != "input_ids":
         raise InputError(
             f"{type(top).__name__} takes {main!r} as its main input: give example inputs with --input or "
@@ -137,7 +143,20 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
     out = {"input_ids": ids}
     if "attention_mask" in params or var_kw:
         out["attention_mask"] = mask
-    return out
+    return _decoder_inputs(top, out, gen)
+
+
+def _decoder_inputs(top: nn.Module, inputs: Dict[str, torch.Tensor], gen) -> Dict[str, torch.Tensor]:
+    """An encoder-decoder's example: two decoder tokens beside the encoder's inputs (T5 and
+    Whisper make none from the source; the cached export keeps the encoder's inputs alone)."""
+    from attn_export import inputs as _inputs
+
+    params, _ = _inputs.forward_parameters(top)
+    if not getattr(top.config, "is_encoder_decoder", False) or "decoder_input_ids" not in params:
+        return inputs
+    batch = next(iter(inputs.values())).shape[0]
+    low, high = int_ranges(top).get("input_ids", (0, 2))
+    return {**inputs, "decoder_input_ids": torch.randint(low, high, (batch, 2), generator=gen, dtype=torch.int64)}
 
 
 def valid_token_mask(inputs: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
