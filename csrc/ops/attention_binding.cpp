@@ -97,6 +97,12 @@ bool broadcasts_to(const at::Tensor& m, at::IntArrayRef target) {
   return true;
 }
 
+// What every mask is checked for first: a dtype the kernels read as a mask, the query's device.
+void check_mask_kind(const at::Tensor& m, const char* name, at::Device device) {
+  TORCH_CHECK(is_mask_dtype(m.scalar_type()), "attention: ", name, " must be bool or floating; got ", m.scalar_type());
+  TORCH_CHECK(m.device() == device, "attention: ", name, " must be on the query's device ", device, "; got ", m.device());
+}
+
 }  // namespace
 
 void check_attention_masks(
@@ -109,12 +115,7 @@ void check_attention_masks(
     const std::optional<at::Tensor>& key_padding_mask) {
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
-    TORCH_CHECK(
-        is_mask_dtype(m.scalar_type()),
-        "attention: attn_mask must be bool or floating; got ", m.scalar_type());
-    TORCH_CHECK(
-        m.device() == device,
-        "attention: attn_mask must be on the query's device ", device, "; got ", m.device());
+    check_mask_kind(m, "attn_mask", device);
     TORCH_CHECK(
         is_flat_batch_heads_mask(m, batch, heads, seqlen_q, seqlen_k) ||
             broadcasts_to(m, {batch, heads, seqlen_q, seqlen_k}),
@@ -124,13 +125,7 @@ void check_attention_masks(
   }
   if (key_padding_mask.has_value()) {
     const at::Tensor& m = *key_padding_mask;
-    TORCH_CHECK(
-        is_mask_dtype(m.scalar_type()),
-        "attention: key_padding_mask must be bool or floating; got ", m.scalar_type());
-    TORCH_CHECK(
-        m.device() == device,
-        "attention: key_padding_mask must be on the query's device ", device, "; got ",
-        m.device());
+    check_mask_kind(m, "key_padding_mask", device);
     TORCH_CHECK(
         m.dim() == 2 && m.size(0) == batch && m.size(1) == seqlen_k,
         "attention: key_padding_mask must be [batch, Lk] = [", batch, ", ", seqlen_k, "]; got ",
