@@ -30,6 +30,7 @@ from attn_export.errors import InputError, first_line
 from attn_export.options import GateOptions, OrtOptions, with_fields
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
 from attn_export.validation.generation_steps import DTYPES, EngineSteps, OrtSteps
+from attn_export.validation.quantized_reference import dequantize_reference
 from attn_export.validation.runners import BACKEND_TRT, OnnxRuntimeRunner, RunnerError
 from attn_export.validation.tolerances import compare, reduction_length, tolerance
 
@@ -215,6 +216,7 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Option
     if new_tokens < 1:
         raise InputError(f"new_tokens must be at least 1, got {new_tokens}")
     reference_model = copy.deepcopy(model).float().eval()
+    quantized = dequantize_reference(reference_model, onnx_model, str(Path(onnx_path).parent))
     vocab = vocabulary_size(reference_model)
     pad_id = choose_pad_id(reference_model.config, vocab)
     prompts = list(prompts) if prompts is not None else random_prompts(
@@ -226,9 +228,11 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Option
     ids, mask = left_padded(prompts, pad_id)
     reference = reference_generation(reference_model, ids, mask, new_tokens, pad_id, layout.position_ids)
     k = max(reduction_length(reference_model, {}, {}), ids.shape[1] + new_tokens)
-    rtol = tolerance(DTYPES[layout.dtype], k)
+    rtol = tolerance(DTYPES[layout.dtype], k, quantized.compute_precision if quantized else None)
     result = GenerationResult(new_tokens=new_tokens, prompt_lengths=[len(p) for p in prompts], dtype=layout.dtype,
                               rtol=rtol, reduction_length=k, reference_tokens=reference[0].tolist())
+    if quantized is not None:
+        result.reference = f"original PyTorch model, float32, generate(do_sample=False); {quantized.note}"
     output_names = [o.name for o in onnx_model.graph.output]
     for setup in provider_setups(providers, onnx_model, timeout_s=timeout_s):
         with OnnxRuntimeRunner(onnx_path, setup, timeout_s=timeout_s) as runner:

@@ -66,6 +66,7 @@ class GenerationResult:
     reference_tokens: List[List[int]]
     runs: List[BackendGeneration] = field(default_factory=list)
     runtime_version: Optional[str] = None  # ONNX Runtime's, as its process reported it
+    reference: str = "original PyTorch model, float32, generate(do_sample=False)"  # what the backends are judged against
 
     @property
     def passed(self) -> bool:
