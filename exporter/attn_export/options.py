@@ -174,6 +174,10 @@ class GateOptions:
     # TensorRT in a child process too (ONNX Runtime always runs in one); False keeps the engine
     # in this process (for a stand-in engine).
     isolate: bool = True
+    # A cached export also generates through ONNX Runtime GenAI's generator (its own backend row)
+    # when onnxruntime-genai is installed. None: where genai_config.json is beside the file;
+    # True: also without one (the gate writes one into a temporary folder); False: never.
+    genai: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if not self.runtime_timeout_s > 0:

@@ -140,3 +140,50 @@ def test_the_flag_without_the_ort_flavor_exits_2():
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: --quantize int4 writes ONNX Runtime's MatMulNBits, which only the ort "
                                      "flavor targets: add --onnx-attention ort (got --onnx-attention custom)")
+
+
+def swap_presents(path, out, a="present.0.key", b="present.1.key"):
+    """The file with two layers' present keys swapped: each layer's cache comes back as the other's."""
+    graph = onnx.load(str(path))
+    rename = {a: b, b: a}
+    for value in [*graph.graph.output, *(n for n in graph.graph.node)]:
+        if isinstance(value, onnx.ValueInfoProto):
+            value.name = rename.get(value.name, value.name)
+        else:
+            value.output[:] = [rename.get(o, o) for o in value.output]
+    onnx.save(graph, str(out))
+    return out
+
+
+def genai_row(result):
+    return next(run for run in result.runs if run.backend == "onnxruntime-genai")
+
+
+@needs_hf5
+def test_genai_generates_the_tokens_of_generate_as_its_own_row(int4):
+    pytest.importorskip("onnxruntime_genai")
+    model, _, path = int4
+    result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS, genai=True)
+    assert result.passed, result.failures
+    row = genai_row(result)
+    assert row.passed and row.tokens == result.reference_tokens
+    assert [r.backend for r in result.runs] == ["onnxruntime", "onnxruntime-genai"]
+    assert not (path.parent / "genai_config.json").exists()  # written into a temporary folder
+
+
+@needs_hf5
+def test_genai_row_fails_on_a_broken_file(int4, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    model, _, path = int4
+    broken = swap_presents(path, tmp_path / "model.onnx")
+    result = check_generation(model, broken, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS, genai=True)
+    row = genai_row(result)
+    assert not row.passed and row.first_divergence is not None, row
+    assert any(line.startswith("generate / onnxruntime-genai: tokens differ") for line in result.failures)
+
+
+@needs_hf5
+def test_no_genai_row_without_a_config_unless_asked(int4):
+    model, _, path = int4
+    result = check_generation(model, path, new_tokens=2, prompt_lengths=(5,))
+    assert [r.backend for r in result.runs] == ["onnxruntime"]

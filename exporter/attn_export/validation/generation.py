@@ -29,6 +29,7 @@ from attn_export.cache_contract import METADATA_KEY, CacheContract, generates, p
 from attn_export.errors import InputError, first_line
 from attn_export.options import GateOptions, OrtOptions, with_fields
 from attn_export.validation.generation_result import BackendGeneration, Comparison, GenerationResult
+from attn_export.validation.genai_generation import genai_folder, genai_generation, genai_installed
 from attn_export.validation.generation_steps import DTYPES, EngineSteps, OrtSteps
 from attn_export.validation.quantized_reference import dequantize_reference
 from attn_export.validation.runners import BACKEND_TRT, OnnxRuntimeRunner, RunnerError
@@ -243,6 +244,10 @@ def check_generation(model: nn.Module, onnx_path: str | Path, *, prompts: Option
                 continue
             result.runtime_version = result.runtime_version or runner.version
             result.runs.append(run_backend(OrtSteps(runner, layout, output_names), layout, ids, mask, reference, rtol))
+    if gate.genai is not False and genai_installed():
+        with genai_folder(Path(onnx_path), reference_model.config, write=bool(gate.genai)) as folder:
+            if folder is not None:
+                result.runs.append(genai_generation(folder, prompts, pad_id, reference, rtol))
     if engine is not None:
         result.runs.append(_engine_run(engine, plugin, isolate, timeout_s, layout, ids, mask, reference, rtol))
     return result
