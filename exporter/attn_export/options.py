@@ -79,6 +79,9 @@ class ExportOptions:
         if self.quantize is not None and self.attention != "ort":
             raise InputError(f"--quantize {self.quantize} writes ONNX Runtime's MatMulNBits, which only the ort "
                              f"flavor targets: add --onnx-attention ort (got --onnx-attention {self.attention})")
+        if self.quantize is not None and self.dtype not in (None, "fp32"):
+            raise InputError(f"--quantize {self.quantize} quantizes float32 weights (the activations stay float32, "
+                             f"as in ONNX Runtime GenAI's CPU int4 models): leave out --dtype {self.dtype}")
         if self.attention == "standard":
             check_standard_opset(self.opset)
         if self.dtype is not None and self.dtype not in EXPORT_DTYPE_NAMES:

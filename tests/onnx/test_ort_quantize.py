@@ -187,3 +187,8 @@ def test_no_genai_row_without_a_config_unless_asked(int4):
     model, _, path = int4
     result = check_generation(model, path, new_tokens=2, prompt_lengths=(5,))
     assert [r.backend for r in result.runs] == ["onnxruntime"]
+
+
+def test_quantize_takes_float32_weights():
+    with pytest.raises(InputError, match="leave out --dtype fp16"):
+        ExportOptions(attention="ort", quantize="int4", dtype="fp16")

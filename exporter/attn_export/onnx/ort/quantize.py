@@ -11,7 +11,6 @@ block's scale is its signed value of largest magnitude divided by ``-2**(bits-1)
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter
 from typing import Dict, Iterator, Tuple
@@ -31,7 +30,7 @@ def quantize_weights(model: onnx.ModelProto, precision: str) -> Counter:
     returns how many nodes of each op type the quantizer rewrote."""
     MatMulNBitsQuantizer = _quantizer_class()
     before = Counter(n.op_type for n in model.graph.node)
-    quantizer = MatMulNBitsQuantizer(copy.deepcopy(model), bits=BITS[precision], block_size=BLOCK_SIZE,
+    quantizer = MatMulNBitsQuantizer(model, bits=BITS[precision], block_size=BLOCK_SIZE,
                                      is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
                                      op_types_to_quantize=("MatMul",))
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -40,7 +39,8 @@ def quantize_weights(model: onnx.ModelProto, precision: str) -> Counter:
         quantizer.process()
     finally:
         logger.setLevel(level)
-    model.CopyFrom(quantizer.model.model)
+    if quantizer.model.model is not model:
+        model.CopyFrom(quantizer.model.model)
     after = Counter(n.op_type for n in model.graph.node)
     return Counter({op: before[op] - after[op] for op in before if before[op] > after[op]})
 
