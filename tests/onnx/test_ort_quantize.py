@@ -192,3 +192,26 @@ def test_no_genai_row_without_a_config_unless_asked(int4):
 def test_quantize_takes_float32_weights():
     with pytest.raises(InputError, match="leave out --dtype fp16"):
         ExportOptions(attention="ort", quantize="int4", dtype="fp16")
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_pytorch_quantizes_as_onnx_runtime_ties_included(precision):
+    """Values exactly half-way between two levels (x.5 after the scale): ONNX Runtime rounds the
+    offset value half away from zero, so -3.5 is stored as 5 - 8 = -3 and 6.5 as 7, where
+    torch.round's half-to-even would give -4 and 6; plus a partial last block (K = 40)."""
+    from attn_export.onnx.ort.quantize import quantize_weights
+
+    low = 8.0 if precision == "int4" else 128.0
+    weight = np.random.default_rng(1).uniform(-1, 1, (40, 3)).astype(np.float32)  # [K, N]
+    weight[:32, 0] = 0.0
+    weight[:4, 0] = [-low, -3.5, 6.5, 0.5]  # scale 1: ties at every other value
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 40])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3])],
+                                   [onnx.numpy_helper.from_array(weight, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
+    assert quantize_weights(model, precision) == collections.Counter({"MatMul": 1})
+    (_, stored), = dequantized_weights(model)
+    ours = fake_quantize(torch.from_numpy(weight.T.copy()), 4 if precision == "int4" else 8, 32).numpy()
+    np.testing.assert_array_equal(stored.T, ours)
+    assert stored[:4, 0].tolist() == [-low, -3.0, 7.0, 1.0]

@@ -42,17 +42,26 @@ class QuantizedReference:
 
 
 def fake_quantize(weight: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """``weight`` [N, K] through the file's scheme and back, in float32: per row, blocks of
-    ``block`` along K (zero-padded), scale = the block's signed value of largest magnitude over
-    ``-2**(bits-1)``, values rounded half to even and clamped to the signed range."""
+    """``weight`` [N, K] through the file's scheme and back, in float32, as ONNX Runtime's
+    quantizer computes it (bit for bit, ties included): per row, blocks of ``block`` along K
+    (zero-padded); scale = the block's signed value of largest magnitude over ``-2**(bits-1)``;
+    a value is ``w * (1 / scale) + 2**(bits-1)`` rounded half away from zero (C's roundf) and
+    clamped to ``[0, 2**bits - 1]``, the offset taken off again."""
     n, k = weight.shape
     w = torch.nn.functional.pad(weight.detach().float(), (0, (-k) % block)).reshape(n, -1, block)
     peak = torch.gather(w, -1, w.abs().argmax(-1, keepdim=True))
-    low = -(2 ** (bits - 1))
-    scale = peak / low
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round(w / safe), low, -low - 1)
+    offset = float(2 ** (bits - 1))
+    scale = peak / -offset
+    reciprocal = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    q = torch.clamp(_round_half_away(w * reciprocal + offset), 0, 2 ** bits - 1) - offset
     return (q * scale).reshape(n, -1)[:, :k]
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: ties away from zero (torch.round rounds them to even: a 4.5 that ONNX
+    Runtime stores as 5 would be 4)."""
+    whole = torch.trunc(x)
+    return torch.where((x - whole).abs() == 0.5, whole + torch.sign(x), torch.round(x))
 
 
 def _rows(matrix) -> Counter:

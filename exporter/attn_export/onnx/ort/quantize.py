@@ -6,8 +6,8 @@ GenAI's builder's ``-p int4`` on the CPU). The embedding's Gather stays float.
 The scheme, which the generation gate repeats to give its reference the same weights
 (validation/quantized_reference.py): per output column, blocks of ``block_size`` along K; the
 block's scale is its signed value of largest magnitude divided by ``-2**(bits-1)``; a weight is
-``clamp(round(w / scale), -2**(bits-1), 2**(bits-1) - 1)``, stored offset by ``2**(bits-1)``
-(int4: two per byte, the low nibble first). :func:`dequantized_weights` reads a file's back.
+stored as ``clamp(roundf(w * (1 / scale) + 2**(bits-1)), 0, 2**bits - 1)`` (C's roundf: ties away
+from zero; int4: two per byte, the low nibble first). :func:`dequantized_weights` reads a file's back.
 """
 from __future__ import annotations
 
