@@ -142,8 +142,9 @@ def test_the_flag_without_the_ort_flavor_exits_2():
                                      "flavor targets: add --onnx-attention ort (got --onnx-attention custom)")
 
 
-def swap_presents(path, out, a="present.0.key", b="present.1.key"):
-    """The file with two layers' present keys swapped: each layer's cache comes back as the other's."""
+def swap_presents(path, out, a="present.0.key", b="present.0.value"):
+    """The file with the first layer's present key and value swapped: its cache comes back with
+    the keys as values and the values as keys."""
     graph = onnx.load(str(path))
     rename = {a: b, b: a}
     for value in [*graph.graph.output, *(n for n in graph.graph.node)]:
