@@ -216,3 +216,13 @@ def test_pytorch_quantizes_as_onnx_runtime_ties_included(precision):
     ours = fake_quantize(torch.from_numpy(weight.T.copy()), 4 if precision == "int4" else 8, 32).numpy()
     np.testing.assert_array_equal(stored.T, ours)
     assert stored[:4, 0].tolist() == [-low, -3.0, 7.0, 1.0]
+
+
+def test_a_near_tie_is_a_gap_within_twice_atol():
+    from attn_export.validation.generation import near_tie
+
+    reference = torch.tensor([[1.0, 0.99, 0.0], [0.0, 1.0, 0.5]])
+    picked = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])  # row 0 takes token 1, 0.01 below the top
+    tokens = torch.tensor([0, 1])
+    assert "row 0: token 1 instead of 0, a near tie" in near_tie(picked, reference, tokens, rtol=0.01)
+    assert near_tie(picked, reference, tokens, rtol=0.004) == ""
