@@ -12,6 +12,9 @@ exported twice from that folder:
 * ours: ``attn-export DIR --to onnx --onnx-attention ort --with-past --genai-config``;
 * the builder's: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e cpu``.
 
+``--precision int4`` compares the weight-only int4 files instead: ours with ``--quantize int4``
+(MatMulNBits, block 32, symmetric, accuracy_level 4), the builder's ``-p int4``.
+
 Both get the same session options in their genai_config.json (``--threads`` intra-op threads;
 GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pass before each
 model runs: on a shared 2-core machine a spinning pool steals the cores from the next session). At context C, batch 1: ``prefill`` is ``append_tokens`` of C prompt tokens on a
@@ -56,16 +59,17 @@ def save_model(directory: Path, seed: int = 0) -> None:
                                          unk_token="t3").save_pretrained(directory)
 
 
-def export_both(hf: Path, work: Path) -> Dict[str, Path]:
-    ours, builder = work / "ours", work / "builder"
+def export_both(hf: Path, work: Path, precision: str = "fp32") -> Dict[str, Path]:
+    ours, builder = work / f"ours_{precision}", work / f"builder_{precision}"
     if (ours / "model.onnx").exists() and (builder / "model.onnx").exists():  # a --work folder of an earlier run
         return {OURS: ours, BUILDER: builder}
     ours.mkdir(exist_ok=True)
     cli = Path(sys.executable).with_name("attn-export")
+    quantize = ["--quantize", precision] if precision != "fp32" else []
     subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--genai-config",
-                    "--no-validate", "-o", str(ours / "model.onnx")], check=True, capture_output=True)
+                    *quantize, "--no-validate", "-o", str(ours / "model.onnx")], check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(builder),
-                    "-p", "fp32", "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
+                    "-p", precision, "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
     return {OURS: ours, BUILDER: builder}
 
 
@@ -132,10 +136,10 @@ def time_context(models, context: int, rounds: int, new_tokens: int, pause: floa
 
 
 def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, facts: Dict[str, str],
-             threads: int, load: str) -> str:
+             threads: int, load: str, precision: str = "fp32") -> str:
     table = {(r["context"], r["phase"], r["implementation"]): r for r in rows}
     lines = [f"`{command}`", "", f"CPU: {facts['cpu']} ({facts['isa']}), {threads} intra-op threads, a pause before each model; "
-             f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; batch 1, float32; "
+             f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; batch 1, {precision}; "
              f"load before the run (`uptime`): {load}", "",
              f"| context | phase | {OURS} (ms) | {BUILDER} (ms) | ours / builder | same tokens |", "|---|---|---:|---:|---:|---|"]
     for context in dict.fromkeys(r["context"] for r in rows):
@@ -160,6 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
+                        help="int4: ours with --quantize int4 against the builder's -p int4")
     parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
     parser.add_argument("--markdown", type=Path)
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
         hf = work / "hf"
         if not (hf / "config.json").exists():
             save_model(hf)
-        dirs = export_both(hf, work)
+        dirs = export_both(hf, work, args.precision)
         nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
         for d in dirs.values():
             set_session_options(d, args.threads, max(contexts) + args.new_tokens + 8)
@@ -184,13 +190,13 @@ def main(argv=None) -> int:
             print(f"context {context}", file=sys.stderr)
             rows += time_context(models, context, args.rounds, args.new_tokens, args.pause)
     facts = {**machine(), "onnxruntime_genai": og.__version__}
-    text = markdown(rows, nodes, command, facts, args.threads, load)
+    text = markdown(rows, nodes, command, facts, args.threads, load, args.precision)
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
     if args.json:
         args.json.write_text(json.dumps({"command": command, "machine": facts, "load": load, "threads": args.threads,
-                                         "results": rows, "optimized_nodes": nodes}, indent=2))
+                                         "precision": args.precision, "results": rows, "optimized_nodes": nodes}, indent=2))
     return 0
 
 

@@ -26,6 +26,8 @@ from attn_export.onnx_options import DEFAULT_ATTENTION, DEFAULT_FUNCTIONS, check
 
 # The precisions an export can be written in (ExportOptions.dtype; None: the model's own).
 EXPORT_DTYPE_NAMES = ("fp32", "fp16", "bf16")
+# Weight-only quantization of the ort flavor's MatMul weights (ExportOptions.quantize; None: none).
+QUANTIZE_NAMES = ("int4", "int8")
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_NEW_TOKENS = 16
 
@@ -53,6 +55,10 @@ class ExportOptions:
     for prefill and decode under Optimum's names (attn_export.onnx.with_past,
     docs/huggingface.md); the example inputs are ``input_ids`` [, ``attention_mask``] and
     ``dynamic_axes`` stays None.
+
+    ``quantize``: "int4" or "int8", the 2-D weights of the MatMuls quantized by ONNX Runtime's
+    own quantizer into ``com.microsoft.MatMulNBits`` (block 32, symmetric, as ONNX Runtime
+    GenAI's builder's ``-p int4``; onnx/ort/quantize.py); the ort flavor only.
     """
 
     opset: Optional[int] = None  # the default-domain opset (>= 18); None: 20, or 23 for the standard flavor
@@ -64,9 +70,18 @@ class ExportOptions:
     replace: bool = True  # run attn_export.replace_attention on the exported copy first
     seed: int = 0  # for the inputs the trace resizes or makes (a past for with_past)
     quiet: bool = True  # silence torch's exporter
+    quantize: Optional[str] = None  # "int4" | "int8": weight-only MatMulNBits (the ort flavor); None: float weights
 
     def __post_init__(self) -> None:
         check_choices(self.attention, self.functions)
+        if self.quantize is not None and self.quantize not in QUANTIZE_NAMES:
+            raise InputError(f"--quantize {self.quantize}: one of {', '.join(QUANTIZE_NAMES)}")
+        if self.quantize is not None and self.attention != "ort":
+            raise InputError(f"--quantize {self.quantize} writes ONNX Runtime's MatMulNBits, which only the ort "
+                             f"flavor targets: add --onnx-attention ort (got --onnx-attention {self.attention})")
+        if self.quantize is not None and self.dtype not in (None, "fp32"):
+            raise InputError(f"--quantize {self.quantize} quantizes float32 weights (the activations stay float32, "
+                             f"as in ONNX Runtime GenAI's CPU int4 models): leave out --dtype {self.dtype}")
         if self.attention == "standard":
             check_standard_opset(self.opset)
         if self.dtype is not None and self.dtype not in EXPORT_DTYPE_NAMES:
@@ -162,6 +177,10 @@ class GateOptions:
     # TensorRT in a child process too (ONNX Runtime always runs in one); False keeps the engine
     # in this process (for a stand-in engine).
     isolate: bool = True
+    # A cached export also generates through ONNX Runtime GenAI's generator (its own backend row)
+    # when onnxruntime-genai is installed. None: where genai_config.json is beside the file;
+    # True: also without one (the gate writes one into a temporary folder); False: never.
+    genai: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if not self.runtime_timeout_s > 0:
@@ -204,7 +223,7 @@ TARGETS = ("onnx", "tensorrt")
 # ``seed`` seeds both the export and the gate; ``verbose`` is the export's ``quiet`` negated.
 _FLAT = {
     **{name: ("export", name) for name in ("opset", "dtype", "attention", "functions", "dynamic_axes", "with_past",
-                                           "replace")},
+                                           "replace", "quantize")},
     **{name: ("ort", field_name) for name, field_name in _ORT_FLAT.items()},
     **{name: ("engine", name) for name in ("plugin", "min_shapes", "opt_shapes", "max_shapes", "workspace_mib",
                                            "max_context")},

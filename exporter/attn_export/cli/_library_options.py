@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import click
 
 from attn_export.cli._options import _grouped
-from attn_export.options import DEFAULT_NEW_TOKENS, DEFAULT_TIMEOUT_S, EXPORT_DTYPE_NAMES
+from attn_export.options import DEFAULT_NEW_TOKENS, DEFAULT_TIMEOUT_S, EXPORT_DTYPE_NAMES, QUANTIZE_NAMES
 from attn_export.options import CoverageOptions, EngineOptions, ExportOptions, GateOptions, OrtOptions
 from attn_export.onnx_options import (
     ATTENTION_FLAVORS, DEFAULT_ATTENTION, DEFAULT_FUNCTIONS, DEFAULT_OPSET, FUNCTION_MODES, MIN_OPSET,
@@ -24,11 +24,11 @@ def _choice(flag: str, dest: str, choices, default, help: str):
 
 
 def _export_options(opset: Optional[int], onnx_attention: str, onnx_functions: str, dtype: Optional[str],
-                    with_past: bool, no_replace: bool) -> ExportOptions:
+                    with_past: bool, no_replace: bool, quantize: Optional[str] = None) -> ExportOptions:
     """The export group of the flags; the verb adds what it learns from the model (the axes,
     the seed, ``quiet``)."""
     return ExportOptions(opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype,
-                         with_past=with_past, replace=not no_replace)
+                         with_past=with_past, replace=not no_replace, quantize=quantize)
 
 
 def export_options(f):
@@ -55,6 +55,11 @@ def export_options(f):
                           "--max-context)."),
         click.option("--no-replace", is_flag=True,
                      help="Export the model as it is, without fusing its attention layers."),
+        click.option("--quantize", type=click.Choice(QUANTIZE_NAMES), default=None,
+                     help="With --onnx-attention ort: the MatMul weights quantized (weight-only, block 32, "
+                          "symmetric) by ONNX Runtime's quantizer into its MatMulNBits operator, as ONNX Runtime "
+                          "GenAI's builder's -p int4; the gate compares with the model carrying the same "
+                          "dequantized weights."),
     ])(f)
 
 

@@ -68,7 +68,8 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     proto = _capture(work, sample, axes, opset, quiet)
     if cached is not None:
         inputs, axes = _contract_names(proto, cached, inputs, axes)
-    context = _passes.PassContext(opset, attention, functions, axes, required=dynamic_axes is not None or with_past)
+    context = _passes.PassContext(opset, attention, functions, axes, required=dynamic_axes is not None or with_past,
+                                  quantize=options.quantize)
     outcomes = _finish_graph(proto, context, sample.notes)
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
     _write_metadata(proto, result, _came_out_dynamic(axes, context.labels))

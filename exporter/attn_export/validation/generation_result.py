@@ -47,6 +47,9 @@ class BackendGeneration:
     first_divergence: Optional[int] = None  # the first step whose token differs from the reference's
     divergence: str = ""  # which rows, which tokens, the reference's margin there
     error: str = ""  # the runtime could not load or run the model
+    # A quantized file (--quantize): steps where a row picked another token whose reference logit is
+    # within 2 * atol of the reference's top (a near tie the tolerance allows), not divergences.
+    near_ties: List[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -66,6 +69,7 @@ class GenerationResult:
     reference_tokens: List[List[int]]
     runs: List[BackendGeneration] = field(default_factory=list)
     runtime_version: Optional[str] = None  # ONNX Runtime's, as its process reported it
+    reference: str = "original PyTorch model, float32, generate(do_sample=False)"  # what the backends are judged against
 
     @property
     def passed(self) -> bool:
@@ -121,7 +125,8 @@ class GenerationResult:
                 f"generated tokens ({run.backend})", same,
                 f"{self.new_tokens} greedy tokens for {len(self.prompt_lengths)} left-padded prompts of lengths "
                 f"{self.prompt_lengths}: " + ("identical to PyTorch's generate()" if same else
-                                               f"differ from step {run.first_divergence}: {run.divergence}")))
+                                               f"differ from step {run.first_divergence}: {run.divergence}")
+                + ("; near ties the tolerance allows: " + "; ".join(run.near_ties) if run.near_ties else "")))
         return out
 
 

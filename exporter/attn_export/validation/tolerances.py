@@ -16,7 +16,13 @@ from attn_export import inputs as _inputs
 TOLERANCE_FACTOR = 8.0
 # A backend that computes float32 matmuls at lower precision (providers.ProviderSetup.precision):
 # TF32 keeps 10 mantissa bits (cuBLAS and TensorRT on Ampere and later, by default), as float16.
-COMPUTE_EPS = {"tf32": 2.0 ** -10, "fp16": torch.finfo(torch.float16).eps}
+COMPUTE_EPS = {"tf32": 2.0 ** -10, "fp16": torch.finfo(torch.float16).eps, "bf16": torch.finfo(torch.bfloat16).eps}
+# A backend that rounds a matmul's inputs only and sums the products exactly (integers): ONNX
+# Runtime's MatMulNBits at accuracy_level 4 (a --quantize export on the CPU) rounds each block of
+# activations to int8, the spacing 1/127 of the block's largest magnitude, and accumulates in
+# int32. No partial sum is rounded, so the error relative to the output's scale does not grow
+# with K: rtol = TOLERANCE_FACTOR * spacing (docs/validation.md, "Quantized exports").
+INPUT_ROUNDING = {"int8": 1.0 / 127}
 
 def reduction_length(model: nn.Module, inputs: Mapping[str, torch.Tensor], axes: Mapping[str, Mapping[int, str]]) -> int:
     """K: the longest reduction the model does: the largest feature width it contracts over
@@ -41,7 +47,11 @@ def reduction_length(model: nn.Module, inputs: Mapping[str, torch.Tensor], axes:
 
 def tolerance(dtype: torch.dtype, k: int, precision: Optional[str] = None) -> float:
     """rtol = TOLERANCE_FACTOR * eps * sqrt(K), relative to the output's largest magnitude; eps is
-    the dtype's, or the backend's compute ``precision`` ("tf32", "fp16") where that is coarser."""
+    the dtype's, or the backend's compute ``precision`` ("tf32", "fp16") where that is coarser. A
+    ``precision`` that rounds the inputs only ("int8", INPUT_ROUNDING): TOLERANCE_FACTOR * its
+    spacing, where that is larger than the dtype's rule."""
+    if precision in INPUT_ROUNDING:
+        return max(tolerance(dtype, k), TOLERANCE_FACTOR * INPUT_ROUNDING[precision])
     eps = max(torch.finfo(dtype).eps, COMPUTE_EPS[precision] if precision else 0.0)
     return TOLERANCE_FACTOR * eps * math.sqrt(max(k, 1))
 

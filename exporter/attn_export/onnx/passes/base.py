@@ -39,6 +39,7 @@ class PassContext:
     functions: str = "local"  # "local" or "inline"
     axes: Mapping[str, Mapping[int, str]] = field(default_factory=dict)  # input -> {axis: label} to export dynamic
     required: bool = False  # the axes were declared: one that comes out static is an error
+    quantize: str | None = None  # "int4" | "int8": the ort flavor's weight-only quantization (ExportOptions.quantize)
     model: onnx.ModelProto | None = None  # the model being edited (set by the pass loop)
     labels: Dict[str, Dict[int, str]] = field(default_factory=dict)  # label_axes: the labels as they came out
     standard: Any = None  # standard_attention: the StandardRewrite
