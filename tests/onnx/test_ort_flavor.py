@@ -58,6 +58,11 @@ def test_decoder_is_group_query_attention(llama):
     assert count_attention_nodes(graph) == 0 and not graph.functions
     # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
     assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
+    # The query's and the key's rotary embedding: one RotaryEmbedding each, reading the projection
+    # (no Transpose left); the cos/sin computed once for the model.
+    counts = op_counts(graph)
+    assert counts["RotaryEmbedding"] == 2 * layers and counts["Cos"] == counts["Sin"] == 1
+    assert counts["Neg"] == counts["Transpose"] == counts["Slice"] == 0
     gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
