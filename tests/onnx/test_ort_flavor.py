@@ -63,6 +63,8 @@ def test_decoder_is_group_query_attention(llama):
     counts = op_counts(graph)
     assert counts["RotaryEmbedding"] == 2 * layers and counts["Cos"] == counts["Sin"] == 1
     assert counts["Neg"] == counts["Transpose"] == counts["Slice"] == 0
+    # No head split/merge left around the attention: the two Reshapes are the rotary caches' (once).
+    assert counts["Reshape"] == 2
     gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)

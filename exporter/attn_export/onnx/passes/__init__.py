@@ -22,6 +22,7 @@ from attn_export.onnx.passes.label_axes import LabelAxes
 from attn_export.onnx.passes.ort_attention import OrtAttention
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
 from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
+from attn_export.onnx.passes.ort_reshapes import OrtReshapes
 from attn_export.onnx.passes.ort_rotary import OrtRotary
 from attn_export.onnx.passes.project_before_transpose import ProjectBeforeTranspose
 from attn_export.onnx.passes.record_shapes import RecordShapes
@@ -35,6 +36,7 @@ PASSES: List[GraphPass] = [
     OrtAttention(),  # ort flavor: the (folded) nodes -> ONNX Runtime's GroupQueryAttention / MultiHeadAttention
     OrtGraphFusions(),  # ort flavor: onnxscript's ONNX Runtime fusions over the rest of the graph
     OrtRotary(),  # ort flavor: the rotary chains onnxscript leaves -> RotaryEmbedding
+    OrtReshapes(),  # ort flavor: Reshape chains that give back their source's shape dropped
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     AttachFunctions(),  # each custom node's model-local function
     InlineFunctions(),  # functions="inline": the bodies into the graph
