@@ -1,7 +1,8 @@
 """The ONNX Runtime flavor (--onnx-attention ort, attn_export/onnx/ort/): a grouped-query
 Llama-style decoder with its cache lowered to GroupQueryAttention and generating the tokens
 of generate() through ONNX Runtime (a left-padded batch, the gate) and, when installed, ONNX
-Runtime GenAI's generator with the shared max-length buffer (right-padded, as GenAI pads); a
+Runtime GenAI's generator with the shared max-length buffer (right-padded, as GenAI pads), its
+rotary embedding as RotaryEmbedding (plain and YaRN-scaled); a
 padded encoder lowered to MultiHeadAttention at parity; a layer the contrib ops cannot compute
 kept as the portable node, with the reason."""
 import collections
@@ -52,13 +53,23 @@ def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
     graph = onnx.load(str(path))
     layers = model.config.num_hidden_layers
-    # Each layer: If(some key padded) -> the operator with the padding bias, else without it.
-    branches = [[n.op_type for n in a.g.node] for n in graph.graph.node if n.op_type == "If" for a in n.attribute]
-    assert op_counts(graph)["If"] == layers and branches == [["GroupQueryAttention"]] * (2 * layers)
+    # Each layer: If(some key padded) -> the operator with the padding bias, else without it; the
+    # bias itself is built only when some key is padded (one more If, for the model).
+    ifs = [n for n in graph.graph.node if n.op_type == "If"]
+    branches = [[n.op_type for n in a.g.node] for n in ifs for a in n.attribute]
+    assert len(ifs) == layers + 1 and branches.count(["GroupQueryAttention"]) == 2 * layers
+    assert ["Constant"] in branches and ["Unsqueeze", "Max", "Shape", "Concat", "Expand"] in branches
     assert count_attention_nodes(graph) == 0 and not graph.functions
     # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
     assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
-    gqa = next(n for n in graph.graph.node if n.op_type == "If").attribute[0].g.node[0]
+    # The query's and the key's rotary embedding: one RotaryEmbedding each, reading the projection
+    # (no Transpose left); the cos/sin computed once for the model.
+    counts = op_counts(graph)
+    assert counts["RotaryEmbedding"] == 2 * layers and counts["Cos"] == counts["Sin"] == 1
+    assert counts["Neg"] == counts["Transpose"] == counts["Slice"] == 0
+    # No head split/merge left around the attention: the two Reshapes are the rotary caches' (once).
+    assert counts["Reshape"] == 2
+    gqa = next(n for n in ifs if n.name.endswith("/if_padded")).attribute[0].g.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
     assert result.attention == "ort" and result.kept_custom == []
@@ -155,5 +166,22 @@ def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
     gqa = [n for node in graph.graph.node if node.op_type == "If" for branch in node.attribute for n in branch.g.node]
     windows = sorted({onnx.helper.get_attribute_value(a) for n in gqa for a in n.attribute if a.name == "local_window_size"})
     assert windows == [-1, 4]
+    result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
+    assert result.passed, result.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
+    """YaRN: the cos/sin multiplied by the attention scaling (1.07 here), which the
+    RotaryEmbedding's caches must carry."""
+    model = tiny_llama(rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                                        "rope_theta": 10000.0})
+    assert model.model.rotary_emb.attention_scaling != 1.0
+    path = tmp_path / "yarn.onnx"
+    ids = torch.randint(1, 97, (2, 5))
+    export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
+                attention="ort")
+    assert op_counts(onnx.load(str(path)))["RotaryEmbedding"] == 2 * model.config.num_hidden_layers
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()

@@ -6,15 +6,20 @@ and the rest of the graph is fused for ONNX Runtime by onnxscript's maintained r
 other runtime implements the ``com.microsoft`` domain (docs/onnx_consumers.md).
 
 Each step is a function ``model -> outcome`` over the exported ModelProto, editing it in place,
-run by a graph pass of its own (onnx/passes: ort_attention, ort_fusions, ort_pack_matmuls):
+run by a graph pass of its own (onnx/passes: ort_attention, ort_fusions, ort_rotary,
+ort_reshapes, ort_pack_matmuls):
 
 * :func:`lower_attention` (attention.py): the nodes to contrib ops; what is kept and why;
 * :func:`fuse_for_ort` (fusions.py): onnxscript's ``optimize_for_ort``; the counts per fusion;
+* :func:`fuse_rotary` (rotary.py): the rotary chains onnxscript leaves -> ``RotaryEmbedding``;
+* :func:`drop_identity_reshapes` (reshapes.py): the head split/merge left around the attention;
 * :func:`pack_sibling_matmuls` (packed_matmul.py): projections of one input in one MatMul.
 """
 from attn_export.onnx.ort.attention import OrtLowering, lower_attention, why_not_ort  # noqa: F401
 from attn_export.onnx.ort.fusions import OrtFusions, fuse_for_ort  # noqa: F401
 from attn_export.onnx.ort.packed_matmul import pack_sibling_matmuls  # noqa: F401
+from attn_export.onnx.ort.reshapes import drop_identity_reshapes  # noqa: F401
+from attn_export.onnx.ort.rotary import fuse_rotary  # noqa: F401
 
 from attn_export.onnx.ort.nodes import MS_DOMAIN  # noqa: F401, E402
 

@@ -133,7 +133,7 @@ def _gqa(node: onnx.NodeProto, shared: SharedInputs, elem: int, lq_key, out: Ort
     heads = int(a[s.attr_num_heads])
     window = int(a[s.attr_window])
 
-    def gqa(with_bias: bool, names) -> onnx.NodeProto:
+    def gqa(with_bias: bool, names, bias=bias) -> onnx.NodeProto:
         extra = ["", "", "", bias] if with_bias else []
         return helper.make_node(
             GQA, [q, k, v, *past_inputs, seqlens, total, *extra], names, name=node.name, domain=MS_DOMAIN,
@@ -148,8 +148,9 @@ def _gqa(node: onnx.NodeProto, shared: SharedInputs, elem: int, lq_key, out: Ort
     # bias runs its prompt 20-30% slower (1-4k tokens, 2 threads), and an unpadded batch is
     # what generation runtimes run at batch 1.
     padded = shared.padded(node.input[3])
+    bias = shared.bias_when(bias, padded, elem)
     return helper.make_node("If", [padded], outputs, name=f"{node.name}/if_padded",
-                            then_branch=_branch(gqa(True, [f"{o}/padded" for o in outputs]), elem, "padded"),
+                            then_branch=_branch(gqa(True, [f"{o}/padded" for o in outputs], bias), elem, "padded"),
                             else_branch=_branch(gqa(False, [f"{o}/dense" for o in outputs]), elem, "dense"))
 
 

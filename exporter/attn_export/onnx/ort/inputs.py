@@ -52,6 +52,29 @@ class SharedInputs:
             self.nodes.extend(b.nodes)
         return self.built[key]
 
+    def bias_when(self, bias: str, padded: str, elem_type: int) -> str:
+        """``bias`` computed only when ``padded`` holds: the nodes that build it moved into an
+        ``If`` whose other branch gives a [1, 1, 1, 1] zero that no one reads (an unpadded batch
+        then writes no [B, 1, Lq, Lk] bias: 4 MB per 1k-token prompt). For a bias read only by
+        the layers' ``If`` on the same condition (attention.py)."""
+        key = ("bias_when", bias, padded)
+        if key not in self.built:
+            prefix = bias.split("/")[0] + "/"
+            moved = [n for n in self.nodes if n.output[0].startswith(prefix)]
+            self.nodes = [n for n in self.nodes if not n.output[0].startswith(prefix)]
+            out = f"{bias}/when_padded"
+            zero = helper.make_node("Constant", [], [f"{out}/unread"],
+                                    value=helper.make_tensor(f"{out}/unread", elem_type, [1, 1, 1, 1], [0]))
+
+            def branch(nodes, result, what):
+                return helper.make_graph(nodes, f"{out}/{what}", [], [helper.make_tensor_value_info(result, elem_type, None)])
+
+            self.nodes.append(helper.make_node("If", [padded], [out], name=out,
+                                               then_branch=branch(moved, bias, "padded"),
+                                               else_branch=branch([zero], f"{out}/unread", "dense")))
+            self.built[key] = out
+        return self.built[key]
+
     def padded(self, kpm: str) -> str:
         """A bool scalar: whether the additive padding mask ``kpm`` masks any key."""
         key = ("padded", kpm)

@@ -23,6 +23,8 @@ from attn_export.onnx.passes.ort_attention import OrtAttention
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
 from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
 from attn_export.onnx.passes.ort_quantize import OrtQuantize
+from attn_export.onnx.passes.ort_reshapes import OrtReshapes
+from attn_export.onnx.passes.ort_rotary import OrtRotary
 from attn_export.onnx.passes.project_before_transpose import ProjectBeforeTranspose
 from attn_export.onnx.passes.record_shapes import RecordShapes
 from attn_export.onnx.passes.standard_attention import StandardAttention
@@ -34,6 +36,8 @@ PASSES: List[GraphPass] = [
     FoldPastCustom(),  # a cached export's Concat(past, new) into the custom nodes' cache form
     OrtAttention(),  # ort flavor: the (folded) nodes -> ONNX Runtime's GroupQueryAttention / MultiHeadAttention
     OrtGraphFusions(),  # ort flavor: onnxscript's ONNX Runtime fusions over the rest of the graph
+    OrtRotary(),  # ort flavor: the rotary chains onnxscript leaves -> RotaryEmbedding
+    OrtReshapes(),  # ort flavor: Reshape chains that give back their source's shape dropped
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
     AttachFunctions(),  # each custom node's model-local function

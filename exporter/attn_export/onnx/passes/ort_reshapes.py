@@ -1,0 +1,19 @@
+"""ort_reshapes: the Reshape chains left around the attention operators that give back their
+source's shape ([B, S, heads * D] -> [B, S, H, D] -> [B, S, heads * D]) dropped, one node fewer
+each for ONNX Runtime to run per step (attn_export.onnx.ort.reshapes)."""
+from __future__ import annotations
+
+import onnx
+
+from attn_export.onnx.ort.reshapes import drop_identity_reshapes
+from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
+
+
+class OrtReshapes(GraphPass):
+    name = "ort_reshapes"
+    flavors = ("ort",)
+
+    def run(self, model: onnx.ModelProto, context: PassContext) -> PassOutcome:
+        dropped = drop_identity_reshapes(model)
+        notes = (f"Reshape chains that give back their source's shape dropped: {dropped}",) if dropped else ()
+        return PassOutcome(dropped, notes)
