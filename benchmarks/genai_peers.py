@@ -25,7 +25,6 @@ ONNX Runtime's own graph optimization are counted (``optimized_model_filepath``)
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -157,12 +156,10 @@ def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, f
 def main(argv=None) -> int:
     import onnxruntime_genai as og
 
-    from benchmarks.onnx_runtime import machine
+    from benchmarks.onnx_runtime import machine, timing_parser
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = timing_parser(__doc__, rounds=5)
     parser.add_argument("--contexts", default="128,1024")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
                         help="int4: ours with --quantize int4 against the builder's -p int4")

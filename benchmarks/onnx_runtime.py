@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -176,6 +177,15 @@ def run_benchmark(seqs=SEQS, batches=BATCHES, *, threads: int = 2, rounds: int =
                                    None if impl == REFERENCE else medians[impl] / medians[REFERENCE])
                         for impl in IMPLEMENTATIONS]
     return results, facts
+
+
+def timing_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """An argument parser (its description the first paragraph of ``doc``) with the options
+    every timing script takes: ``--threads`` (the same on every side) and ``--rounds``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads, the same for every side")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
+    return parser
 
 
 def round_order(impls, index: int) -> List[str]:

@@ -15,7 +15,6 @@ rounds of the mean of ``--steps`` runs; the minimum is printed beside it.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -56,11 +55,11 @@ def bound_session(path: str, context: int, threads: int, kv_shape=(2, 32)):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from benchmarks.onnx_runtime import timing_parser
+
+    parser = timing_parser(__doc__, rounds=31)
     parser.add_argument("files", nargs="+")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)

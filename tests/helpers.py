@@ -316,3 +316,11 @@ class MaskedSelfAttention(torch.nn.Module):
     def forward(self, x, mask):
         return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
 
+
+def dims(model, name):
+    """The dims of a graph input or output of an ONNX model: a symbol (str) or a size per axis."""
+    for v in list(model.graph.input) + list(model.graph.output):
+        if v.name == name:
+            return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    raise KeyError(name)
+

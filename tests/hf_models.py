@@ -71,3 +71,29 @@ def repeats_feeding(proto, value: str) -> list:
             found.append(node.op_type)
         node = producers.get(node.input[0])
     return found
+
+
+def genai_greedy_tokens(directory, prompts, pad_id: int, new_tokens: int):
+    """ONNX Runtime GenAI's greedy tokens ``[rows, new_tokens]`` (a list of lists) for ``prompts``,
+    from the model and genai_config.json in ``directory``. GenAI 0.18 reads a padded batch as
+    RIGHT-padded (it masks the pad tokens after a row's last other token), so the prompts go in
+    right-padded; transformers' generate() takes them left-padded."""
+    import numpy as np
+    import pytest
+
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(directory))
+    params = og.GeneratorParams(model)
+    width = max(map(len, prompts))
+    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+    generator.append_tokens(ids)
+    steps = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps.append(generator.get_next_tokens().tolist())
+    return np.array(steps).T.tolist()
+

@@ -13,14 +13,7 @@ from attn_export.errors import InputError
 from attn_export.onnx import export_onnx
 from attn_export.onnx.dims import shared_labels
 from attn_export.tensorrt.profiles import derive_profile
-from helpers import MaskedSelfAttention, assert_parity
-
-
-def dims(model, name):
-    for v in list(model.graph.input) + list(model.graph.output):
-        if v.name == name:
-            return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-    raise KeyError(name)
+from helpers import MaskedSelfAttention, assert_parity, dims
 
 
 def batch_symbols(model):

@@ -10,7 +10,6 @@ the row's start. The prompts are therefore given to it right-padded, to transfor
 (its generation convention); the continuations must agree."""
 import json
 
-import numpy as np
 import onnx
 import pytest
 
@@ -20,7 +19,7 @@ from attn_export.errors import InputError  # noqa: E402
 from attn_export.genai_config import CONFIG_NAME, genai_config, write_genai_config  # noqa: E402
 from attn_export.validation.generation import left_padded, random_prompts, reference_generation  # noqa: E402
 from benchmarks.stock_cached import export_stock_cached  # noqa: E402
-from hf_models import tiny_gpt2, tiny_llama  # noqa: E402
+from hf_models import genai_greedy_tokens, tiny_gpt2, tiny_llama  # noqa: E402
 
 NEW_TOKENS = 16
 LENGTHS = (5, 9, 12)
@@ -31,28 +30,6 @@ def exported(tmp_path, model):
     export_stock_cached(model, path)
     write_genai_config(path, model.config)
     return path
-
-
-def right_padded(prompts, pad_id):
-    ids = np.full((len(prompts), max(map(len, prompts))), pad_id, dtype=np.int32)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = prompt
-    return ids
-
-
-def genai_tokens(directory, prompts, pad_id):
-    og = pytest.importorskip("onnxruntime_genai")
-    model = og.Model(str(directory))
-    params = og.GeneratorParams(model)
-    width = max(map(len, prompts))
-    params.set_search_options(max_length=width + NEW_TOKENS, do_sample=False, batch_size=len(prompts))
-    generator = og.Generator(model, params)
-    generator.append_tokens(right_padded(prompts, pad_id))
-    steps = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        steps.append(generator.get_next_tokens().tolist())
-    return np.array(steps).T.tolist()
 
 
 def transformers_tokens(model, prompts, pad_id):
@@ -66,7 +43,7 @@ def check_same_tokens(tmp_path, model):
     prompts = random_prompts(model.config.vocab_size, LENGTHS, seed=0, avoid=[pad_id])
     expected = transformers_tokens(model, prompts, pad_id)
     assert len({tuple(t) for t in expected}) == len(prompts)  # a non-trivial comparison
-    assert genai_tokens(path.parent, prompts, pad_id) == expected
+    assert genai_greedy_tokens(path.parent, prompts, pad_id, NEW_TOKENS) == expected
 
 
 def test_config_names_the_contract(tmp_path):

@@ -18,7 +18,7 @@ from attn_export.errors import ExportError, InputError
 from attn_export.inputs import resize
 from attn_export.onnx import export_onnx, read_metadata
 from attn_export.validation import validate
-from helpers import MaskedSelfAttention, assert_parity, slow_path_outputs
+from helpers import MaskedSelfAttention, assert_parity, dims, slow_path_outputs
 
 S = spec.load()
 
@@ -41,13 +41,6 @@ def fused_nodes(path):
 
 def attrs(node):
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def dims(model, name):
-    for v in list(model.graph.input) + list(model.graph.output):
-        if v.name == name:
-            return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-    raise KeyError(name)
 
 
 def test_one_node_per_replaced_layer_with_its_attributes(exported_seq2seq):

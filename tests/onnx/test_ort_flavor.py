@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from attn_export.genai_config import write_genai_config  # noqa: E402
 from attn_export.validation.generation import check_generation, left_padded, random_prompts, reference_generation  # noqa: E402
-from hf_models import HF5, tiny_llama  # noqa: E402
+from hf_models import HF5, genai_greedy_tokens, tiny_llama  # noqa: E402
 
 NEW_TOKENS = 12
 LENGTHS = (5, 9, 12)
@@ -84,33 +84,17 @@ def test_decoder_generates_the_tokens_of_generate(llama):
     assert len({tuple(t) for t in result.reference_tokens}) == len(LENGTHS)  # a non-trivial comparison
 
 
-def right_padded(prompts, pad_id):
-    ids = np.full((len(prompts), max(map(len, prompts))), pad_id, dtype=np.int32)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = prompt
-    return ids
-
-
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 @pytest.mark.parametrize("lengths", [(7,), pytest.param(LENGTHS, marks=pytest.mark.slow)])
 def test_genai_generator_with_the_shared_buffer(llama, lengths):
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     model, _, path = llama
     config = json.loads(write_genai_config(path, model.config).read_text())
     assert config["search"]["past_present_share_buffer"] is True
     prompts = random_prompts(model.config.vocab_size, lengths, seed=0, avoid=[0])
     ids, mask = left_padded(prompts, 0)
     expected = reference_generation(model, ids, mask, NEW_TOKENS, 0, takes_positions=True)[0].tolist()
-    genai = og.Model(str(path.parent))
-    params = og.GeneratorParams(genai)
-    params.set_search_options(max_length=max(lengths) + NEW_TOKENS, do_sample=False, batch_size=len(prompts))
-    generator = og.Generator(genai, params)
-    generator.append_tokens(right_padded(prompts, 0))  # GenAI reads a padded batch as right-padded
-    steps = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        steps.append(generator.get_next_tokens().tolist())
-    assert np.array(steps).T.tolist() == expected
+    assert genai_greedy_tokens(path.parent, prompts, 0, NEW_TOKENS) == expected
 
 
 def run_encoder(path, inputs):

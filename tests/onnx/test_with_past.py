@@ -18,7 +18,7 @@ from attn_export.errors import InputError  # noqa: E402
 from attn_export.onnx import export_onnx, read_metadata  # noqa: E402
 from attn_export.surgery.transformers import cache as _cache  # noqa: E402
 from attn_export.validation.tolerances import tolerance  # noqa: E402
-from hf_models import HF5, padded_batch, tiny_bert, tiny_gpt2, tiny_llama  # noqa: E402
+from hf_models import HF5, genai_greedy_tokens, padded_batch, tiny_bert, tiny_gpt2, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 
@@ -585,25 +585,6 @@ def test_convert_writes_the_genai_config_beside_a_cached_export(tmp_path):
 # A generation runtime nobody here wrote
 # --------------------------------------------------------------------------------------------
 
-def genai_greedy_tokens(directory, prompts, pad_id, new_tokens):
-    """ONNX Runtime GenAI's greedy tokens for ``prompts`` (it takes them right-padded)."""
-    og = pytest.importorskip("onnxruntime_genai")
-    model = og.Model(str(directory))
-    params = og.GeneratorParams(model)
-    width = max(map(len, prompts))
-    params.set_search_options(max_length=width + new_tokens, do_sample=False, batch_size=len(prompts))
-    generator = og.Generator(model, params)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int32)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
-    generator.append_tokens(ids.numpy())
-    steps = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        steps.append(generator.get_next_tokens().tolist())
-    return torch.tensor(steps).T
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, attention", [("gpt2", "custom"), ("gpt2", "standard"), ("llama", "custom"),
                                              ("llama", "standard"), ("mistral", "custom"), ("qwen2", "custom"),
@@ -632,7 +613,7 @@ def test_onnxruntime_genai_generates_the_models_tokens(tmp_path, name, attention
     _, expected = torch_generation(model, prompt, 15)
     expected = torch.cat(expected, dim=1)
     assert len({tuple(t) for t in expected.tolist()}) == len(prompts)  # a comparison that can tell rows apart
-    got = genai_greedy_tokens(tmp_path, prompts, 0, 16)
+    got = torch.tensor(genai_greedy_tokens(tmp_path, prompts, 0, 16))
     # GenAI ends a row at its end-of-sequence token (and fills the rest): compare up to it.
     eos = model.config.eos_token_id
     for row in range(len(prompts)):

@@ -10,7 +10,7 @@ Its outcome's notes are the export's notes (``ExportResult.notes``), word for wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Mapping, Tuple
+from typing import Any, Callable, ClassVar, Dict, Mapping, Tuple
 
 import onnx
 
@@ -67,3 +67,16 @@ class GraphPass:
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"
+
+
+class CountingPass(GraphPass):
+    """A pass that is one function ``model -> how many it changed``: ``rewrite`` (a staticmethod),
+    and ``note``, the report's line when it changed something (``{}``: the count)."""
+
+    rewrite: ClassVar[Callable[[onnx.ModelProto], int]]
+    note: ClassVar[str] = ""
+
+    def run(self, model: onnx.ModelProto, context: PassContext) -> PassOutcome:
+        changed = type(self).rewrite(model)
+        return PassOutcome(changed, (self.note.format(changed),) if changed and self.note else ())
+

@@ -2,17 +2,12 @@
 one MatMul and a Split, as ONNX Runtime GenAI's builder packs them (attn_export.onnx.ort.packed_matmul)."""
 from __future__ import annotations
 
-import onnx
-
 from attn_export.onnx.ort.packed_matmul import pack_sibling_matmuls
-from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
+from attn_export.onnx.passes.base import CountingPass
 
 
-class OrtPackMatMuls(GraphPass):
+class OrtPackMatMuls(CountingPass):
     name = "ort_pack_matmuls"
     flavors = ("ort",)
-
-    def run(self, model: onnx.ModelProto, context: PassContext) -> PassOutcome:
-        packed = pack_sibling_matmuls(model)
-        notes = (f"projections that read the same input packed into one MatMul each: {packed} group(s)",) if packed else ()
-        return PassOutcome(packed, notes)
+    rewrite = staticmethod(pack_sibling_matmuls)
+    note = 'projections that read the same input packed into one MatMul each: {} group(s)'

@@ -3,17 +3,12 @@ source's shape ([B, S, heads * D] -> [B, S, H, D] -> [B, S, heads * D]) dropped,
 each for ONNX Runtime to run per step (attn_export.onnx.ort.reshapes)."""
 from __future__ import annotations
 
-import onnx
-
 from attn_export.onnx.ort.reshapes import drop_identity_reshapes
-from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
+from attn_export.onnx.passes.base import CountingPass
 
 
-class OrtReshapes(GraphPass):
+class OrtReshapes(CountingPass):
     name = "ort_reshapes"
     flavors = ("ort",)
-
-    def run(self, model: onnx.ModelProto, context: PassContext) -> PassOutcome:
-        dropped = drop_identity_reshapes(model)
-        notes = (f"Reshape chains that give back their source's shape dropped: {dropped}",) if dropped else ()
-        return PassOutcome(dropped, notes)
+    rewrite = staticmethod(drop_identity_reshapes)
+    note = "Reshape chains that give back their source's shape dropped: {}"

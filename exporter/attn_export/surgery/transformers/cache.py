@@ -50,8 +50,10 @@ def check_decoder(model: nn.Module) -> None:
                          "--with-past")
 
 
-class DecoderWithPast(nn.Module):
-    """``model`` (a decoder-only causal LM) called with its cache as flat tensors (module doc)."""
+class FlatCacheModule(nn.Module):
+    """A transformers model called with its cache as flat tensors: the model, the contract that
+    names them, and the keyword its ``forward`` takes the cache by (``cache`` or
+    ``past_key_values``, by version)."""
 
     def __init__(self, model: nn.Module, contract: CacheContract):
         super().__init__()
@@ -59,23 +61,36 @@ class DecoderWithPast(nn.Module):
         self.contract = contract
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    @property
-    def geometry(self) -> CacheContract:
-        """The contract (its name before it named the cache's inputs and outputs too)."""
-        return self.contract
-
     @classmethod
-    def wrap(cls, model: nn.Module, dtype: str = "fp32") -> "DecoderWithPast":
-        check_decoder(model)
-        return cls(model, _contract_of(model, dtype))
+    def wrap(cls, model: nn.Module, dtype: str = "fp32"):
+        """``model`` wrapped, once ``cls.check`` has taken it; its contract from ``cls.contract_of``."""
+        cls.check(model)
+        return cls(model, cls.contract_of(model, dtype))
 
-    def forward(self, input_ids, attention_mask, position_ids=None, **past):
+    def _check_past(self, past: Mapping[str, torch.Tensor]) -> None:
+        """InputError unless ``past`` holds exactly the contract's past inputs."""
         names = self.contract.past_names()
         missing = [n for n in names if n not in past]
         unknown = [n for n in past if n not in names]
         if missing or unknown:
             raise InputError(f"the cached decoder takes {', '.join(names)}; "
                              + (f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(unknown)}"))
+
+
+class DecoderWithPast(FlatCacheModule):
+    """``model`` (a decoder-only causal LM) called with its cache as flat tensors (module doc)."""
+
+    @property
+    def geometry(self) -> CacheContract:
+        """The contract (its name before it named the cache's inputs and outputs too)."""
+        return self.contract
+
+    check = staticmethod(check_decoder)
+    contract_of = staticmethod(lambda model, dtype: _contract_of(model, dtype))  # defined below
+
+    def forward(self, input_ids, attention_mask, position_ids=None, **past):
+        self._check_past(past)
+        names = self.contract.past_names()
         _check_lengths(input_ids, attention_mask, past[names[0]])
         cache = _full_cache()
         for i in range(self.contract.num_layers):

@@ -24,7 +24,7 @@ from torch import nn
 from attn_export import cache_contract as _contract
 from attn_export.cache_contract import ENCODER_DECODER, CacheContract
 from attn_export.errors import InputError
-from attn_export.surgery.transformers.cache import TRACE_PAST_LENGTH, cache_tensors
+from attn_export.surgery.transformers.cache import TRACE_PAST_LENGTH, FlatCacheModule, cache_tensors
 from attn_export.surgery.transformers.compat import is_hf_model
 
 # The example's decoder inputs (transformers' names), which the cached export makes itself.
@@ -65,26 +65,16 @@ class Seq2SeqEncoder(nn.Module):
         return {_contract.LAST_HIDDEN_STATE: self.encoder(**given, return_dict=True).last_hidden_state}
 
 
-class Seq2SeqDecoderWithPast(nn.Module):
+class Seq2SeqDecoderWithPast(FlatCacheModule):
     """One decoder step of ``model`` with its cache as flat tensors (module doc)."""
 
-    def __init__(self, model: nn.Module, contract: CacheContract):
-        super().__init__()
-        self.model = model
-        self.contract = contract
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-    @classmethod
-    def wrap(cls, model: nn.Module, dtype: str = "fp32") -> "Seq2SeqDecoderWithPast":
-        check_seq2seq(model)
-        return cls(model, contract_of(model, dtype))
+    check = staticmethod(check_seq2seq)
+    contract_of = staticmethod(lambda model, dtype: contract_of(model, dtype))  # defined below
 
     def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, **past):
         from transformers.modeling_outputs import BaseModelOutput
 
-        names = self.contract.past_names()
-        if sorted(past) != sorted(names):
-            raise InputError(f"the cached decoder takes {', '.join(names)}; got {', '.join(past) or 'none'}")
+        self._check_past(past)
         cache = _cache(self.contract, past)
         mask = {"attention_mask": encoder_attention_mask} if encoder_attention_mask is not None else {}
         out = self.model(decoder_input_ids=input_ids, encoder_outputs=BaseModelOutput(encoder_hidden_states),
