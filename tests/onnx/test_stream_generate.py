@@ -23,7 +23,8 @@ spec.loader.exec_module(stream_generate)
 
 PROMPT = [5, 17, 42, 8, 61]
 NEW_TOKENS = 12
-pytestmark = pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+# Exports and generates (~40 s on one core): the slow tier.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")]
 
 
 @pytest.fixture(scope="module")
