@@ -33,8 +33,19 @@ def op_counts(model):
     return collections.Counter(n.op_type for n in model.graph.node)
 
 
+def nodes_within(graph):
+    """Every node of ``graph`` and of its branches, depth first."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.HasField("g"):
+                yield from nodes_within(a.g)
+
+
 def export_llama(path):
-    model = tiny_llama()  # 2 layers, 8 query heads over 2 key/value heads
+    # 2 layers, 8 query heads over 2 key/value heads; head dim 16: GroupQueryAttention rotates
+    # (do_rotary) multiples of 16 only
+    model = tiny_llama(head_dim=16)
     ids = torch.randint(1, 97, (2, 5))
     result = export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                          attention="ort")
@@ -53,25 +64,37 @@ def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
     graph = onnx.load(str(path))
     layers = model.config.num_hidden_layers
-    # Each layer: If(some key padded) -> the operator with the padding bias, else without it; the
-    # bias itself is built only when some key is padded (one more If, for the model).
+    # Each layer: If(some key padded, or the rows' positions differ) -> the exact form: the packed
+    # projection's Split, a RotaryEmbedding for the query and the key (reading the projection: no
+    # Transpose left) and the operator with the padding bias; else the builder's form: the
+    # operator alone, reading the packed projection and rotating (do_rotary). The bias itself is
+    # built under the same condition (one more If, for the model).
     ifs = [n for n in graph.graph.node if n.op_type == "If"]
-    branches = [[n.op_type for n in a.g.node] for n in ifs for a in n.attribute]
-    assert len(ifs) == layers + 1 and branches.count(["GroupQueryAttention"]) == 2 * layers
-    assert ["Constant"] in branches and ["Unsqueeze", "Max", "Shape", "Concat", "Expand"] in branches
+    branches = {a.name: [] for a in ifs[0].attribute}
+    for n in ifs:
+        for a in n.attribute:
+            branches[a.name].append([x.op_type for x in a.g.node])
+    exact = ["Split", "RotaryEmbedding", "RotaryEmbedding", "GroupQueryAttention"]
+    assert len(ifs) == layers + 1
+    assert branches["then_branch"].count(exact) == layers and branches["else_branch"].count(["GroupQueryAttention"]) == layers
+    assert ["Constant"] in branches["else_branch"] and ["Unsqueeze", "Max", "Shape", "Concat", "Expand"] in branches["then_branch"]
+    assert len({n.input[0] for n in ifs}) == 1  # one condition for the layers and the bias
     assert count_attention_nodes(graph) == 0 and not graph.functions
     # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
     assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
-    # The query's and the key's rotary embedding: one RotaryEmbedding each, reading the projection
-    # (no Transpose left); the cos/sin computed once for the model.
+    # The cos/sin computed once for the model; nothing of HF's rotate_half left.
     counts = op_counts(graph)
-    assert counts["RotaryEmbedding"] == 2 * layers and counts["Cos"] == counts["Sin"] == 1
-    assert counts["Neg"] == counts["Transpose"] == counts["Slice"] == 0
+    assert counts["RotaryEmbedding"] == 0 and counts["Cos"] == counts["Sin"] == 1
+    assert counts["Neg"] == counts["Transpose"] == 0 and counts["Slice"] == 1  # the rows' check: the first row
     # No head split/merge left around the attention: the two Reshapes are the rotary caches' (once).
-    assert counts["Reshape"] == 2
-    gqa = next(n for n in ifs if n.name.endswith("/if_padded")).attribute[0].g.node[0]
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
-    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+    assert counts["Reshape"] == 3  # ... and the total length as the caches' pad
+    dense = [n for n in ifs if n.name.endswith("/if_padded")][0]
+    for branch in dense.attribute:
+        gqa = branch.g.node[-1]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
+        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+        assert attrs.get("do_rotary", 0) == (branch.name == "else_branch")
+        assert (gqa.input[1] == "") == (branch.name == "else_branch")  # packed QKV on the unpadded branch
     assert result.attention == "ort" and result.kept_custom == []
     assert any(note.startswith("fused for ONNX Runtime by onnxscript") for note in result.notes)
 
@@ -166,6 +189,11 @@ def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
     ids = torch.randint(1, 97, (2, 5))
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                 attention="ort")
-    assert op_counts(onnx.load(str(path)))["RotaryEmbedding"] == 2 * model.config.num_hidden_layers
+    graph = onnx.load(str(path)).graph
+    rotary = collections.Counter(n.op_type for n in nodes_within(graph))["RotaryEmbedding"]
+    assert rotary == 2 * model.config.num_hidden_layers  # on the exact branch
+    scaled = {onnx.numpy_helper.to_array(n.attribute[0].t).item() for n in nodes_within(graph)
+              if n.op_type == "Constant" and n.output[0].startswith("ort_rotary_cache_0/scale")}
+    assert scaled == {np.float32(model.model.rotary_emb.attention_scaling)}
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()

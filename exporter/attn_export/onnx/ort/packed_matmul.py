@@ -17,6 +17,15 @@ from onnx import helper, numpy_helper
 from attn_export.onnx.editing import remove_unused
 
 
+def pack_projections(model: onnx.ModelProto) -> int:
+    """The packed projections in one form, a MatMul [+ bias Add] and a Split: sibling MatMuls
+    packed, a model's own packed projection's Slices as a Split, the Split's biases added
+    before it (packed_split.py); returns how many rewrites."""
+    from attn_export.onnx.ort.packed_split import bias_before_split, slices_as_split
+
+    return pack_sibling_matmuls(model) + slices_as_split(model) + bias_before_split(model)
+
+
 def pack_sibling_matmuls(model: onnx.ModelProto) -> int:
     """Rewrites ``model`` in place; returns how many groups were packed."""
     weights = {t.name: t for t in model.graph.initializer}

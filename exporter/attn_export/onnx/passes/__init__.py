@@ -21,6 +21,7 @@ from attn_export.onnx.passes.inline_functions import InlineFunctions
 from attn_export.onnx.passes.label_axes import LabelAxes
 from attn_export.onnx.passes.ort_attention import OrtAttention
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
+from attn_export.onnx.passes.ort_gqa_rotary import OrtGqaRotary
 from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
 from attn_export.onnx.passes.ort_quantize import OrtQuantize
 from attn_export.onnx.passes.ort_reshapes import OrtReshapes
@@ -39,6 +40,7 @@ PASSES: List[GraphPass] = [
     OrtRotary(),  # ort flavor: the rotary chains onnxscript leaves -> RotaryEmbedding
     OrtReshapes(),  # ort flavor: Reshape chains that give back their source's shape dropped
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
+    OrtGqaRotary(),  # ort flavor: packed QKV + rotary read by GroupQueryAttention (do_rotary)
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
     AttachFunctions(),  # each custom node's model-local function
     InlineFunctions(),  # functions="inline": the bodies into the graph
