@@ -82,12 +82,14 @@ def test_decoder_is_group_query_attention(llama):
     assert count_attention_nodes(graph) == 0 and not graph.functions
     # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
     assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
-    # The cos/sin computed once for the model; nothing of HF's rotate_half left.
+    # The cos/sin caches are initializers of the config's positions (no work per call), read at the
+    # graph's position ids; nothing of HF's rotate_half left, no head split/merge around the attention.
     counts = op_counts(graph)
-    assert counts["RotaryEmbedding"] == 0 and counts["Cos"] == counts["Sin"] == 1
-    assert counts["Neg"] == counts["Transpose"] == 0 and counts["Slice"] == 1  # the rows' check: the first row
-    # No head split/merge left around the attention: the two Reshapes are the rotary caches' (once).
-    assert counts["Reshape"] == 3  # ... and the total length as the caches' pad
+    assert counts["RotaryEmbedding"] == 0 and counts["Cos"] == counts["Sin"] == 0
+    cos = next(t for t in graph.graph.initializer if t.name == "ort_rotary_cache_0/cos")
+    assert list(cos.dims) == [model.config.max_position_embeddings, 8]
+    assert counts["Neg"] == counts["Transpose"] == counts["Reshape"] == 0
+    assert counts["Slice"] == 1  # the rows' check: the first row
     dense = [n for n in ifs if n.name.endswith("/if_padded")][0]
     for branch in dense.attribute:
         gqa = branch.g.node[-1]
@@ -192,8 +194,9 @@ def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
     graph = onnx.load(str(path)).graph
     rotary = collections.Counter(n.op_type for n in nodes_within(graph))["RotaryEmbedding"]
     assert rotary == 2 * model.config.num_hidden_layers  # on the exact branch
-    scaled = {onnx.numpy_helper.to_array(n.attribute[0].t).item() for n in nodes_within(graph)
-              if n.op_type == "Constant" and n.output[0].startswith("ort_rotary_cache_0/scale")}
-    assert scaled == {np.float32(model.model.rotary_emb.attention_scaling)}
+    # The caches: initializers of the config's 128 positions, cos(0 * f) = 1 times the scaling.
+    cos = onnx.numpy_helper.to_array(next(t for t in graph.initializer if t.name == "ort_rotary_cache_0/cos"))
+    assert cos.shape == (model.config.max_position_embeddings, model.config.head_dim // 2)
+    np.testing.assert_allclose(cos[0], model.model.rotary_emb.attention_scaling, rtol=1e-6)
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()

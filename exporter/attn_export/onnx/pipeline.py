@@ -69,7 +69,7 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     if cached is not None:
         inputs, axes = _contract_names(proto, cached, inputs, axes)
     context = _passes.PassContext(opset, attention, functions, axes, required=dynamic_axes is not None or with_past,
-                                  quantize=options.quantize)
+                                  quantize=options.quantize, max_positions=_max_positions(model))
     outcomes = _finish_graph(proto, context, sample.notes)
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
     _write_metadata(proto, result, _came_out_dynamic(axes, context.labels))
@@ -78,6 +78,13 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
         encoder_options = dataclasses.replace(options, with_past=False)
         result.encoder = _seq2seq.export_encoder(model, example_inputs, path, encoder_options, cached.contract)
     return result
+
+
+def _max_positions(model) -> Optional[int]:
+    """The model's position limit from its transformers config, or None."""
+    from attn_export.surgery.transformers.models import max_positions
+
+    return max_positions(model)
 
 
 def _finish_graph(proto, context: _passes.PassContext, notes: list) -> list:

@@ -4,9 +4,9 @@ GroupQueryAttention of the unpadded branch reads the packed projection itself an
 with ``do_rotary`` (ONNX Runtime GenAI's model builder's form: one node per layer between the
 QKV MatMul and the output projection, instead of a Split and two RotaryEmbedding).
 
-The caches stay the call's own (rotary.py: one row per position id of the call, the ids
-``0 .. B*S-1``), padded with zero rows to the total length, which GroupQueryAttention asks of
-its caches. What the operator does not do: rotate head sizes other than multiples of 16 on the
+The caches are rotary.py's: initializers of the model's position limit, read at the graph's
+position ids, or, where the limit is unknown, the call's own rows (ids ``0 .. B*S-1``) padded
+with zero rows to the total length, which GroupQueryAttention asks of its caches. What the operator does not do: rotate head sizes other than multiples of 16 on the
 CPU (such layers keep the exact form on both branches); and rotate a multi-token prompt's rows by positions
 that differ between rows (it uses the first row's first id and counts up from there). So the
 branch that runs it is taken only when no key is padded and every row has the same position
@@ -55,7 +55,7 @@ def rotary_into_attention(model: onnx.ModelProto) -> int:
             continue
         layer = next((x for x in layers if x.if_node is node), None)
         if layer is not None:
-            nodes.extend(_caches(shared, layer))
+            nodes.extend(_caches(shared, layer, index.initializers))
             _rewrite(layer, *shared[("caches", layer.cos, layer.sin, layer.dense.input[6])])
         nodes.append(node)
     conditions = {layer.if_node.input[0] for layer in layers}
@@ -145,10 +145,13 @@ def _match(index: GraphIndex, reads, node: onnx.NodeProto) -> Optional[_Layer]:
     return _Layer(node, dense, split, (rq, rk), rq.input[1], rq.input[2], rq.input[3])
 
 
-def _caches(shared: Dict[tuple, str], layer: _Layer) -> List[onnx.NodeProto]:
+def _caches(shared: Dict[tuple, tuple], layer: _Layer, fixed) -> List[onnx.NodeProto]:
     """The cos/sin caches with zero rows up to the total length (once per pair of caches)."""
     key = ("caches", layer.cos, layer.sin, layer.dense.input[6])
     if key in shared:
+        return []
+    if layer.cos in fixed and layer.sin in fixed:  # rotary.py's initializers of the model's position limit
+        shared[key] = (layer.cos, layer.sin)
         return []
     b = NodeBuilder(f"{layer.cos}/to_total")
     rows = b.op("Shape", [layer.cos], "rows", start=0, end=1)
@@ -182,7 +185,9 @@ def _positions(index: GraphIndex, ids: str) -> Optional[str]:
     """The graph's position ids behind rotary.py's ``Reshape(Range(..), Shape(positions))``."""
     reshape = index.made_by(ids, "Reshape")
     shape = index.made_by(reshape.input[1], "Shape") if reshape is not None else None
-    return shape.input[0] if shape is not None else None
+    if reshape is not None and index.made_by(reshape.input[0], "Range") is not None:
+        return shape.input[0] if shape is not None else None
+    return ids  # the graph's own position ids (rotary.py's caches of the position limit)
 
 
 def _widen_conditions(nodes: List[onnx.NodeProto], conditions, positions: Dict[str, Optional[str]]) -> list:

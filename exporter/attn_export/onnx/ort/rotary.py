@@ -10,11 +10,14 @@ frequencies as ``MatMul(inv_freq[1, E, 1], positions)`` and a Transpose, where o
 ``positions[B, S, 1] * inv_freq[E]``, so its fusion is undone; this rewrite reads that form.
 
 The caches [N, D/2] are the model's own: ``inv_freq`` (an initializer) times the positions,
-cosine and sine, times the attention scaling where the graph multiplies by one. They are
-computed once per call, for the call's positions only (N = B * S, row ``i`` for the i-th
-position id; the operator is given ``0 .. B*S-1`` as its position ids): nothing about the
-maximum length has to be known, a position id of any value is correct, and a decode step
-computes B rows.
+cosine and sine, times the attention scaling where the graph multiplies by one. Where the
+model's position limit is known (``max_positions``, its config's ``max_position_embeddings``)
+and the caches fit in :data:`MAX_CACHE_BYTES`, they are initializers of that many rows, read
+at the graph's own position ids (what ONNX Runtime GenAI's builder writes: no work per call; a
+position past the limit is the operator's error, "position_ids value ... out of range").
+Otherwise they are computed once per call, for the call's positions only (N = B * S, row ``i``
+for the i-th position id; the operator is given ``0 .. B*S-1`` as its position ids): nothing
+about the maximum length has to be known and a decode step computes B rows.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from attn_export.onnx.ort.nodes import MS_DOMAIN, import_ms_domain
 
 ROTARY = "RotaryEmbedding"
 _BNSH = [0, 2, 1, 3]
+MAX_CACHE_BYTES = 64 << 20  # both caches; past it (a limit of millions of positions) they are computed per call
 
 
 @dataclass
@@ -46,8 +50,9 @@ class _Rotary:
     replaces: tuple = ()  # the Transpose and Reshape back to [B, S, heads * D] the node takes the place of
 
 
-def fuse_rotary(model: onnx.ModelProto) -> int:
-    """Rewrites, in place, each rotary chain found; returns how many."""
+def fuse_rotary(model: onnx.ModelProto, max_positions: Optional[int] = None) -> int:
+    """Rewrites, in place, each rotary chain found; returns how many. ``max_positions``: the
+    model's position limit, for caches written as initializers (None: computed per call)."""
     index, types = GraphIndex(model), value_types(model)
     found = [r for r in (_match(index, n) for n in model.graph.node if n.op_type == "Add") if r is not None]
     if not found:
@@ -65,7 +70,9 @@ def fuse_rotary(model: onnx.ModelProto) -> int:
         key = (rotary.positions, rotary.inv_freq, rotary.scale)
         if key not in caches:
             b = NodeBuilder(f"ort_rotary_cache_{len(caches)}")
-            caches[key] = _caches(b, rotary, types.get(rotary.projection) or _elem_type(index, rotary.projection))
+            elem = types.get(rotary.projection) or _elem_type(index, rotary.projection)
+            fixed = _fixed_caches(model, b, index, rotary, elem, max_positions, types)
+            caches[key] = fixed if fixed is not None else _caches(b, rotary, elem)
             nodes.extend(b.nodes)
         nodes.extend(_rotary_nodes(rotary, *caches[key]))
     replace_nodes(model, nodes)
@@ -88,6 +95,30 @@ def _caches(b: NodeBuilder, r: _Rotary, elem: Optional[int]) -> tuple:
     rows = b.op("Range", [b.const("zero", [0], dims=[]), count, b.const("one", [1], dims=[])], "rows")
     ids = b.op("Reshape", [rows, b.op("Shape", [r.positions], "shape")], "position_ids")
     return ids, cos, sin
+
+
+def _fixed_caches(model: onnx.ModelProto, b: NodeBuilder, index: GraphIndex, r: _Rotary, elem: Optional[int],
+                  max_positions: Optional[int], types) -> Optional[tuple]:
+    """(the graph's position ids as int64, cos cache, sin cache) as initializers of
+    ``max_positions`` rows, or None where the limit is unknown or the caches too large."""
+    half = int(index.initializers[r.inv_freq].dims[-1])
+    dtype = np.float16 if elem == TensorProto.FLOAT16 else np.float32
+    if not max_positions or elem not in (None, TensorProto.FLOAT, TensorProto.FLOAT16) \
+            or 2 * max_positions * half * np.dtype(dtype).itemsize > MAX_CACHE_BYTES:
+        return None
+    inv_freq = numpy_helper.to_array(index.initializers[r.inv_freq]).astype(np.float32)
+    # float32 as transformers computes them (positions.float() @ inv_freq), then the scaling.
+    angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    scale = np.float32(r.scale)
+    tables = []
+    for what, fn in (("cos", np.cos), ("sin", np.sin)):
+        table = numpy_helper.from_array((fn(angles) * scale).astype(dtype), b.name(what))
+        model.graph.initializer.append(table)
+        tables.append(table.name)
+    ids = r.positions
+    if types.get(ids) not in (None, TensorProto.INT64):
+        ids = b.op("Cast", [ids], "position_ids", to=TensorProto.INT64)
+    return (ids, *tables)
 
 
 def _rotary_nodes(r: _Rotary, ids: str, cos: str, sin: str) -> List[onnx.NodeProto]:
