@@ -200,3 +200,21 @@ def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
     np.testing.assert_allclose(cos[0], model.model.rotary_emb.attention_scaling, rtol=1e-6)
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+def test_caches_computed_per_call_where_the_position_limit_is_unknown(tmp_path, monkeypatch):
+    """No position limit (a model without a config's max_position_embeddings): the cos/sin rows
+    are computed per call for the call's positions, padded to the total length for the
+    operator's own rotation; the same tokens as generate()."""
+    from attn_export.onnx import pipeline
+
+    monkeypatch.setattr(pipeline, "_max_positions", lambda model: None)
+    model, result = export_llama(tmp_path / "model.onnx")
+    graph = onnx.load(str(tmp_path / "model.onnx")).graph
+    counts = collections.Counter(n.op_type for n in nodes_within(graph))
+    assert counts["Cos"] == counts["Sin"] == 1 and counts["Pad"] == 2
+    assert not any(t.name.startswith("ort_rotary_cache") for t in graph.initializer)
+    gate = check_generation(model, tmp_path / "model.onnx", new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
+    assert gate.passed, gate.to_dict()
