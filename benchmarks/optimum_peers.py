@@ -45,7 +45,6 @@ OURS, PEER = "attn-export ort", "Optimum + ORT optimizer"
 # would check nothing about the cache.
 CONFIG = dict(vocab_size=2048, n_embd=256, n_layer=4, n_head=4, n_positions=8192, bos_token_id=1, eos_token_id=2,
               initializer_range=0.1)
-HEADS, HEAD_DIM = CONFIG["n_head"], CONFIG["n_embd"] // CONFIG["n_head"]
 PREFILL, DECODE, DECODE_APPEND = "prefill", "decode", "decode, both append"
 SETUP = ("python3.11 -m venv /work/venvs/optimum && /work/venvs/optimum/bin/pip install torch==2.13.0 "
          "'optimum-onnx[onnxruntime]'")
@@ -56,13 +55,13 @@ class PeerUnavailable(RuntimeError):
     """The other environment cannot run Optimum's exporter; the message says how to make one."""
 
 
-def save_model(directory: Path, seed: int = 0) -> None:
+def save_model(directory: Path, seed: int = 0, config: Optional[dict] = None) -> None:
     """The GPT-2 as a local transformers folder (no tokenizer: Optimum's export needs none)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG)).eval().save_pretrained(directory)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**(config or CONFIG))).eval().save_pretrained(directory)
 
 
 def peer_versions(python: Optional[str]) -> Dict[str, str]:
@@ -104,7 +103,9 @@ def export_peer(python: str, hf: Path, out: Path) -> tuple:
                            "--task", "text-generation-with-past", str(out)], capture_output=True, text=True, env=env)
     if done.returncode != 0 or not (out / "model.onnx").exists():
         raise PeerUnavailable(f"Optimum's export failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    optimized = optimize_model(str(out / "model.onnx"), model_type="gpt2", num_heads=HEADS, hidden_size=CONFIG["n_embd"])
+    config = json.loads((hf / "config.json").read_text())
+    optimized = optimize_model(str(out / "model.onnx"), model_type="gpt2", num_heads=config["n_head"],
+                               hidden_size=config["n_embd"])
     fused = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
     optimized.save_model_to_file(str(out / "model_optimized.onnx"))
     return out / "model_optimized.onnx", fused
@@ -133,8 +134,13 @@ def feeds(sess, tokens: np.ndarray, past: Optional[Dict[str, np.ndarray]] = None
         elif value.name == "position_ids":
             out[value.name] = np.broadcast_to(np.arange(length, length + seq, dtype=np.int64), (batch, seq)).copy()
         elif value.name.startswith("past_key_values"):
-            out[value.name] = past[value.name] if past else np.zeros((batch, HEADS, 0, HEAD_DIM), np.float32)
+            out[value.name] = past[value.name] if past else np.zeros(_cache_shape(value, batch, 0), np.float32)
     return out
+
+
+def _cache_shape(value, batch: int, rows: int) -> tuple:
+    """[B, heads, rows, head size] of a ``past_key_values.*`` input (heads and head size are static)."""
+    return batch, value.shape[1], rows, value.shape[3]
 
 
 def prefill_call(sess, batch: int, context: int) -> Callable[[], object]:
@@ -144,21 +150,24 @@ def prefill_call(sess, batch: int, context: int) -> Callable[[], object]:
 
 
 def decode_call(sess, batch: int, context: int, in_place: bool) -> Callable[[], object]:
-    """One token after a cache of ``context`` rows, through an IOBinding. ``in_place``: each
-    cache a buffer of ``context + 17`` rows bound as past and present (the operator writes row
-    ``context``); otherwise a past of ``context`` rows in, a present of ``context + 1`` out."""
+    """One token after a cache of ``context`` rows, through an IOBinding; the call returns the
+    binding. ``in_place``: each cache a buffer of ``context + 17`` rows bound as past and present
+    (the operator writes row ``context``); otherwise a past of ``context`` rows in, a present of
+    ``context + 1`` out. The first ``context`` rows are the same either way."""
     import onnxruntime as ort
 
-    rows = context + 17 if in_place else context
-    past = {v.name: np.random.default_rng(k).random((batch, HEADS, rows, HEAD_DIM), dtype=np.float32)
-            for k, v in enumerate(sess.get_inputs()) if v.name.startswith("past_key_values")}
+    past = {}
+    for k, value in enumerate(v for v in sess.get_inputs() if v.name.startswith("past_key_values")):
+        rows = np.random.default_rng(k).random(_cache_shape(value, batch, context), dtype=np.float32)
+        past[value.name] = np.concatenate([rows, np.zeros(_cache_shape(value, batch, 17), np.float32)], axis=2) \
+            if in_place else rows
     inputs = feeds(sess, np.full((batch, 1), 5), past)
     inputs["attention_mask"] = np.ones((batch, context + 1), np.int64)
     if "position_ids" in inputs:
         inputs["position_ids"] = np.full((batch, 1), context, np.int64)
     binding, buffers = sess.io_binding(), {}
     for name, array in inputs.items():
-        buffers[name] = ort.OrtValue.ortvalue_from_numpy(array)
+        buffers[name] = ort.OrtValue.ortvalue_from_numpy(array)  # holds the array; the binding holds the OrtValue
         binding.bind_ortvalue_input(name, buffers[name])
     for value in sess.get_outputs():
         past_name = value.name.replace("present", "past_key_values")
@@ -169,7 +178,8 @@ def decode_call(sess, batch: int, context: int, in_place: bool) -> Callable[[], 
 
     def run():
         sess.run_with_iobinding(binding)
-        return buffers  # kept alive as long as the binding
+        return binding
+    run.buffers = buffers
     return run
 
 
@@ -273,8 +283,10 @@ def markdown(rows: List[dict], report: dict) -> str:
               + "; ".join(f"{name} {check[name]['tokens']} (logits within {check[name]['max_abs_logit_diff']:.1e} "
                           "of PyTorch's)" for name in (OURS, PEER))
               + f": {'the same' if check['same_tokens'] else 'NOT the same'}.",
-              f"ONNX Runtime's optimizer fused in the peer: "
-              + (", ".join(f"{op} x{n}" for op, n in report["peer_fusions"].items()) or "nothing"), ""]
+              "ONNX Runtime's optimizer fused in the peer: "
+              + (", ".join(f"{op} x{n}" for op, n in report["peer_fusions"].items()) or "nothing")
+              + ("" if set(report["peer_fusions"]) & {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
+                 else " (no attention: it runs as the exported MatMul, Softmax, MatMul)"), ""]
     for name, counts in report["optimized_nodes"].items():
         inside = ", ".join(f"{op} {n}" for op, n in counts["branches"].items())
         lines.append(f"* {name}: {sum(counts['graph'].values())} nodes after ONNX Runtime's optimization: "
