@@ -88,8 +88,10 @@ def peer_versions(python: Optional[str]) -> Dict[str, str]:
 def export_ours(hf: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cli = Path(sys.executable).with_name("attn-export")
-    subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--no-validate",
-                    "-o", str(out / "model.onnx")], check=True, capture_output=True)
+    done = subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past",
+                           "--no-validate", "-o", str(out / "model.onnx")], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"attn-export failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return out / "model.onnx"
 
 
@@ -317,11 +319,16 @@ def main(argv=None) -> int:
     load = os.popen("uptime").read().strip()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         hf = work / "hf"
         if not (hf / "config.json").exists():
             save_model(hf)
         paths = {OURS: export_ours(hf, work / "ours")}
-        paths[PEER], fusions = export_peer(args.optimum_python, hf, work / "optimum")
+        try:
+            paths[PEER], fusions = export_peer(args.optimum_python, hf, work / "optimum")
+        except PeerUnavailable as exc:
+            print(f"optimum_peers: {exc}", file=sys.stderr)
+            return 1
         sessions = {name: session(path, args.threads) for name, path in paths.items()}
         report = {"command": command, "machine": {**machine(), "transformers": transformers.__version__},
                   "peer_versions": versions, "load": load, "threads": args.threads, "peer_fusions": fusions,

@@ -40,6 +40,19 @@ def test_a_python_without_optimum_is_a_clear_error(tmp_path, capsys):
     assert "pip install" in err
 
 
+def test_a_failing_optimum_export_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    versions = '{"optimum": "2.1.0"}'
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then echo '{versions}'; exit 0; fi\n"
+                    "echo 'ValueError: no such task' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(optimum_peers, "save_model", lambda directory: None)
+    monkeypatch.setattr(optimum_peers, "export_ours", lambda hf, out: out / "model.onnx")
+    assert optimum_peers.main(["--optimum-python", str(fake), "--work", str(tmp_path / "work")]) == 1
+    err = capsys.readouterr().err
+    assert "Optimum's export failed (exit 3)" in err and "ValueError: no such task" in err
+
+
 def test_table_gives_ours_over_the_peer():
     rows = [optimum_peers._row(4, 1024, optimum_peers.DECODE, 2.0, 8.0, 5),
             optimum_peers._row(1, 128, optimum_peers.PREFILL, 30.0, 20.0, 5)]
