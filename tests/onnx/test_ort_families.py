@@ -3,7 +3,8 @@ builder supports, each a tiny random model with head size 16 (GroupQueryAttentio
 multiples of 16 only): every layer a GroupQueryAttention, the unpadded branch in the builder's
 form (packed QKV read by the operator, do_rotary), and the generating gate passing on a
 left-padded batch (the exact branch) and, with ONNX Runtime GenAI installed, through its
-generator at batch 1 with the shared buffer (the builder's-form branch)."""
+generator at batch 1 with the shared buffer (the builder's-form branch). And GPT-2, which the
+builder does not build (no rotary: GroupQueryAttention on both branches, do_rotary 0)."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -54,6 +55,33 @@ def test_the_family_lowers_and_generates_the_models_tokens(name, tmp_path):
     gate = check_generation(model, path, new_tokens=12)
     assert gate.passed, gate.failures
     assert len({tuple(t) for t in gate.reference_tokens}) > 1  # rows that differ: a comparison that can fail
+
+    pytest.importorskip("onnxruntime_genai")
+    from attn_export.genai_config import write_genai_config
+    write_genai_config(path, model.config)
+    prompts = random_prompts(VOCAB, (9,), seed=1, avoid=[0, 1, 2])
+    ids = torch.tensor(prompts)
+    expected = reference_generation(model, ids, torch.ones_like(ids), 12, 0, takes_positions=True)[0].tolist()
+    assert genai_greedy_tokens(path.parent, prompts, 0, 12) == expected
+
+
+def test_gpt2_lowers_and_generates_the_models_tokens(tmp_path):
+    """GPT-2 (the family a user takes to Optimum; the builder has none): its packed Conv1D
+    projection (a Gemm with the bias) split into query, key and value, learned positions, no
+    rotary: every layer a GroupQueryAttention on both branches (do_rotary 0), the gate passing
+    on a left-padded batch and GenAI's generator on the shared buffer giving the model's tokens."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.1, **SPECIAL)).eval()
+    path = tmp_path / "model.onnx"
+    result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True, attention="ort")
+    assert result.kept_custom == []
+    found = list(gqa_nodes(onnx.load(str(path)).graph))
+    assert sorted(where for where, _ in found) == sorted(["else_branch", "then_branch"] * model.config.n_layer)
+    assert not any(a.name == "do_rotary" and a.i for _, n in found for a in n.attribute)
+    gate = check_generation(model, path, new_tokens=12)
+    assert gate.passed, gate.failures
+    assert len({tuple(t) for t in gate.reference_tokens}) > 1
 
     pytest.importorskip("onnxruntime_genai")
     from attn_export.genai_config import write_genai_config
