@@ -324,3 +324,12 @@ def dims(model, name):
             return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
     raise KeyError(name)
 
+
+
+def nodes_within(graph):
+    """Every node of an ONNX ``graph`` and of the subgraphs its nodes hold (If branches), depth first."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.HasField("g"):
+                yield from nodes_within(a.g)

@@ -17,6 +17,7 @@ import torch
 from attn_export.onnx import export_onnx
 from attn_export.onnx.graph import count_attention_nodes
 from attn_export.onnx.ort import lower_attention
+from helpers import nodes_within
 from portability_models import cases
 
 transformers = pytest.importorskip("transformers")
@@ -31,15 +32,6 @@ LENGTHS = (5, 9, 12)
 
 def op_counts(model):
     return collections.Counter(n.op_type for n in model.graph.node)
-
-
-def nodes_within(graph):
-    """Every node of ``graph`` and of its branches, depth first."""
-    for node in graph.node:
-        yield node
-        for a in node.attribute:
-            if a.HasField("g"):
-                yield from nodes_within(a.g)
 
 
 def export_llama(path):
@@ -64,39 +56,38 @@ def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
     graph = onnx.load(str(path))
     layers = model.config.num_hidden_layers
-    # Each layer: If(some key padded, or the rows' positions differ) -> the exact form: the packed
-    # projection's Split, a RotaryEmbedding for the query and the key (reading the projection: no
-    # Transpose left) and the operator with the padding bias; else the builder's form: the
-    # operator alone, reading the packed projection and rotating (do_rotary). The bias itself is
-    # built under the same condition (one more If, for the model).
+    # One If, on "some key is padded, or the rows' positions differ", from the first layer on: its
+    # exact branch per layer: the packed projection's Split, a RotaryEmbedding for the query and
+    # the key (reading the projection: no Transpose left), the operator with the padding bias
+    # (built in that branch only); its other branch the builder's form: the operator alone,
+    # reading the packed projection and rotating (do_rotary).
     ifs = [n for n in graph.graph.node if n.op_type == "If"]
-    branches = {a.name: [] for a in ifs[0].attribute}
-    for n in ifs:
-        for a in n.attribute:
-            branches[a.name].append([x.op_type for x in a.g.node])
-    exact = ["Split", "RotaryEmbedding", "RotaryEmbedding", "GroupQueryAttention"]
-    assert len(ifs) == layers + 1
-    assert branches["then_branch"].count(exact) == layers and branches["else_branch"].count(["GroupQueryAttention"]) == layers
-    assert ["Constant"] in branches["else_branch"] and ["Unsqueeze", "Max", "Shape", "Concat", "Expand"] in branches["then_branch"]
-    assert len({n.input[0] for n in ifs}) == 1  # one condition for the layers and the bias
+    assert len(ifs) == 1 and any("If nodes merged into one" in n for n in result.notes)
+    branch = {a.name: list(a.g.node) for a in ifs[0].attribute}
+    ops = {name: collections.Counter(n.op_type for n in nodes) for name, nodes in branch.items()}
+    assert ops["then_branch"]["RotaryEmbedding"] == 2 * layers and ops["then_branch"]["Expand"] == 1  # the bias
+    assert ops["else_branch"]["RotaryEmbedding"] == 0 and ops["else_branch"]["Expand"] == 0
+    assert ops["then_branch"]["GroupQueryAttention"] == ops["else_branch"]["GroupQueryAttention"] == layers
+    for name, nodes in branch.items():
+        for gqa in (n for n in nodes if n.op_type == "GroupQueryAttention"):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
+            assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+            assert attrs.get("do_rotary", 0) == (name == "else_branch")
+            assert (gqa.input[1] == "") == (name == "else_branch")  # packed QKV on the unpadded branch
+            assert len(gqa.input) > 10 and gqa.input[10] if name == "then_branch" else len(gqa.input) < 11
     assert count_attention_nodes(graph) == 0 and not graph.functions
-    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
-    assert op_counts(graph)["MatMul"] == 4 * layers + 1 and any("packed into one MatMul" in n for n in result.notes)
+    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head (in each branch,
+    # but the first layer's Q/K/V, before the If).
+    assert op_counts(graph)["MatMul"] == 1 and ops["else_branch"]["MatMul"] == 4 * layers
+    assert any("packed into one MatMul" in n for n in result.notes)
     # The cos/sin caches are initializers of the config's positions (no work per call), read at the
     # graph's position ids; nothing of HF's rotate_half left, no head split/merge around the attention.
-    counts = op_counts(graph)
-    assert counts["RotaryEmbedding"] == 0 and counts["Cos"] == counts["Sin"] == 0
+    counts = collections.Counter(n.op_type for n in nodes_within(graph.graph))
+    assert counts["Cos"] == counts["Sin"] == 0
     cos = next(t for t in graph.graph.initializer if t.name == "ort_rotary_cache_0/cos")
     assert list(cos.dims) == [model.config.max_position_embeddings, 8]
     assert counts["Neg"] == counts["Transpose"] == counts["Reshape"] == 0
     assert counts["Slice"] == 1  # the rows' check: the first row
-    dense = [n for n in ifs if n.name.endswith("/if_padded")][0]
-    for branch in dense.attribute:
-        gqa = branch.g.node[-1]
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
-        assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
-        assert attrs.get("do_rotary", 0) == (branch.name == "else_branch")
-        assert (gqa.input[1] == "") == (branch.name == "else_branch")  # packed QKV on the unpadded branch
     assert result.attention == "ort" and result.kept_custom == []
     assert any(note.startswith("fused for ONNX Runtime by onnxscript") for note in result.notes)
 
@@ -192,8 +183,11 @@ def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                 attention="ort")
     graph = onnx.load(str(path)).graph
-    rotary = collections.Counter(n.op_type for n in nodes_within(graph))["RotaryEmbedding"]
-    assert rotary == 2 * model.config.num_hidden_layers  # on the exact branch
+    exact = [n for n in graph.node if n.op_type != "If"]
+    exact += [n for node in graph.node if node.op_type == "If" for a in node.attribute if a.name == "then_branch"
+              for n in a.g.node]
+    rotary = collections.Counter(n.op_type for n in exact)["RotaryEmbedding"]
+    assert rotary == 2 * model.config.num_hidden_layers  # before the If and on its exact branch
     # The caches: initializers of the config's 128 positions, cos(0 * f) = 1 times the scaling.
     cos = onnx.numpy_helper.to_array(next(t for t in graph.initializer if t.name == "ort_rotary_cache_0/cos"))
     assert cos.shape == (model.config.max_position_embeddings, model.config.head_dim // 2)

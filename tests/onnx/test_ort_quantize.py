@@ -13,11 +13,11 @@ import torch
 
 from attn_export.errors import InputError
 from attn_export.onnx import export_onnx
-from attn_export.onnx.ort.quantize import dequantized_weights
+from attn_export.onnx.ort.quantize import dequantized_weights, quantized_nodes
 from attn_export.options import ExportOptions
 from attn_export.validation import generation as _generation
 from attn_export.validation.quantized_reference import dequantize_reference, fake_quantize
-from helpers import invoke
+from helpers import invoke, nodes_within
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,10 +54,11 @@ def undequantized(monkeypatch):
 
 def check_quantized_file(model, result, path, bits):
     graph = onnx.load(str(path))
-    ops = collections.Counter(n.op_type for n in graph.graph.node)
+    nodes = list(quantized_nodes(graph))  # one per weight, in the main graph and the layers' branches
+    ops = collections.Counter(n.op_type for n in nodes_within(graph.graph))
     layers = model.config.num_hidden_layers
-    assert ops["MatMulNBits"] == 4 * layers + 1 and ops["MatMul"] == 0
-    assert {onnx.helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "MatMulNBits"
+    assert len(nodes) == 4 * layers + 1 and ops["MatMul"] == 0
+    assert {onnx.helper.get_attribute_value(a) for n in nodes
             for a in n.attribute if a.name in ("bits", "block_size", "accuracy_level")} >= {bits, 32, 4}
     outcome = next(p for p in result.passes if p.name == "ort_quantize")
     assert outcome.changed == 4 * layers + 1

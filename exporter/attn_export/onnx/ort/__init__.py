@@ -36,8 +36,15 @@ def check_model(model, full_check: bool = True) -> None:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     known = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain == ""}
-    for node in copy.graph.node:
-        if node.domain in ("", "ai.onnx") and node.op_type not in known:
-            node.domain = MS_DOMAIN
+
+    def opaque(graph) -> None:  # the main graph and the If branches (one_branch.py)
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type not in known:
+                node.domain = MS_DOMAIN
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    opaque(a.g)
+
+    opaque(copy.graph)
     import_ms_domain(copy)
     onnx.checker.check_model(copy, full_check=full_check)

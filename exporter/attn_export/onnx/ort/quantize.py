@@ -62,8 +62,21 @@ def _attrs(node: onnx.NodeProto) -> Dict[str, int]:
 
 
 def quantized_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """The MatMulNBits nodes of ``model``'s main graph."""
-    return (n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN)
+    """The MatMulNBits nodes of ``model``, in the main graph and its ``If`` branches, one per
+    quantized weight (both branches of one_branch.py's ``If`` read the same weights)."""
+    seen = set()
+    for node in _within(model.graph):
+        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and node.input[1] not in seen:
+            seen.add(node.input[1])
+            yield node
+
+
+def _within(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _within(a.g)
 
 
 def dequantized_weights(model: onnx.ModelProto, base_dir: str = "") -> Iterator[Tuple[onnx.NodeProto, np.ndarray]]:

@@ -22,6 +22,7 @@ from attn_export.onnx.passes.label_axes import LabelAxes
 from attn_export.onnx.passes.ort_attention import OrtAttention
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
 from attn_export.onnx.passes.ort_gqa_rotary import OrtGqaRotary
+from attn_export.onnx.passes.ort_one_branch import OrtOneBranch
 from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
 from attn_export.onnx.passes.ort_quantize import OrtQuantize
 from attn_export.onnx.passes.ort_reshapes import OrtReshapes
@@ -42,6 +43,7 @@ PASSES: List[GraphPass] = [
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     OrtGqaRotary(),  # ort flavor: packed QKV + rotary read by GroupQueryAttention (do_rotary)
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
+    OrtOneBranch(),  # ort flavor: the layers' If nodes as one If over the rest of the graph
     AttachFunctions(),  # each custom node's model-local function
     InlineFunctions(),  # functions="inline": the bodies into the graph
     RecordShapes(),  # last: shape inference over the finished graph
