@@ -85,6 +85,7 @@ def test_a_config_without_an_end_token_is_refused_and_bos_falls_back(tmp_path):
         genai_config(graph, "model.onnx", model.config)
 
 
+@pytest.mark.slow  # an export and GenAI's generator (~4 s)
 def test_genai_generates_gpt2_tokens_like_transformers(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     check_same_tokens(tmp_path, tiny_gpt2())

@@ -207,6 +207,7 @@ def standard_seq2seq(small_seq2seq, torchlib_ops_once, tmp_path_factory):
     return small_seq2seq, export_onnx(small_seq2seq, small_seq2seq.example_inputs, path, attention="standard")
 
 
+@pytest.mark.slow  # four exports through the parity gate (~15 s)
 @pytest.mark.usefixtures("torchlib_ops_once")
 @pytest.mark.parametrize("name", ["seq2seq", "bert", "gpt2", "vit"])
 def test_the_parity_gate_passes_in_the_standard_flavor(request, tmp_path, name):

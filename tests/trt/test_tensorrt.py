@@ -316,6 +316,7 @@ def test_cli_to_tensorrt_without_tensorrt_exits_2_before_exporting(cli_dir):
     one_line_error(proc, "TensorRT is not installed")
 
 
+@pytest.mark.slow  # a whole export before the exit (~4 s)
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs the CPU build of PyTorch")
 def test_cli_with_tensorrt_but_no_gpu_exits_2(cli_dir, tmp_path):
     fake = tmp_path / "site"
