@@ -46,6 +46,7 @@ def check_same_tokens(tmp_path, model):
     assert genai_greedy_tokens(path.parent, prompts, pad_id, NEW_TOKENS) == expected
 
 
+@pytest.mark.slow  # an export of a transformers decoder (~5 s)
 def test_config_names_the_contract(tmp_path):
     model = tiny_gpt2()
     path = tmp_path / "model.onnx"
@@ -71,6 +72,7 @@ def test_config_names_the_contract(tmp_path):
         genai_config(graph, "model.onnx", model.config)
 
 
+@pytest.mark.slow  # an export of a transformers decoder (~5 s)
 def test_a_config_without_an_end_token_is_refused_and_bos_falls_back(tmp_path):
     """GenAI reads every special token as a number: no eos_token_id is an error naming the
     fix; no bos_token_id (Qwen2's configs) falls back to the pad token."""

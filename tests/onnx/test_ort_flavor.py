@@ -51,6 +51,7 @@ def llama(tmp_path_factory):
     return model, result, path
 
 
+@pytest.mark.slow  # the Llama export (the module fixture, ~8 s)
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
@@ -92,6 +93,7 @@ def test_decoder_is_group_query_attention(llama):
     assert any(note.startswith("fused for ONNX Runtime by onnxscript") for note in result.notes)
 
 
+@pytest.mark.slow  # the Llama export (the module fixture, ~8 s)
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 def test_decoder_generates_the_tokens_of_generate(llama):
     model, _, path = llama
@@ -101,7 +103,8 @@ def test_decoder_generates_the_tokens_of_generate(llama):
 
 
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
-@pytest.mark.parametrize("lengths", [(7,), pytest.param(LENGTHS, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the Llama export (the module fixture) and GenAI
+@pytest.mark.parametrize("lengths", [(7,), LENGTHS])
 def test_genai_generator_with_the_shared_buffer(llama, lengths):
     pytest.importorskip("onnxruntime_genai")
     model, _, path = llama

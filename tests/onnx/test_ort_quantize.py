@@ -66,11 +66,13 @@ def check_quantized_file(model, result, path, bits):
         outcome.notes[0]
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_int4_writes_matmul_nbits(int4):
     check_quantized_file(*int4, bits=4)
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_the_reference_holds_the_files_weights_bit_for_bit(int4):
     """PyTorch's quantize/dequantize of the LM head equals the file's MatMulNBits read back, and
@@ -90,6 +92,7 @@ def test_the_reference_holds_the_files_weights_bit_for_bit(int4):
     assert np.abs(y - x @ weight).max() <= 8 / 127 * np.abs(x @ weight).max()
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_int4_passes_the_gate_against_the_dequantized_reference(int4):
     model, _, path = int4
@@ -100,6 +103,7 @@ def test_int4_passes_the_gate_against_the_dequantized_reference(int4):
     assert len({tuple(t) for t in result.reference_tokens}) == len(LENGTHS)
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_int4_fails_the_gate_against_the_float_weights(int4, monkeypatch):
     model, _, path = int4
@@ -109,6 +113,7 @@ def test_int4_fails_the_gate_against_the_float_weights(int4, monkeypatch):
     assert any("/ logits: max abs err" in line for line in result.failures), result.failures
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_a_file_quantized_from_another_model_is_refused(int4):
     _, _, path = int4
@@ -161,6 +166,7 @@ def genai_row(result):
     return next(run for run in result.runs if run.backend == "onnxruntime-genai")
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_genai_generates_the_tokens_of_generate_as_its_own_row(int4):
     pytest.importorskip("onnxruntime_genai")
@@ -173,6 +179,7 @@ def test_genai_generates_the_tokens_of_generate_as_its_own_row(int4):
     assert not (path.parent / "genai_config.json").exists()  # written into a temporary folder
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_genai_row_fails_on_a_broken_file(int4, tmp_path):
     pytest.importorskip("onnxruntime_genai")
@@ -184,6 +191,7 @@ def test_genai_row_fails_on_a_broken_file(int4, tmp_path):
     assert any(line.startswith("generate / onnxruntime-genai: tokens differ") for line in result.failures)
 
 
+@pytest.mark.slow  # the int4 export (the module fixture, ~8 s)
 @needs_hf5
 def test_no_genai_row_without_a_config_unless_asked(int4):
     model, _, path = int4
