@@ -42,7 +42,7 @@ install: $(VENV)/.built
 # its whole file in one process), the files of slow tests first (tests/conftest.py);
 # PYTEST_ARGS overrides, e.g. PYTEST_ARGS="-n 0 -x".
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
-# The slowest tests named at the end of the log: CI's budget (30 minutes for .ci/run) is kept by
+# The slowest tests named at the end of the log: CI's budget (25 minutes for .ci/run) is kept by
 # looking there first.
 DURATIONS ?= --durations=25
 # The wheel test first: it is short (~2 min) and fails on what the suite cannot see (a file missing
