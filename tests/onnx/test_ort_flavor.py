@@ -207,7 +207,7 @@ def test_caches_computed_per_call_where_the_position_limit_is_unknown(tmp_path, 
     operator's own rotation; the same tokens as generate()."""
     from attn_export.onnx import pipeline
 
-    monkeypatch.setattr(pipeline, "_max_positions", lambda model: None)
+    monkeypatch.setattr(pipeline, "_max_positions", lambda model, attention: None)
     model, result = export_llama(tmp_path / "model.onnx")
     graph = onnx.load(str(tmp_path / "model.onnx")).graph
     counts = collections.Counter(n.op_type for n in nodes_within(graph))

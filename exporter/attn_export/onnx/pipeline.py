@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
@@ -69,7 +70,7 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     if cached is not None:
         inputs, axes = _contract_names(proto, cached, inputs, axes)
     context = _passes.PassContext(opset, attention, functions, axes, required=dynamic_axes is not None or with_past,
-                                  quantize=options.quantize, max_positions=_max_positions(model))
+                                  quantize=options.quantize, max_positions=_max_positions(model, attention))
     outcomes = _finish_graph(proto, context, sample.notes)
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
     _write_metadata(proto, result, _came_out_dynamic(axes, context.labels))
@@ -80,8 +81,12 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     return result
 
 
-def _max_positions(model) -> Optional[int]:
-    """The model's position limit from its transformers config, or None."""
+def _max_positions(model, attention: str) -> Optional[int]:
+    """The model's position limit from its transformers config, for the ort flavor's rotary
+    caches; None for another flavor or a model that is not a transformers one (transformers is
+    not imported then: a transformers model cannot exist without it, and it is optional)."""
+    if attention != "ort" or "transformers" not in sys.modules:
+        return None
     from attn_export.surgery.transformers.models import max_positions
 
     return max_positions(model)
