@@ -118,6 +118,17 @@ class GraphIndex:
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op_type and node.domain in DEFAULT_DOMAINS else None
 
+    def constant(self, name: str):
+        """The value of an initializer or a ``Constant`` node's ``value`` as a numpy array, or None."""
+        from onnx import numpy_helper
+
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.made_by(name, "Constant")
+        if node is not None and node.attribute and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
     def past_concat(self, name: str) -> Optional[onnx.NodeProto]:
         """The Concat(past graph input, new, axis 2) behind a node's key or value input, read
         through Transpose(0, 2, 1, 3) and Reshape, or None."""

@@ -88,20 +88,11 @@ def _split(model: onnx.ModelProto, source: str, sizes: List[int], outputs: List[
     return [helper.make_node("Split", [source, tensor.name], outputs, name=name, axis=-1)]
 
 
-def _const(index: GraphIndex, name: str) -> Optional[np.ndarray]:
-    if name in index.initializers:
-        return numpy_helper.to_array(index.initializers[name])
-    node = index.made_by(name, "Constant")
-    if node is not None and node.attribute and node.attribute[0].name == "value":
-        return numpy_helper.to_array(node.attribute[0].t)
-    return None
-
-
 def _last_axis_slice(index: GraphIndex, node: onnx.NodeProto) -> Optional[tuple]:
     """(start, end) of a step-1 Slice along the last axis of a 3-D value, or None."""
     if node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.input) < 4:
         return None
-    values = [_const(index, i) if i else np.array([1]) for i in node.input[1:5]]
+    values = [index.constant(i) if i else np.array([1]) for i in node.input[1:5]]
     if len(values) == 3:
         values.append(np.array([1]))
     if any(v is None or v.size != 1 for v in values):
@@ -131,7 +122,7 @@ def _split_sizes(index: GraphIndex, node: onnx.NodeProto) -> Optional[List[int]]
     if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or attr_int(node, "axis", 0) != -1 \
             or len(node.input) < 2:
         return None
-    sizes = _const(index, node.input[1])
+    sizes = index.constant(node.input[1])
     return [int(s) for s in sizes.reshape(-1)] if sizes is not None and sizes.size == len(node.output) else None
 
 
@@ -142,7 +133,7 @@ def _bias_add(index: GraphIndex, value: str, size: int) -> Optional[tuple]:
         return None
     add = readers[0]
     other = add.input[1] if add.input[0] == value else add.input[0]
-    bias = _const(index, other)
+    bias = index.constant(other)
     if bias is None or bias.ndim != 1 or bias.shape[0] != size:
         return None
     return add, bias

@@ -169,7 +169,7 @@ def _is_rotate_half(index: GraphIndex, name: str, x: str) -> bool:
 
 def _slice(index: GraphIndex, node: onnx.NodeProto) -> Optional[tuple]:
     """(start, end) of a Slice of step 1 along the last axis of a 4-D value, or None."""
-    values = [_const(index, i) if i else None for i in node.input[1:]]
+    values = [index.constant(i) if i else None for i in node.input[1:]]
     if len(values) < 3 or any(v is None or v.size != 1 for v in values[:3]):
         return None
     start, end, axis = (int(v.reshape(-1)[0]) for v in values[:3])
@@ -191,7 +191,7 @@ def _rotary(index: GraphIndex, add: onnx.NodeProto, x: str, cos4: str, sin4: str
         return None
     positions, inv_freq = freqs
     head_dim = 2 * int(index.initializers[inv_freq].dims[-1])
-    shape = _const(index, reshape.input[1])
+    shape = index.constant(reshape.input[1])
     if shape is not None and (shape.size != 4 or int(shape[-1]) != head_dim):
         return None
     if shape is None and not _last_is(index, reshape.input[1], head_dim):
@@ -210,14 +210,14 @@ def _rotary(index: GraphIndex, add: onnx.NodeProto, x: str, cos4: str, sin4: str
 def _angle_source(index: GraphIndex, name: str, op: str) -> Optional[tuple]:
     """(the angles, the scale) of Unsqueeze([Mul(] op(angles) [, scale)], axis 1)."""
     unsqueeze = index.made_by(name, "Unsqueeze")
-    axes = _const(index, unsqueeze.input[1]) if unsqueeze is not None and len(unsqueeze.input) > 1 else None
+    axes = index.constant(unsqueeze.input[1]) if unsqueeze is not None and len(unsqueeze.input) > 1 else None
     if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) != 1:
         return None
     value, scale = unsqueeze.input[0], 1.0
     mul = index.made_by(value, "Mul")
     if mul is not None:
         for a, s in _pairs(mul):
-            s_value = _const(index, s)
+            s_value = index.constant(s)
             if index.made_by(a, op) is not None and s_value is not None and s_value.size == 1:
                 value, scale = a, float(s_value.reshape(-1)[0])
                 break
@@ -241,31 +241,22 @@ def _frequencies(index: GraphIndex, angles: str) -> Optional[tuple]:
         inv = index.initializers.get(b)
         if unsqueeze is None or inv is None or len(inv.dims) != 1 or inv.data_type != TensorProto.FLOAT:
             continue
-        axes = _const(index, unsqueeze.input[1]) if len(unsqueeze.input) > 1 else None
+        axes = index.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else None
         if axes is not None and axes.size == 1 and int(axes.reshape(-1)[0]) in (-1, 2):
             return unsqueeze.input[0], b
     return None
 
 
 def _is_merge_heads(index: GraphIndex, reshape: onnx.NodeProto) -> bool:
-    shape = _const(index, reshape.input[1])
+    shape = index.constant(reshape.input[1])
     return shape is not None and shape.tolist() == [0, 0, -1]
 
 
 def _last_is(index: GraphIndex, name: str, size: int) -> bool:
     """A shape built by Concat whose last part is the constant ``size``."""
     concat = index.made_by(name, "Concat")
-    last = _const(index, concat.input[-1]) if concat is not None else None
+    last = index.constant(concat.input[-1]) if concat is not None else None
     return last is not None and last.size == 1 and int(last.reshape(-1)[0]) == size
-
-
-def _const(index: GraphIndex, name: str) -> Optional[np.ndarray]:
-    if name in index.initializers:
-        return numpy_helper.to_array(index.initializers[name])
-    node = index.made_by(name, "Constant")
-    if node is not None and node.attribute and node.attribute[0].name == "value":
-        return numpy_helper.to_array(node.attribute[0].t)
-    return None
 
 
 def _elem_type(index: GraphIndex, name: str) -> Optional[int]:
