@@ -40,23 +40,29 @@ def emu_ops():
     return ops
 
 
-# The emulated device and cp.async ordering the current tests run under (see the emu fixture).
-ACTIVE = {"arch": 90, "order": "late"}
+# The emulated device, cp.async ordering and thread schedule the current tests run under (see
+# the emu fixture).
+ACTIVE = {"arch": 90, "order": "late", "schedule": "ascending"}
 
 
-# Every kernel test runs twice: cp.async copies landing at the wait (late) on an emulated sm_90,
-# and landing as soon as issued (early) on an emulated sm_80 — both orderings of the copies (a
-# read before the wait, and a refill before the readers are done, each change the results) and
-# both devices' dispatch (the device reports the compute capability asked for).
-@pytest.fixture(scope="module", params=[("late", 90), ("early", 80)], ids=["late-sm90", "early-sm80"])
+# Every kernel test runs twice: cp.async copies landing at the wait (late) on an emulated sm_90
+# with the block's lowest warps running first, and landing as soon as issued (early) on an
+# emulated sm_80 with the highest first — both orderings of the copies (a read before the wait,
+# and a refill before the readers are done, each change the results), both directions a missing
+# barrier between two warps can go wrong in, and both devices' dispatch (the device reports the
+# compute capability asked for).
+@pytest.fixture(scope="module", params=[("late", 90, "ascending"), ("early", 80, "descending")],
+                ids=["late-sm90", "early-sm80"])
 def emu(request, emu_ops):
-    ACTIVE["order"], ACTIVE["arch"] = request.param
+    ACTIVE["order"], ACTIVE["arch"], ACTIVE["schedule"] = request.param
     emu_ops.set_cp_async_order(ACTIVE["order"])
     emu_ops.set_arch(ACTIVE["arch"])
+    emu_ops.set_schedule(ACTIVE["schedule"])
     yield emu_ops
-    ACTIVE["order"], ACTIVE["arch"] = "late", 90
+    ACTIVE["order"], ACTIVE["arch"], ACTIVE["schedule"] = "late", 90, "ascending"
     emu_ops.set_cp_async_order("late")
     emu_ops.set_arch(90)
+    emu_ops.set_schedule("ascending")
 
 
 @pytest.fixture(autouse=True)
@@ -447,18 +453,24 @@ SELFTESTS = {
     "shfl_mask_of_partial_warp": "",
     "shfl_mask_beyond_partial_warp": "do not execute it",
     "divergent_collectives": "warp divergence",
+    "barrier_skipped": "deadlock in block (0, 0, 0)",
+    "shfl_in_half_a_warp": "at a warp-synchronous instruction of warp 0",
+    "exchange_synced": "",
+    "exchange_unsynced": "for the slot of thread",
     "store_pair_aligned": "",
     "store_pair_misaligned": "misaligned 4-byte access",
 }
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_emulator_fails_where_a_gpu_would(emu_ops, arch):
+@pytest.mark.parametrize("arch, schedule", [(80, "descending"), (90, "ascending")])
+def test_emulator_fails_where_a_gpu_would(emu_ops, arch, schedule):
     emu_ops.set_arch(arch)
+    emu_ops.set_schedule(schedule)
     try:
         results = {name: emu_ops.selftest(name) for name in SELFTESTS}
     finally:
         emu_ops.set_arch(ACTIVE["arch"])
+        emu_ops.set_schedule(ACTIVE["schedule"])
     for name, expected in SELFTESTS.items():
         expected = expected[arch] if isinstance(expected, dict) else expected
         if expected:

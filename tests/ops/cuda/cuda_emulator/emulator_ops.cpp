@@ -4,7 +4,8 @@
 // binding (csrc/ops/cuda/attention_cuda_binding.cu) step for step, minus the device guard and
 // stream; the forward's setup is the bindings' own (prepare_attention_forward). Every tensor
 // the kernels see lives in guarded memory (guarded_memory.h): the inputs are copied there first.
-// set_arch and set_cp_async_order choose the emulated device and the cp.async ordering,
+// set_arch, set_cp_async_order and set_schedule choose the emulated device, the cp.async ordering
+// and the order the block's threads run in (simt_emulator.h),
 // set_sm_count its number of SMs (which decides split-KV), set_preview the preview switch
 // (csrc/kernels/cuda/dispatch_policy.h; off unless ATTN_EXPORT_CUDA_PREVIEW=1, as on a GPU).
 #include <ATen/ATen.h>
@@ -188,6 +189,13 @@ void set_cp_async_order(const std::string& order) {
   simt_emulator::copies_land_early = order == "early";
 }
 
+void set_schedule(const std::string& order) {
+  TORCH_CHECK(order == "ascending" || order == "descending", "set_schedule: '", order,
+              "'; use 'ascending' or 'descending'");
+  simt_emulator::schedule = order == "ascending" ? simt_emulator::Schedule::kAscending
+                                                 : simt_emulator::Schedule::kDescending;
+}
+
 }  // namespace
 
 // emulator_selftest.cpp
@@ -210,6 +218,7 @@ TORCH_LIBRARY(attn_export_emu, m) {
   m.def("preview_enabled() -> bool", &preview_enabled);
   m.def("set_arch(int arch) -> ()", &set_arch);
   m.def("set_cp_async_order(str order) -> ()", &set_cp_async_order);
+  m.def("set_schedule(str order) -> ()", &set_schedule);
   m.def("selftest(str name) -> str", &emulator_selftest);
   m.def("mma_product(Tensor a, Tensor b, bool b_k_major) -> Tensor", &emulator_mma_product);
 }

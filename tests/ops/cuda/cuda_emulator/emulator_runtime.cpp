@@ -84,7 +84,7 @@ void __ubsan_handle_type_mismatch_v1(void* raw_data, void* raw_pointer) {
   if (pointer % alignment != 0) {
     simt_emulator::fail(cudaErrorMisalignedAddress, "misaligned ", alignment, "-byte access to 0x", std::hex, pointer,
                         std::dec, " at ", data->location.file, ":", data->location.line,
-                        simt_emulator::current_block != nullptr ? " in " + simt_emulator::where() : std::string());
+                        simt_emulator::self != nullptr ? " in " + simt_emulator::where() : std::string());
   }
 }
 

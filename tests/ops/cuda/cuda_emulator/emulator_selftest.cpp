@@ -66,6 +66,41 @@ void store_pair_kernel(unsigned char* p) {
 
 void noop() {}
 
+// Thread 0 leaves before the barrier the others wait at.
+void skip_barrier() {
+  if (threadIdx.x == 0) {
+    return;
+  }
+  __syncthreads();
+}
+
+// Half a warp executes a full-mask shuffle.
+void shuffle_in_branch(float* out) {
+  if (threadIdx.x % 32 < 16) {
+    *out = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+  }
+}
+
+// Thread t writes its shared-memory slot, then reads the slot of thread t + 32 (the other warp),
+// with or without the barrier between: without, the warp that runs first reads the other's
+// slot before it is written (the poison of fresh shared memory) in either schedule.
+void exchange(bool sync, float* out) {
+  float* s = shared_memory<float>();
+  s[threadIdx.x] = static_cast<float>(threadIdx.x);
+  if (sync) {
+    __syncthreads();
+  }
+  out[threadIdx.x] = s[(threadIdx.x + 32) % 64];
+}
+void check_exchange(const float* out) {
+  for (int t = 0; t < 64; ++t) {
+    if (out[t] != static_cast<float>((t + 32) % 64)) {
+      simt_emulator::fail(cudaErrorUnknown, "thread ", t, " read ", out[t], " for the slot of thread ", (t + 32) % 64);
+      return;
+    }
+  }
+}
+
 // The whole case: a launch, then cudaGetLastError as launch_kernel does.
 std::string run(const std::function<void()>& body) {
   simt_emulator::reset_errors();
@@ -154,6 +189,18 @@ std::string emulator_selftest(const std::string& name) {
       {"shfl_mask_beyond_partial_warp",
        [&] { launch(shuffle, dim3(1), dim3(16), 0, 0xffffffffu, out.data_ptr<float>()); }},
       {"divergent_collectives", [] { launch(diverge, dim3(1), dim3(32), 64); }},
+      {"barrier_skipped", [] { launch(skip_barrier, dim3(1), dim3(64), 0); }},
+      {"shfl_in_half_a_warp", [&] { launch(shuffle_in_branch, dim3(1), dim3(32), 0, out.data_ptr<float>()); }},
+      {"exchange_synced",
+       [&] {
+         launch(exchange, dim3(1), dim3(64), 256, true, buffer.data_ptr<float>());
+         check_exchange(buffer.data_ptr<float>());
+       }},
+      {"exchange_unsynced",
+       [&] {
+         launch(exchange, dim3(1), dim3(64), 256, false, buffer.data_ptr<float>());
+         check_exchange(buffer.data_ptr<float>());
+       }},
       {"store_pair_aligned", [&] { launch(store_pair_kernel, dim3(1), dim3(1), 0, bytes + 4); }},
       {"store_pair_misaligned", [&] { launch(store_pair_kernel, dim3(1), dim3(1), 0, bytes + 2); }},
   };

@@ -1,8 +1,18 @@
 // A host-side SIMT emulator for the CUDA kernels of csrc/kernels/cuda/: it runs the very same
-// kernel sources on a CPU, one std::thread per CUDA thread, so that their indexing, masking,
-// online softmax, tiling, synchronization and fragment bookkeeping can be tested on a machine
-// without a GPU (tests/ops/cuda/test_cuda_emulator.py). It is test code only; nothing in the library
-// depends on it.
+// kernel sources on a CPU, so that their indexing, masking, online softmax, tiling,
+// synchronization and fragment bookkeeping can be tested on a machine without a GPU
+// (tests/ops/cuda/test_cuda_emulator.py). It is test code only; nothing in the library depends on it.
+//
+// How the CUDA threads run: each block's threads are fibers (ucontext) on one OS thread, switched
+// only where a CUDA thread waits (__syncthreads, a warp-synchronous instruction), in a fixed
+// order (set_schedule): ascending runs the lowest-numbered thread that can run, so warp 0 gets
+// as far as it can before warp 1 starts, and descending the reverse. A missing barrier between one
+// warp's shared-memory write and another's read shows as a wrong result in one order or the
+// other, the same way on every run and on a loaded machine (an OS thread per CUDA thread made
+// the test suite's cost swing fourfold with the host's load). A deadlock (threads waiting at a
+// barrier the others never reach) fails the launch instead of hanging. Built with
+// ThreadSanitizer (tsan_check.py, test_emulator_breakage.py), every CUDA thread is an OS thread
+// instead, so that TSan sees the races.
 //
 // What it models, each from the CUDA programming guide / PTX ISA definition:
 //   threadIdx/blockIdx/blockDim/gridDim; __syncthreads (a barrier over the block's threads);
@@ -33,10 +43,11 @@
 //   - warp-synchronous instructions: every lane of the warp must execute the same one
 //     (divergence fails); ldmatrix and mma need a full warp; a __shfl_xor_sync whose mask
 //     does not name exactly the lanes executing it (or lanes disagreeing on it) fails.
+//   - a deadlock: a __syncthreads or warp-synchronous instruction that some threads of the block
+//     or warp never reach (an early return before a barrier, a shuffle in a branch).
 // What it cannot show: performance, register pressure, bank conflicts, the exact rounding
-// of the hardware's MMA accumulation order and of ex2.approx, PTX that fails to assemble
-// (the nvcc compile checks cover that), or a shuffle executed by only part of a warp (the
-// emulator waits for the whole warp: such a kernel hangs here instead of failing).
+// of the hardware's MMA accumulation order and of ex2.approx, or PTX that fails to assemble
+// (the nvcc compile checks cover that).
 //
 // Include it first in every translation unit that compiles kernel sources, with
 // ATTN_EXPORT_SIMT_EMULATOR defined.
@@ -49,6 +60,7 @@
 #include <array>
 #include <atomic>
 #include <barrier>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -60,6 +72,8 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <ucontext.h>
+#include <sys/mman.h>
 #include <utility>
 #include <vector>
 
@@ -196,16 +210,224 @@ constexpr int kOpWord = kSlotWords - 1;  // ... the last of which names the coll
 constexpr size_t kSmemGuard = 256;   // bytes of guard on each side of a block's shared memory
 constexpr unsigned char kPoison = 0xFF;  // NaN as float16, bfloat16, float32 and float64
 
+// One 16-byte cp.async, landed at issue (early) or at the wait that completes its group (late).
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+
+struct Block;
+
+// What CUDA gives each thread, and its cp.async groups.
+struct ThreadState {
+  Index thread_idx, block_idx, block_dim, grid_dim;
+  Block* block = nullptr;
+  unsigned collectives = 0;  // warp collectives this thread has taken part in
+  std::vector<PendingCopy> open_group;
+  std::deque<std::vector<PendingCopy>> committed_groups;
+};
+
+// The CUDA thread running on this OS thread (a fiber's, or the OS thread's own under TSan).
+inline thread_local ThreadState* self = nullptr;
+
+#if defined(__SANITIZE_THREAD__)
+#define SIMT_EMULATOR_FIBERS 0
+#else
+#define SIMT_EMULATOR_FIBERS 1
+#endif
+
+// The order in which a block's fibers run (see the top of this file).
+enum class Schedule { kAscending, kDescending };
+inline std::atomic<Schedule> schedule{Schedule::kAscending};
+
+#if SIMT_EMULATOR_FIBERS
+// A block's threads as fibers on the calling OS thread. A fiber runs until it waits at a
+// barrier; then the scheduler resumes the first fiber in schedule order whose barrier has
+// opened. When none can run and some have not finished, the block is deadlocked.
+class Fibers;
+inline thread_local Fibers* running_fibers = nullptr;
+
+struct Barrier {
+  explicit Barrier(unsigned count, std::string what) : count(count), what(std::move(what)) {}
+  void arrive_and_wait();
+  unsigned count, arrived = 0;
+  uint64_t generation = 0;
+  std::string what;  // for the deadlock message
+};
+
+// Fiber stacks, kept for the next launch: mapping and first touching fresh ones for every
+// block cost more than the kernels' work (page faults, and the address-space lock the
+// concurrent blocks' threads contend for).
+class Stacks {
+ public:
+  static constexpr size_t kBytes = 256 * 1024;  // a guard page below each
+
+  static void* take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      if (!free().empty()) {
+        void* stack = free().back();
+        free().pop_back();
+        return stack;
+      }
+    }
+    void* stack = mmap(nullptr, kBytes + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stack == MAP_FAILED) throw std::bad_alloc();
+    mprotect(stack, page(), PROT_NONE);  // a stack overflow faults instead of overwriting a neighbour
+    return stack;
+  }
+  static void give_back(void* stack) {
+    std::lock_guard<std::mutex> lock(mutex());
+    free().push_back(stack);
+  }
+  static size_t page() {
+    static const size_t bytes = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    return bytes;
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<void*>& free() {
+    static std::vector<void*> stacks;
+    return stacks;
+  }
+};
+
+class Fibers {
+ public:
+  Fibers(unsigned threads, std::function<void(ThreadState&)> setup, std::function<void()> body)
+      : fibers_(threads), setup_(std::move(setup)), body_(std::move(body)) {
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = fibers_[t];
+      f.stack = Stacks::take();
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = Stacks::kBytes + Stacks::page();
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, &Fibers::entry, 0);
+      setup_(f.state);
+    }
+  }
+  ~Fibers() {
+    for (Fiber& f : fibers_) Stacks::give_back(f.stack);
+  }
+
+  // Runs every fiber to its end, or until the block deadlocks (then fails the launch).
+  void run() {
+    running_fibers = this;
+    order_ = schedule.load();
+    if (const int first = next_ready(); first >= 0) switch_to(first, &main_);
+    running_fibers = nullptr;
+    self = nullptr;
+  }
+
+  // The running fiber waits until `barrier` opens.
+  void wait(Barrier& barrier) {
+    Fiber& me = fibers_[current_];
+    me.waiting = &barrier;
+    me.generation = barrier.generation;
+    const int next = next_ready();
+    if (next < 0) {
+      deadlock();
+      return;
+    }
+    switch_to(next, &me.context);
+  }
+
+ private:
+  struct Fiber {
+    ucontext_t context;
+    void* stack = nullptr;
+    ThreadState state;
+    Barrier* waiting = nullptr;
+    uint64_t generation = 0;
+    bool done = false;
+  };
+
+  static void entry() {
+    Fibers& f = *running_fibers;
+    f.body_();
+    f.fibers_[f.current_].done = true;
+    const int next = f.next_ready();
+    if (next >= 0) {
+      f.switch_to(next, nullptr);
+    } else if (f.all_done()) {
+      setcontext(&f.main_);
+    } else {
+      f.deadlock();
+    }
+  }
+
+  bool ready(const Fiber& f) const {
+    return !f.done && (f.waiting == nullptr || f.waiting->generation != f.generation);
+  }
+  int next_ready() const {
+    const int n = static_cast<int>(fibers_.size());
+    for (int i = 0; i < n; ++i) {
+      const int t = order_ == Schedule::kAscending ? i : n - 1 - i;
+      if (ready(fibers_[t])) return t;
+    }
+    return -1;
+  }
+  bool all_done() const {
+    for (const Fiber& f : fibers_)
+      if (!f.done) return false;
+    return true;
+  }
+
+  // Saves the running context into `from` (none: a finished fiber's) and resumes fiber `to`.
+  void switch_to(int to, ucontext_t* from) {
+    current_ = to;
+    fibers_[to].waiting = nullptr;
+    self = &fibers_[to].state;
+    if (from != nullptr) {
+      swapcontext(from, &fibers_[to].context);
+    } else {
+      setcontext(&fibers_[to].context);
+    }
+  }
+
+  // Fails the launch naming where the block's threads wait, and abandons the block.
+  void deadlock();
+
+  std::vector<Fiber> fibers_;
+  std::function<void(ThreadState&)> setup_;
+  std::function<void()> body_;
+  ucontext_t main_;
+  int current_ = 0;
+  Schedule order_ = Schedule::kAscending;
+};
+
+inline void Barrier::arrive_and_wait() {
+  if (++arrived == count) {  // the last to arrive opens it and goes on
+    arrived = 0;
+    ++generation;
+    return;
+  }
+  running_fibers->wait(*this);
+}
+#else
+struct Barrier {
+  Barrier(unsigned count, const std::string&) : barrier(count) {}
+  void arrive_and_wait() { barrier.arrive_and_wait(); }
+  std::barrier<> barrier;
+};
+#endif
+
 // State shared by the threads of one block.
 struct Block {
   explicit Block(unsigned threads, size_t smem_bytes)
-      : barrier(threads), smem_bytes(smem_bytes), storage((2 * kSmemGuard + smem_bytes + 15) / 16) {
+      : barrier(threads, "__syncthreads"), smem_bytes(smem_bytes), storage((2 * kSmemGuard + smem_bytes + 15) / 16) {
     std::memset(storage.data(), kPoison, storage.size() * sizeof(Chunk));
     const unsigned warps = (threads + 31) / 32;
     for (unsigned w = 0; w < warps; ++w) {
       const unsigned lanes = (w + 1) * 32 <= threads ? 32 : threads - w * 32;
       warp_lanes.push_back(lanes);
-      warp_barriers.push_back(std::make_unique<std::barrier<>>(lanes));
+      warp_barriers.push_back(std::make_unique<Barrier>(lanes, "a warp-synchronous instruction of warp " + std::to_string(w)));
     }
     slots.resize(warps);
   }
@@ -227,9 +449,9 @@ struct Block {
     return 0;
   }
 
-  std::barrier<> barrier;
+  Barrier barrier;
   std::vector<unsigned> warp_lanes;
-  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+  std::vector<std::unique_ptr<Barrier>> warp_barriers;
   // Two sets of exchange slots per warp, used alternately (see warp_collective).
   std::vector<std::array<std::array<std::array<uint64_t, kSlotWords>, 32>, 2>> slots;
   size_t smem_bytes;
@@ -239,22 +461,41 @@ struct Block {
   std::vector<Chunk> storage;  // [guard][smem_bytes][guard]
 };
 
-inline thread_local Index thread_idx, block_idx, block_dim, grid_dim;
-inline thread_local Block* current_block = nullptr;
-
 inline int linear_thread() {
-  return static_cast<int>(thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z));
+  const ThreadState& s = *self;
+  return static_cast<int>(s.thread_idx.x + s.block_dim.x * (s.thread_idx.y + s.block_dim.y * s.thread_idx.z));
 }
 inline int lane() { return linear_thread() % 32; }
 inline int warp() { return linear_thread() / 32; }
 
 inline std::string where() {
   std::ostringstream s;
-  s << "block (" << block_idx.x << ", " << block_idx.y << ", " << block_idx.z << ") thread " << linear_thread();
+  s << "block (" << self->block_idx.x << ", " << self->block_idx.y << ", " << self->block_idx.z << ") thread "
+    << linear_thread();
   return s.str();
 }
 
-inline thread_local unsigned collectives = 0;  // warp collectives this thread has taken part in
+#if SIMT_EMULATOR_FIBERS
+inline void Fibers::deadlock() {
+  std::ostringstream waits;
+  const char* sep = "";
+  for (size_t t = 0; t < fibers_.size(); ++t) {
+    const Fiber& f = fibers_[t];
+    if (!f.done && f.waiting != nullptr) {
+      waits << sep << "thread " << t << " at " << f.waiting->what;
+      sep = ", ";
+      if (waits.tellp() > 300) {
+        waits << ", ...";
+        break;
+      }
+    }
+  }
+  const Index& b = fibers_[current_].state.block_idx;
+  fail(cudaErrorLaunchTimeout, "deadlock in block (", b.x, ", ", b.y, ", ", b.z,
+       "): threads wait at a barrier that other threads of the block or warp never reach (", waits.str(), ")");
+  setcontext(&main_);
+}
+#endif
 
 // The warp-synchronous instructions, to tell them apart when lanes diverge.
 enum class Collective : uint64_t { kShfl = 1, kLdmatrix, kLdmatrixTrans, kMma };
@@ -274,8 +515,8 @@ inline const char* name(Collective c) {
 // reaches only once done reading set s — so one barrier per collective suffices.
 template <typename Compute>
 void warp_collective(Collective op, const uint64_t* words, int count, Compute&& compute) {
-  Block& b = *current_block;
-  auto& slots = b.slots[warp()][collectives++ % 2];
+  Block& b = *self->block;
+  auto& slots = b.slots[warp()][self->collectives++ % 2];
   std::memcpy(slots[lane()].data(), words, sizeof(uint64_t) * count);
   slots[lane()][kOpWord] = static_cast<uint64_t>(op);
   b.warp_barriers[warp()]->arrive_and_wait();
@@ -295,7 +536,8 @@ void warp_collective(Collective op, const uint64_t* words, int count, Compute&& 
 }
 
 // ---- Launch: runs kernel<<<grid, block, smem>>>(args...) to completion, up to
-// kConcurrentBlocks blocks at once, so that atomics from different blocks really race.
+// kConcurrentBlocks blocks at once (each on its own OS thread), so that atomics from different
+// blocks really race.
 constexpr unsigned kConcurrentBlocks = 3;
 
 inline bool launch_config_ok(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes) {
@@ -344,16 +586,30 @@ void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_by
     for (size_t i = first; i < last; ++i) {
       states.push_back(std::make_unique<Block>(threads, smem_bytes));
       Block* state = states.back().get();
+      auto setup = [=](ThreadState& s, unsigned t) {
+        s.thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+        s.block_idx = blocks[i];
+        s.block_dim = {block.x, block.y, block.z};
+        s.grid_dim = {grid.x, grid.y, grid.z};
+        s.block = state;
+      };
+#if SIMT_EMULATOR_FIBERS
+      pool.emplace_back([=, &args...] {
+        unsigned next = 0;
+        Fibers fibers(threads, [&](ThreadState& s) { setup(s, next++); }, [&] { kernel(args...); });
+        fibers.run();
+      });
+#else
       for (unsigned t = 0; t < threads; ++t) {
         pool.emplace_back([=, &args...] {
-          thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-          block_idx = blocks[i];
-          block_dim = {block.x, block.y, block.z};
-          grid_dim = {grid.x, grid.y, grid.z};
-          current_block = state;
+          ThreadState own;
+          setup(own, t);
+          self = &own;
           kernel(args...);
+          self = nullptr;
         });
       }
+#endif
     }
     for (std::thread& t : pool) t.join();
     for (size_t i = first; i < last; ++i) {
@@ -368,14 +624,7 @@ void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_by
   }
 }
 
-// ---- cp.async: per-thread groups of deferred 16-byte copies.
-struct PendingCopy {
-  void* dst;
-  const void* src;
-  bool valid;
-};
-inline thread_local std::vector<PendingCopy> open_group;
-inline thread_local std::deque<std::vector<PendingCopy>> committed_groups;
+// ---- cp.async: per-thread groups of deferred 16-byte copies (ThreadState).
 
 inline void copy(const PendingCopy& c) {
   if (c.valid) {
@@ -436,14 +685,39 @@ inline Position c_element(int laneid, int i) {
   return {group + (i >= 2 ? 8 : 0), tig * 2 + (i & 1)};
 }
 
+// The tables inverted: which lane's fragment holds element (row, col), and where in it.
+struct Holder {
+  uint8_t lane, index;
+};
+struct Holders {
+  Holder a[16][16], b[16][8];
+};
+inline const Holders& holders() {
+  static const Holders h = [] {
+    Holders t{};
+    for (int laneid = 0; laneid < 32; ++laneid) {
+      for (int i = 0; i < 8; ++i) {
+        const Position p = a_element(laneid, i);
+        t.a[p.row][p.col] = {static_cast<uint8_t>(laneid), static_cast<uint8_t>(i)};
+      }
+      for (int i = 0; i < 4; ++i) {
+        const Position p = b_element(laneid, i);
+        t.b[p.row][p.col] = {static_cast<uint8_t>(laneid), static_cast<uint8_t>(i)};
+      }
+    }
+    return t;
+  }();
+  return h;
+}
+
 }  // namespace simt_emulator
 
-#define threadIdx (::simt_emulator::thread_idx)
-#define blockIdx (::simt_emulator::block_idx)
-#define blockDim (::simt_emulator::block_dim)
-#define gridDim (::simt_emulator::grid_dim)
+#define threadIdx (::simt_emulator::self->thread_idx)
+#define blockIdx (::simt_emulator::self->block_idx)
+#define blockDim (::simt_emulator::self->block_dim)
+#define gridDim (::simt_emulator::self->grid_dim)
 
-inline void __syncthreads() { simt_emulator::current_block->barrier.arrive_and_wait(); }
+inline void __syncthreads() { simt_emulator::self->block->barrier.arrive_and_wait(); }
 
 // CUDA C++ Programming Guide, "Warp Shuffle Functions": the executing lane and the source lane
 // must be in `mask`, and every lane named in it must execute the same shuffle. The emulator
@@ -510,7 +784,7 @@ namespace attn_export::cuda::device {
 
 template <typename T>
 inline T* shared_memory() {
-  return reinterpret_cast<T*>(simt_emulator::current_block->smem());
+  return reinterpret_cast<T*>(simt_emulator::self->block->smem());
 }
 
 // PTX ISA "cp.async": 16 bytes from .global to .shared, both addresses aligned to the copy size;
@@ -522,9 +796,9 @@ inline void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
          " or source ", gmem_src, " not 16-byte aligned");
     return;
   }
-  if (!simt_emulator::current_block->in_smem(smem_dst, 16)) {
+  if (!simt_emulator::self->block->in_smem(smem_dst, 16)) {
     fail(cudaErrorIllegalAddress, "cp.async in ", simt_emulator::where(), ": destination ", smem_dst,
-         " outside the block's ", simt_emulator::current_block->smem_bytes, " bytes of shared memory");
+         " outside the block's ", simt_emulator::self->block->smem_bytes, " bytes of shared memory");
     return;
   }
   if (valid && !guarded_memory::in_bounds(gmem_src, 16)) {
@@ -535,20 +809,20 @@ inline void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
   if (simt_emulator::copies_land_early) {
     simt_emulator::copy({smem_dst, gmem_src, valid});  // landed: nothing left for the wait
   } else {
-    simt_emulator::open_group.push_back({smem_dst, gmem_src, valid});
+    simt_emulator::self->open_group.push_back({smem_dst, gmem_src, valid});
   }
 }
 
 inline void cp_async_commit() {
-  simt_emulator::committed_groups.push_back(std::move(simt_emulator::open_group));
-  simt_emulator::open_group.clear();
+  simt_emulator::self->committed_groups.push_back(std::move(simt_emulator::self->open_group));
+  simt_emulator::self->open_group.clear();
 }
 
 template <int N>
 inline void cp_async_wait() {
-  while (simt_emulator::committed_groups.size() > static_cast<size_t>(N)) {
-    simt_emulator::complete(simt_emulator::committed_groups.front());
-    simt_emulator::committed_groups.pop_front();
+  while (simt_emulator::self->committed_groups.size() > static_cast<size_t>(N)) {
+    simt_emulator::complete(simt_emulator::self->committed_groups.front());
+    simt_emulator::self->committed_groups.pop_front();
   }
 }
 
@@ -566,9 +840,9 @@ inline void ldmatrix_x4_impl(uint32_t (&r)[4], const void* smem_row, bool trans)
     fail(cudaErrorMisalignedAddress, "ldmatrix in ", simt_emulator::where(), ": row address ", smem_row,
          " not 16-byte aligned");
     ok = false;
-  } else if (!simt_emulator::current_block->in_smem(smem_row, 16)) {
+  } else if (!simt_emulator::self->block->in_smem(smem_row, 16)) {
     fail(cudaErrorIllegalAddress, "ldmatrix in ", simt_emulator::where(), ": row ", smem_row, " outside the block's ",
-         simt_emulator::current_block->smem_bytes, " bytes of shared memory");
+         simt_emulator::self->block->smem_bytes, " bytes of shared memory");
     ok = false;
   }
   const uint64_t words[2] = {reinterpret_cast<uintptr_t>(smem_row), ok};
@@ -594,35 +868,29 @@ inline void ldmatrix_x4_impl(uint32_t (&r)[4], const void* smem_row, bool trans)
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) { ldmatrix_x4_impl(r, smem_row, false); }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) { ldmatrix_x4_impl(r, smem_row, true); }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: D = A B + C. The whole A
-// and B are gathered from the 32 lanes' fragments through the tables above, then each lane
-// computes its own four D elements (the products of 16-bit values are exact in float).
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: D = A B + C. Each lane
+// computes its own four D elements (the fragment table of C/D), reading the A and B elements
+// they need from the 32 lanes' fragments through the A and B tables (the products of 16-bit
+// values are exact in float).
 template <typename Element>
 inline void mma_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const uint64_t words[3] = {a[0] | (static_cast<uint64_t>(a[1]) << 32), a[2] | (static_cast<uint64_t>(a[3]) << 32),
                              b0 | (static_cast<uint64_t>(b1) << 32)};
   simt_emulator::warp_collective(simt_emulator::Collective::kMma, words, 3, [&](const auto& slots, unsigned) {
-    auto reg = [&](int laneid, int index) {  // index 0..3: A registers, 4..5: B registers
-      return static_cast<uint32_t>(slots[laneid][index / 2] >> (32 * (index % 2)));
+    // Element `index` of a lane's fragment: A elements 0..7 in registers 0..3, B elements 0..3 in 4..5.
+    auto element = [&](simt_emulator::Holder h, int first_register) {
+      const int r = first_register + h.index / 2;
+      const auto reg = static_cast<uint32_t>(slots[h.lane][r / 2] >> (32 * (r % 2)));
+      return simt_emulator::bits_to_float(simt_emulator::half_of(reg, h.index % 2), kBf16);
     };
-    float A[16][16], B[16][8];
-    for (int laneid = 0; laneid < 32; ++laneid) {
-      for (int i = 0; i < 8; ++i) {
-        const simt_emulator::Position p = simt_emulator::a_element(laneid, i);
-        A[p.row][p.col] = simt_emulator::bits_to_float(simt_emulator::half_of(reg(laneid, i / 2), i % 2), kBf16);
-      }
-      for (int i = 0; i < 4; ++i) {
-        const simt_emulator::Position p = simt_emulator::b_element(laneid, i);
-        B[p.row][p.col] = simt_emulator::bits_to_float(simt_emulator::half_of(reg(laneid, 4 + i / 2), i % 2), kBf16);
-      }
-    }
+    const simt_emulator::Holders& at = simt_emulator::holders();
     float out[4];
     for (int i = 0; i < 4; ++i) {
       const simt_emulator::Position p = simt_emulator::c_element(simt_emulator::lane(), i);
       float sum = acc[i];
       for (int k = 0; k < 16; ++k) {
-        sum += A[p.row][k] * B[k][p.col];
+        sum += element(at.a[p.row][k], 0) * element(at.b[k][p.col], 4);
       }
       out[i] = sum;
     }
