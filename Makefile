@@ -15,7 +15,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-fast test-wheel test-transformers-oldest wheel bench install clean plugin mutants
+.PHONY: demo test test-all test-fast test-wheel test-transformers-oldest wheel bench install clean plugin mutants
 
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,13 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 DURATIONS ?= --durations=25
 # The wheel test first: it is short (~2 min) and fails on what the suite cannot see (a file missing
 # from the package, a dependency missing from its metadata), since the suite imports the checkout.
+# The exhaustive tests (the rest of sweeps a smaller CI sample covers axis by axis: docs/testing.md)
+# run in `make test-all`, before a release or after touching what they sweep.
 test: install test-wheel
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not exhaustive" $(DURATIONS)
+	$(MAKE) test-transformers-oldest
+
+test-all: install test-wheel
 	$(PY) -m pytest $(PYTEST_ARGS) $(DURATIONS)
 	$(MAKE) test-transformers-oldest
 

@@ -1,7 +1,47 @@
+import os
+
 import pytest
 import torch
 
 import attn_export  # noqa: F401  (loads the operators)
+
+
+def _threads_per_worker() -> int:
+    """The cores each pytest-xdist worker may use: under `make test` two workers share two
+    cores, and a worker's second thread (torch's OpenMP pool, ONNX Runtime's spinning intra-op
+    pool) only waits, spinning, while the other worker's process wants the core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+# Set before any test runs and inherited by the processes tests start (the validation worker,
+# the CLI): torch's and OpenMP's thread pools, and ONNX Runtime's sessions that name no thread
+# count. Tests of threading set their own counts (test_flash_cpu.py, test_cpu_projection.py).
+THREADS = _threads_per_worker()
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    torch.set_num_threads(THREADS)
+
+
+def _ort_sessions_share_the_cores() -> None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    session_init = ort.InferenceSession.__init__
+
+    def init(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        options = sess_options if sess_options is not None else ort.SessionOptions()
+        if options.intra_op_num_threads == 0:  # ONNX Runtime's default: every core, spinning
+            options.intra_op_num_threads = THREADS
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session_init(self, path_or_bytes, options, *args, **kwargs)
+
+    ort.InferenceSession.__init__ = init
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _ort_sessions_share_the_cores()
 
 
 @pytest.fixture(autouse=True)

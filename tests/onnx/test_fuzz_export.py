@@ -50,7 +50,8 @@ import attn_export
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 MASTER_SEED = 20261201
-NUM_CONFIGS = 100  # 120 cost CI another 50 s
+NUM_CONFIGS = 100
+CI_CONFIGS = 40  # the draw's head, which CI runs (~1.6 s each); make test-all runs all 100
 
 KINDS = ("encoder", "decoder", "seq2seq", "mha_self", "mha_cross")
 DYNAMIC = ("batch+seq", "seq", "batch", "static")
@@ -343,9 +344,9 @@ def check(c: Config, directory=None) -> Optional[str]:
 
 
 def test_the_draw_covers_every_feature():
-    """Cheap (no export): the seeded draw holds every feature the docstring promises."""
+    """Cheap (no export): the seeded draw's CI share holds every feature the docstring promises."""
     assert len(CONFIGS) >= 100 and len({c.test_id for c in CONFIGS}) == len(CONFIGS)
-    has = lambda pred: any(pred(c) for c in CONFIGS)  # noqa: E731
+    has = lambda pred: any(pred(c) for c in CONFIGS[:CI_CONFIGS])  # noqa: E731  (CI's share holds them all)
     for kind in KINDS:
         for batch_first in (True, False):
             assert has(lambda c: c.kind == kind and c.batch_first == batch_first), (kind, batch_first)
@@ -372,7 +373,8 @@ def test_the_draw_covers_every_feature():
 @pytest.mark.slow
 # a float causal mask with a bool padding mask: what users write (and TinySeq2Seq does)
 @pytest.mark.filterwarnings("ignore:Support for mismatched")
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.test_id for c in CONFIGS])
+@pytest.mark.parametrize("config", [pytest.param(c, id=c.test_id, marks=() if i < CI_CONFIGS else pytest.mark.exhaustive)
+                                    for i, c in enumerate(CONFIGS)])
 def test_export_and_validate(config, tmp_path):
     problem = check(config, tmp_path)
     assert problem is None, f"{config!r}\n{problem}"

@@ -65,12 +65,25 @@ def _feeds(case, dtype, shape_index):
                    for k, v in batch.items()}
 
 
+# The consumers that cost seconds a file (a Python interpreter of every op, an OpenVINO compile,
+# Polygraphy's constant folding through ONNX Runtime): CI gives each half the matrix, every model
+# in both flavors and both dtypes and every flavor in both dtypes (the flavor/dtype pairing
+# alternates between models); `make test-all` the other half.
+HEAVY = {"onnx.reference", "OpenVINO", "polygraphy surgeon sanitize --fold-constants"}
+
+
+def _in_ci_half(name, flavor, dtype) -> bool:
+    return (MODELS.index(name) + FLAVORS.index(flavor) + DTYPES.index(dtype)) % 2 == 0
+
+
 def _matrix():
     for consumer in consumers.CONSUMERS:
         for name in MODELS:
             for flavor in FLAVORS:
                 for dtype in DTYPES:
                     marks = () if (name, flavor, dtype) == FAST else (pytest.mark.slow,)
+                    if consumer in HEAVY and (name, flavor, dtype) != FAST and not _in_ci_half(name, flavor, dtype):
+                        marks += (pytest.mark.exhaustive,)
                     yield pytest.param(consumer, name, flavor, dtype, marks=marks,
                                        id=f"{consumer}-{name}-{flavor}-{dtype}")
 

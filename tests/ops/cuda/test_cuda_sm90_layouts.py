@@ -35,6 +35,7 @@ PROGRAM = pathlib.Path(__file__).resolve().parent / "sm90_layouts.cu"
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~4 min of one core to compile; the sm_90a kernels change rarely: make test-all
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
 @pytest.mark.skipif(_cutlass_include() is None,
                     reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
