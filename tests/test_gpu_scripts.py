@@ -52,13 +52,16 @@ def test_runner_without_pytest_finds_every_gpu_test():
     assert count > 0 and ran.stdout.count("test_cuda::test_") == count, ran.stdout[-2000:] + ran.stderr[-2000:]
 
 
-def test_sanitizer_cases_run_on_the_cpu():
+# The quick selections are what a GPU session runs first; every case (~1 min here) in make test-all.
+@pytest.mark.parametrize("extra", [pytest.param([], id="every-case", marks=pytest.mark.exhaustive),
+                                   pytest.param(["--quick"], id="quick"),
+                                   pytest.param(["--quick", "--no-layer"], id="quick-no-layer")])
+def test_sanitizer_cases_run_on_the_cpu(extra):
     """gpu_sanitize.py's cases (every kernel path on a GPU) run and come out finite here too."""
-    for extra in ([], ["--quick"], ["--quick", "--no-layer"]):
-        ran = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sanitize.py"), "--device", "cpu", *extra],
-                             capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-        assert " 0 failed" in ran.stdout and "NON-FINITE" not in ran.stdout
+    ran = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sanitize.py"), "--device", "cpu", *extra],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert " 0 failed" in ran.stdout and "NON-FINITE" not in ran.stdout
 
 
 FAKE_SANITIZER = r"""#!/bin/bash
