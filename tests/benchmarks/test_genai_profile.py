@@ -19,10 +19,11 @@ def test_profile_sums_the_decode_steps_operators(tmp_path):
     path = folder / "model.onnx"
     export_stock_cached(model, path)
     write_genai_config(path, model.config)
-    result = profile(folder, context=12, new_tokens=4)
+    result = profile(folder, context=90, new_tokens=3)  # a prompt several steps long
     ops = result["ops_us"]
     assert "MatMul" in ops or "Gemm" in ops, ops
     assert result["step_us"] > 0
-    # Without a subgraph every node runs once per step, inside the session run.
-    assert "If" not in ops and 0 < sum(ops.values()) <= 2 * result["step_us"], (ops, result["step_us"])
+    # Without a subgraph every node runs once per step, inside the session run: the prompt's nodes
+    # counted too would push the sum past a step.
+    assert "If" not in ops and 0 < sum(ops.values()) <= 1.2 * result["step_us"], (ops, result["step_us"])
     assert (tmp_path / "gpt2_profile" / "genai_config.json").exists()
