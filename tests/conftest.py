@@ -85,6 +85,9 @@ def _mark_sm90_quick(items) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # an exhaustive test is a slow one: `make test-fast` (-m "not slow") leaves it out
+        if item.get_closest_marker("exhaustive") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
     # Stable: the order within a file, and among the rest, is kept.
     items.sort(key=_run_order)
     _mark_sm90_quick(items)

@@ -15,6 +15,18 @@ from torch import nn
 import attn_export
 from attn_export import FusedMultiheadAttention
 
+def ci_sample(values, every: int = 2, ids=None) -> list:
+    """pytest params of a sweep of which CI (`make test`) runs every `every`-th value, the first
+    included, and `make test-all` the rest (marked exhaustive; docs/testing.md, "Tiers"). Order
+    the values so that the kept ones still cover every axis. A tuple is one case's parameters."""
+    cases = []
+    for index, value in enumerate(values):
+        marks = () if index % every == 0 else (pytest.mark.exhaustive,)
+        args = value if isinstance(value, tuple) else (value,)
+        cases.append(pytest.param(*args, marks=marks, id=None if ids is None else ids[index]))
+    return cases
+
+
 EPS = {
     torch.float64: torch.finfo(torch.float64).eps,
     torch.float32: torch.finfo(torch.float32).eps,

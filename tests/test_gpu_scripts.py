@@ -52,10 +52,12 @@ def test_runner_without_pytest_finds_every_gpu_test():
     assert count > 0 and ran.stdout.count("test_cuda::test_") == count, ran.stdout[-2000:] + ran.stderr[-2000:]
 
 
-# The quick selections are what a GPU session runs first; every case (~1 min here) in make test-all.
+# The quick selection is what a GPU session runs first; it and its variant without the layer, and
+# every case (~1 min here), in make test-all.
 @pytest.mark.parametrize("extra", [pytest.param([], id="every-case", marks=pytest.mark.exhaustive),
                                    pytest.param(["--quick"], id="quick"),
-                                   pytest.param(["--quick", "--no-layer"], id="quick-no-layer")])
+                                   pytest.param(["--quick", "--no-layer"], id="quick-no-layer",
+                                                marks=pytest.mark.exhaustive)])
 def test_sanitizer_cases_run_on_the_cpu(extra):
     """gpu_sanitize.py's cases (every kernel path on a GPU) run and come out finite here too."""
     ran = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_sanitize.py"), "--device", "cpu", *extra],

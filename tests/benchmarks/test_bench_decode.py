@@ -25,7 +25,7 @@ def test_table_gives_ratios_to_the_stock_export():
     assert "2 intra-op thread(s)" in text and "`python -m benchmarks.decode`" in text
 
 
-@pytest.mark.slow  # three exports of the tiny Llama (~25 s)
+@pytest.mark.exhaustive  # three exports of the tiny Llama (~50 s): a benchmark's own run
 def test_decode_call_continues_the_prefill(tmp_path):
     model = tiny_llama()
     stock = tmp_path / "stock.onnx"

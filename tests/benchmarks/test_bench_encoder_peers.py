@@ -29,7 +29,7 @@ def test_padded_rows_mask_their_tail():
     assert mask.sum(1).tolist() == [14, 12, 10, 8]
 
 
-@pytest.mark.slow  # two exports of the BERT encoder and a timing round (~20 s)
+@pytest.mark.exhaustive  # two exports of the BERT encoder and a timing round (~25 s): a benchmark's own run
 def test_both_files_time_the_smallest_shape_and_match_pytorch(tmp_path):
     out = tmp_path / "peers.json"
     assert encoder_peers.main(["--models", "bert", "--batches", "1", "--seqs", "128", "--rounds", "1",

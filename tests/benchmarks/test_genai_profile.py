@@ -11,7 +11,7 @@ from benchmarks.stock_cached import export_stock_cached  # noqa: E402
 from hf_models import tiny_gpt2  # noqa: E402
 
 
-@pytest.mark.slow  # an export and GenAI's generator (~5 s)
+@pytest.mark.exhaustive  # an export and GenAI's generator (~12 s): a benchmark's own run
 def test_profile_sums_the_decode_steps_operators(tmp_path):
     model = tiny_gpt2()
     folder = tmp_path / "gpt2"

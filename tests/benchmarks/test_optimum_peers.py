@@ -71,7 +71,7 @@ def test_table_gives_ours_over_the_peer():
     assert "20 nodes after ONNX Runtime's optimization: Gemm 16, If 4; inside its If branches: GroupQueryAttention 8" in text
 
 
-@pytest.mark.slow  # one GPT-2 export (~30 s)
+@pytest.mark.exhaustive  # one GPT-2 export (~30 s): a benchmark's own run
 def test_what_it_times_on_our_export_is_right(tmp_path):
     config = dict(optimum_peers.CONFIG, n_embd=64, n_layer=2, n_head=2, n_positions=256)
     optimum_peers.save_model(tmp_path / "hf", config=config)

@@ -16,6 +16,7 @@ from attn_export.onnx import export_onnx  # noqa: E402
 from attn_export.validation import check_generation  # noqa: E402
 from attn_export.validation.generation import random_prompts, reference_generation  # noqa: E402
 from hf_models import HF5, genai_greedy_tokens, padded_batch  # noqa: E402
+from helpers import ci_sample  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")]
 
@@ -41,7 +42,7 @@ def gqa_nodes(graph):
                 yield from ((a.name, n) for n in a.g.node if n.op_type == "GroupQueryAttention")
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", ci_sample(sorted(FAMILIES)))  # CI: gemma2 (window, soft-cap), phi3
 def test_the_family_lowers_and_generates_the_models_tokens(name, tmp_path):
     torch.manual_seed(0)
     model = FAMILIES[name](transformers).eval()

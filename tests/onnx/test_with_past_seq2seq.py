@@ -22,6 +22,7 @@ from attn_export.onnx.seq2seq import encoder_path  # noqa: E402
 from attn_export.surgery.transformers.seq2seq_cache import Seq2SeqDecoderWithPast, example_features  # noqa: E402
 from attn_export.validation import check_generation  # noqa: E402
 from hf_models import HF5  # noqa: E402
+from helpers import ci_sample  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 
@@ -137,7 +138,7 @@ def test_the_gate_names_a_missing_encoder_file(bart, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["t5", "marian"])  # Whisper: through the CLI below
+@pytest.mark.parametrize("name", ci_sample(["t5", "marian"]))  # Whisper, BART: through the CLI below
 def test_the_family_exports_a_pair_and_generates_the_models_tokens(name, tmp_path):
     model = tiny(name)
     path = tmp_path / f"{name}.onnx"

@@ -98,12 +98,19 @@ def test_a_lowered_process_runs_that_class_of_machine_everywhere(isa):
 LOWER_ISAS_SKIP = "test_matches_stock_module_full_sweep"
 
 
+# The kernel tests each lower set runs, in two parts: the fast tier's (every kernel path, mask kind,
+# dtype and head dim), which CI runs, and the slow ones (the module sweeps, the property search),
+# which `make test-all` adds.
+SCOPES = {"fast": "kernels and not slow", "slow": "kernels and slow"}
+
+
 @pytest.mark.skipif(not LOWER, reason="this CPU runs only the generic kernels, which the default run tests")
+@pytest.mark.parametrize("scope", [pytest.param("fast"), pytest.param("slow", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("isa", LOWER)
-def test_kernel_tests_under_a_lower_instruction_set(isa):
+def test_kernel_tests_under_a_lower_instruction_set(isa, scope):
     root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "kernels",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", SCOPES[scope],
          "-k", f"not {LOWER_ISAS_SKIP}", "tests"],
         capture_output=True, text=True, timeout=1200, cwd=root, env={**os.environ, **MACHINE_CLASS[isa]})
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]

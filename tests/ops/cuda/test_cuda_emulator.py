@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT
+from cuda_emulator.testing import EMULATOR_MARKS, TOL_GRAD, TOL_OUT, runs_generic_kernels
 from helpers import assert_parity, padding_mask, reference_attention
 from helpers import MASKS as SHARED_MASKS
 
@@ -73,7 +73,7 @@ def _generic_kernels_once(request):
     callspec = getattr(request.node, "callspec", None)
     if callspec is None or callspec.params.get("emu") != ("early", 80):
         return
-    if "generic" in request.node.name or callspec.params.get("dtype") in (torch.float32, torch.float64):
+    if runs_generic_kernels(request.node.name, callspec.params):
         pytest.skip("generic kernels: no cp.async and the same dispatch on sm_80 as on sm_90 (run as late-sm90)")
 
 

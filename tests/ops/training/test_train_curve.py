@@ -49,7 +49,7 @@ def test_fused_curve_follows_stock(tmp_path):
     assert "**PASSED**" in (tmp_path / "curve.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # ~40 s: the curve test's own power (it can fail), checked before a release
 def test_a_wrong_key_gradient_fails(tmp_path, monkeypatch):
     """The curve sees a backward bug that leaves the forward exact."""
     forward = FusedMultiheadAttention.forward

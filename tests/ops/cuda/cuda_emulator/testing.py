@@ -20,6 +20,13 @@ EMULATOR_MARKS = [
     pytest.mark.slow,
 ]
 
+def runs_generic_kernels(test_name: str, params: dict) -> bool:
+    """Whether an emulator test case runs the generic kernels (float32/float64, or a test that
+    forces the generic path), which issue no cp.async and are dispatched alike on sm_80 and sm_90:
+    test_cuda_emulator.py runs them once, as late-sm90."""
+    return "generic" in test_name or params.get("dtype") in (torch.float32, torch.float64)
+
+
 TOL_OUT = {torch.float64: 1e-12, torch.float32: 8 * EPS[torch.float32], torch.float16: 2 * EPS[torch.float16],
            torch.bfloat16: 2 * EPS[torch.bfloat16]}
 TOL_GRAD = {torch.float64: 1e-12, torch.float32: 16 * EPS[torch.float32], torch.float16: 4 * EPS[torch.float16],
