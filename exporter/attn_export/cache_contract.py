@@ -11,7 +11,7 @@ in the file (docs/architecture.md, "The cache contract").
 Names are Optimum's. Inputs: ``input_ids`` [batch, sequence], ``attention_mask`` [batch,
 total_sequence] (past + new tokens, 1 = token), ``position_ids`` [batch, sequence] where the
 model takes them, the past of every layer [batch, num_kv_heads, past_sequence, head_dim], one
-tensor per slot (key, value). Outputs: ``logits`` [batch, sequence, vocab], the present of
+tensor per slot (key, value). Outputs: ``logits`` [batch, sequence, vocab] (or [batch, 1, vocab]: ``last_logits``), the present of
 every layer [batch, num_kv_heads, past_sequence + sequence, head_dim], which the next step
 takes as its past under the past's name. One graph serves the prefill (past length 0) and
 every decode step. An encoder-decoder (``layout="encoder-decoder"``) is a pair of files: its
@@ -84,6 +84,9 @@ class CacheContract:
     # Written to the metadata only when not the default: a decoder-only file reads as before.
     layout: str = DECODER_ONLY
     encoder_input: str = INPUT_IDS  # an encoder-decoder's encoder input, a key of ENCODER_INPUTS
+    # ``logits`` of the last position only, [batch, 1, vocab] (--last-logits): a decoder-only
+    # file's prefill gives no logits for the prompt's other positions. Written only when true.
+    last_logits: bool = False
     # Where later layouts go, without a change to the consumers (they iterate the names, slots
     # and axes below): a past/present buffer shared in place (GenAI's past_present_share_buffer)
     # is a field whose past axis is the buffer's fixed length.
@@ -103,6 +106,10 @@ class CacheContract:
             raise ValueError(f"encoder_input must be one of {', '.join(ENCODER_INPUTS)}, got {self.encoder_input!r}")
         if self.layout == DECODER_ONLY and self.encoder_input != INPUT_IDS:
             raise ValueError("encoder_input belongs to the encoder-decoder layout")
+        if not isinstance(self.last_logits, bool):
+            raise ValueError(f"last_logits must be true or false, got {self.last_logits!r}")
+        if self.layout == ENCODER_DECODER and self.last_logits:
+            raise ValueError("last_logits belongs to the decoder-only layout")
         if self.layout == ENCODER_DECODER and self.position_ids:
             raise ValueError("an encoder-decoder's decoder takes no position_ids (it counts them from its past)")
 
@@ -241,6 +248,8 @@ class CacheContract:
         values = asdict(self)
         if not self.encoder_decoder:
             del values["layout"], values["encoder_input"]
+        if not self.last_logits:
+            del values["last_logits"]
         return values
 
     def to_metadata(self) -> Dict[str, str]:

@@ -59,6 +59,11 @@ class ExportOptions:
     ``quantize``: "int4" or "int8", the 2-D weights of the MatMuls quantized by ONNX Runtime's
     own quantizer into ``com.microsoft.MatMulNBits`` (block 32, symmetric, as ONNX Runtime
     GenAI's builder's ``-p int4``; onnx/ort/quantize.py); the ort flavor only.
+
+    ``last_logits``: with ``with_past``, a decoder-only LM's ``logits`` for the last position only
+    ([batch, 1, vocab], what generation reads; onnx/last_logits.py): the prompt's other positions
+    are not run through the language-model head, a large share of a prompt's time with a large
+    vocabulary.
     """
 
     opset: Optional[int] = None  # the default-domain opset (>= 18); None: 20, or 23 for the standard flavor
@@ -71,6 +76,7 @@ class ExportOptions:
     seed: int = 0  # for the inputs the trace resizes or makes (a past for with_past)
     quiet: bool = True  # silence torch's exporter
     quantize: Optional[str] = None  # "int4" | "int8": weight-only MatMulNBits (the ort flavor); None: float weights
+    last_logits: bool = False  # with_past: the logits of the last position only
 
     def __post_init__(self) -> None:
         check_choices(self.attention, self.functions)
@@ -82,6 +88,9 @@ class ExportOptions:
         if self.quantize is not None and self.dtype not in (None, "fp32"):
             raise InputError(f"--quantize {self.quantize} quantizes float32 weights (the activations stay float32, "
                              f"as in ONNX Runtime GenAI's CPU int4 models): leave out --dtype {self.dtype}")
+        if self.last_logits and not self.with_past:
+            raise InputError("--last-logits is for a decoder exported with its cache, whose generation reads the last "
+                             "position's logits: add --with-past")
         if self.attention == "standard":
             check_standard_opset(self.opset)
         if self.dtype is not None and self.dtype not in EXPORT_DTYPE_NAMES:
@@ -223,7 +232,7 @@ TARGETS = ("onnx", "tensorrt")
 # ``seed`` seeds both the export and the gate; ``verbose`` is the export's ``quiet`` negated.
 _FLAT = {
     **{name: ("export", name) for name in ("opset", "dtype", "attention", "functions", "dynamic_axes", "with_past",
-                                           "replace", "quantize")},
+                                           "replace", "quantize", "last_logits")},
     **{name: ("ort", field_name) for name, field_name in _ORT_FLAT.items()},
     **{name: ("engine", name) for name in ("plugin", "min_shapes", "opt_shapes", "max_shapes", "workspace_mib",
                                            "max_context")},

@@ -24,11 +24,12 @@ def _choice(flag: str, dest: str, choices, default, help: str):
 
 
 def _export_options(opset: Optional[int], onnx_attention: str, onnx_functions: str, dtype: Optional[str],
-                    with_past: bool, no_replace: bool, quantize: Optional[str] = None) -> ExportOptions:
+                    with_past: bool, no_replace: bool, quantize: Optional[str] = None,
+                    last_logits: bool = False) -> ExportOptions:
     """The export group of the flags; the verb adds what it learns from the model (the axes,
     the seed, ``quiet``)."""
     return ExportOptions(opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype,
-                         with_past=with_past, replace=not no_replace, quantize=quantize)
+                         with_past=with_past, replace=not no_replace, quantize=quantize, last_logits=last_logits)
 
 
 def export_options(f):
@@ -60,6 +61,10 @@ def export_options(f):
                           "symmetric) by ONNX Runtime's quantizer into its MatMulNBits operator, as ONNX Runtime "
                           "GenAI's builder's -p int4; the gate compares with the model carrying the same "
                           "dequantized weights."),
+        click.option("--last-logits", "last_logits", is_flag=True,
+                     help="With --with-past: the logits of the last position only ([batch, 1, vocab], what "
+                          "generation reads), so a prompt runs one row through the language-model head instead of "
+                          "one per token (ONNX Runtime GenAI's builder's prune_lm_head)."),
     ])(f)
 
 

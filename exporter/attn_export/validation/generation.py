@@ -196,7 +196,10 @@ def run_backend(steps, layout: CacheContract, ids, mask, reference, rtol: float,
         runtime = "TensorRT" if result.backend == BACKEND_TRT else "ONNX Runtime"
         result.error = f"{runtime} failed during generation: {first_line(exc)}"
         return result
-    valid = (mask != 0)[..., None].expand(ref_prefill.shape) if prefill.shape == ref_prefill.shape else None
+    if layout.last_logits:  # the last position's alone, valid in every row of a left-padded batch
+        ref_prefill, valid = ref_prefill[:, -1:], None
+    else:
+        valid = (mask != 0)[..., None].expand(ref_prefill.shape) if prefill.shape == ref_prefill.shape else None
     result.prefill = Comparison.of(compare(prefill.float(), ref_prefill, rtol, valid=valid), prefill.shape)
     result.steps = [Comparison.of(compare(s.float(), r, rtol), s.shape) for s, r in zip(steps, ref_steps)]
     result.tokens = torch.stack([s.argmax(-1) for s in steps], dim=1).tolist()

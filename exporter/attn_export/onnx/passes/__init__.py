@@ -19,6 +19,7 @@ from attn_export.onnx.passes.base import GraphPass, PassContext, PassOutcome
 from attn_export.onnx.passes.fold_past_custom import FoldPastCustom
 from attn_export.onnx.passes.inline_functions import InlineFunctions
 from attn_export.onnx.passes.label_axes import LabelAxes
+from attn_export.onnx.passes.last_logits import LastLogits
 from attn_export.onnx.passes.ort_attention import OrtAttention
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
 from attn_export.onnx.passes.ort_gqa_rotary import OrtGqaRotary
@@ -42,6 +43,7 @@ PASSES: List[GraphPass] = [
     OrtReshapes(),  # ort flavor: Reshape chains that give back their source's shape dropped
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     OrtGqaRotary(),  # ort flavor: packed QKV + rotary read by GroupQueryAttention (do_rotary)
+    LastLogits(),  # --last-logits: the language-model head on the last position only
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
     OrtOneBranch(),  # ort flavor: the layers' If nodes as one If over the rest of the graph
     AttachFunctions(),  # each custom node's model-local function
