@@ -14,6 +14,9 @@ exported twice from that folder:
 
 ``--precision int4`` compares the weight-only int4 files instead: ours with ``--quantize int4``
 (MatMulNBits, block 32, symmetric, accuracy_level 4), the builder's ``-p int4``.
+``--last-logits`` exports ours with ``--last-logits`` (the prompt's logits of the last position
+only) and adds the builder's file with the same option (``--extra_options prune_lm_head=true``;
+off in its default). ``--vocab`` sets the vocabulary (the language-model head's width).
 
 Both get the same session options in their genai_config.json (``--threads`` intra-op threads;
 GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pass before each
@@ -38,38 +41,50 @@ from typing import Dict, List
 
 import numpy as np
 
-OURS, BUILDER = "attn-export ort", "GenAI builder"
+OURS, BUILDER, PRUNED = "attn-export ort", "GenAI builder", "GenAI builder, prune_lm_head"
 CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def save_model(directory: Path, seed: int = 0) -> None:
+def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_size"]) -> None:
     """The decoder and a WordLevel tokenizer over its vocabulary, as a local transformers folder."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval().save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    config = transformers.LlamaConfig(**{**CONFIG, "vocab_size": vocab_size})
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", pad_token="t0",
                                          unk_token="t3").save_pretrained(directory)
 
 
-def export_both(hf: Path, work: Path, precision: str = "fp32") -> Dict[str, Path]:
-    ours, builder = work / f"ours_{precision}", work / f"builder_{precision}"
-    if (ours / "model.onnx").exists() and (builder / "model.onnx").exists():  # a --work folder of an earlier run
-        return {OURS: ours, BUILDER: builder}
-    ours.mkdir(exist_ok=True)
+def export_all(hf: Path, work: Path, precision: str = "fp32", last_logits: bool = False) -> Dict[str, Path]:
+    """The folders of ours and the builder's file(s), exported unless a --work folder of an
+    earlier run has them."""
+    suffix = "_last" if last_logits else ""
+    dirs = {OURS: work / f"ours_{precision}{suffix}", BUILDER: work / f"builder_{precision}"}
+    if last_logits:
+        dirs[PRUNED] = work / f"builder_{precision}_pruned"
     cli = Path(sys.executable).with_name("attn-export")
     quantize = ["--quantize", precision] if precision != "fp32" else []
-    subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--genai-config",
-                    *quantize, "--no-validate", "-o", str(ours / "model.onnx")], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(builder),
-                    "-p", precision, "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
-    return {OURS: ours, BUILDER: builder}
+    for name, folder in dirs.items():
+        if (folder / "model.onnx").exists():
+            continue
+        if name == OURS:
+            folder.mkdir(exist_ok=True)
+            subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--genai-config",
+                            *quantize, *(["--last-logits"] if last_logits else []), "--no-validate",
+                            "-o", str(folder / "model.onnx")], check=True, capture_output=True)
+        else:
+            extra = ["--extra_options", "prune_lm_head=true"] if name == PRUNED else []
+            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(folder),
+                            "-p", precision, "-e", "cpu", "-c", str(work / "cache"), *extra], check=True,
+                           capture_output=True)
+    return dirs
 
 
 def set_session_options(directory: Path, threads: int, max_length: int) -> None:
@@ -118,8 +133,9 @@ def generate(model, prompt: np.ndarray, new_tokens: int):
     return prefill, (time.perf_counter() - start) / new_tokens, tokens
 
 
-def time_context(models, context: int, rounds: int, new_tokens: int, pause: float) -> List[dict]:
-    prompt = np.random.default_rng(context).integers(4, CONFIG["vocab_size"], (1, context)).astype(np.int32)
+def time_context(models, context: int, rounds: int, new_tokens: int, pause: float,
+                 vocab_size: int = CONFIG["vocab_size"]) -> List[dict]:
+    prompt = np.random.default_rng(context).integers(4, vocab_size, (1, context)).astype(np.int32)
     times = {name: {"prefill": [], "decode": []} for name in models}
     tokens = {}
     names = list(models)
@@ -135,17 +151,23 @@ def time_context(models, context: int, rounds: int, new_tokens: int, pause: floa
 
 
 def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, facts: Dict[str, str],
-             threads: int, load: str, precision: str = "fp32") -> str:
+             threads: int, load: str, precision: str = "fp32", ours_label: str = OURS) -> str:
     table = {(r["context"], r["phase"], r["implementation"]): r for r in rows}
+    peers = [name for name in dict.fromkeys(r["implementation"] for r in rows) if name != OURS]
     lines = [f"`{command}`", "", f"CPU: {facts['cpu']} ({facts['isa']}), {threads} intra-op threads, a pause before each model; "
              f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; batch 1, {precision}; "
              f"load before the run (`uptime`): {load}", "",
-             f"| context | phase | {OURS} (ms) | {BUILDER} (ms) | ours / builder | same tokens |", "|---|---|---:|---:|---:|---|"]
+             f"| context | phase | {ours_label} (ms) | " + " | ".join(f"{p} (ms)" for p in peers) + " | "
+             + " | ".join(f"ours / {p}" for p in peers) + " | same tokens |",
+             "|---|---|---:|" + "---:|" * (2 * len(peers)) + "---|"]
     for context in dict.fromkeys(r["context"] for r in rows):
         for phase in ("prefill", "decode"):
-            ours, peer = table[(context, phase, OURS)], table[(context, phase, BUILDER)]
+            ours = table[(context, phase, OURS)]
+            times = [table[(context, phase, p)]["ms"] for p in peers]
             lines.append(f"| {context} | {phase}{' (per token)' if phase == 'decode' else ''} | {ours['ms']:.2f} | "
-                         f"{peer['ms']:.2f} | {ours['ms'] / peer['ms']:.2f}x | {'yes' if ours['same_tokens'] else 'NO'} |")
+                         + " | ".join(f"{t:.2f}" for t in times) + " | "
+                         + " | ".join(f"{ours['ms'] / t:.2f}x" for t in times)
+                         + f" | {'yes' if ours['same_tokens'] else 'NO'} |")
     lines.append("")
     for name, counts in nodes.items():
         lines.append(f"* {name}: {sum(counts.values())} nodes after ONNX Runtime's optimization: "
@@ -163,6 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
                         help="int4: ours with --quantize int4 against the builder's -p int4")
+    parser.add_argument("--last-logits", action="store_true",
+                        help="ours with --last-logits, and the builder's file with prune_lm_head=true beside its default")
+    parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"], help="the vocabulary (the LM head's width)")
     parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
     parser.add_argument("--markdown", type=Path)
@@ -176,8 +201,8 @@ def main(argv=None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         hf = work / "hf"
         if not (hf / "config.json").exists():
-            save_model(hf)
-        dirs = export_both(hf, work, args.precision)
+            save_model(hf, vocab_size=args.vocab)
+        dirs = export_all(hf, work, args.precision, args.last_logits)
         nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
         for d in dirs.values():
             set_session_options(d, args.threads, max(contexts) + args.new_tokens + 8)
@@ -185,9 +210,10 @@ def main(argv=None) -> int:
         rows = []
         for context in contexts:
             print(f"context {context}", file=sys.stderr)
-            rows += time_context(models, context, args.rounds, args.new_tokens, args.pause)
+            rows += time_context(models, context, args.rounds, args.new_tokens, args.pause, args.vocab)
     facts = {**machine(), "onnxruntime_genai": og.__version__}
-    text = markdown(rows, nodes, command, facts, args.threads, load, args.precision)
+    text = markdown(rows, nodes, command, facts, args.threads, load, args.precision,
+                    OURS + (" --last-logits" if args.last_logits else ""))
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
