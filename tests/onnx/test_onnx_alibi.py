@@ -1,7 +1,8 @@
 """ALiBi slopes on the FusedAttention node (attribute ``alibi_slopes``, FLOATS): the function bodies
-(generic and lean) in ONNX Runtime against the float64 reference
+(generic and lean) and the standard flavor's rewrite in ONNX Runtime against the float64 reference
 of tests/helpers.py (the bias -m[h] * |i + Lk - Lq - j| written there with torch.arange), and
-``attn_export.attention(..., alibi_slopes=...)`` exported against PyTorch."""
+``attn_export.attention(..., alibi_slopes=...)`` exported in the custom and the standard flavors
+against PyTorch."""
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ from attn_export.onnx import attention_flavor, export_onnx
 from attn_export.onnx import node as onnx_node
 from helpers import assert_parity, reference_attention
 from test_onnx_node import BODIES, additive, one_node_model, pack
+from test_onnx_standard import standard_model
 
 S = spec.load()
 SLOPES = [2 ** -1, 2 ** -2, 2 ** -3, 2 ** -4, 2 ** -0.5, 2 ** -1.5]  # Bloom's and MPT's set for 6 heads
@@ -105,6 +107,23 @@ def test_node_attributes_refuse_bad_slopes(slopes, words):
         onnx_node.node_attributes(6, 0.5, False, False, False, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("causal, alignment, kv_heads, lengths, padded", CASES)
+def test_the_standard_rewrite_adds_the_bias_to_the_mask(causal, alignment, kv_heads, lengths, padded):
+    q, k, v, padding = case(lengths, kv_heads, padded)
+    attrs = onnx_node.node_attributes(6, 0.5, causal, padded, False, causal_alignment=alignment,
+                                      kv_num_heads=kv_heads, alibi_slopes=SLOPES)
+    model, rewrite = standard_model(attrs)
+    assert rewrite.converted == 1 and attention_flavor(model)["flavor"] == "standard"
+    out = run(model, feeds(q, k, v, padding))
+    assert_parity(out, expected(q, k, v, padding, SLOPES, is_causal=causal, causal_alignment=alignment), 2e-6)
+
+
+def test_the_standard_rewrite_keeps_slopes_with_a_softcap_custom():
+    attrs = onnx_node.node_attributes(6, 0.5, False, False, False, softcap=5.0, alibi_slopes=SLOPES)
+    _, rewrite = standard_model(attrs)
+    assert rewrite.converted == 0 and "ALiBi" in rewrite.kept[0]
+
+
 class AlibiModel(nn.Module):
     """A decoder step's attention core with MPT's slopes for 4 heads, bottom-right causal."""
 
@@ -115,7 +134,7 @@ class AlibiModel(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flavor", ["custom"])
+@pytest.mark.parametrize("flavor", ["custom", "standard"])
 def test_exported_slopes_run_in_onnx_runtime_as_in_pytorch(tmp_path, flavor):
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
     pad = torch.zeros(2, 7, dtype=torch.bool)
@@ -142,3 +161,41 @@ def test_exported_slopes_run_in_onnx_runtime_as_in_pytorch(tmp_path, flavor):
                                        is_causal=True, causal_alignment=1,
                                        alibi_slopes=[2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
         assert_parity(out, exact.numpy(), 2e-6, f"{flavor} {shapes} against float64")
+
+
+@pytest.mark.parametrize("flavor", ["custom", "standard"])
+@pytest.mark.parametrize("past, new", [(4, 3), (6, 1)], ids=["prefill-after-past", "decode"])
+def test_slopes_over_a_folded_cache(flavor, past, new):
+    """The cache folded into the node (custom: its cache form; standard: Attention's past inputs):
+    the distance runs over the present, Lk = P + S, the new tokens bottom-right."""
+    from attn_export.onnx import to_standard_attention
+    from attn_export.onnx.custom_past import fold_past
+    from attn_export.onnx.graph import attach_function
+    from test_with_past import cached_node_model
+
+    B, H, Hkv, D = 2, 4, 2, 8
+    slopes = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]
+    attrs = onnx_node.node_attributes(H, 0.3, True, True, False, causal_alignment=1, kv_num_heads=Hkv,
+                                      alibi_slopes=slopes)
+    model = cached_node_model(attrs, H, Hkv, D)
+    if flavor == "custom":
+        del model.functions[:]
+        assert fold_past(model) == 1
+        attach_function(model, 23)
+    else:
+        assert to_standard_attention(model).converted == 1
+    onnx.checker.check_model(model, full_check=True)
+    assert any("past_key" in n.input and n.op_type in (S.op_type, "Attention") for n in model.graph.node)
+
+    gen = torch.Generator().manual_seed(past * 10 + new)
+    q = torch.randn(B, H, new, D, generator=gen)
+    k_past, v_past, k_new, v_new = (torch.randn(B, Hkv, n, D, generator=gen) for n in (past, past, new, new))
+    masked = torch.zeros(B, past + new, dtype=torch.bool)
+    masked[1, :2] = True  # left padding of the second sequence
+    feeds = {"query": q.transpose(1, 2).reshape(B, new, H * D), "past_key": k_past, "new_key": k_new,
+             "past_value": v_past, "new_value": v_new, "key_padding_mask": torch.where(masked, float("-inf"), 0.0)}
+    out = run(model, {n: t.numpy() for n, t in feeds.items()})
+    ref, _ = reference_attention(q, torch.cat([k_past, k_new], 2), torch.cat([v_past, v_new], 2),
+                                 key_padding_mask=masked, is_causal=True, causal_alignment=1, scale=0.3,
+                                 alibi_slopes=slopes)
+    assert_parity(out, ref.transpose(1, 2).reshape(B, new, H * D).numpy(), 2e-6)

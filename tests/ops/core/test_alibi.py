@@ -187,8 +187,8 @@ def test_half_precision_with_slopes_accumulates_in_float32(dtype):
 
 @pytest.mark.parametrize("kernels", ["flash", "rows"])
 def test_rows_without_a_key_are_zero_with_finite_gradients(kernels):
-    """Every key padded (batch row 1) and top-left causal rows past... none: a -inf mask plus a
-    finite bias is still -inf; such rows output 0, never NaN, and pass no gradient to their query."""
+    """Every key of batch row 1 padded: a -inf mask plus the finite bias is still -inf, so the
+    row outputs 0, never NaN, and passes no gradient to its queries."""
     torch.manual_seed(7)
     slopes = SLOPES["bloom4"]
     q, k, v = inputs(2, 4, 5, 8, 4, 2)
