@@ -310,3 +310,19 @@ def test_torch_export_keeps_the_slopes_on_the_operator():
     calls = [n for n in program.graph.nodes if n.target is ops.attention.default]
     assert len(calls) == 1 and list(calls[0].args[-1]) == slopes
     assert torch.equal(program.module()(q, k, v), Alibi()(q, k, v))
+
+
+@pytest.mark.slow  # ~5 s: opcheck traces each operator several ways
+def test_opcheck_with_slopes():
+    """Schema, fake kernels, autograd registration and AOT dispatch of the three core operators
+    with slopes (torch.library.opcheck)."""
+    torch.manual_seed(12)
+    slopes = SLOPES["bloom4"]
+    q, k, v = inputs(1, 4, 3, 6, 8, 2, dtype=torch.float64)
+    padding = masks("bool_padding", 1, 4, 3, 6)["key_padding_mask"]
+    torch.library.opcheck(ops.attention.default, (q, k, v, None, padding, True, None, 0.0, 1, 0, slopes))
+    q, k, v = (t.detach() for t in (q, k, v))  # the internal kernels have no derivative of their own
+    out, lse, _ = ops._attention_forward(q, k, v, None, padding, True, None, False, 0.0, 1, 0, slopes)
+    torch.library.opcheck(ops._attention_forward.default, (q, k, v, None, padding, True, None, True, 0.0, 1, 0, slopes))
+    torch.library.opcheck(ops._attention_backward.default,
+                          (torch.randn_like(out), None, q, k, v, lse, None, padding, True, None, out, 0.0, 1, 0, slopes))
