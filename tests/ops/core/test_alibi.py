@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attn_export
 from attn_export import CausalAlignment
-from helpers import EPS, assert_rel_close, reference_attention
+from helpers import EPS, assert_rel_close, cuda_skip_reason, reference_attention
 
 # Run again under every lower instruction set the CPU has (tests/ops/cpu/test_instruction_sets.py).
 pytestmark = pytest.mark.kernels
@@ -326,3 +326,15 @@ def test_opcheck_with_slopes():
     torch.library.opcheck(ops._attention_forward.default, (q, k, v, None, padding, True, None, True, 0.0, 1, 0, slopes))
     torch.library.opcheck(ops._attention_backward.default,
                           (torch.randn_like(out), None, q, k, v, lse, None, padding, True, None, out, 0.0, 1, 0, slopes))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+def test_cuda_refuses_slopes_until_its_kernels_take_them():
+    """Never run without the bias: the CUDA operators raise NotImplementedError with slopes."""
+    q, k, v = (t.cuda() for t in inputs(1, 2, 3, 4, 8, 1, requires_grad=False))
+    for call in (lambda: attn_export.attention(q, k, v, alibi_slopes=[0.5, 0.25]),
+                 lambda: ops._attention_backward(q, None, q, k, v, torch.zeros(1, 2, 3, device="cuda"), None, None,
+                                                 False, None, None, 0.0, 0, 0, [0.5, 0.25])):
+        with pytest.raises(NotImplementedError, match="the CUDA kernels do not take ALiBi slopes yet"):
+            call()
