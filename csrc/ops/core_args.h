@@ -1,8 +1,9 @@
 // The attention core's arguments, said once. Every implementation of the core operators (CPU,
 // CUDA, the CUDA emulator's test ops) takes one of these structs. The operators' flat
 // signatures (csrc/attention_spec.h, kSchemaAttention*) are expanded here, in the adapters
-// TORCH_LIBRARY registers, from the fixed leading arguments and the trailing attributes of
-// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES). The static_asserts below hold the
+// TORCH_LIBRARY registers, from the fixed leading arguments and the trailing arguments below
+// (ATTN_EXPORT_TRAILING_ARGUMENTS: attention_params.h's ATTN_EXPORT_TRAILING_ATTRIBUTES, then the
+// ALiBi slopes). The static_asserts below hold the
 // schemas to that list by name at compile time (torch checks the types when the library loads),
 // and dispatch.h calls the operators through the same lists, so a new attribute needs no edit
 // here (docs/architecture.md lists what it touches).
@@ -123,7 +124,7 @@ CoreGrads attention_backward_kernel(const at::Tensor& grad_output, const std::op
 }
 
 // The schemas against the adapters above: each core schema is its leading arguments (7, 8 and
-// 11, as the adapters spell them) followed by exactly the trailing attributes, by name.
+// 11, as the adapters spell them) followed by exactly the trailing arguments, by name.
 namespace schema_check {
 
 // The argument list of a schema "(type name[=default], ...) -> results" (no argument has
