@@ -26,6 +26,11 @@
 // Causal masking lets query i attend keys j <= i + causal_shift(): top-left aligned
 // (causal_alignment 0, shift 0) or bottom-right aligned (1, shift seqlen_k - seqlen_q: the last
 // query sees every key, the KV-cache case). A negative shift leaves the first rows no key.
+//
+// ALiBi (Bloom, MPT): with alibi_slopes set, the score of query i and key j in head h gets
+// alibi_bias(h, i, j) = -alibi_slopes[h] * |i + seqlen_k - seqlen_q - j| after the scale and the
+// soft-cap, where the masks are added (FlashAttention's alibi_slopes: the distance is measured
+// from the bottom-right diagonal whatever causal_alignment is). The slopes index QUERY heads.
 #pragma once
 
 #include <cstdint>
@@ -121,6 +126,14 @@ struct AttentionParams {
   // key-padding mask pads entirely (kernels/cuda/key_tile_range.cuh).
   bool skip_padded_key_tiles = false;
   ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)  // softcap, causal_alignment, window
+  // [num_heads] float32 ALiBi slopes, in the kernels' memory; nullptr = off (no bias at all). Not
+  // a trailing attribute: the operators take a list (core_args.h's ATTN_EXPORT_TRAILING_ARGUMENTS)
+  // and the binding keeps the float32 copy this points at alive.
+  const float* alibi_slopes = nullptr;
+
+  // ALiBi's distance of query i from key j (alibi_bias = -slope * distance): j's offset from row
+  // i's bottom-right diagonal i + seqlen_k - seqlen_q, whatever causal_alignment is.
+  ATTN_EXPORT_HOST_DEVICE int64_t alibi_diagonal(int64_t i) const { return i + seqlen_k - seqlen_q; }
 
   // The key/value head query head h reads.
   ATTN_EXPORT_HOST_DEVICE int64_t kv_head(int64_t h) const {

@@ -10,7 +10,8 @@
 // kPluginVersion and kOnnxDomainVersion together. Version 2 added the softcap attribute; version
 // 3 added kv_num_heads (grouped-query attention) and causal_alignment (bottom-right causal);
 // version 4 added window (sliding-window causal attention); version 5 added the key/value cache
-// form (has_past, inputs past_key/past_value, outputs present_key/present_value).
+// form (has_past, inputs past_key/past_value, outputs present_key/present_value); version 6
+// added alibi_slopes (ALiBi as one slope per query head, FlashAttention's alibi_slopes).
 //
 // ---------------------------------------------------------------------------------------------
 // The node: the attention core, heads packed, token-major (no transposes in the graph; the
@@ -48,6 +49,7 @@
 //     c[b,h,i,j] = softcap > 0 ? softcap * tanh(x[b,h,i,j] / softcap) : x[b,h,i,j]
 //                                                  (logit soft-capping, Gemma 2 / Grok style)
 //     s[b,h,i,j] = c[b,h,i,j] + key_padding_mask[b,j] + attn_mask[b,h,i,j]
+//                  - alibi_slopes[h] * |i + Lk - Lq - j|        (ALiBi, when alibi_slopes is set)
 //                  + (is_causal && j > i + a ? -inf : 0)        (causal mask)
 //                  + (is_causal && window > 0 && j <= i + a - window ? -inf : 0)
 //                                                  (sliding window: the last `window` keys up
@@ -65,6 +67,14 @@
 // Soft-capping bounds the scores to (-softcap, softcap) BEFORE the masks are added (as
 // transformers' Gemma 2 attention does), so a -inf mask still removes a key. softcap = 0 (the
 // default) is off: the node computes exactly what version 1 computed.
+//
+// ALiBi (Bloom, MPT; version 6): alibi_slopes, one float32 slope m[h] per QUERY head (H of them;
+// grouped-query attention indexes it by h, not by the key/value head), adds -m[h] * |i + Lk - Lq - j|
+// after the scale and the soft-cap, with the masks. The distance is FlashAttention's (its
+// alibi_slopes): measured from the bottom-right diagonal whatever causal_alignment is, so that a
+// decoder step over a KV cache (Lq = 1, Lk = P + 1) sees -m * (P - j) for key j. Empty (the
+// default) is off: the node computes exactly what version 5 computed. The bias is finite, so a
+// -inf mask still removes a key and a row without keys is still zeros.
 //
 // Masks are ADDITIVE float32 in the node: 0 = visible, -inf = masked out, other values are
 // added to the scaled scores. The exporter turns a PyTorch boolean mask (true = masked out,
@@ -89,13 +99,13 @@ namespace attn_export::spec {
 
 // ONNX identity of the node and of its model-local function (same domain and name).
 inline constexpr const char* kOnnxDomain = "attn_export";
-inline constexpr int kOnnxDomainVersion = 5;
+inline constexpr int kOnnxDomainVersion = 6;
 inline constexpr const char* kOpType = "FusedAttention";
 
 // TensorRT's ONNX parser maps the node to a plugin by op_type (= kPluginName) and the string
 // attributes plugin_version / plugin_namespace, which the exporter writes on every node.
 inline constexpr const char* kPluginName = "FusedAttention";
-inline constexpr const char* kPluginVersion = "5";
+inline constexpr const char* kPluginVersion = "6";
 inline constexpr const char* kPluginNamespace = "";
 
 // Node attributes (ONNX type in the comment; TensorRT receives INT as int32, FLOAT as float32,
@@ -110,6 +120,7 @@ inline constexpr const char* kAttrCausalAlignment = "causal_alignment";     // I
 inline constexpr const char* kAttrKvNumHeads = "kv_num_heads";              // INT   Hkv | 0 = num_heads
 inline constexpr const char* kAttrWindow = "window";                         // INT   >= 0, 0 = no window
 inline constexpr const char* kAttrHasPast = "has_past";                      // INT   0 | 1: the cache form
+inline constexpr const char* kAttrAlibiSlopes = "alibi_slopes";              // FLOATS [H] finite, empty = off
 inline constexpr const char* kAttrPluginNamespace = "plugin_namespace";      // STRING
 inline constexpr const char* kAttrPluginVersion = "plugin_version";          // STRING
 
@@ -117,10 +128,11 @@ inline constexpr const char* kAttrPluginVersion = "plugin_version";          // 
 inline constexpr int kAttrTypeFloat = 1;
 inline constexpr int kAttrTypeInt = 2;
 inline constexpr int kAttrTypeString = 3;
+inline constexpr int kAttrTypeFloats = 6;  // a list of FLOAT; its default is the empty list
 
 // One node attribute: its name, type, whether every node must carry it, and otherwise its
 // default (default_int for INT attributes, default_float for FLOAT ones, default_string for
-// STRING ones).
+// STRING ones; a FLOATS attribute defaults to the empty list).
 struct Attribute {
   const char* name;
   int type;  // kAttrType*
@@ -134,8 +146,9 @@ struct Attribute {
 // kNumPluginFields are the TensorRT plugin's fields, in the order the plugin declares and
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
 // itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
-// on every node, so a node always names this version).
-inline constexpr int kNumAttributes = 12;
+// on every node, so a node always names this version). The attributes between the plugin's fields
+// and plugin_namespace are kPluginRefusedAttributes.
+inline constexpr int kNumAttributes = 13;
 inline constexpr int kNumPluginFields = 10;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
@@ -148,9 +161,16 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrKvNumHeads, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrWindow, kAttrTypeInt, false, 0, 0.0, ""},
     {kAttrHasPast, kAttrTypeInt, false, 0, 0.0, ""},
+    {kAttrAlibiSlopes, kAttrTypeFloats, false, 0, 0.0, ""},
     {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
+
+// Node attributes that are not (yet) fields of the TensorRT plugin: TensorRT's ONNX parser still
+// hands them to the creator as fields, and the plugin refuses a node that sets one (a non-empty
+// value) rather than ignore it. The CUDA kernels do not take ALiBi slopes yet, nor does the plugin.
+inline constexpr int kNumPluginRefusedAttributes = 1;
+inline constexpr const char* kPluginRefusedAttributes[kNumPluginRefusedAttributes] = {kAttrAlibiSlopes};
 
 // The values a restricted attribute may take: finite, >= min and, when bounded_above, <= max
 // (an INT attribute's values are integers by its type), with a short phrase of what they mean.
@@ -237,7 +257,8 @@ inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_mult
 //
 // The core's attributes follow the tensors: attn_mask, key_padding_mask, is_causal, scale, then
 // (after the internal operators' own need_weights / output) the trailing attributes of
-// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES), each with a default so that callers
+// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES) and last alibi_slopes (core_args.h's
+// ATTN_EXPORT_TRAILING_ARGUMENTS), each with a default so that callers
 // written before it existed keep working. A node attribute of the same name (kAttributes) is
 // written from the operator's argument by the ONNX translation.
 
@@ -250,9 +271,13 @@ inline constexpr const char* kOpMultiHeadAttentionBackward = "attn_export::_mult
 // (top-left), Lk - Lq when 1 (bottom-right, the KV-cache case; PyTorch's causal_lower_right).
 // window > 0 (only with is_causal) also hides keys j <= i + shift - window: a sliding window of
 // the last `window` keys up to the diagonal (Mistral, Gemma 2's local layers); 0 = no window.
+// alibi_slopes (ALiBi: Bloom, MPT), one per query head, adds -alibi_slopes[h] * |i + Lk - Lq - j|
+// with the masks (FlashAttention's alibi_slopes: bottom-right distance whatever causal_alignment);
+// None or empty = off. A list, not a tensor: torch.export and the ONNX export see constants.
 inline constexpr const char* kSchemaAttention =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0, int window=0) -> Tensor";
+    "bool is_causal=False, float? scale=None, float softcap=0.0, int causal_alignment=0, int window=0, "
+    "float[]? alibi_slopes=None) -> Tensor";
 
 // The core's kernels. The forward also returns the row log-sum-exp the backward needs, and the
 // attention probabilities when need_weights is set (an empty tensor otherwise). The backward
@@ -260,12 +285,12 @@ inline constexpr const char* kSchemaAttention =
 // kernels ignore what they do not need and recompute what is not given.
 inline constexpr const char* kSchemaAttentionForward =
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0) "
-    "-> (Tensor output, Tensor logsumexp, Tensor weights)";
+    "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0, "
+    "float[]? alibi_slopes=None) -> (Tensor output, Tensor logsumexp, Tensor weights)";
 inline constexpr const char* kSchemaAttentionBackward =
     "(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
     "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-    "Tensor? output=None, float softcap=0.0, int causal_alignment=0, int window=0) "
+    "Tensor? output=None, float softcap=0.0, int causal_alignment=0, int window=0, float[]? alibi_slopes=None) "
     "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)";
 
 // The whole torch.nn.MultiheadAttention layer in one call: input projection, attention, output

@@ -106,7 +106,7 @@ def make_pair(embed_dim, num_heads, bias=True, batch_first=False, dtype=torch.fl
 
 
 def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                        dtype=torch.float64, softcap=None, causal_alignment=0, window=0):
+                        dtype=torch.float64, softcap=None, causal_alignment=0, window=0, alibi_slopes=None):
     """softmax(cap(scale q k^T) + masks) v written from the definition, computed the plain way in
     `dtype` (float64: the exact reference; the inputs' dtype: the plain same-precision
     computation), on the inputs' device, with nn.MultiheadAttention's mask conventions (bool
@@ -115,7 +115,9 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     when softcap is given and nonzero, else x. k and v may have fewer heads Hkv (dividing H):
     each is repeated for its group of H / Hkv query heads, as SDPA's enable_gqa. is_causal hides
     keys j > i, or j > i + Lk - Lq with causal_alignment=1 (bottom-right); window > 0 (with
-    is_causal) also hides keys j <= i + shift - window (transformers' sliding_window_overlay)."""
+    is_causal) also hides keys j <= i + shift - window (transformers' sliding_window_overlay).
+    alibi_slopes (one per query head; rounded to float32, as the operator reads them) add
+    -m[h] * |i + Lk - Lq - j| with the masks (FlashAttention's alibi_slopes, whatever the alignment)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -142,6 +144,11 @@ def reference_attention(q, k, v, attn_mask=None, key_padding_mask=None, is_causa
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None and len(alibi_slopes):
+        m = torch.as_tensor(alibi_slopes, dtype=torch.float32).to(device=q.device, dtype=dtype)
+        i = torch.arange(Lq, device=q.device, dtype=dtype)[:, None]
+        j = torch.arange(Lk, device=q.device, dtype=dtype)[None, :]
+        s = s - m[:, None, None] * (i + (Lk - Lq) - j).abs()
     s = s + bias
     visible = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~visible, 0.0), dim=-1) * visible

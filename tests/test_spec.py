@@ -30,7 +30,7 @@ int main() {
   s("attr_has_key_padding_mask", kAttrHasKeyPaddingMask); s("attr_has_attn_mask", kAttrHasAttnMask);
   s("attr_softcap", kAttrSoftcap);
   s("attr_causal_alignment", kAttrCausalAlignment); s("attr_kv_num_heads", kAttrKvNumHeads); s("attr_window", kAttrWindow);
-  s("attr_has_past", kAttrHasPast); i("cache_rank", kCacheRank);
+  s("attr_has_past", kAttrHasPast); i("cache_rank", kCacheRank); s("attr_alibi_slopes", kAttrAlibiSlopes);
   s("attr_plugin_namespace", kAttrPluginNamespace); s("attr_plugin_version", kAttrPluginVersion);
   i("output_rank", kOutputRank); i("min_onnx_opset", kMinOnnxOpset);
   std::printf("\"input_names\": [");
@@ -52,6 +52,7 @@ int main() {
     if (a.required) std::printf("null]");
     else if (a.type == kAttrTypeString) std::printf("\"%s\"]", a.default_string);
     else if (a.type == kAttrTypeFloat) std::printf("%.17g]", a.default_float);
+    else if (a.type == kAttrTypeFloats) std::printf("[]]");
     else std::printf("%d]", a.default_int);
     std::printf("%s", n + 1 < kNumAttributes ? ", " : "");
   }
@@ -64,6 +65,10 @@ int main() {
   }
   std::printf("], ");
   i("num_plugin_fields", kNumPluginFields); i("mask_type", kMaskType);
+  std::printf("\"plugin_refused_attributes\": [");
+  for (int n = 0; n < kNumPluginRefusedAttributes; ++n)
+    std::printf("\"%s\"%s", kPluginRefusedAttributes[n], n + 1 < kNumPluginRefusedAttributes ? ", " : "");
+  std::printf("], ");
   s("torch_namespace", kTorchNamespace); s("torch_op_attention", kOpAttention);
   s("torch_op_attention_forward", kOpAttentionForward); s("torch_op_attention_backward", kOpAttentionBackward);
   s("torch_op_multi_head_attention", kOpMultiHeadAttention);
@@ -91,7 +96,8 @@ def test_the_compiled_header_and_the_python_parser_agree(tmp_path):
     assert compiled.pop("positions") == list(range(7)) + [7, 3]
     parsed = spec_mod.spec_from_header(HEADER.read_text())
     attributes = compiled.pop("attributes")
-    assert [[a.name, a.type, a.required, a.default] for a in parsed.attributes] == attributes
+    assert [[a.name, a.type, a.required, list(a.default) if isinstance(a.default, tuple) else a.default]
+            for a in parsed.attributes] == attributes
     ranges = compiled.pop("attribute_ranges")
     assert [[r.name, r.min, r.max, r.meaning] for r in parsed.attribute_ranges] == ranges
     for field, value in compiled.items():
@@ -128,7 +134,9 @@ def test_spec_values_the_plugin_relies_on():
     assert s.op_type == s.plugin_name
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
-    assert s.plugin_version == "5" and s.domain_version == 5
+    assert s.plugin_version == "6" and s.domain_version == 6
+    # Not a field yet: after the plugin's fields, before plugin_namespace/plugin_version.
+    assert s.plugin_refused_attributes == (s.attr_alibi_slopes,)
     # The cache form: inputs 5 and 6, outputs 1 and 2, head-major rank-4 tensors.
     assert s.node_inputs(True) == s.input_names + ("past_key", "past_value")
     assert s.node_outputs(True) == ("output", "present_key", "present_value") and s.cache_rank == 4
@@ -159,6 +167,7 @@ def test_spec_types_defaults_and_operators():
     assert a[s.attr_is_causal].default == 0
     assert a[s.attr_softcap].type == onnx.AttributeProto.FLOAT and a[s.attr_softcap].default == 0.0
     assert isinstance(a[s.attr_softcap].default, float)
+    assert a[s.attr_alibi_slopes].type == onnx.AttributeProto.FLOATS and a[s.attr_alibi_slopes].default == ()
     for op in (s.torch_op_attention, s.torch_op_attention_forward, s.torch_op_attention_backward,
                s.torch_op_multi_head_attention, s.torch_op_multi_head_attention_forward,
                s.torch_op_multi_head_attention_backward):
@@ -183,7 +192,8 @@ def test_exported_node_carries_exactly_the_spec_names(exported_seq2seq):
     for node in nodes:
         assert len(node.input) == len(s.input_names) and all(node.input)
         assert len(node.output) == len(s.output_names)
-        assert {a.name for a in node.attribute} == set(s.attribute_names)
+        # Every attribute; alibi_slopes only with slopes (these nodes have none).
+        assert {a.name for a in node.attribute} == set(s.attribute_names) - {s.attr_alibi_slopes}
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs[s.attr_plugin_version] == s.plugin_version.encode()
         assert attrs[s.attr_plugin_namespace] == s.plugin_namespace.encode()
@@ -219,6 +229,18 @@ def _cpp_to_schema_type(cpp: str) -> str:
     return {"double": "float", "int64_t": "int", "bool": "bool"}[cpp]
 
 
+def _trailing_arguments():
+    """ATTN_EXPORT_TRAILING_ARGUMENTS of csrc/ops/core_args.h: the trailing attributes, then the
+    entries it adds (the ALiBi slopes): [(schema type, name, default)]."""
+    text = (ROOT / "csrc" / "ops" / "core_args.h").read_text()
+    body = re.search(r"#define ATTN_EXPORT_TRAILING_ARGUMENTS\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)[1]
+    assert "ATTN_EXPORT_TRAILING_ATTRIBUTES(X)" in body
+    types = {"std::optional<std::vector<double>>": "Optional[List[float]]"}
+    extra = [(types[t], n, None if d == "std::nullopt" else d)
+             for t, n, d in re.findall(r"X\(\s*([\w:<>]+)\s*,\s*(\w+)\s*,\s*([^)]*?)\s*\)", body)]
+    return _trailing_attributes() + extra
+
+
 def _trailing_attributes():
     """ATTN_EXPORT_TRAILING_ATTRIBUTES of attention_params.h: [(schema type, name, default)]."""
     text = PARAMS_HEADER.read_text()
@@ -242,10 +264,10 @@ def test_trailing_attributes_end_every_core_schema(op_field, before):
     args = signatures.arguments(op)
     names = [a.name for a in args]
     tail = [(a.type, a.name, a.default) for a in args[names.index(before) + 1:]]
-    listed = _trailing_attributes()
+    listed = _trailing_arguments()
     assert listed, "ATTN_EXPORT_TRAILING_ATTRIBUTES lists nothing (csrc/attention_params.h)"
     assert tail == listed, (f"{op} (csrc/attention_spec.h) ends with {tail} after {before!r}; "
-                            f"ATTN_EXPORT_TRAILING_ATTRIBUTES (csrc/attention_params.h) lists {listed}")
+                            f"ATTN_EXPORT_TRAILING_ARGUMENTS (csrc/ops/core_args.h) lists {listed}")
 
 
 def test_attribute_ranges_word_their_rule_and_admit_only_their_values():
@@ -282,7 +304,9 @@ def test_the_attention_operators_scalars_are_node_attributes():
 
     s = spec_mod.load()
     kinds = {"bool": onnx.AttributeProto.INT, "int": onnx.AttributeProto.INT, "float": onnx.AttributeProto.FLOAT,
-             "Optional[float]": onnx.AttributeProto.FLOAT}
+             "Optional[float]": onnx.AttributeProto.FLOAT, "Optional[List[float]]": onnx.AttributeProto.FLOATS}
+    # A list argument's None stands for the node's empty list (no slopes: ALiBi off).
+    defaults = {None: ()}
     scalars = [a for a in signatures.arguments(s.torch_op_attention) if not a.is_tensor]
     assert [a.name for a in scalars][:2] == [s.attr_is_causal, s.attr_scale]
     for a in scalars:
@@ -290,7 +314,9 @@ def test_the_attention_operators_scalars_are_node_attributes():
         node = s.attribute[a.name]
         assert node.type == kinds[a.type], f"kAttributes {a.name!r}: type {node.type_name}, the schema says {a.type}"
         if not node.required:
-            assert node.default == a.default, f"kAttributes {a.name!r}: default {node.default!r}, the schema {a.default!r}"
+            schema_default = defaults.get(a.default, a.default) if node.type == onnx.AttributeProto.FLOATS else a.default
+            assert node.default == schema_default, (f"kAttributes {a.name!r}: default {node.default!r}, the schema "
+                                                    f"{a.default!r}")
 
 
 def _python_signatures():

@@ -1,6 +1,7 @@
 #include "attention_binding.h"
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -208,6 +209,35 @@ void check_core_attributes(const CoreOptions& options) {
 
 #undef ATTN_EXPORT_CHECK_ATTRIBUTE
 
+void check_alibi_slopes(const CoreOptions& options, int64_t num_heads) {
+  if (!options.has_alibi()) {
+    return;
+  }
+  const std::vector<double>& slopes = *options.alibi_slopes;
+  TORCH_CHECK(static_cast<int64_t>(slopes.size()) == num_heads,
+              "attention: alibi_slopes must have one slope per query head (num_heads = ", num_heads, "); got ",
+              slopes.size(), " slopes: pass num_heads floats, or None for no ALiBi");
+  for (size_t h = 0; h < slopes.size(); ++h) {
+    // The kernels read float32: a double beyond float32's range would become inf there.
+    TORCH_CHECK(std::isfinite(slopes[h]) && std::fabs(slopes[h]) <= std::numeric_limits<float>::max(),
+                "attention: alibi_slopes must be finite float32 numbers; got ", slopes[h], " for head ", h,
+                ": pass finite slopes (Bloom and MPT: 2^(-8 (h + 1) / num_heads)), or None for no ALiBi");
+  }
+}
+
+std::optional<at::Tensor> kernel_alibi_slopes(const CoreOptions& options, const at::Tensor& like) {
+  if (!options.has_alibi()) {
+    return std::nullopt;
+  }
+  const std::vector<double>& slopes = *options.alibi_slopes;
+  at::Tensor host = at::empty({static_cast<int64_t>(slopes.size())}, at::TensorOptions().dtype(at::kFloat));
+  float* data = host.data_ptr<float>();
+  for (size_t h = 0; h < slopes.size(); ++h) {
+    data[h] = static_cast<float>(slopes[h]);
+  }
+  return like.device().is_cpu() ? host : host.to(like.device());
+}
+
 at::Tensor broadcast_attn_mask(const at::Tensor& mask, int64_t batch, int64_t heads, int64_t seqlen_q,
                                int64_t seqlen_k) {
   if (is_flat_batch_heads_mask(mask, batch, heads, seqlen_q, seqlen_k)) {
@@ -299,6 +329,7 @@ AttentionForward prepare_attention_forward(const ForwardArgs& a, at::ScalarType 
   const CoreOptions& o = a.options;
   check_attention_inputs(query, key, value, o.attn_mask, o.key_padding_mask);
   check_core_attributes(o);
+  check_alibi_slopes(o, query.size(1));
   const int64_t batch = query.size(0), heads = query.size(1), seqlen_q = query.size(2);
   const int64_t seqlen_k = key.size(2), dim_v = value.size(3);
   const auto acc_options = query.options().dtype(accumulation_dtype(query.scalar_type()));
@@ -316,7 +347,9 @@ AttentionForward prepare_attention_forward(const ForwardArgs& a, at::ScalarType 
   }
   f.attn_mask = kernel_attn_mask(o.attn_mask, batch, heads, seqlen_q, seqlen_k, mask_dtype);
   f.key_padding_mask = kernel_padding_mask(o.key_padding_mask, mask_dtype);
-  f.params = make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask, o);
+  f.alibi_slopes = kernel_alibi_slopes(o, query);
+  f.params =
+      make_attention_params(f.q, f.k, f.v, f.out, f.lse, f.weights, f.attn_mask, f.key_padding_mask, o, f.alibi_slopes);
   return f;
 }
 
@@ -336,7 +369,11 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
-    const CoreOptions& options) {
+    const CoreOptions& options,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  // A caller that forgot the slopes would run without them: never silently.
+  TORCH_INTERNAL_ASSERT(alibi_slopes.has_value() == options.has_alibi(),
+                        "make_attention_params: pass kernel_alibi_slopes(options, ...) along with options");
   const double scale = resolve_scale(options.scale, q.size(3));
   const bool is_causal = options.is_causal;
   for (const at::Tensor* t : {&q, &k, &v, &out}) {
@@ -374,6 +411,11 @@ AttentionParams make_attention_params(
 #define ATTN_EXPORT_COPY_ATTRIBUTE(type, name, default_value) p.name = options.name;
   ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_COPY_ATTRIBUTE)
 #undef ATTN_EXPORT_COPY_ATTRIBUTE
+  if (alibi_slopes.has_value()) {
+    TORCH_INTERNAL_ASSERT(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
+                          alibi_slopes->numel() == p.num_heads && alibi_slopes->device() == q.device());
+    p.alibi_slopes = alibi_slopes->data_ptr<float>();
+  }
   return p;
 }
 

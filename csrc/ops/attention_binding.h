@@ -51,6 +51,14 @@ double resolve_scale(std::optional<double> scale, int64_t head_dim);
 // The fake kernels raise the same message.
 void check_core_attributes(const CoreOptions& options);
 
+// The ALiBi slopes, when given and not empty: one per query head (num_heads of them), each finite
+// in float32. "attention: alibi_slopes must ...; got ...; <the fix>"; the fake kernels raise the same.
+void check_alibi_slopes(const CoreOptions& options, int64_t num_heads);
+
+// The options' ALiBi slopes as the kernels read them: a float32 [num_heads] tensor on `like`'s
+// device (AttentionParams::alibi_slopes points at it); nullopt when ALiBi is off (no slopes, or none).
+std::optional<at::Tensor> kernel_alibi_slopes(const CoreOptions& options, const at::Tensor& like);
+
 // An attention mask as a [B, H, Lq, Lk] view (broadcast dims get stride 0). Accepts
 // nn.MultiheadAttention's 3-D [B*H, Lq, Lk] and any mask broadcastable to [B, H, Lq, Lk] (the
 // masks F.scaled_dot_product_attention takes); check_attention_masks has refused the rest.
@@ -110,7 +118,9 @@ std::optional<at::Tensor> kernel_padding_mask(const std::optional<at::Tensor>& m
 // Fills shapes, q/k/v/out strides, masks and the options (scale resolved, causality, soft-cap,
 // and whatever else CoreOptions carries). The masks come as the kernels read them:
 // `attn_mask4d` from broadcast_attn_mask, `key_padding_mask` from kernel_padding_mask (the
-// options' own masks are not read). Every tensor's last dim must be contiguous.
+// options' own masks are not read), and so do the ALiBi slopes (kernel_alibi_slopes; required
+// when the options have slopes: the params never drop them). Every tensor's last dim must be
+// contiguous.
 AttentionParams make_attention_params(
     const at::Tensor& q,
     const at::Tensor& k,
@@ -120,7 +130,8 @@ AttentionParams make_attention_params(
     const std::optional<at::Tensor>& weights,
     const std::optional<at::Tensor>& attn_mask4d,
     const std::optional<at::Tensor>& key_padding_mask,
-    const CoreOptions& options);
+    const CoreOptions& options,
+    const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 
 // A forward pass of the attention core set up for a device's kernels: the inputs checked,
 // q/k/v converted to `compute_dtype` (the dtype the kernels read and write: the accumulation
@@ -130,7 +141,7 @@ AttentionParams make_attention_params(
 // ops) starts its forward here.
 struct AttentionForward {
   at::Tensor q, k, v, out, lse;
-  std::optional<at::Tensor> weights, attn_mask, key_padding_mask;
+  std::optional<at::Tensor> weights, attn_mask, key_padding_mask, alibi_slopes;
   AttentionParams params;
 };
 

@@ -1,8 +1,9 @@
 // The attention core's arguments, said once. Every implementation of the core operators (CPU,
 // CUDA, the CUDA emulator's test ops) takes one of these structs. The operators' flat
 // signatures (csrc/attention_spec.h, kSchemaAttention*) are expanded here, in the adapters
-// TORCH_LIBRARY registers, from the fixed leading arguments and the trailing attributes of
-// attention_params.h (ATTN_EXPORT_TRAILING_ATTRIBUTES). The static_asserts below hold the
+// TORCH_LIBRARY registers, from the fixed leading arguments and the trailing arguments below
+// (ATTN_EXPORT_TRAILING_ARGUMENTS: attention_params.h's ATTN_EXPORT_TRAILING_ATTRIBUTES, then the
+// ALiBi slopes). The static_asserts below hold the
 // schemas to that list by name at compile time (torch checks the types when the library loads),
 // and dispatch.h calls the operators through the same lists, so a new attribute needs no edit
 // here (docs/architecture.md lists what it touches).
@@ -14,11 +15,19 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "../attention_params.h"
 #include "../attention_spec.h"
 
-// Expansions of ATTN_EXPORT_TRAILING_ATTRIBUTES: `, type name` (a parameter) and `, name` (an
+// The core operators' trailing arguments: the scalar attributes of attention_params.h, then the
+// ALiBi slopes, a list (schema `float[]? alibi_slopes=None`: None or empty = off) that
+// AttentionParams carries as a float32 pointer (attention_binding.h's kernel_alibi_slopes).
+#define ATTN_EXPORT_TRAILING_ARGUMENTS(X) \
+  ATTN_EXPORT_TRAILING_ATTRIBUTES(X)      \
+  X(std::optional<std::vector<double>>, alibi_slopes, std::nullopt)
+
+// Expansions of ATTN_EXPORT_TRAILING_ARGUMENTS: `, type name` (a parameter) and `, name` (an
 // argument).
 #define ATTN_EXPORT_ATTRIBUTE_PARAMETER(type, name, default_value) , type name
 #define ATTN_EXPORT_ATTRIBUTE_ARGUMENT(type, name, default_value) , name
@@ -32,11 +41,14 @@ struct CoreOptions {
   std::optional<at::Tensor> key_padding_mask;
   bool is_causal = false;
   std::optional<double> scale;  // default 1/sqrt(head_dim)
-  ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_FIELD)
+  ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_FIELD)
+
+  // Whether ALiBi is on: slopes given and not empty.
+  bool has_alibi() const { return alibi_slopes.has_value() && !alibi_slopes->empty(); }
 
   // The non-tensor options as one value (what autograd keeps for the backward) and back.
   c10::IValue scalars() const {
-    return c10::ivalue::Tuple::create({is_causal, scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)});
+    return c10::ivalue::Tuple::create({is_causal, scale ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)});
   }
   static CoreOptions from(std::optional<at::Tensor> attn_mask, std::optional<at::Tensor> key_padding_mask,
                           const c10::IValue& scalars) {
@@ -44,7 +56,7 @@ struct CoreOptions {
     CoreOptions o{std::move(attn_mask), std::move(key_padding_mask), s[0].toBool(), s[1].toOptional<double>()};
     size_t next = 2;
 #define ATTN_EXPORT_ATTRIBUTE_READ(type, name, default_value) o.name = s[next++].to<type>();
-    ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_READ)
+    ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_READ)
 #undef ATTN_EXPORT_ATTRIBUTE_READ
     return o;
   }
@@ -82,9 +94,9 @@ at::Tensor attention_kernel(const at::Tensor& query, const at::Tensor& key, cons
                             const std::optional<at::Tensor>& attn_mask,
                             const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                             std::optional<double> scale
-                                ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
+                                ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
   const CoreOptions options{attn_mask, key_padding_mask, is_causal,
-                            scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
+                            scale ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
   return std::get<0>(Impl({query, key, value, options, false}));
 }
 
@@ -93,9 +105,9 @@ ForwardResults attention_forward_kernel(const at::Tensor& query, const at::Tenso
                                         const std::optional<at::Tensor>& attn_mask,
                                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                         std::optional<double> scale, bool need_weights
-                                            ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
+                                            ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
   const CoreOptions options{attn_mask, key_padding_mask, is_causal,
-                            scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
+                            scale ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
   return Impl({query, key, value, options, need_weights});
 }
 
@@ -105,14 +117,14 @@ CoreGrads attention_backward_kernel(const at::Tensor& grad_output, const std::op
                                     const at::Tensor& logsumexp, const std::optional<at::Tensor>& attn_mask,
                                     const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                     std::optional<double> scale, const std::optional<at::Tensor>& output
-                                        ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
+                                        ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_PARAMETER)) {
   const CoreOptions options{attn_mask, key_padding_mask, is_causal,
-                            scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
+                            scale ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_ARGUMENT)};
   return Impl({grad_output, grad_weights, query, key, value, logsumexp, output, options});
 }
 
 // The schemas against the adapters above: each core schema is its leading arguments (7, 8 and
-// 11, as the adapters spell them) followed by exactly the trailing attributes, by name.
+// 11, as the adapters spell them) followed by exactly the trailing arguments, by name.
 namespace schema_check {
 
 // The argument list of a schema "(type name[=default], ...) -> results" (no argument has
@@ -136,7 +148,7 @@ constexpr std::string_view argument_name(std::string_view schema, int index) {
 }
 
 #define ATTN_EXPORT_ATTRIBUTE_NAME(type, name, default_value) #name,
-inline constexpr std::string_view kTrailingNames[] = {ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_ATTRIBUTE_NAME)};
+inline constexpr std::string_view kTrailingNames[] = {ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_ATTRIBUTE_NAME)};
 #undef ATTN_EXPORT_ATTRIBUTE_NAME
 inline constexpr int kNumTrailing = static_cast<int>(sizeof(kTrailingNames) / sizeof(kTrailingNames[0]));
 
@@ -149,14 +161,14 @@ constexpr bool ends_with_trailing_attributes(std::string_view schema, int leadin
 }
 
 static_assert(ends_with_trailing_attributes(spec::kSchemaAttention, 7),
-              "kSchemaAttention (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
-              "(csrc/attention_params.h): the same names in the same order");
+              "kSchemaAttention (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ARGUMENTS "
+              "(csrc/ops/core_args.h): the same names in the same order");
 static_assert(ends_with_trailing_attributes(spec::kSchemaAttentionForward, 8),
-              "kSchemaAttentionForward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
-              "(csrc/attention_params.h): the same names in the same order");
+              "kSchemaAttentionForward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ARGUMENTS "
+              "(csrc/ops/core_args.h): the same names in the same order");
 static_assert(ends_with_trailing_attributes(spec::kSchemaAttentionBackward, 11),
-              "kSchemaAttentionBackward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ATTRIBUTES "
-              "(csrc/attention_params.h): the same names in the same order");
+              "kSchemaAttentionBackward (csrc/attention_spec.h) must end with ATTN_EXPORT_TRAILING_ARGUMENTS "
+              "(csrc/ops/core_args.h): the same names in the same order");
 
 }  // namespace schema_check
 

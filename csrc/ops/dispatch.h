@@ -36,14 +36,14 @@ inline at::Tensor call_attention(const ForwardArgs& a) {
   static auto op = typed_op<decltype(attention_kernel<nullptr>)>(spec::kOpAttention);
   const CoreOptions& o = a.options;
   return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal,
-                 o.scale ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
+                 o.scale ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline ForwardResults call_attention_forward(const ForwardArgs& a) {
   static auto op = typed_op<decltype(attention_forward_kernel<nullptr>)>(spec::kOpAttentionForward);
   const CoreOptions& o = a.options;
   return op.call(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask, o.is_causal, o.scale,
-                 a.need_weights ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
+                 a.need_weights ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline CoreGrads call_attention_backward(const BackwardArgs& a) {
@@ -51,7 +51,7 @@ inline CoreGrads call_attention_backward(const BackwardArgs& a) {
   const CoreOptions& o = a.options;
   return op.call(a.grad_output, a.grad_weights, a.query, a.key, a.value, a.logsumexp, o.attn_mask,
                  o.key_padding_mask, o.is_causal, o.scale,
-                 a.output ATTN_EXPORT_TRAILING_ATTRIBUTES(ATTN_EXPORT_OPTION_ARGUMENT));
+                 a.output ATTN_EXPORT_TRAILING_ARGUMENTS(ATTN_EXPORT_OPTION_ARGUMENT));
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

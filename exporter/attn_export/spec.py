@@ -36,8 +36,8 @@ _ENTRY = re.compile(r"\{([^{}]*)\}")
 
 # ONNX AttributeProto.AttributeType -> the attribute type's name, and the TensorRT
 # PluginFieldType the ONNX parser hands the plugin creator for it (INT and FLOAT narrowed).
-_ATTR_TYPE_NAMES = {1: "FLOAT", 2: "INT", 3: "STRING"}
-_PLUGIN_FIELD_TYPES = {"FLOAT": "FLOAT32", "INT": "INT32", "STRING": "CHAR"}
+_ATTR_TYPE_NAMES = {1: "FLOAT", 2: "INT", 3: "STRING", 6: "FLOATS"}
+_PLUGIN_FIELD_TYPES = {"FLOAT": "FLOAT32", "INT": "INT32", "STRING": "CHAR", "FLOATS": "FLOAT32"}
 
 
 class SpecError(RuntimeError):
@@ -103,13 +103,13 @@ class Attribute:
     """One attribute of the node (kAttributes)."""
 
     name: str
-    type: int  # ONNX AttributeProto.AttributeType: 1 FLOAT, 2 INT, 3 STRING
+    type: int  # ONNX AttributeProto.AttributeType: 1 FLOAT, 2 INT, 3 STRING, 6 FLOATS
     required: bool
-    default: Union[int, float, str, None]  # None when required
+    default: Union[int, float, str, Tuple[float, ...], None]  # None when required; FLOATS: ()
 
     @property
     def type_name(self) -> str:
-        """"INT", "FLOAT" or "STRING"."""
+        """"INT", "FLOAT", "STRING" or "FLOATS"."""
         return _ATTR_TYPE_NAMES[self.type]
 
     @property
@@ -166,11 +166,14 @@ class AttentionSpec:
     attr_kv_num_heads: str
     attr_window: str
     attr_has_past: str
+    attr_alibi_slopes: str
     attr_plugin_namespace: str
     attr_plugin_version: str
     attributes: Tuple[Attribute, ...]
     attribute_ranges: Tuple[AttributeRange, ...]  # the restricted attributes' values
     num_plugin_fields: int
+    # Node attributes that are not the plugin's fields yet: it refuses a node that sets one.
+    plugin_refused_attributes: Tuple[str, ...]
     input_names: Tuple[str, ...]
     output_names: Tuple[str, ...]
     input_ranks: Tuple[int, ...]
@@ -225,7 +228,8 @@ class AttentionSpec:
     @property
     def plugin_fields(self) -> Tuple[Attribute, ...]:
         """The attributes that are the TensorRT plugin's fields, in the plugin's order (all but
-        plugin_namespace / plugin_version, which the ONNX parser reads itself)."""
+        plugin_refused_attributes and plugin_namespace / plugin_version, which the ONNX parser
+        reads itself)."""
         return self.attributes[: self.num_plugin_fields]
 
     @property
@@ -262,11 +266,13 @@ _FIELDS = {
     "attr_kv_num_heads": "kAttrKvNumHeads",
     "attr_window": "kAttrWindow",
     "attr_has_past": "kAttrHasPast",
+    "attr_alibi_slopes": "kAttrAlibiSlopes",
     "attr_plugin_namespace": "kAttrPluginNamespace",
     "attr_plugin_version": "kAttrPluginVersion",
     "attributes": "kAttributes",
     "attribute_ranges": "kAttributeRanges",
     "num_plugin_fields": "kNumPluginFields",
+    "plugin_refused_attributes": "kPluginRefusedAttributes",
     "input_names": "kInputNames",
     "output_names": "kOutputNames",
     "input_ranks": "kInputRanks",
@@ -300,7 +306,7 @@ _OPERATORS = ("attention", "attention_forward", "attention_backward", "multi_hea
 def _attribute(entry: Dict[str, object]) -> Attribute:
     if entry["type"] not in _ATTR_TYPE_NAMES:
         raise SpecError(f"{_HEADER}: attribute {entry['name']!r} has an unknown type {entry['type']}")
-    defaults = {1: float(entry["default_float"]), 2: entry["default_int"], 3: entry["default_string"]}
+    defaults = {1: float(entry["default_float"]), 2: entry["default_int"], 3: entry["default_string"], 6: ()}
     default = None if entry["required"] else defaults[entry["type"]]
     return Attribute(entry["name"], entry["type"], entry["required"], default)
 
@@ -337,10 +343,10 @@ def spec_from_header(text: str) -> AttentionSpec:
     named = {values[k] for k in values if k.startswith("kAttr") and isinstance(values[k], str)}
     if set(spec.attribute_names) != named or values.get("kNumAttributes") != len(spec.attributes):
         raise SpecError(f"{_HEADER}: kAttributes {spec.attribute_names} disagree with the kAttr* names {sorted(named)}")
-    tail = {a.name for a in spec.attributes[spec.num_plugin_fields:]}
-    if tail != {spec.attr_plugin_namespace, spec.attr_plugin_version}:
-        raise SpecError(f"{_HEADER}: the attributes after the plugin's fields must be plugin_namespace and "
-                        f"plugin_version; got {sorted(tail)}")
+    tail = [a.name for a in spec.attributes[spec.num_plugin_fields:]]
+    if tail != [*spec.plugin_refused_attributes, spec.attr_plugin_namespace, spec.attr_plugin_version]:
+        raise SpecError(f"{_HEADER}: the attributes after the plugin's fields must be kPluginRefusedAttributes, "
+                        f"then plugin_namespace and plugin_version; got {tail}")
     if len(spec.tensor_types) != len(spec.tensor_type_names) or spec.mask_type not in spec.tensor_types:
         raise SpecError(f"{_HEADER}: kTensorTypes / kTensorTypeNames / kMaskType disagree")
     ops = [v for k, v in fields.items() if k.startswith("torch_op_")]

@@ -162,6 +162,14 @@ std::string parse_fields(const Field* fields, int32_t count, Config& out) {
     if (field.name == nullptr) {
       continue;
     }
+    // A node attribute the plugin does not implement yet: refused when set, never ignored.
+    for (const char* refused : spec::kPluginRefusedAttributes) {
+      if (std::strcmp(field.name, refused) == 0 && field.length > 0) {
+        return std::string("field ") + refused + " is not supported by this plugin yet (ALiBi slopes: the CUDA " +
+            "kernels do not take them); export without them (the ALiBi bias as an additive attn_mask), or run " +
+            "the model's ONNX function in ONNX Runtime";
+      }
+    }
     for (int32_t i = 0; i < kNumFields; ++i) {
       if (std::strcmp(field.name, kFields[i].name) != 0) {
         continue;

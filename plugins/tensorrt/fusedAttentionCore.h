@@ -104,7 +104,8 @@ inline constexpr int32_t kMaxInputs = spec::kNumPastInputs;
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the
 // result. Returns "" on success, otherwise one sentence naming the field and what is wrong.
-// Unknown field names are ignored (they are not the plugin's).
+// Unknown field names are ignored (they are not the plugin's), except a set one of
+// spec::kPluginRefusedAttributes (alibi_slopes), which is refused.
 std::string parse_fields(const Field* fields, int32_t count, Config& out);
 
 // "" when every value is acceptable, otherwise why not.

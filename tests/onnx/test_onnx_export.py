@@ -185,8 +185,8 @@ def test_softcap_exports_as_the_node_attribute_and_onnx_runtime_matches_float64(
     onnx.checker.check_model(model, full_check=True)
     assert len(nodes) == 1
     assert math.isclose(attrs(nodes[0])[S.attr_softcap], softcap, rel_tol=1e-6)
-    assert {o.domain: o.version for o in model.opset_import}[nodes[0].domain] == S.domain_version == 5
-    assert attrs(nodes[0])[S.attr_plugin_version] == b"5"
+    assert {o.domain: o.version for o in model.opset_import}[nodes[0].domain] == S.domain_version == 6
+    assert attrs(nodes[0])[S.attr_plugin_version] == b"6"
     for shapes in ({"batch": 2, "lq": 5, "lk": 7}, {"batch": 3, "lq": 9, "lk": 4}):
         other = resize(inputs, axes, shapes, seed=3)
         (out,) = ort_run(result.path, other)

@@ -227,14 +227,18 @@ def test_the_registered_schema_spells_out_the_spec():
     attrs = schema.attributes
     assert sorted(attrs) == sorted(["num_heads", "scale", "is_causal", "has_key_padding_mask", "has_attn_mask",
                                     "softcap", "causal_alignment", "kv_num_heads", "window", "has_past",
-                                    "plugin_namespace", "plugin_version"])
+                                    "alibi_slopes", "plugin_namespace", "plugin_version"])
     assert {n for n, a in attrs.items() if a.required} == {"num_heads", "scale"}
     A = onnx.defs.OpSchema.AttrType
     assert (attrs["num_heads"].type, attrs["scale"].type, attrs["softcap"].type) == (A.INT, A.FLOAT, A.FLOAT)
-    defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items() if not a.required}
+    # Optional without a default: onnxscript writes no empty list on nodes without slopes (one that
+    # onnx-graphsurgeon and onnxslim could not write back).
+    assert attrs["alibi_slopes"].type == A.FLOATS and not attrs["alibi_slopes"].default_value.name
+    defaults = {n: helper.get_attribute_value(a.default_value) for n, a in attrs.items()
+                if not a.required and n != "alibi_slopes"}
     assert defaults == {"is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-                        "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0, "plugin_namespace": b"",
-                        "plugin_version": b"5"}
+                        "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0,
+                        "plugin_namespace": b"", "plugin_version": b"6"}
     assert all(a.description for a in attrs.values())
 
 
@@ -242,8 +246,10 @@ def test_node_attributes_are_the_spec_names_with_normalized_values():
     attrs = onnx_node.node_attributes(np.int64(4), 1, 1, 0, 2, softcap=3)
     assert attrs == {"num_heads": 4, "scale": 1.0, "is_causal": 1, "has_key_padding_mask": 0, "has_attn_mask": 1,
                      "softcap": 3.0, "causal_alignment": 0, "kv_num_heads": 4, "window": 0, "has_past": 0,
-                     "plugin_namespace": "", "plugin_version": "5"}
+                     "plugin_namespace": "", "plugin_version": "6"}
     assert [type(attrs[n]) for n in ("num_heads", "scale", "is_causal", "softcap")] == [int, float, int, float]
+    # ALiBi slopes only when there are some, as floats.
+    assert onnx_node.node_attributes(2, 1, 0, 0, 0, alibi_slopes=(1, np.float32(0.5)))["alibi_slopes"] == [1.0, 0.5]
     assert onnx_node.node_attributes(1, -0.5, False, False, False)["num_heads"] == 1  # the smallest head count
 
 
@@ -334,8 +340,8 @@ def test_both_bodies_declare_the_spec_attributes():
         assert list(function.attribute) == ["num_heads", "scale"]
         assert {a.name: helper.get_attribute_value(a) for a in function.attribute_proto} == {
             "is_causal": 0, "has_key_padding_mask": 0, "has_attn_mask": 0, "softcap": 0.0,
-            "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0, "plugin_namespace": b"",
-            "plugin_version": b"5"}
+            "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": 0, "alibi_slopes": [0.0],
+            "plugin_namespace": b"", "plugin_version": b"6"}
         assert [(o.domain, o.version) for o in function.opset_import] == [("", OPSET)]
 
 
@@ -380,6 +386,9 @@ def test_trilu_diagonal_offsets_are_0_d_as_the_operator_spec_requires(causal, al
     trilus = 0
     for function in bodies:
         call = helper.make_node(S.op_type, list(S.input_names), ["out"], domain=function.domain, **attrs)
+        # onnx.inliner does not apply a function's attribute defaults: the generic body's ALiBi
+        # Constant needs the (empty) slopes on the call, as the exporter writes them.
+        call.attribute.append(helper.make_attribute(S.attr_alibi_slopes, [], attr_type=onnx.AttributeProto.FLOATS))
         inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in zip(
             S.input_names, (["B", "Lq", 8], ["B", "Lk", 8], ["B", "Lk", 8], ["B", "Lk"], [1, 1, 1, 1]))]
         model = helper.make_model(

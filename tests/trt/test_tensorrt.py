@@ -186,10 +186,10 @@ def test_preflight_library_problems(libraries, seq2seq_onnx, which, words):
 
 
 @pytest.mark.parametrize("creators, words", [
-    # A plugin built before window (version 3) and a model exported with it (version 4).
-    ([Creator(version="3")], "3 node(s) ask for plugin FusedAttention version '5' namespace '', but TensorRT has "
+    # A plugin built before window (version 3) and a model exported with the current spec (version 6).
+    ([Creator(version="3")], "3 node(s) ask for plugin FusedAttention version '6' namespace '', but TensorRT has "
                              "FusedAttention only as version '3' namespace ''"),
-    ([Creator(namespace="acme")], "only as version '5' namespace 'acme'"),
+    ([Creator(namespace="acme")], "only as version '6' namespace 'acme'"),
     ([Creator("ROIAlign_TRT", "2")], "registered no creator of that name (TensorRT knows 1 creator(s): ROIAlign_TRT)"),
     ([], "registered no creator of that name (TensorRT knows 0 creator(s))"),
     ([Creator(fields=[("num_heads", "INT32"), ("scale", "FLOAT32")])],

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "alibi.h"
 #include "block_gemm.h"
 #include "flash_cpu.h"
 #include "runtime.h"
@@ -111,9 +112,9 @@ void soft_cap(const AttentionParams& p, int64_t rows, int64_t cols, const T* x, 
   }
 }
 
-// The masks of query rows [row0, row0 + rows) added to a block of scores (rows ld >=
-// padded_cols(cols) apart); [cols, padded_cols(cols)) is set to -inf, so that it vanishes in
-// the softmax.
+// The masks (and ALiBi's bias, with slopes) of query rows [row0, row0 + rows) added to a block of
+// scores (rows ld >= padded_cols(cols) apart); [cols, padded_cols(cols)) is set to -inf, so that it
+// vanishes in the softmax.
 template <typename T>
 void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols, T* s,
                int64_t ld) {
@@ -123,6 +124,7 @@ void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int
     const int64_t i = row0 + r;
     T* row = s + r * ld;
     std::fill(row + cols, row + padded_cols(cols), -std::numeric_limits<T>::infinity());
+    add_alibi(p, h, i, 0, cols, row);  // finite: a -inf mask below still removes the key
     if (am.present()) {
       apply_mask(am, b * am.batch_stride + h * am.head_stride + i * am.row_stride, cols, row);
     }
@@ -137,8 +139,8 @@ void add_masks(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int
   }
 }
 
-// s[r, j] = cap(scale * q[row0 + r] . k[j]) + masks, for r < rows and j < cols (cap: the
-// soft-cap when p.softcap > 0, else the identity), padded as add_masks does.
+// s[r, j] = cap(scale * q[row0 + r] . k[j]) + masks (+ ALiBi), for r < rows and j < cols (cap:
+// the soft-cap when p.softcap > 0, else the identity), padded as add_masks does.
 template <typename T>
 void masked_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
                    int64_t cols, T* s, int64_t ld, const float* keys_t = nullptr) {

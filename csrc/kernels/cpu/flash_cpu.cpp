@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "alibi.h"
 #include "row_kernels.h"
 #include "runtime.h"
 #include "vec_kernels.h"
@@ -319,7 +320,8 @@ inline bool block_hidden(const AttentionParams& p, int64_t b, int64_t h, int64_t
 }
 
 // Scores of query rows [row0, row0 + rows) against keys [j0, j0 + cols) (s: rows ld apart, ld
-// >= cols_pad), after the products: soft-cap, then the masks, causality and -inf padding.
+// >= cols_pad), after the products: soft-cap, then ALiBi's bias, the masks, causality and -inf
+// padding.
 // raw, when given, receives the uncapped scaled scores (the soft-cap's derivative needs them).
 template <typename T>
 ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t row0, int64_t rows,
@@ -338,6 +340,7 @@ ATTN_EXPORT_INLINE void finish_scores(const AttentionParams& p, int64_t b, int64
         row[j] = cap * std::tanh(row[j] * inv_cap);
       }
     }
+    add_alibi(p, h, i, j0, cols, row);  // finite: a -inf mask below still removes the key
     std::fill(row + cols, row + cols_pad, kNegInf<T>);
     if (am.present()) {
       const int64_t offset = b * am.batch_stride + h * am.head_stride + i * am.row_stride + j0 * am.col_stride;

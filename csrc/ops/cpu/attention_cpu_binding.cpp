@@ -35,6 +35,7 @@ CoreGrads attention_backward_cpu(const BackwardArgs& a) {
   const CoreOptions& o = a.options;
   check_attention_inputs(a.query, a.key, a.value, o.attn_mask, o.key_padding_mask);
   check_core_attributes(o);
+  check_alibi_slopes(o, a.query.size(1));
   check_attention_backward_inputs(a.grad_output, a.logsumexp, a.query, a.value);
   const int64_t batch = a.query.size(0), heads = a.query.size(1), seqlen_q = a.query.size(2);
   const int64_t seqlen_k = a.key.size(2);
@@ -51,6 +52,7 @@ CoreGrads attention_backward_cpu(const BackwardArgs& a) {
   at::Tensor grad_v = empty_kernel_kv_grad(a.value, heads, options);
   const auto mask4d = kernel_attn_mask(o.attn_mask, batch, heads, seqlen_q, seqlen_k, acc);
   const auto padding = kernel_padding_mask(o.key_padding_mask, acc);
+  const auto alibi_slopes = kernel_alibi_slopes(o, a.query);  // the scores recomputed below include the bias
 
   std::optional<at::Tensor> gw;
   if (a.grad_weights.has_value() && a.grad_weights->defined()) {
@@ -60,7 +62,7 @@ CoreGrads attention_backward_cpu(const BackwardArgs& a) {
   // without it the row kernels recompute whole probability rows instead.
   const bool has_output = a.output.has_value() && a.output->defined();
   const at::Tensor out = has_output ? kernel_operand(*a.output, acc) : grad_out;
-  AttentionParams forward = make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, padding, o);
+  AttentionParams forward = make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, padding, o, alibi_slopes);
   if (!has_output) {
     forward.out = nullptr;
   }

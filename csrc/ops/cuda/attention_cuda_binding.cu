@@ -33,6 +33,13 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " (CUDA) failed: ", cudaGetErrorString(err));
 }
 
+// Until the CUDA kernels take ALiBi slopes, a call with slopes is refused, never run without them.
+void check_no_alibi(const CoreOptions& options) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!options.has_alibi(),
+                              "attention: the CUDA kernels do not take ALiBi slopes yet (alibi_slopes); run this call "
+                              "on the CPU, or pass the ALiBi bias as an additive attn_mask");
+}
+
 cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
@@ -52,6 +59,7 @@ void run_forward(const AttentionParams& params, const at::Tensor& like, cudaStre
 }
 
 ForwardResults attention_forward_cuda(const ForwardArgs& a) {
+  check_no_alibi(a.options);
   const c10::cuda::CUDAGuard device_guard(a.query.device());
   const ForwardArgs verified = verified_forward_args(a, cuda::attention_preview_enabled());
   // float16/bfloat16 stay as they are: the kernels read them natively.
@@ -62,6 +70,7 @@ ForwardResults attention_forward_cuda(const ForwardArgs& a) {
 }
 
 CoreGrads attention_backward_cuda(const BackwardArgs& a) {
+  check_no_alibi(a.options);
   const at::Tensor &grad_output = a.grad_output, &query = a.query, &key = a.key, &value = a.value;
   const at::Tensor& logsumexp = a.logsumexp;
   const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;

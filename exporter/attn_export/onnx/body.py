@@ -17,9 +17,12 @@ The body, in the order it computes (each step one function of onnx/body_steps.py
         kt, v = Transpose(Reshape(key/value, [0, 0, Hkv, -1]))           [B, Hkv, D, Lk], [B, Hkv, Lk, Dv]
     x = MatMul(q * scale, kt)                            (scale on q: Lq*D products, not Lq*Lk)
     x = softcap * Tanh(x / softcap)                      soft-capping
-    bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal     the terms present
+    bias = Unsqueeze(key_padding_mask, [1, 2]) + attn_mask + causal + alibi     the terms present
         causal = Trilu(-inf [Lq, Lk], k = 1 + (bottom-right ? Lk - Lq : 0), upper=1)
                  + Trilu(-inf [Lq, Lk], k - 1 - window, upper=0)    sliding window (window > 0)
+        alibi = -Reshape(slopes, [H, 1, 1]) * Cast(Abs(Range(0, Lq)[:, None] + Lk - Lq - Range(0, Lk)))
+                 [H, Lq, Lk]; slopes = Constant(alibi_slopes), padded with zeros to H heads where
+                 the generic body reads an empty list (no ALiBi: adds -0)
         grouped: x viewed [B, Hkv, G, Lq, Lk] (Reshape), the padding mask [B, 1, 1, 1, Lk], the
         attn_mask's head axis split into (Hkv, G)
     ctx = MatMul(Softmax(x + bias), v)                   grouped: viewed [B, Hkv, G, Lq, Dv]
@@ -101,6 +104,16 @@ def body_nodes(plan: BodyPlan) -> List[onnx.NodeProto]:
     return b.nodes
 
 
+def default_attribute(a: _spec.Attribute) -> onnx.AttributeProto:
+    """An optional attribute of the functions at its spec default. A list (alibi_slopes, default
+    empty) defaults to [0.0] instead: tools that write attributes back through
+    onnx.helper.make_attribute (onnx-graphsurgeon, onnxslim) cannot type an empty list, and the
+    generic body pads the slopes with zeros to H heads, so [0.0] adds -0 as the empty list does."""
+    if a.type == onnx.AttributeProto.FLOATS:
+        return helper.make_attribute(a.name, [0.0])
+    return helper.make_attribute(a.name, a.default)
+
+
 def check_opset(opset: int) -> None:
     s = _spec.load()
     if opset < s.min_onnx_opset:
@@ -123,6 +136,6 @@ def function_proto(plan: BodyPlan, opset: int, domain: str) -> onnx.FunctionProt
         # the spec's defaults. The has_* and plugin_* attributes are for the TensorRT plugin and
         # unused by the body.
         attributes=[a.name for a in s.attributes if a.required],
-        attribute_protos=[helper.make_attribute(a.name, a.default) for a in s.attributes if not a.required],
+        attribute_protos=[default_attribute(a) for a in s.attributes if not a.required],
         doc_string="attn_export fused attention core; see docs/onnx_node.md",
     )

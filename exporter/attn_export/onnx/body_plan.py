@@ -37,6 +37,9 @@ class BodyPlan:
     window: When = When.NEVER
     # The cache form: inputs past_key/past_value, outputs present_key/present_value.
     past: bool = False
+    # The alibi_slopes attribute's bias (ALWAYS: the node has slopes; BY_ATTRIBUTE: an empty list
+    # adds zeros).
+    alibi: When = When.NEVER
 
     @property
     def guards_dead_rows(self) -> bool:
@@ -51,4 +54,5 @@ class BodyPlan:
 # Right for every node, whatever its attributes and T: a placeholder mask adds zeros, and a
 # group of one key/value head per query head repeats nothing.
 GENERIC = BodyPlan(causal=When.BY_ATTRIBUTE, softcap=When.BY_ATTRIBUTE, key_padding_mask=True, attn_mask=True,
-                   float32=False, bottom_right=When.BY_ATTRIBUTE, grouped=True, window=When.BY_ATTRIBUTE)
+                   float32=False, bottom_right=When.BY_ATTRIBUTE, grouped=True, window=When.BY_ATTRIBUTE,
+                   alibi=When.BY_ATTRIBUTE)

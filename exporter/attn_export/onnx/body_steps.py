@@ -49,10 +49,13 @@ class _Body:
             self._constants[key] = self.op("Constant", out=name, value=tensor)
         return self._constants[key]
 
-    def attribute(self, name: str, dtype: int, out: str) -> str:
-        """A 0-D Constant whose value is the calling node's attribute ``name`` (INT64 or FLOAT)."""
+    def attribute(self, name: str, dtype: int, out: str, list_of: bool = False) -> str:
+        """A 0-D Constant whose value is the calling node's attribute ``name`` (INT64 or FLOAT), or
+        with ``list_of`` a 1-D one from a FLOATS attribute."""
         kind, attr_type = ("value_int", onnx.AttributeProto.INT) if dtype == INT64 else (
             "value_float", onnx.AttributeProto.FLOAT)
+        if list_of:
+            kind, attr_type = "value_floats", onnx.AttributeProto.FLOATS
         self.op("Constant", out=out)
         ref = self.nodes[-1].attribute.add()
         ref.name, ref.ref_attr_name, ref.type = kind, name, attr_type
@@ -214,6 +217,8 @@ def _bias(b: _Body, plan: BodyPlan, groups: Optional[_Groups]) -> Optional[str]:
         terms.append(_grouped_attn_mask(b, groups) if groups else s.input_names[4])
     if plan.causal is not When.NEVER:
         terms.append(_causal_bias(b, plan.causal, plan.bottom_right, plan.window))
+    if plan.alibi is not When.NEVER:
+        terms.append(_alibi_bias(b, plan.alibi, groups))
     bias = terms[0] if terms else None
     for i, term in enumerate(terms[1:]):
         bias = b.op("Add", bias, term, out=f"bias{i}")
@@ -237,6 +242,33 @@ def _causal_bias(b: _Body, when: When, bottom_right: When, window: When = When.N
         return causal
     on = b.op("Cast", b.attribute(s.attr_is_causal, INT64, out="causal_i"), out="causal_on", to=BOOL)
     return b.op("Where", on, causal, b.const("zero_f", 0.0), out="causal_add")
+
+
+def _alibi_bias(b: _Body, when: When, groups: Optional[_Groups]) -> str:
+    """ALiBi: -slopes[h] * |i + Lk - Lq - j|, [H, Lq, Lk] (grouped: [Hkv, G, Lq, Lk]), from the
+    alibi_slopes attribute. BY_ATTRIBUTE (the generic body) pads the list with H zeros and keeps
+    the first H: an empty list (no ALiBi) adds -0, which changes no score."""
+    s = _spec.load()
+    slopes = b.attribute(s.attr_alibi_slopes, FLOAT, out="alibi_slopes", list_of=True)
+    heads = b.op("Unsqueeze", b.attribute(s.attr_num_heads, INT64, out="alibi_heads"), b.const("axis0", [0]),
+                 out="alibi_heads1")
+    if when is When.BY_ATTRIBUTE:
+        zeros = b.op("ConstantOfShape", heads, out="alibi_zeros", value=helper.make_tensor("zero", FLOAT, [1], [0.0]))
+        padded = b.op("Concat", slopes, zeros, out="alibi_padded", axis=0)
+        slopes = b.op("Slice", padded, b.const("start0", [0]), heads, out="alibi_slopes_h")
+    ones2 = b.const("ones2", [1, 1])
+    shape = (b.op("Concat", groups.kv_heads, groups.group, ones2, out="alibi_shape", axis=0) if groups
+             else b.op("Concat", heads, ones2, out="alibi_shape", axis=0))
+    negated = b.op("Neg", b.op("Reshape", slopes, shape, out="alibi_slopes4"), out="alibi_neg_slopes")
+    lq, lk = _length(b, 0), _length(b, 1)
+    zero, one = b.const("zero_i", 0), b.const("one", 1)
+    rows = b.op("Range", zero, b.op("Squeeze", lq, out="lq0"), one, out="alibi_rows")
+    cols = b.op("Range", zero, b.op("Squeeze", lk, out="lk0"), one, out="alibi_cols")
+    shifted = b.op("Add", rows, b.op("Sub", lk, lq, out="alibi_shift"), out="alibi_diagonal")
+    distance = b.op("Abs", b.op("Sub", b.op("Unsqueeze", shifted, b.const("last1", [1]), out="alibi_diagonal2"),
+                                b.op("Unsqueeze", cols, b.const("axis0", [0]), out="alibi_cols2"),
+                                out="alibi_offset"), out="alibi_distance_i")
+    return b.op("Mul", negated, b.op("Cast", distance, out="alibi_distance", to=FLOAT), out="alibi_bias")
 
 
 def _diagonal(b: _Body, lq: str, lk: str, bottom_right: When) -> str:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import onnx
 from onnx import TensorProto, helper
 
 from attn_export import spec as _spec
 from attn_export.onnx import body as _body
+from attn_export.ops.input_checks import FLOAT32_MAX
 
 
 def _onnx_type_strings(elem_types) -> list:
@@ -30,7 +31,7 @@ def _onnx_type_strings(elem_types) -> list:
 
 
 def _default_attribute(a: _spec.Attribute) -> onnx.AttributeProto:
-    return helper.make_attribute(a.name, a.default)
+    return _body.default_attribute(a)
 
 
 # What each attribute means, for the schema (names, types, required flags and defaults: the spec).
@@ -47,6 +48,8 @@ _ATTRIBUTE_DOCS = {
               "(sliding window); 0: no window",
     "has_past": "1: the cache form: inputs past_key/past_value [B, Hkv, P, D], outputs present_key/present_value "
                 "[B, Hkv, P+S, D] (past then the new keys), attention over the present; 0: five inputs, one output",
+    "alibi_slopes": "ALiBi: one float32 slope m[h] per query head (num_heads of them); adds "
+                    "-m[h] * |i + Lk - Lq - j| with the masks (FlashAttention's alibi_slopes); empty: off",
     "plugin_namespace": "TensorRT plugin namespace",
     "plugin_version": "TensorRT plugin version",
 }
@@ -72,9 +75,14 @@ def register_schema() -> None:
     inputs = [
         OpSchema.FormalParameter(name, "M" if name in mask_inputs else "T") for name in s.input_names
     ]
+    # A list attribute (alibi_slopes) is optional without a default: onnxscript would otherwise
+    # write the empty default on every node, which onnx-graphsurgeon and onnxslim cannot write
+    # back (onnx.helper.make_attribute cannot type an empty list).
     attributes = [
-        OpSchema.Attribute(a.name, OpSchema.AttrType(a.type), _attribute_doc(a.name), required=True)
-        if a.required else OpSchema.Attribute(a.name, _default_attribute(a), _attribute_doc(a.name))
+        OpSchema.Attribute(a.name, OpSchema.AttrType(a.type), _attribute_doc(a.name),
+                           required=a.required)
+        if a.required or a.type_name == "FLOATS" else
+        OpSchema.Attribute(a.name, _default_attribute(a), _attribute_doc(a.name))
         for a in s.attributes
     ]
     schema = OpSchema(
@@ -94,16 +102,20 @@ def register_schema() -> None:
 
 
 # A node attribute's Python type, by its spec type.
-_ATTRIBUTE_TYPES = {"INT": int, "FLOAT": float, "STRING": str}
+_ATTRIBUTE_TYPES = {"INT": int, "FLOAT": float, "STRING": str, "FLOATS": lambda values: [float(x) for x in values]}
 
 
 def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_padding_mask: bool,
                     has_attn_mask: bool, softcap: float = 0.0, causal_alignment: int = 0,
-                    kv_num_heads: Optional[int] = None, window: int = 0, has_past: bool = False) -> dict:
+                    kv_num_heads: Optional[int] = None, window: int = 0, has_past: bool = False,
+                    alibi_slopes: Optional[Sequence[float]] = None) -> dict:
     """The attributes every exported node carries, by their spec names; ``kv_num_heads`` None
     is num_heads (no grouping). Every attribute is written, also at its default: a body's
     attribute references then never rely on the function's defaults, which not every tool
-    applies (onnx.inliner leaves such a Constant without a value)."""
+    applies (onnx.inliner leaves such a Constant without a value). The one exception is
+    ``alibi_slopes``, given only when there are slopes (None or empty: no ALiBi, and no lean body
+    reads it): an empty list is what onnx.helper.make_attribute cannot type, so neither
+    helper.make_node nor onnx-graphsurgeon and onnxslim could write it."""
     s = _spec.load()
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1; got {num_heads}")
@@ -122,17 +134,31 @@ def node_attributes(num_heads: int, scale: float, is_causal: bool, has_key_paddi
         s.attr_kv_num_heads: num_heads if kv_num_heads is None else kv_num_heads,
         s.attr_window: window,
         s.attr_has_past: bool(has_past),
+        s.attr_alibi_slopes: list(alibi_slopes or ()),
         s.attr_plugin_namespace: s.plugin_namespace,
         s.attr_plugin_version: s.plugin_version,
     }
     refusals = [f"{name} must be an integer; got {value}" for name, value in given.items()
                 if s.attribute[name].type_name == "INT" and not float(value).is_integer()]
     refusals += s.refusals(given)
+    refusals += _alibi_refusals(given[s.attr_alibi_slopes], num_heads)
     if window and not is_causal:
         refusals.append(f"window > 0 needs is_causal (the window ends at the causal diagonal); got window={window}")
     if refusals:
         raise ValueError(refusals[0])
+    if not given[s.attr_alibi_slopes]:
+        del given[s.attr_alibi_slopes]  # no slopes: not written (the docstring says why)
     return {name: _ATTRIBUTE_TYPES[s.attribute[name].type_name](value) for name, value in given.items()}
+
+
+def _alibi_refusals(slopes, num_heads: int) -> list:
+    """Why the slopes cannot be the node's (none when empty: no ALiBi)."""
+    if not slopes:
+        return []
+    if len(slopes) != num_heads:
+        return [f"alibi_slopes must have one slope per query head (num_heads = {num_heads}); got {len(slopes)}"]
+    return [f"alibi_slopes must be finite float32 numbers; got {x!r} for head {h}" for h, x in enumerate(slopes)
+            if not math.isfinite(x) or abs(x) > FLOAT32_MAX][:1]
 
 
 def is_attention_domain(domain: str) -> bool:
@@ -169,16 +195,18 @@ class BodyVariant:
     grouped: bool = False  # grouped-query: kv_num_heads set and < num_heads
     windowed: bool = False  # causal with a sliding window (window > 0)
     past: bool = False  # the cache form (has_past): 7 inputs, 3 outputs
+    alibi: bool = False  # ALiBi slopes (alibi_slopes not empty)
 
     @property
     def name(self) -> str:
         """``f32`` / ``cast`` followed by the parts of the work the body does, e.g. ``f32_causal_kpm``
         (``br``: bottom-right causal, ``win``: sliding window, ``gqa``: grouped-query, ``past``: the
-        cache form)."""
+        cache form, ``alibi``: ALiBi slopes)."""
         parts = ["f32" if self.float32 else "cast"]
         parts += [name for name, on in (("causal", self.is_causal), ("br", self.bottom_right), ("win", self.windowed),
                                         ("kpm", self.has_key_padding_mask), ("mask", self.has_attn_mask),
-                                        ("softcap", self.softcap), ("gqa", self.grouped), ("past", self.past)) if on]
+                                        ("softcap", self.softcap), ("alibi", self.alibi), ("gqa", self.grouped),
+                                        ("past", self.past)) if on]
         return "_".join(parts)
 
     @property
@@ -192,7 +220,8 @@ class BodyVariant:
         return _body.BodyPlan(causal=_body.When.of(self.is_causal), softcap=_body.When.of(self.softcap),
                               key_padding_mask=self.has_key_padding_mask, attn_mask=self.has_attn_mask,
                               float32=self.float32, bottom_right=_body.When.of(self.bottom_right),
-                              grouped=self.grouped, window=_body.When.of(self.windowed), past=self.past)
+                              grouped=self.grouped, window=_body.When.of(self.windowed), past=self.past,
+                              alibi=_body.When.of(self.alibi))
 
     @classmethod
     def of_node(cls, node: onnx.NodeProto, query_type: Optional[int]) -> "BodyVariant":
@@ -211,7 +240,8 @@ class BodyVariant:
                    float(get(s.attr_softcap)) > 0, query_type == TensorProto.FLOAT,
                    bottom_right=causal and int(get(s.attr_causal_alignment)) == 1,
                    grouped=kv_heads not in (0, int(get(s.attr_num_heads))),
-                   windowed=causal and int(get(s.attr_window)) > 0, past=bool(get(s.attr_has_past)))
+                   windowed=causal and int(get(s.attr_window)) > 0, past=bool(get(s.attr_has_past)),
+                   alibi=len(get(s.attr_alibi_slopes)) > 0)
 
 
 def lean_function_proto(opset: int, variant: BodyVariant) -> onnx.FunctionProto:

@@ -14,6 +14,7 @@ import torch
 from attn_export import spec as _spec
 from attn_export.ops import signatures
 from attn_export.ops.input_checks import (  # noqa: F401 - the checks: public here too
+    check_alibi_slopes,
     check_attention_inputs,
     check_attention_masks,
     check_core_attributes,
@@ -60,6 +61,7 @@ def _fake(op: str):
 def _attention_fake(query, key, value, attn_mask, key_padding_mask, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_core_attributes(attributes)
+    check_alibi_slopes(attributes["alibi_slopes"], query.size(1))
     return empty_token_major(query, query.size(0), query.size(1), query.size(2), value.size(3))
 
 
@@ -67,6 +69,7 @@ def _attention_fake(query, key, value, attn_mask, key_padding_mask, **attributes
 def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need_weights, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_core_attributes(attributes)
+    check_alibi_slopes(attributes["alibi_slopes"], query.size(1))
     batch, heads, seqlen_q, seqlen_k = query.size(0), query.size(1), query.size(2), key.size(2)
     out = empty_token_major(query, batch, heads, seqlen_q, value.size(3))
     lse = query.new_empty((batch, heads, seqlen_q), dtype=accumulation_dtype(query.dtype))
@@ -78,6 +81,7 @@ def _attention_forward_fake(query, key, value, attn_mask, key_padding_mask, need
 def _attention_backward_fake(grad_output, query, key, value, logsumexp, attn_mask, key_padding_mask, **attributes):
     check_attention_inputs(query, key, value, attn_mask, key_padding_mask)
     check_core_attributes(attributes)
+    check_alibi_slopes(attributes["alibi_slopes"], query.size(1))
     batch, heads = query.size(0), query.size(1)
     torch._check(
         list(grad_output.shape) == [batch, heads, query.size(2), value.size(3)],

@@ -4,10 +4,12 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from attn_export.ops.input_checks import FLOAT32_MAX
 
 
 class CausalAlignment(enum.IntEnum):
@@ -31,6 +33,7 @@ def attention(
     softcap: Optional[float] = None,
     causal_alignment: int = CausalAlignment.TOP_LEFT,
     window: int = 0,
+    alibi_slopes: Union[Sequence[float], Tensor, None] = None,
 ) -> Tensor:
     """Scaled dot-product attention, ``softmax(cap(scale * q k^T) + masks) v``, as one operator.
 
@@ -62,6 +65,13 @@ def attention(
             (bottom-right): transformers' ``kv_idx > q_idx - sliding_window`` in absolute
             positions. 0 (the default): no window. ``window > 0`` without ``is_causal`` is
             refused (the window ends at the causal diagonal).
+        alibi_slopes: ALiBi (Bloom, MPT), FlashAttention's ``alibi_slopes``: one slope ``m[h]`` per
+            QUERY head (``H`` of them, also under grouped-query attention), a sequence of floats or
+            a 1-D float tensor (read once, as float32; under ``torch.export`` pass a list). The
+            score of query ``i`` and key ``j`` gets ``-m[h] * |i + Lk - Lq - j|`` after the scale and
+            the soft-cap, with the masks: the distance from the bottom-right diagonal, whatever
+            ``causal_alignment`` is. ``None`` or empty: off. Must be finite (``ValueError``, as for
+            a length other than ``H``; ``TypeError`` for anything but numbers).
 
     Returns:
         ``Tensor[B, H, Lq, Dv]`` (memory laid out token-major, ``[B, Lq, H, Dv]``). A query row
@@ -72,8 +82,9 @@ def attention(
     # The attributes left at the operator's defaults are not passed: graphs traced without them
     # look as they did before they existed.
     attributes = [0.0 if softcap is None else _checked_softcap(softcap), int(causal_alignment),
-                  _checked_window(window)]
-    while attributes and attributes[-1] == 0:  # softcap 0.0, TOP_LEFT and window 0 are the defaults
+                  _checked_window(window), _checked_alibi_slopes(alibi_slopes, query.size(1))]
+    # softcap 0.0, TOP_LEFT, window 0 and no slopes (None) are the defaults
+    while attributes and attributes[-1] in (0, None):
         attributes.pop()
     return torch.ops.attn_export.attention.default(
         query, key, value, attn_mask, key_padding_mask, is_causal, scale, *attributes
@@ -89,6 +100,37 @@ def _checked_softcap(softcap) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (None or 0 = off); got {softcap!r}")
     return value
+
+
+def _checked_alibi_slopes(slopes, num_heads) -> Optional[List[float]]:
+    """The slopes as a list of floats, None when off (None or empty); TypeError for anything but
+    a sequence of real numbers or a 1-D floating tensor, ValueError for a length other than
+    num_heads or a slope that is not finite in float32."""
+    if slopes is None:
+        return None
+    if isinstance(slopes, Tensor):
+        if slopes.dim() != 1 or not slopes.dtype.is_floating_point:
+            raise TypeError("alibi_slopes must be a 1-D floating tensor or a sequence of floats (None = off); "
+                            f"got a {slopes.dim()}-D {slopes.dtype} tensor")
+        values = [float(x) for x in slopes.detach().to("cpu", torch.float64).tolist()]
+    elif isinstance(slopes, (str, bytes)) or not isinstance(slopes, Sequence):
+        raise TypeError(f"alibi_slopes must be a sequence of floats or a 1-D tensor (None = off); "
+                        f"got {type(slopes).__name__}")
+    else:
+        for x in slopes:
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise TypeError(f"alibi_slopes must hold real numbers; got {type(x).__name__}")
+        values = [float(x) for x in slopes]
+    if not values:
+        return None
+    if len(values) != num_heads:
+        raise ValueError(f"alibi_slopes must have one slope per query head (num_heads = {num_heads}); got "
+                         f"{len(values)} slopes: pass num_heads floats, or None for no ALiBi")
+    bad = [(h, v) for h, v in enumerate(values) if not math.isfinite(v) or abs(v) > FLOAT32_MAX]
+    if bad:
+        raise ValueError(f"alibi_slopes must be finite float32 numbers; got {bad[0][1]:g} for head {bad[0][0]}: pass "
+                         "finite slopes (Bloom and MPT: 2^(-8 (h + 1) / num_heads)), or None for no ALiBi")
+    return values
 
 
 def _checked_window(window) -> int:

@@ -5,6 +5,8 @@ csrc/ops/multi_head_attention.cpp) in Python, with the same words, for the fake 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attn_export import spec as _spec
@@ -233,6 +235,27 @@ def check_core_attributes(attributes: dict) -> None:
         lambda: "attention: window > 0 needs is_causal=True (the window ends at the causal diagonal); "
         f"got window={window} with is_causal=False: pass is_causal=True, or window=0 and a boolean attn_mask",
     )
+
+
+# The largest finite float32: the kernels read the slopes in float32 (C++: numeric_limits<float>::max()).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_alibi_slopes(alibi_slopes, num_heads) -> None:
+    """The C++ check_alibi_slopes: None or empty is off; else one finite float32 slope per query head."""
+    if not alibi_slopes:
+        return
+    torch._check(
+        len(alibi_slopes) == num_heads,
+        lambda: f"attention: alibi_slopes must have one slope per query head (num_heads = {num_heads}); got "
+        f"{len(alibi_slopes)} slopes: pass num_heads floats, or None for no ALiBi",
+    )
+    for h, slope in enumerate(alibi_slopes):
+        torch._check(
+            math.isfinite(slope) and abs(slope) <= FLOAT32_MAX,
+            lambda: f"attention: alibi_slopes must be finite float32 numbers; got {slope:g} for head {h}: pass "
+            "finite slopes (Bloom and MPT: 2^(-8 (h + 1) / num_heads)), or None for no ALiBi",
+        )
 
 
 def check_softcap(softcap) -> None:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
 import torch
 
 from attn_export import spec as _spec
 
 # Schema types of non-tensor arguments -> the Python type onnxscript reads as an attribute. An
-# optional scalar (`float? scale=None`) is annotated as the scalar, with the default None.
-_SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+# optional scalar (`float? scale=None`) is annotated as the scalar, with the default None; a list
+# of floats (`float[]? alibi_slopes=None`) as Sequence[float], which onnxscript reads as FLOATS.
+_SCALAR_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "List[float]": Sequence[float]}
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class Argument:
 
     @property
     def annotation(self) -> Any:
-        """The Python type of a scalar argument (the attribute onnxscript sees); empty for tensors
-        and lists."""
+        """The Python type of a scalar argument or a list of floats (the attribute onnxscript
+        sees); empty for tensors and other lists."""
         scalar = self.type[len("Optional["):-1] if self.type.startswith("Optional[") else self.type
         return _SCALAR_TYPES.get(scalar, inspect.Parameter.empty)
 

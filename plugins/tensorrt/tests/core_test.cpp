@@ -94,6 +94,16 @@ void test_fields_defaults_and_errors() {
                      int_field("something_else", &two)};
   check(parse_fields(unknown, 3, c).empty(), "unknown fields are ignored");
 
+  // ALiBi slopes are not a field yet: an empty list (a node without slopes) is ignored, slopes refused.
+  const float slopes[2] = {0.5F, 0.25F};
+  Field no_slopes[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                       Field{spec::kAttrAlibiSlopes, nullptr, 1, 0}};
+  check(parse_fields(no_slopes, 3, c).empty(), "an empty alibi_slopes is no ALiBi");
+  Field with_slopes[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                         Field{spec::kAttrAlibiSlopes, slopes, 1, 2}};
+  check_error(parse_fields(with_slopes, 3, c), "field alibi_slopes is not supported by this plugin yet",
+              "alibi_slopes refused");
+
   Field missing_heads[] = {float_field(spec::kAttrScale, &scale)};
   check_error(parse_fields(missing_heads, 1, c), "field num_heads is missing", "missing num_heads");
   Field missing_scale[] = {int_field(spec::kAttrNumHeads, &heads)};

@@ -51,6 +51,8 @@ def _op_for(node: onnx.NodeProto, dims, types) -> tuple:
     a = attrs(node)
     if types.get(node.input[0]) not in _TYPES:
         return None, "the contrib operators' CPU kernels run float32 and float16 only"
+    if len(a[s.attr_alibi_slopes]):  # never dropped: the node keeps them until this flavor expresses them
+        return None, "ALiBi slopes (alibi_slopes): the ort flavor does not express them yet"
     if a[s.attr_is_causal]:
         if a[s.attr_has_past] or int(a[s.attr_causal_alignment]) == 1 or _same_length(dims, node):
             return GQA, None

@@ -16,6 +16,9 @@ What the rewrite adds around the node (docs/onnx_node.md, "The standard flavor")
 * mask and guard are built once per model for the layers that share them (``_SharedMasks``);
 * bfloat16 runs the node in float32 between Casts (ONNX Runtime's CPU kernel has no bfloat16);
 * grouped-query layers keep their key/value heads: ``kv_num_heads`` is the operator's own;
+* ALiBi slopes (``alibi_slopes``), which opset 23 does not have, join the mask as the bias
+  ``-m[h] * |i + Lk - Lq - j|`` ``[1, H, Lq, Lk]`` computed in the graph from the run-time lengths
+  (the guard reads the mask before that finite term joins it);
 * a cached export's Concat(past, new keys) is folded into the node's ``past_key``/``past_value``
   inputs and ``present_key``/``present_value`` outputs (editing.find_past).
 
@@ -60,8 +63,8 @@ def _attrs(node: onnx.NodeProto) -> Dict[str, object]:
 def _expressed(s) -> set:
     """The node attributes the rewrite below carries over to the standard operator."""
     return {s.attr_num_heads, s.attr_scale, s.attr_is_causal, s.attr_has_key_padding_mask, s.attr_has_attn_mask,
-            s.attr_softcap, s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_window, s.attr_plugin_namespace,
-            s.attr_plugin_version}
+            s.attr_softcap, s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_window, s.attr_alibi_slopes,
+            s.attr_plugin_namespace, s.attr_plugin_version}
 
 
 def _bottom_right(a: Dict[str, object]) -> bool:
@@ -86,9 +89,10 @@ def why_not_standard(node: onnx.NodeProto) -> str | None:
     heads, kv_heads = int(a[s.attr_num_heads]), int(a[s.attr_kv_num_heads])
     if kv_heads < 0 or (kv_heads and heads % kv_heads):
         return f"kv_num_heads={kv_heads} does not divide num_heads={heads}"
-    if float(a[s.attr_softcap]) > 0 and (a[s.attr_is_causal] or a[s.attr_has_key_padding_mask] or a[s.attr_has_attn_mask]):
-        return ("soft-capping with a mask or causal masking: opset 23 Attention caps after adding the mask (a "
-                "masked key would come back), attn-export caps before")
+    masked = a[s.attr_is_causal] or a[s.attr_has_key_padding_mask] or a[s.attr_has_attn_mask]
+    if float(a[s.attr_softcap]) > 0 and (masked or len(a[s.attr_alibi_slopes])):
+        return ("soft-capping with a mask, causal masking or ALiBi: opset 23 Attention caps after adding the mask "
+                "(a masked key would come back), attn-export caps before")
     return None
 
 
@@ -116,67 +120,103 @@ class _SharedMasks:
         a = _attrs(node)
         causal, has_kpm, has_mask = bool(a[s.attr_is_causal]), bool(a[s.attr_has_key_padding_mask]), bool(a[s.attr_has_attn_mask])
         bottom_right = _bottom_right(a)
-        if not (has_kpm or has_mask or bottom_right):
+        slopes = tuple(a[s.attr_alibi_slopes])
+        if not (has_kpm or has_mask or bottom_right or slopes):
             return None  # top-left causal alone never empties a row: is_causal on the node, no mask, no guard
-        lq, lk = self.axis(node.input[0], 1), self.axis(node.input[1], 1) if causal else "any"
+        lq, lk = self.axis(node.input[0], 1), self.axis(node.input[1], 1) if causal or slopes else "any"
         key = ((node.input[3] if has_kpm else None, node.input[4] if has_mask else None, causal, bottom_right, lq, lk,
-                compute)
+                compute, slopes)
                if lq is not None and lk is not None else ("node", index))
         if key not in self.built:
             # The dead-row flags [B|1, H|1, Lq|1, 1] keep a head axis only where attn_mask has one.
             per_head = has_mask and self.axis(node.input[4], 1) != 1
             self.built[key] = _build_mask(b, node, causal, has_kpm, has_mask, compute, per_head, bottom_right,
-                                          key_length or [(node.input[1], 1)])
+                                          key_length or [(node.input[1], 1)], slopes)
         return self.built[key]
 
 
 @dataclass
 class _Mask:
     mask: str  # the Attention node's additive mask, [B|1, H|1, Lq, Lk] of the computing type
-    dead: str  # the dead rows: [B|1, Lq|1, 1] (per_head False) or [B|1, H, Lq|1, 1]
+    # the dead rows: [B|1, Lq|1, 1] (per_head False) or [B|1, H, Lq|1, 1]; None: no row can be
+    # empty (the mask is ALiBi's finite bias alone)
+    dead: "str | None"
     per_head: bool
 
 
 def _build_mask(b: "NodeBuilder", node: onnx.NodeProto, causal: bool, has_kpm: bool, has_mask: bool, compute: int,
-                per_head: bool, bottom_right: bool = False, key_length: List[tuple] | None = None) -> _Mask:
+                per_head: bool, bottom_right: bool = False, key_length: List[tuple] | None = None,
+                alibi_slopes: tuple = ()) -> _Mask:
     q, k, _, kpm, mask = node.input
-    f32 = TensorProto.FLOAT
     terms = []
     if has_kpm:
         terms.append(b.op("Unsqueeze", [kpm, b.const("axes12", [1, 2])], "kpm4"))
     if has_mask:
         terms.append(mask)
     lq = b.op("Shape", [q], "lq", start=1, end=2)
+    lk = _key_length(b, key_length or [(k, 1)]) if causal or alibi_slopes else None
     if causal:  # joins the mask, so the guard below sees it (-inf strictly above the diagonal)
-        sizes = key_length or [(k, 1)]
-        parts = [b.op("Shape", [name], "lk" if len(sizes) == 1 else f"lk{i}", start=axis, end=axis + 1)
-                 for i, (name, axis) in enumerate(sizes)]
-        lk = parts[0] if len(parts) == 1 else b.op("Add", parts, "lk")
-        all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
-                       value=helper.make_tensor("neg_inf", f32, [1], [-math.inf]))
-        diagonal = b.const("one", [1], dims=[])
-        if bottom_right:  # the diagonal moves right by Lk - Lq (0-D, as Trilu's k)
-            shift = b.op("Squeeze", [b.op("Sub", [lk, lq], "lk_minus_lq1")], "lk_minus_lq")
-            diagonal = b.op("Add", [diagonal, shift], "causal_diagonal")
-        causal_bias = b.op("Trilu", [all_inf, diagonal], "causal_bias", upper=1)
+        causal_bias = _causal_bias(b, lq, lk, bottom_right)
         if not terms:  # the only term: [1, 1, Lq, Lk], the rank the guard's flags are read at
             causal_bias = b.op("Unsqueeze", [causal_bias, b.const("axes01", [0, 1])], "causal_bias4")
         terms.append(causal_bias)
-    bias = terms[0]
-    for i, term in enumerate(terms[1:]):
-        bias = b.op("Add", [bias, term], f"bias{i}")
-    # The guard reads the bias before its query axis is spelled out: a padding mask's max over
-    # keys is one value per batch row, not one per (row, query).
-    dead = b.op("IsInf", [b.op("ReduceMax", [bias, b.const("last_axis", [-1])], "bias_max", keepdims=1)],
-                "dead_row", detect_positive=0, detect_negative=1)
-    if not per_head:  # [B|1, 1, Lq|1, 1] -> [B|1, Lq|1, 1]: broadcasts against the output [B, Lq, H*Dv]
-        dead = b.op("Squeeze", [dead, b.const("head_axis", [1])], "dead_rows")
-    if not causal:  # the query axis spelled out: [.., 1, Lk] -> [.., Lq, Lk] (the causal term has it)
+    bias = _sum(b, terms, "bias")
+    dead = None
+    if bias is not None:
+        # The guard reads the bias before its query axis is spelled out: a padding mask's max over
+        # keys is one value per batch row, not one per (row, query).
+        dead = b.op("IsInf", [b.op("ReduceMax", [bias, b.const("last_axis", [-1])], "bias_max", keepdims=1)],
+                    "dead_row", detect_positive=0, detect_negative=1)
+        if not per_head:  # [B|1, 1, Lq|1, 1] -> [B|1, Lq|1, 1]: broadcasts against the output [B, Lq, H*Dv]
+            dead = b.op("Squeeze", [dead, b.const("head_axis", [1])], "dead_rows")
+    if alibi_slopes:  # finite: after the guard, which it would not change
+        bias = _sum(b, [bias, _alibi_bias(b, lq, lk, alibi_slopes)], "alibi_mask")
+    if not causal and not alibi_slopes:  # the query axis spelled out: [.., 1, Lk] -> [.., Lq, Lk]
         target = b.op("Concat", [b.const("ones2", [1, 1]), lq, b.const("one1", [1])], "mask_shape", axis=0)
         bias = b.op("Expand", [bias, target], "mask_full")
-    if compute != f32:
+    if compute != TensorProto.FLOAT:
         bias = b.op("Cast", [bias], "mask_t", to=compute)
     return _Mask(bias, dead, per_head)
+
+
+def _sum(b: "NodeBuilder", terms: List[str | None], out: str) -> "str | None":
+    """The sum of the terms that are there (None: none is)."""
+    terms = [t for t in terms if t is not None]
+    total = terms[0] if terms else None
+    for i, term in enumerate(terms[1:]):
+        total = b.op("Add", [total, term], f"{out}{i}")
+    return total
+
+
+def _key_length(b: "NodeBuilder", sizes: List[tuple]) -> str:
+    """[1]: Lk, the sum of the (value, axis) sizes (a folded cache: past and new keys)."""
+    parts = [b.op("Shape", [name], "lk" if len(sizes) == 1 else f"lk{i}", start=axis, end=axis + 1)
+             for i, (name, axis) in enumerate(sizes)]
+    return parts[0] if len(parts) == 1 else b.op("Add", parts, "lk")
+
+
+def _causal_bias(b: "NodeBuilder", lq: str, lk: str, bottom_right: bool) -> str:
+    """[Lq, Lk]: -inf strictly above the causal diagonal (moved right by Lk - Lq bottom-right)."""
+    all_inf = b.op("ConstantOfShape", [b.op("Concat", [lq, lk], "qk_shape", axis=0)], "all_inf",
+                   value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-math.inf]))
+    diagonal = b.const("one", [1], dims=[])
+    if bottom_right:  # the diagonal moves right by Lk - Lq (0-D, as Trilu's k)
+        shift = b.op("Squeeze", [b.op("Sub", [lk, lq], "lk_minus_lq1")], "lk_minus_lq")
+        diagonal = b.op("Add", [diagonal, shift], "causal_diagonal")
+    return b.op("Trilu", [all_inf, diagonal], "causal_bias", upper=1)
+
+
+def _alibi_bias(b: "NodeBuilder", lq: str, lk: str, slopes: tuple) -> str:
+    """[1, H, Lq, Lk]: -slopes[h] * |i + Lk - Lq - j| in float32 (the node's function body's ALiBi term)."""
+    negated = b.const("alibi_neg_slopes", [-float(m) for m in slopes], TensorProto.FLOAT, [1, len(slopes), 1, 1])
+    zero, one = b.const("alibi_zero", [0], dims=[]), b.const("alibi_one", [1], dims=[])
+    rows = b.op("Range", [zero, b.op("Squeeze", [lq], "alibi_lq"), one], "alibi_rows")
+    cols = b.op("Range", [zero, b.op("Squeeze", [lk], "alibi_lk"), one], "alibi_cols")
+    diagonal = b.op("Add", [rows, b.op("Sub", [lk, lq], "alibi_shift")], "alibi_diagonal")
+    offset = b.op("Sub", [b.op("Unsqueeze", [diagonal, b.const("alibi_axis1", [1])], "alibi_diagonal2"),
+                          b.op("Unsqueeze", [cols, b.const("alibi_axis0", [0])], "alibi_cols2")], "alibi_offset")
+    distance = b.op("Cast", [b.op("Abs", [offset], "alibi_distance_i")], "alibi_distance", to=TensorProto.FLOAT)
+    return b.op("Mul", [negated, distance], "alibi_bias")
 
 
 def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
@@ -204,7 +244,7 @@ def _standard_nodes(node: onnx.NodeProto, index: int, query_type: int | None,
     y = b.op("Attention", inputs, "attention", outputs=outputs, q_num_heads=heads,
              kv_num_heads=kv_heads, scale=float(a[s.attr_scale]), is_causal=int(bool(a[s.attr_is_causal]) and not mask),
              softcap=float(a[s.attr_softcap]))
-    if mask:  # rows the mask empties give 0
+    if mask and mask.dead is not None:  # rows the mask empties give 0
         zero = b.const("zero", [0.0], compute, [])
         if mask.per_head:  # [B, Lq, H*Dv] -> [B, Lq, H, Dv]; the flags [B|1, H, Lq|1, 1] -> [B|1, Lq|1, H, 1]
             y4 = b.op("Reshape", [y, b.const("split", [0, 0, heads, -1])], "y4")
