@@ -91,7 +91,8 @@ def test_causal_gqa_matches_float64_reference(group, alignment, Lq, Lk, row_kern
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("Lq,Lk", [(6, 11), (11, 6), (70, 150)])
+# The fast tier: the short lengths; the slow tier also several key and query tiles (70 x 150).
+@pytest.mark.parametrize("Lq,Lk", [(6, 11), (11, 6), pytest.param(70, 150, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("group", [2, 8])
 def test_every_mask_with_gqa_and_bottom_right(group, Lq, Lk, mask):
     """Every mask kind; the causal ones bottom-right. Masks are per query head ([B*H, Lq, Lk])."""
@@ -189,7 +190,8 @@ def test_expanded_key_value_give_the_same_result():
     {"is_causal": True, "causal_alignment": 0, "key_padding_mask": "padding"},
     {"attn_mask": "bool_3d"},
 ], ids=["bottom_right", "top_left+padding", "bool_3d"])
-@pytest.mark.parametrize("Lq,Lk", [(3, 5), (5, 3)])
+# The fast tier: more keys than queries (the cache's shape); the slow tier also the other way.
+@pytest.mark.parametrize("Lq,Lk", [(3, 5), pytest.param(5, 3, marks=pytest.mark.slow)])
 def test_gradcheck_gqa_float64(masks, Lq, Lk):
     B = 2
     make = lambda *s: torch.randn(*s, dtype=f64, requires_grad=True)  # noqa: E731
@@ -203,7 +205,7 @@ def test_gradcheck_gqa_float64(masks, Lq, Lk):
     torch.autograd.gradcheck(lambda *t: row_kernels_attention(*t, **kwargs), (q, k, v))
 
 
-@pytest.mark.parametrize("dtype", [f32, f64])
+@pytest.mark.parametrize("dtype", [f32, pytest.param(f64, marks=pytest.mark.slow)])  # the fast tier: float32
 @pytest.mark.parametrize("alignment", [0, 1])
 def test_opcheck_gqa(dtype, alignment):
     q, k, v = gqa_inputs(2, 6, 4, 8, 4, dtype=dtype)
