@@ -70,12 +70,18 @@ def test_generated_instantiations_are_current():
 # on sm_80 so far (docs/cuda.md). ATTN_EXPORT_CUDA_ARCHS="80;90" builds and gates both
 # (docs/testing.md: before a release, and after a change of tiles).
 CI_ARCHS = "80"
-# The sm_80 flash instantiations CI compiles: 15 of the 60, every head dim of the forward and the
-# backward, both element types, causal and not, the 128-row forwards, the backward's column split
-# and its verified unsplit tiles at 128. Compiling all 60 is the largest part of CI's time (their
-# split-KV kernels above all); ATTN_EXPORT_CUDA_UNITS=all compiles and gates every one
-# (docs/testing.md: before a release, and after a change of tiles or of a kernel's code).
+# The sm_80 flash instantiations CI compiles: 6 of the 60, every kernel (the forward packed and
+# not, with its split-KV variants; the 128-row forward; the backward with its column split and the
+# verified unsplit tiles), both element types of each, causal and not.
 CI_FLASH_UNITS = (
+    "flash_fwd_hdim64_fp16_causal.cu", "flash_fwd_hdim128_fp16.cu", "flash_fwd_hdim64_bf16_wide.cu",
+    "flash_bwd_hdim64_fp16.cu", "flash_bwd_hdim128_bf16_unsplit_causal.cu", "flash_bwd_hdim128_fp16.cu",
+)
+# `make test-all` (exhaustive) also gates 15 of the 60: every head dim of the forward and the
+# backward (a head dim is a tile choice of its own, kernel_traits.h). Compiling all 60 is minutes
+# more (their split-KV kernels above all); ATTN_EXPORT_CUDA_UNITS=all compiles and gates every one
+# (docs/testing.md: before a release, and after a change of tiles or of a kernel's code).
+EVERY_HEAD_DIM_UNITS = (
     "flash_fwd_hdim32_fp16_wide_causal.cu", "flash_fwd_hdim32_bf16.cu", "flash_fwd_hdim64_fp16_causal.cu",
     "flash_fwd_hdim64_bf16_wide.cu", "flash_fwd_hdim96_bf16_causal.cu", "flash_fwd_hdim128_fp16.cu",
     "flash_fwd_hdim192_bf16_causal.cu", "flash_fwd_hdim256_fp16.cu",
@@ -83,14 +89,16 @@ CI_FLASH_UNITS = (
     "flash_bwd_hdim128_bf16_unsplit_causal.cu", "flash_bwd_hdim128_fp16.cu", "flash_bwd_hdim192_fp16_causal.cu",
     "flash_bwd_hdim256_bf16.cu",
 )
+UNIT_SETS = {"ci": CI_FLASH_UNITS, "every-head-dim": EVERY_HEAD_DIM_UNITS}
 
 
-def flash_units() -> list:
-    """The flash instantiations the build compiles (ATTN_EXPORT_CUDA_UNITS=all: every one)."""
+def flash_units(unit_set: str = "ci") -> list:
+    """The flash instantiations a build compiles: a set of UNIT_SETS (ATTN_EXPORT_CUDA_UNITS=all:
+    every one)."""
     every = sorted((KERNELS / "cuda" / "instantiations").glob("flash_*.cu"))
     if os.environ.get("ATTN_EXPORT_CUDA_UNITS") == "all":
         return every
-    return [u for u in every if u.name in CI_FLASH_UNITS]
+    return [u for u in every if u.name in UNIT_SETS[unit_set]]
 
 
 @dataclass(frozen=True)
@@ -101,25 +109,28 @@ class KernelBuild:
     units: tuple  # the flash instantiations it compiled (pathlib.Path)
 
 
-def test_the_quick_set_covers_every_kind_of_flash_unit():
-    """CI's quick set (CI_FLASH_UNITS) names files that exist and, between them, every head dim of
-    the forward and the backward, both element types, causal and not, the 128-row forward, and
-    the backward's split and verified unsplit tiles."""
+@pytest.mark.parametrize("unit_set", list(UNIT_SETS))
+def test_the_unit_sets_cover_every_kind_of_flash_unit(unit_set):
+    """Each set names files that exist and, between them, both element types of the forward and
+    the backward, causal and not, the 128-row forward, and the backward's split and verified
+    unsplit tiles; the exhaustive set also every head dim of each."""
     every = {u.name for u in (KERNELS / "cuda" / "instantiations").glob("flash_*.cu")}
-    quick = set(CI_FLASH_UNITS)
-    assert quick <= every, sorted(quick - every)
+    chosen = set(UNIT_SETS[unit_set])
+    assert chosen <= every, sorted(chosen - every)
     for kind in ("fwd", "bwd"):
         dims = {re.search(r"hdim(\d+)", u).group(1) for u in every if u.startswith(f"flash_{kind}_")}
-        assert dims == {re.search(r"hdim(\d+)", u).group(1) for u in quick if u.startswith(f"flash_{kind}_")}, kind
+        if unit_set == "every-head-dim":
+            assert dims == {re.search(r"hdim(\d+)", u).group(1) for u in chosen if u.startswith(f"flash_{kind}_")}, kind
         for feature in ("_fp16", "_bf16", "_causal"):
-            assert any(feature in u for u in quick if u.startswith(f"flash_{kind}_")), (kind, feature)
-        assert any("_causal" not in u for u in quick if u.startswith(f"flash_{kind}_")), kind
-    assert any("_wide" in u for u in quick) and any("_unsplit" in u for u in quick)
-    assert any(u.startswith("flash_bwd_hdim128_") and "_unsplit" not in u for u in quick)
+            assert any(feature in u for u in chosen if u.startswith(f"flash_{kind}_")), (kind, feature)
+        assert any("_causal" not in u for u in chosen if u.startswith(f"flash_{kind}_")), kind
+    assert any("_wide" in u for u in chosen) and any("_unsplit" in u for u in chosen)
+    assert any(u.startswith("flash_bwd_hdim128_") and "_unsplit" not in u for u in chosen)
 
 
-@pytest.fixture(scope="module")
-def kernel_build(tmp_path_factory) -> KernelBuild:
+@pytest.fixture(scope="module", params=[pytest.param("ci"),
+                                        pytest.param("every-head-dim", marks=pytest.mark.exhaustive)])
+def kernel_build(tmp_path_factory, request) -> KernelBuild:
     """`cmake -S csrc -B build -DCMAKE_CUDA_ARCHITECTURES=80 && cmake --build build`, the library a
     TensorRT plugin links, built once for this file with `-Xptxas -v`: the compile check and the
     spill gate read the same build."""
@@ -127,7 +138,7 @@ def kernel_build(tmp_path_factory) -> KernelBuild:
     if _nvcc() is None or shutil.which("cmake") is None or ninja is None:
         pytest.skip("needs nvcc, cmake and ninja")
     archs = os.environ.get("ATTN_EXPORT_CUDA_ARCHS", CI_ARCHS)
-    units = flash_units()
+    units = flash_units(request.param)
     env = dict(os.environ, CUDACXX=_nvcc())
     build = tmp_path_factory.mktemp("kernels") / "build"
     start = time.monotonic()
