@@ -2,9 +2,9 @@
 operator's per-head slopes. Tiny random-weight models (4 heads, and 6, where MPT's slopes are
 interleaved), a left-padded batch: the routed model's logits at valid positions against the stock
 model's on each prompt alone, in float64 and float32, for a prefill and a decode step with the
-cache; the report names
-the route at every layer, with the slopes transformers' own functions give; a Bloom padding mask
-with a hole between valid keys runs the stock module (the slopes cannot express it), counted."""
+cache; the report names the route at every layer, with the slopes transformers' own functions
+give; a Bloom padding mask with a hole between valid keys, and a call asking for the attention
+weights, run the stock module (counted)."""
 from __future__ import annotations
 
 import copy
@@ -113,3 +113,17 @@ def test_a_bloom_padding_mask_with_a_hole_runs_the_stock_module_and_is_counted()
     counts = [fused_calls(m) for m in attention_modules(routed)]
     assert [c.fused for c in counts] == [0, 0] and all(len(c.unfused) == 1 for c in counts), counts
     assert "holes between valid keys" in next(iter(counts[0].unfused))
+
+
+def test_bloom_asked_for_its_attention_weights_runs_the_stock_module_and_is_counted():
+    stock = build("bloom")
+    routed = copy.deepcopy(stock)
+    attn_export.replace_attention(routed)
+    batch = padded_batch((6, 4), 6, vocab=VOCAB)
+    with torch.no_grad():
+        want, got = stock(**batch, output_attentions=True), routed(**batch, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.attentions, want.attentions)
+    counts = [fused_calls(m) for m in attention_modules(routed)]
+    assert [c.fused for c in counts] == [0, 0] and all("output_attentions=True" in next(iter(c.unfused))
+                                                       for c in counts), counts
