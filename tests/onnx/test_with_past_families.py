@@ -124,7 +124,9 @@ def test_alibi_families_fuse_with_their_slopes_and_generate_the_models_tokens(na
     torch.manual_seed(0)
     model = ALIBI[name](transformers).eval()
     path = tmp_path / f"{name}.onnx"
-    export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True)
+    result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True)
+    rows = [(layer.found, layer.status) for layer in result.replacement.layers]
+    assert rows == [("alibi", "routed")] * 2, result.replacement  # the sample run too took the operator
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
              for n in fused_nodes(onnx.load(str(path), load_external_data=False))]
     assert len(attrs) == 2, attrs  # every layer, one node each
