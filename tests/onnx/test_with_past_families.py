@@ -4,8 +4,9 @@ of prompts of lengths 5, 9 and 12: partial rotary (GPT-NeoX), multi-query (Falco
 learned positions with an offset (OPT), query/key norms (Qwen3), sliding windows of 8 shorter
 and longer than the prompts (Gemma 3, StarCoder2), every attention fused with its cache. And
 the issue's reproductions through the CLI, from config folders alone: Mistral (its EOS reached),
-GPT-2 with GPT2Config's BOS/EOS 50256 beside a vocabulary of 128, Phi-3. docs/huggingface.md's
-family table says the same."""
+GPT-2 with GPT2Config's BOS/EOS 50256 beside a vocabulary of 128, Phi-3. ALiBi (Bloom, MPT): one
+node per layer in its cache form with the model's slopes, in the custom and standard flavors.
+docs/huggingface.md's family table says the same."""
 import json
 
 import pytest
@@ -95,34 +96,57 @@ def test_the_cli_exports_the_issues_decoders_from_a_config_folder_and_the_gate_p
     assert generation["passed"] and generation["new_tokens"] == 16
 
 
-# ALiBi: the bias as per-head slopes on the node is not done (issue 60); today each layer's ALiBi
-# bias reaches the node as a materialized mask (has_attn_mask = 1). Pinned as it is, with the
-# generating gate passing: Bloom's attention (baddbmm over batch * heads) fuses with the heads
-# folded into the batch (num_heads 1) and its Concat(past, new) outside the node (has_past 0);
-# MPT fuses one of its two layers in its cache form. When the node takes the slopes, these
-# expectations are what changes.
+# ALiBi (issue 60): Bloom's and MPT's attention reach the node through the alibi route
+# (surgery/routes/alibi.py), every layer in its cache form, causal with the compact padding mask
+# and the model's ALiBi as the node's per-head slopes.
 ALIBI = {
     "bloom": lambda t: t.BloomForCausalLM(t.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB,
                                                         **SPECIAL)),
     "mpt": lambda t: t.MptForCausalLM(t.MptConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=VOCAB,
                                                   max_seq_len=128, **SPECIAL)),
 }
-ALIBI_NODES = {"bloom": dict(count=2, has_past=0, num_heads=1), "mpt": dict(count=1, has_past=1, num_heads=4)}
+
+
+def alibi_slopes(name, model):
+    """The stock model's slopes, read from the ALiBi tensor its own code builds."""
+    if name == "bloom":
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        bias = build_alibi_tensor(torch.ones(1, 3, dtype=torch.int64), model.config.n_head, torch.float64)
+        return (bias[:, 0, 2] - bias[:, 0, 1]).tolist()
+    bias = model.transformer.build_mpt_alibi_tensor(model.config.n_heads, model.config.max_seq_len)
+    return (bias[:, 0, -1] - bias[:, 0, -2]).double().tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALIBI))
-def test_alibi_families_fuse_with_the_bias_as_a_mask_and_generate_the_models_tokens(name, tmp_path):
+def test_alibi_families_fuse_with_their_slopes_and_generate_the_models_tokens(name, tmp_path):
     torch.manual_seed(0)
     model = ALIBI[name](transformers).eval()
     path = tmp_path / f"{name}.onnx"
-    export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True)
+    result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True)
+    rows = [(layer.found, layer.status) for layer in result.replacement.layers]
+    assert rows == [("alibi", "routed")] * 2, result.replacement  # the sample run too took the operator
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
              for n in fused_nodes(onnx.load(str(path), load_external_data=False))]
-    expected = ALIBI_NODES[name]
-    assert len(attrs) == expected["count"], attrs
-    assert all(a["has_attn_mask"] == 1 and a["has_past"] == expected["has_past"]
-               and a["num_heads"] == expected["num_heads"] for a in attrs), attrs
+    assert len(attrs) == 2, attrs  # every layer, one node each
+    for a in attrs:
+        assert (a["has_past"], a["has_attn_mask"], a["has_key_padding_mask"], a["is_causal"], a["num_heads"],
+                a["kv_num_heads"]) == (1, 0, 1, 1, 4, 4), a
+        assert a["alibi_slopes"] == pytest.approx(alibi_slopes(name, model), rel=1e-7), a
     result = check_generation(model, path, new_tokens=16)
     assert result.passed, result.failures
-    assert result.runs[0].tokens == result.reference_tokens
+    assert result.prompt_lengths == [5, 9, 12] and result.runs[0].tokens == result.reference_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ALIBI))
+def test_alibi_families_in_the_standard_flavor_generate_the_models_tokens(name, tmp_path):
+    torch.manual_seed(0)
+    model = ALIBI[name](transformers).eval()
+    path = tmp_path / f"{name}.onnx"
+    export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True, attention="standard")
+    proto = onnx.load(str(path), load_external_data=False)
+    assert not fused_nodes(proto) and [n.op_type for n in proto.graph.node].count("Attention") == 2
+    result = check_generation(model, path, new_tokens=16)
+    assert result.passed, result.failures

@@ -92,6 +92,29 @@ def _gpt2():
     return hf_models.tiny_gpt2("GPT2Model"), hf_models.padded_batch([5, 3], 5)
 
 
+def _alibi(name):
+    pytest.importorskip("transformers", reason="needs transformers (the test extra installs it)")
+    import hf_models
+    import transformers
+
+    torch.manual_seed(0)
+    special = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = (transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, **special))
+             if name == "bloom" else
+             transformers.MptForCausalLM(transformers.MptConfig(d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                                                                **special)))
+    # right padding: no query row is all padding (there the stock modules and the operator differ)
+    return model.eval(), hf_models.padded_batch([5, 3], 5)
+
+
+def _bloom():
+    return _alibi("bloom")
+
+
+def _mpt():
+    return _alibi("mpt")
+
+
 def _unet():
     pytest.importorskip("diffusers", reason="needs diffusers (the test extra installs it)")
     import library_zoo
@@ -100,7 +123,8 @@ def _unet():
 
 
 # route name -> model factory; every route of the registry has one
-MODELS = {"module": [_transformer, _encoder], "sdpa": [_whisper], "transformers": [_gpt2], "diffusers": [_unet]}
+MODELS = {"module": [_transformer, _encoder], "sdpa": [_whisper], "transformers": [_gpt2], "alibi": [_bloom, _mpt],
+          "diffusers": [_unet]}
 
 
 def test_every_route_of_the_registry_has_a_model_here():

@@ -43,8 +43,8 @@ class AttentionLayer:
     notes: List[str] = field(default_factory=list)
     also_at: List[str] = field(default_factory=list)  # the same module reached by other paths
     # how the site was found: the name of the route that reached it (attn_export.surgery.routes:
-    # "transformers", "diffusers", "sdpa", "module"), "pattern" (hand-written attention rewritten
-    # in the export), "" (an unrecognized module named like an attention layer)
+    # "transformers", "alibi", "diffusers", "sdpa", "module"), "pattern" (hand-written attention
+    # rewritten in the export), "" (an unrecognized module named like an attention layer)
     found: str = "module"
 
 

@@ -19,6 +19,7 @@ from typing import Iterator, List, Optional
 
 from torch import nn
 
+from attn_export.surgery.routes.alibi import AlibiLayers
 from attn_export.surgery.routes.base import CallCount, Route
 from attn_export.surgery.routes.diffusers import DiffusersProcessors
 from attn_export.surgery.routes.module_swap import ModuleSwap
@@ -27,9 +28,11 @@ from attn_export.surgery.routes.transformers import TransformersLayers
 
 # Precedence: a transformers layer may also call SDPA (attn_implementation="sdpa"): it is routed
 # through transformers' interface, not intercepted; a diffusers attention module's calls run
-# through its processor (diffusers' own API), not through an instance forward.
+# through its processor (diffusers' own API), not through an instance forward. Bloom's and MPT's
+# attention (the alibi route) compute attention themselves: no other route claims them.
 ROUTES: List[Route] = [
     TransformersLayers(),
+    AlibiLayers(),
     DiffusersProcessors(),
     SdpaCalls(),
     ModuleSwap(),

@@ -34,7 +34,8 @@ not are reported as skipped. See docs/huggingface.md.
 
 Modules: ``compat`` (transformers versions), ``interface`` (the registered attention function),
 ``masks`` (the registered mask function and the mask conversions),
-``routing`` (a built model -> the interface), ``models`` (export/validation helpers, loading).
+``routing`` (a built model -> the interface), ``models`` (export/validation helpers, loading),
+``alibi`` (Bloom's and MPT's attention, which bypass the interface, for the ``alibi`` route).
 """
 from attn_export.surgery.transformers.compat import (
     IMPLEMENTATION,

@@ -108,8 +108,9 @@ class DecoderWithPast(FlatCacheModule):
     def example_inputs(self, inputs: Mapping[str, torch.Tensor], past_length: int = TRACE_PAST_LENGTH,
                        seed: int = 0) -> Dict[str, torch.Tensor]:
         """The flat inputs for ``inputs`` (``input_ids`` [B, S], optionally ``attention_mask``
-        [B, S] over those tokens) continuing a past of ``past_length`` valid tokens: random
-        keys and values, the mask extended over the past, the positions counted from the mask."""
+        [B, S] over those tokens) continuing a past of ``past_length`` tokens: random keys and
+        values, the mask extended over the past with each row's padding moved first (a left-padded
+        prompt's cache), the positions counted from the mask."""
         ids = inputs.get(_contract.INPUT_IDS)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise InputError("--with-past needs input_ids [batch, sequence] among the example inputs")
@@ -121,6 +122,11 @@ class DecoderWithPast(FlatCacheModule):
         mask = inputs.get(_contract.ATTENTION_MASK)
         mask = torch.ones(batch, seq, dtype=torch.int64) if mask is None else mask.to(torch.int64)
         mask = torch.cat([torch.ones(batch, past_length, dtype=torch.int64), mask], dim=1)
+        # Each row's padding first, as a left-padded prompt's cache holds it: valid past tokens
+        # before padded new ones would be a mask with holes, which generation never makes (and
+        # where Bloom's ALiBi, counted over the valid keys, is no per-head slope: its route runs
+        # such calls on the stock module).
+        mask = mask.sort(dim=1, stable=True).values
         out = {_contract.INPUT_IDS: ids, _contract.ATTENTION_MASK: mask}
         if self.contract.position_ids:
             out[_contract.POSITION_IDS] = positions(mask, seq)
