@@ -13,6 +13,7 @@ MAX_PARAMETERS = 10
 # translation function, which torch.onnx calls with the operator's arguments.
 MIRRORS = {
     ("ops", "multi_head_attention"),  # functional.py: the operator's Python entry point
+    ("ops", "attention"),  # functional.py: the core operator's Python entry point, its schema's arguments
     ("ops", "FusedMultiheadAttention.__init__"),  # module.py: nn.MultiheadAttention(...)'s parameters
     ("ops", "check_multi_head_attention_inputs"),  # input_checks.py: the C++ layer's check, argument for argument
     ("ops", "_multi_head_attention_fake"),  # fake.py: the fake kernels take the schema's arguments
@@ -20,6 +21,7 @@ MIRRORS = {
     ("ops", "_multi_head_attention_backward_fake"),
     ("onnx", "translate_multi_head_attention"),  # translation.py: the operator's arguments, from torch.onnx
     ("onnx", "_fused_node"),  # translation.py: the node of translate_* from the operator's arguments
+    ("onnx", "node_attributes"),  # node.py: the node's attributes, one parameter per attribute of the spec
 }
 
 
