@@ -146,10 +146,10 @@ struct Attribute {
 // kNumPluginFields are the TensorRT plugin's fields, in the order the plugin declares and
 // serializes them; plugin_namespace and plugin_version are read by TensorRT's ONNX parser
 // itself and are not fields (the parser's own defaults are "" and "1": the exporter writes both
-// on every node, so a node always names this version). The attributes between the plugin's fields
-// and plugin_namespace are kPluginRefusedAttributes.
+// on every node, so a node always names this version). Every other attribute is a field (alibi_slopes,
+// FLOATS: a kFLOAT32 field of length H, or absent/empty when off).
 inline constexpr int kNumAttributes = 13;
-inline constexpr int kNumPluginFields = 10;
+inline constexpr int kNumPluginFields = 11;
 inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrNumHeads, kAttrTypeInt, true, 0, 0.0, ""},
     {kAttrScale, kAttrTypeFloat, true, 0, 0.0, ""},
@@ -165,12 +165,6 @@ inline constexpr Attribute kAttributes[kNumAttributes] = {
     {kAttrPluginNamespace, kAttrTypeString, false, 0, 0.0, kPluginNamespace},
     {kAttrPluginVersion, kAttrTypeString, false, 0, 0.0, kPluginVersion},
 };
-
-// Node attributes that are not (yet) fields of the TensorRT plugin: TensorRT's ONNX parser still
-// hands them to the creator as fields, and the plugin refuses a node that sets one (a non-empty
-// value) rather than ignore it. The CUDA kernels do not take ALiBi slopes yet, nor does the plugin.
-inline constexpr int kNumPluginRefusedAttributes = 1;
-inline constexpr const char* kPluginRefusedAttributes[kNumPluginRefusedAttributes] = {kAttrAlibiSlopes};
 
 // The values a restricted attribute may take: finite, >= min and, when bounded_above, <= max
 // (an INT attribute's values are integers by its type), with a short phrase of what they mean.

@@ -65,10 +65,6 @@ int main() {
   }
   std::printf("], ");
   i("num_plugin_fields", kNumPluginFields); i("mask_type", kMaskType);
-  std::printf("\"plugin_refused_attributes\": [");
-  for (int n = 0; n < kNumPluginRefusedAttributes; ++n)
-    std::printf("\"%s\"%s", kPluginRefusedAttributes[n], n + 1 < kNumPluginRefusedAttributes ? ", " : "");
-  std::printf("], ");
   s("torch_namespace", kTorchNamespace); s("torch_op_attention", kOpAttention);
   s("torch_op_attention_forward", kOpAttentionForward); s("torch_op_attention_backward", kOpAttentionBackward);
   s("torch_op_multi_head_attention", kOpMultiHeadAttention);
@@ -135,8 +131,9 @@ def test_spec_values_the_plugin_relies_on():
     assert s.input_names[:3] == ("query", "key", "value")
     assert len(s.input_names) == len(s.input_ranks) == 5
     assert s.plugin_version == "6" and s.domain_version == 6
-    # Not a field yet: after the plugin's fields, before plugin_namespace/plugin_version.
-    assert s.plugin_refused_attributes == (s.attr_alibi_slopes,)
+    # Every attribute but plugin_namespace/plugin_version is a field, alibi_slopes last (FLOAT32, length H).
+    assert s.attribute_names[s.num_plugin_fields:] == (s.attr_plugin_namespace, s.attr_plugin_version)
+    assert s.plugin_fields[-1].name == s.attr_alibi_slopes
     # The cache form: inputs 5 and 6, outputs 1 and 2, head-major rank-4 tensors.
     assert s.node_inputs(True) == s.input_names + ("past_key", "past_value")
     assert s.node_outputs(True) == ("output", "present_key", "present_value") and s.cache_rank == 4
@@ -158,7 +155,7 @@ def test_spec_types_defaults_and_operators():
     assert [(f.name, f.plugin_field_type) for f in s.plugin_fields] == [
         ("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"), ("has_key_padding_mask", "INT32"),
         ("has_attn_mask", "INT32"), ("softcap", "FLOAT32"), ("causal_alignment", "INT32"), ("kv_num_heads", "INT32"),
-        ("window", "INT32"), ("has_past", "INT32")]
+        ("window", "INT32"), ("has_past", "INT32"), ("alibi_slopes", "FLOAT32")]
     assert a[s.attr_scale].type == onnx.AttributeProto.FLOAT and a[s.attr_num_heads].type == onnx.AttributeProto.INT
     assert a[s.attr_plugin_version].type == onnx.AttributeProto.STRING
     assert [f.name for f in s.attributes if f.required] == [s.attr_num_heads, s.attr_scale]

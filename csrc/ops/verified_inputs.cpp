@@ -1,6 +1,7 @@
 #include "verified_inputs.h"
 
 #include <limits>
+#include <vector>
 
 #include "attention_binding.h"
 
@@ -37,10 +38,33 @@ at::Tensor with_causal_keys(const std::optional<at::Tensor>& mask, int64_t seqle
   return at::where(hidden, at::scalar_tensor(-std::numeric_limits<double>::infinity(), mask->options()), *mask);
 }
 
+// ALiBi's bias merged into the attention mask: -slope[h] * |i + Lk - Lq - j| as a float32 [1, H, Lq, Lk]
+// (the slopes rounded to float32, as the kernels read them), -inf where a bool mask hides a key, added
+// to a floating mask (in float32 or wider).
+at::Tensor with_alibi_bias(const std::optional<at::Tensor>& mask, const std::vector<double>& slopes, int64_t batch,
+                           int64_t seqlen_q, int64_t seqlen_k, at::Device device) {
+  const int64_t heads = static_cast<int64_t>(slopes.size());
+  const at::Tensor m = at::tensor(slopes, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat).to(device);
+  const auto index = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor rows = at::arange(seqlen_q, index).unsqueeze(1) + (seqlen_k - seqlen_q);
+  const at::Tensor cols = at::arange(seqlen_k, index).unsqueeze(0);
+  const at::Tensor distance = (rows - cols).abs().to(at::kFloat);  // [Lq, Lk]
+  const at::Tensor bias = -(m.view({1, heads, 1, 1}) * distance);   // [1, H, Lq, Lk]
+  if (!mask.has_value() || !mask->defined()) {
+    return bias;
+  }
+  const at::Tensor m4 = broadcast_attn_mask(*mask, batch, heads, seqlen_q, seqlen_k);
+  if (m4.scalar_type() == at::kBool) {
+    return at::where(m4, at::scalar_tensor(-std::numeric_limits<double>::infinity(), bias.options()), bias);
+  }
+  return m4.to(at::promote_types(m4.scalar_type(), at::kFloat)) + bias;
+}
+
 }  // namespace
 
 KernelInputs verified_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const CoreOptions& options, bool preview) {
+  check_alibi_slopes(options, query.size(1));  // before any use of them, with the caller's words
   KernelInputs inputs{key, value, options};
   if (preview) {
     return inputs;
@@ -67,6 +91,12 @@ KernelInputs verified_inputs(const at::Tensor& query, const at::Tensor& key, con
       o.is_causal = false;
     }
     o.causal_alignment = kCausalTopLeft;
+  }
+  if (o.has_alibi()) {
+    // ALiBi in the kernels is a preview path: the verified kernels get the bias as a floating mask
+    // (H x Lq x Lk float32 more memory; the distance is the bottom-right one whatever the alignment).
+    o.attn_mask = with_alibi_bias(o.attn_mask, *o.alibi_slopes, query.size(0), seqlen_q, seqlen_k, query.device());
+    o.alibi_slopes = std::nullopt;
   }
   return inputs;
 }

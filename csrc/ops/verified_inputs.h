@@ -8,6 +8,8 @@
 //     (the decode step: not causal at all); otherwise the diagonal becomes a [Lq, Lk] boolean
 //     mask merged into the attention mask (or'd into a bool one, -inf into a floating one), and
 //     causality is turned off. With seqlen_q == seqlen_k both alignments are the same (top-left).
+//   - ALiBi slopes: the bias -slope[h] * |i + Lk - Lq - j| becomes a float32 [B or 1, H, Lq, Lk]
+//     attention mask (-inf where a bool mask hid a key, added to a floating one), the slopes dropped.
 // With the preview switch on, the inputs pass unchanged. The CUDA binding and the emulator's
 // test ops (tests/ops/cuda/cuda_emulator/emulator_ops.cpp) both call this; the CPU kernels never do.
 #pragma once

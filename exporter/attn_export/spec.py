@@ -172,8 +172,6 @@ class AttentionSpec:
     attributes: Tuple[Attribute, ...]
     attribute_ranges: Tuple[AttributeRange, ...]  # the restricted attributes' values
     num_plugin_fields: int
-    # Node attributes that are not the plugin's fields yet: it refuses a node that sets one.
-    plugin_refused_attributes: Tuple[str, ...]
     input_names: Tuple[str, ...]
     output_names: Tuple[str, ...]
     input_ranks: Tuple[int, ...]
@@ -228,8 +226,7 @@ class AttentionSpec:
     @property
     def plugin_fields(self) -> Tuple[Attribute, ...]:
         """The attributes that are the TensorRT plugin's fields, in the plugin's order (all but
-        plugin_refused_attributes and plugin_namespace / plugin_version, which the ONNX parser
-        reads itself)."""
+        plugin_namespace / plugin_version, which the ONNX parser reads itself)."""
         return self.attributes[: self.num_plugin_fields]
 
     @property
@@ -272,7 +269,6 @@ _FIELDS = {
     "attributes": "kAttributes",
     "attribute_ranges": "kAttributeRanges",
     "num_plugin_fields": "kNumPluginFields",
-    "plugin_refused_attributes": "kPluginRefusedAttributes",
     "input_names": "kInputNames",
     "output_names": "kOutputNames",
     "input_ranks": "kInputRanks",
@@ -344,9 +340,9 @@ def spec_from_header(text: str) -> AttentionSpec:
     if set(spec.attribute_names) != named or values.get("kNumAttributes") != len(spec.attributes):
         raise SpecError(f"{_HEADER}: kAttributes {spec.attribute_names} disagree with the kAttr* names {sorted(named)}")
     tail = [a.name for a in spec.attributes[spec.num_plugin_fields:]]
-    if tail != [*spec.plugin_refused_attributes, spec.attr_plugin_namespace, spec.attr_plugin_version]:
-        raise SpecError(f"{_HEADER}: the attributes after the plugin's fields must be kPluginRefusedAttributes, "
-                        f"then plugin_namespace and plugin_version; got {tail}")
+    if tail != [spec.attr_plugin_namespace, spec.attr_plugin_version]:
+        raise SpecError(f"{_HEADER}: the attributes after the plugin's fields must be plugin_namespace and "
+                        f"plugin_version; got {tail}")
     if len(spec.tensor_types) != len(spec.tensor_type_names) or spec.mask_type not in spec.tensor_types:
         raise SpecError(f"{_HEADER}: kTensorTypes / kTensorTypeNames / kMaskType disagree")
     ops = [v for k, v in fields.items() if k.startswith("torch_op_")]

@@ -31,7 +31,7 @@ std::string shape_text(const Shape& s) {
   return out.str();
 }
 
-// Field i of kFields as stored in a Config.
+// Field i of kFields as stored in a Config: the 4-byte scalars (not alibi_slopes, a list).
 void* slot(Config& c, int32_t i) {
   switch (i) {
     case 0: return &c.num_heads;
@@ -43,7 +43,8 @@ void* slot(Config& c, int32_t i) {
     case 6: return &c.causal_alignment;
     case 7: return &c.kv_num_heads;
     case 8: return &c.window;
-    default: return &c.has_past;
+    case 9: return &c.has_past;
+    default: return nullptr;
   }
 }
 
@@ -138,7 +139,17 @@ std::string validate_config(const Config& c) {
     // The window ends at the causal diagonal: only causal attention has one.
     why << spec::kAttrWindow << " must be >= 0 (0 = no window), and > 0 only with " << spec::kAttrIsCausal
         << "=1; got " << spec::kAttrWindow << "=" << c.window << " " << spec::kAttrIsCausal << "=" << c.is_causal;
+  } else if (!c.alibi_slopes.empty() && static_cast<int64_t>(c.alibi_slopes.size()) != c.num_heads) {
+    // One slope per QUERY head (grouped-query attention indexes them by h, not by the key/value head).
+    why << spec::kAttrAlibiSlopes << " must have one slope per query head (" << spec::kAttrNumHeads << "="
+        << c.num_heads << "); got " << c.alibi_slopes.size();
   } else {
+    for (size_t h = 0; h < c.alibi_slopes.size(); ++h) {
+      if (!std::isfinite(c.alibi_slopes[h])) {
+        why << spec::kAttrAlibiSlopes << " must be finite; got " << c.alibi_slopes[h] << " for head " << h;
+        return why.str();
+      }
+    }
     const int32_t flags[] = {c.is_causal, c.has_key_padding_mask, c.has_attn_mask, c.causal_alignment, c.has_past};
     const char* const names[] = {kFields[2].name, kFields[3].name, kFields[4].name, kFields[6].name, kFields[9].name};
     for (int32_t i = 0; i < 5; ++i) {
@@ -162,14 +173,6 @@ std::string parse_fields(const Field* fields, int32_t count, Config& out) {
     if (field.name == nullptr) {
       continue;
     }
-    // A node attribute the plugin does not implement yet: refused when set, never ignored.
-    for (const char* refused : spec::kPluginRefusedAttributes) {
-      if (std::strcmp(field.name, refused) == 0 && field.length > 0) {
-        return std::string("field ") + refused + " is not supported by this plugin yet (ALiBi slopes: the CUDA " +
-            "kernels do not take them); export without them (the ALiBi bias as an additive attn_mask), or run " +
-            "the model's ONNX function in ONNX Runtime";
-      }
-    }
     for (int32_t i = 0; i < kNumFields; ++i) {
       if (std::strcmp(field.name, kFields[i].name) != 0) {
         continue;
@@ -177,6 +180,18 @@ std::string parse_fields(const Field* fields, int32_t count, Config& out) {
       std::ostringstream why;
       if (seen[i]) {
         why << "field " << kFields[i].name << " is given twice";
+      } else if (i == kAlibiSlopesField) {
+        // A list: kFLOAT32 of any length (0 = off; validate_config wants num_heads of them).
+        if (field.type != static_cast<int32_t>(FieldType::kFloat32) || field.length < 0 ||
+            (field.length > 0 && field.data == nullptr)) {
+          why << "field " << kFields[i].name << " must be kFLOAT32 (one slope per query head); got "
+              << type_name(field.type) << " of length " << field.length << (field.data == nullptr ? " with no data" : "");
+          return why.str();
+        }
+        const float* data = static_cast<const float*>(field.data);
+        c.alibi_slopes.assign(data, data + field.length);
+        seen[i] = true;
+        continue;
       } else if (field.type != static_cast<int32_t>(kFields[i].type) || field.length != 1 || field.data == nullptr) {
         why << "field " << kFields[i].name << " must be " << type_name(static_cast<int32_t>(kFields[i].type))
             << " of length 1; got " << type_name(field.type) << " of length " << field.length
@@ -206,6 +221,9 @@ void fields_to_serialize(const Config& config, Field (&out)[kNumFields]) {
   for (int32_t i = 0; i < kNumFields; ++i) {
     out[i] = Field{kFields[i].name, slot(config, i), static_cast<int32_t>(kFields[i].type), 1};
   }
+  const std::vector<float>& slopes = config.alibi_slopes;
+  out[kAlibiSlopesField].data = slopes.empty() ? nullptr : slopes.data();
+  out[kAlibiSlopesField].length = static_cast<int32_t>(slopes.size());
 }
 
 std::string describe(const Config& c) {
@@ -216,6 +234,13 @@ std::string describe(const Config& c) {
       << spec::kAttrSoftcap << "=" << c.softcap << " " << spec::kAttrCausalAlignment << "=" << c.causal_alignment
       << " " << spec::kAttrKvNumHeads << "=" << c.kv_num_heads << " " << spec::kAttrWindow << "=" << c.window << " "
       << spec::kAttrHasPast << "=" << c.has_past;
+  if (!c.alibi_slopes.empty()) {  // only with slopes: a node without them describes itself as before
+    out << " " << spec::kAttrAlibiSlopes << "=[";
+    for (size_t h = 0; h < c.alibi_slopes.size(); ++h) {
+      out << (h ? "," : "") << c.alibi_slopes[h];
+    }
+    out << "]";
+  }
   return out.str();
 }
 
@@ -319,7 +344,8 @@ std::vector<Copy2D> present_copies(const Config& c, const Shape* in, int32_t whi
 }
 
 AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, const void* const* ptrs,
-                            void* output, void* lse, const void* present_key, const void* present_value) {
+                            void* output, void* lse, const void* present_key, const void* present_value,
+                            const float* alibi_slopes) {
   const Shape& q = in[spec::kInputQuery];
   const Shape& k = in[spec::kInputKey];
   const Shape& v = in[spec::kInputValue];
@@ -391,6 +417,7 @@ AttentionParams make_params(const Config& c, const Shape* in, DataType dtype, co
   p.is_causal = c.is_causal != 0;
   p.causal_alignment = c.causal_alignment;
   p.window = c.window;
+  p.alibi_slopes = c.alibi_slopes.empty() ? nullptr : alibi_slopes;
   return p;
 }
 

@@ -25,9 +25,10 @@ namespace attn_export::trt_plugin {
 enum class FieldType : int32_t { kFloat32 = 1, kInt32 = 5, kChar = 6 };
 
 // The field type TensorRT's ONNX parser hands the creator for an attribute of ONNX type
-// `attr_type` (spec::kAttrType*): INT -> kINT32, FLOAT -> kFLOAT32, each of length 1.
+// `attr_type` (spec::kAttrType*): INT -> kINT32, FLOAT -> kFLOAT32, each of length 1; FLOATS ->
+// kFLOAT32 of the list's length.
 constexpr FieldType field_type(int attr_type) {
-  return attr_type == spec::kAttrTypeFloat ? FieldType::kFloat32
+  return attr_type == spec::kAttrTypeFloat || attr_type == spec::kAttrTypeFloats ? FieldType::kFloat32
       : attr_type == spec::kAttrTypeInt    ? FieldType::kInt32
                                            : FieldType::kChar;
 }
@@ -53,22 +54,28 @@ inline constexpr FieldSpec kFields[kNumFields] = {
     field_spec(spec::kAttributes[0]), field_spec(spec::kAttributes[1]), field_spec(spec::kAttributes[2]),
     field_spec(spec::kAttributes[3]), field_spec(spec::kAttributes[4]), field_spec(spec::kAttributes[5]),
     field_spec(spec::kAttributes[6]), field_spec(spec::kAttributes[7]), field_spec(spec::kAttributes[8]),
-    field_spec(spec::kAttributes[9]),
+    field_spec(spec::kAttributes[9]), field_spec(spec::kAttributes[10]),
 };
 
+// The one field of variable length: alibi_slopes, kFLOAT32 of length num_heads (or 0 / absent: off).
+inline constexpr int32_t kAlibiSlopesField = 10;
+
 // Config holds the fields in this order; the optional flags, causal_alignment, kv_num_heads,
-// window and has_past are INT32 (defaults: default_int) and softcap FLOAT32 (default: default_float).
-static_assert(kNumFields == 10 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
+// window and has_past are INT32 (defaults: default_int), softcap FLOAT32 (default: default_float) and
+// alibi_slopes a FLOAT32 list (default: empty).
+static_assert(kNumFields == 11 && kFields[0].name == spec::kAttrNumHeads && kFields[1].name == spec::kAttrScale &&
                   kFields[2].name == spec::kAttrIsCausal && kFields[3].name == spec::kAttrHasKeyPaddingMask &&
                   kFields[4].name == spec::kAttrHasAttnMask && kFields[5].name == spec::kAttrSoftcap &&
                   kFields[6].name == spec::kAttrCausalAlignment && kFields[7].name == spec::kAttrKvNumHeads &&
-                  kFields[8].name == spec::kAttrWindow && kFields[9].name == spec::kAttrHasPast,
+                  kFields[8].name == spec::kAttrWindow && kFields[9].name == spec::kAttrHasPast &&
+                  kFields[kAlibiSlopesField].name == spec::kAttrAlibiSlopes,
               "Config and slot() follow the spec's attribute order");
 static_assert(kFields[0].type == FieldType::kInt32 && kFields[1].type == FieldType::kFloat32 &&
                   kFields[2].type == FieldType::kInt32 && kFields[3].type == FieldType::kInt32 &&
                   kFields[4].type == FieldType::kInt32 && kFields[5].type == FieldType::kFloat32 &&
                   kFields[6].type == FieldType::kInt32 && kFields[7].type == FieldType::kInt32 &&
-                  kFields[8].type == FieldType::kInt32 && kFields[9].type == FieldType::kInt32,
+                  kFields[8].type == FieldType::kInt32 && kFields[9].type == FieldType::kInt32 &&
+                  kFields[kAlibiSlopesField].type == FieldType::kFloat32,
               "Config's members have the spec's types");
 
 // A plugin field as nvinfer1::PluginField holds it, without TensorRT's types.
@@ -91,6 +98,9 @@ struct Config {
   int32_t kv_num_heads = kFields[7].default_int;      // Hkv dividing num_heads; 0 = num_heads
   int32_t window = kFields[8].default_int;            // with is_causal: the last `window` keys; 0 = all
   int32_t has_past = kFields[9].default_int;          // 1: the cache form (7 inputs, 3 outputs)
+  // ALiBi: one finite slope per query head (num_heads of them), -slope[h] * |i + Lk - Lq - j| added
+  // with the masks; empty = off. The plugin copies them to device memory it owns (AttentionParams).
+  std::vector<float> alibi_slopes;
 
   // The key/value heads Hkv (kv_num_heads, or num_heads when 0).
   int32_t kv_heads() const { return kv_num_heads > 0 ? kv_num_heads : num_heads; }
@@ -104,18 +114,18 @@ inline constexpr int32_t kMaxInputs = spec::kNumPastInputs;
 
 // Reads `count` fields into `out` (defaults for absent optional fields) and validates the
 // result. Returns "" on success, otherwise one sentence naming the field and what is wrong.
-// Unknown field names are ignored (they are not the plugin's), except a set one of
-// spec::kPluginRefusedAttributes (alibi_slopes), which is refused.
+// Unknown field names are ignored (they are not the plugin's).
 std::string parse_fields(const Field* fields, int32_t count, Config& out);
 
 // "" when every value is acceptable, otherwise why not.
 std::string validate_config(const Config& config);
 
-// The fields of `config` in kFields order, pointing into `config` (which must outlive them).
+// The fields of `config` in kFields order, pointing into `config` (which must outlive them);
+// alibi_slopes has the slopes' length (0 and no data when off).
 void fields_to_serialize(const Config& config, Field (&out)[kNumFields]);
 
 // "num_heads=4 scale=0.125 is_causal=0 has_key_padding_mask=1 has_attn_mask=0 softcap=0
-//  causal_alignment=0 kv_num_heads=0 window=0 has_past=0"
+//  causal_alignment=0 kv_num_heads=0 window=0 has_past=0" (then " alibi_slopes=[0.5,0.25,...]" with slopes)
 std::string describe(const Config& config);
 
 // A tensor shape as the plugin sees it; -1 marks a dimension unknown at build time.
@@ -144,10 +154,13 @@ Shape present_shape(const Config& config, const Shape* inputs, int32_t which);
 // stride D), k/v [B, Lk, Hkv*D] (num_heads_k = Hkv), or in the cache form the presents
 // `present_key`/`present_value` head-major [B, Hkv, P+S, D] (Lk = P+S), the causal alignment as
 // configured, masks additive float32 with stride 0 on size-1 dimensions, lse in `lse`
-// (workspace_bytes() of float32). `inputs` must have passed check_shapes with known dims.
+// (workspace_bytes() of float32), the ALiBi slopes from `alibi_slopes` (the config's slopes in
+// device memory, [num_heads] float32; nullptr when the config has none). `inputs` must have
+// passed check_shapes with known dims.
 AttentionParams make_params(const Config& config, const Shape* inputs, DataType dtype,
                             const void* const* input_ptrs, void* output, void* lse,
-                            const void* present_key = nullptr, const void* present_value = nullptr);
+                            const void* present_key = nullptr, const void* present_value = nullptr,
+                            const float* alibi_slopes = nullptr);
 
 // One strided copy, as cudaMemcpy2DAsync takes it (bytes): `height` rows of `width` bytes from
 // input `src` at src_offset + r * src_pitch to the present at dst_offset + r * dst_pitch.

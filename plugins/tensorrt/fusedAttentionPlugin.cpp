@@ -173,6 +173,36 @@ cudaError_t write_presents(const Config& c, const Shape* shapes, size_t element,
 FusedAttentionPlugin::FusedAttentionPlugin(const Config& config, std::string layerName)
     : mConfig(config), mLayerName(std::move(layerName)), mDescription(describe(config)) {}
 
+FusedAttentionPlugin::FusedAttentionPlugin(const FusedAttentionPlugin& other)
+    : mConfig(other.mConfig), mLayerName(other.mLayerName), mDescription(other.mDescription) {}
+
+FusedAttentionPlugin::~FusedAttentionPlugin() {
+  if (mDeviceSlopes != nullptr) {
+    cudaFree(mDeviceSlopes);  // the error of a destructor has nowhere to go
+  }
+}
+
+int32_t FusedAttentionPlugin::upload_slopes() noexcept {
+  if (mConfig.alibi_slopes.empty() || mDeviceSlopes != nullptr) {
+    return kSuccess;
+  }
+  const size_t bytes = mConfig.alibi_slopes.size() * sizeof(float);
+  void* buffer = nullptr;
+  cudaError_t err = cudaMalloc(&buffer, bytes);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(buffer, mConfig.alibi_slopes.data(), bytes, cudaMemcpyHostToDevice);
+    if (err != cudaSuccess) {
+      cudaFree(buffer);
+    }
+  }
+  if (err != cudaSuccess) {
+    return fail(std::string("copying the ") + spec::kAttrAlibiSlopes + " to the device failed: " +
+                cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  }
+  mDeviceSlopes = static_cast<float*>(buffer);
+  return kSuccess;
+}
+
 int32_t FusedAttentionPlugin::fail(const std::string& what) const noexcept {
   log_error(mLayerName, what);
   return kFailure;
@@ -380,7 +410,7 @@ int32_t FusedAttentionPlugin::onShapeChange(const nvinfer1::PluginTensorDesc* in
       shapes[i] = to_shape(in[i].dims);
     }
     const std::string why = check_shapes(mConfig, shapes, nbInputs);
-    return why.empty() ? kSuccess : fail(why);
+    return why.empty() ? upload_slopes() : fail(why);
   } catch (...) {
     return fail("onShapeChange failed");
   }
@@ -402,11 +432,16 @@ int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
     if (workspace == nullptr && workspace_bytes(mConfig, batch, seqlen_q) > 0) {
       return fail("enqueue: no workspace (getWorkspaceSize asked for one)");
     }
+    if (!mConfig.alibi_slopes.empty() && mDeviceSlopes == nullptr) {  // never run without the bias
+      return fail(std::string("enqueue: the ") + spec::kAttrAlibiSlopes + " are not on the device (onShapeChange " +
+                  "uploads them)");
+    }
     const TrtType type = inputDesc[spec::kInputQuery].type;
     const bool past = mConfig.has_past != 0;
     const AttentionParams params =
         make_params(mConfig, shapes, kernel_type(type), inputs, outputs[spec::kOutputOutput], workspace,
-                    past ? outputs[spec::kOutputPresentKey] : nullptr, past ? outputs[spec::kOutputPresentValue] : nullptr);
+                    past ? outputs[spec::kOutputPresentKey] : nullptr, past ? outputs[spec::kOutputPresentValue] : nullptr,
+                    mDeviceSlopes);
     if (const char* why = cuda::attention_params_error(params)) {
       return fail(why);
     }
@@ -434,7 +469,7 @@ int32_t FusedAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
 }
 
 nvinfer1::IPluginV3* FusedAttentionPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept {
-  return clone();  // no per-context resources
+  return clone();  // its own copy of the slopes' device buffer, uploaded by its onShapeChange()
 }
 
 const nvinfer1::PluginFieldCollection* FusedAttentionPlugin::getFieldsToSerialize() noexcept {

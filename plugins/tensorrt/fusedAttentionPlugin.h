@@ -23,9 +23,10 @@ class FusedAttentionPlugin final : public nvinfer1::IPluginV3,
                                    public nvinfer1::IPluginV3OneRuntime {
  public:
   FusedAttentionPlugin(const Config& config, std::string layerName);
-  FusedAttentionPlugin(const FusedAttentionPlugin&) = default;
+  // A copy (clone(), attachToContext()) shares no device memory: it uploads its own slopes.
+  FusedAttentionPlugin(const FusedAttentionPlugin& other);
   FusedAttentionPlugin& operator=(const FusedAttentionPlugin&) = delete;
-  ~FusedAttentionPlugin() override = default;
+  ~FusedAttentionPlugin() override;
 
   // IPluginV3
   nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
@@ -64,10 +65,15 @@ class FusedAttentionPlugin final : public nvinfer1::IPluginV3,
 
  private:
   int32_t fail(const std::string& what) const noexcept;
+  // The config's ALiBi slopes copied into mDeviceSlopes (once; nothing without slopes). Called from
+  // onShapeChange(), which TensorRT calls in the build phase and at run time before any enqueue()
+  // (so an engine build without a GPU is not asked to allocate); kSuccess or a logged failure.
+  int32_t upload_slopes() noexcept;
 
   Config mConfig;
   std::string mLayerName;
   std::string mDescription;  // describe(mConfig): metadata string and timing-cache ID
+  float* mDeviceSlopes = nullptr;  // [num_heads] float32 on the device, owned (cudaFree in the destructor)
   nvinfer1::PluginField mSerialized[kNumFields];
   nvinfer1::PluginFieldCollection mSerializedCollection{};
 };

@@ -129,7 +129,8 @@ def test_nodes_ask_for_the_spec_plugin(seq2seq_onnx):
     assert attn_trt.expected_fields() == [("num_heads", "INT32"), ("scale", "FLOAT32"), ("is_causal", "INT32"),
                                           ("has_key_padding_mask", "INT32"), ("has_attn_mask", "INT32"),
                                           ("softcap", "FLOAT32"), ("causal_alignment", "INT32"),
-                                          ("kv_num_heads", "INT32"), ("window", "INT32"), ("has_past", "INT32")]
+                                          ("kv_num_heads", "INT32"), ("window", "INT32"), ("has_past", "INT32"),
+                                          ("alibi_slopes", "FLOAT32")]
 
 
 def test_node_attributes_decide_version_and_namespace():

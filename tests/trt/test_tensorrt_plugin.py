@@ -48,12 +48,13 @@ def test_plugin_fields_are_the_node_attributes(core_test):
     s = spec_mod.load()
     assert [f["name"] for f in fields] == [s.attr_num_heads, s.attr_scale, s.attr_is_causal,
                                            s.attr_has_key_padding_mask, s.attr_has_attn_mask, s.attr_softcap,
-                                           s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_window, s.attr_has_past]
-    assert set(s.attribute_names) - {f["name"] for f in fields} == {s.attr_plugin_version, s.attr_plugin_namespace,
-                                                                    *s.plugin_refused_attributes}
+                                           s.attr_causal_alignment, s.attr_kv_num_heads, s.attr_window, s.attr_has_past,
+                                           s.attr_alibi_slopes]
+    assert set(s.attribute_names) - {f["name"] for f in fields} == {s.attr_plugin_version, s.attr_plugin_namespace}
     onnx_node.register_schema()
     schema = onnx.defs.get_schema(s.op_type, s.domain_version, s.domain)
-    onnx_to_field = {onnx.defs.OpSchema.AttrType.INT: 5, onnx.defs.OpSchema.AttrType.FLOAT: 1}
+    onnx_to_field = {onnx.defs.OpSchema.AttrType.INT: 5, onnx.defs.OpSchema.AttrType.FLOAT: 1,
+                     onnx.defs.OpSchema.AttrType.FLOATS: 1}
     for f in fields:
         attr = schema.attributes[f["name"]]
         assert onnx_to_field[attr.type] == f["type"], f["name"]

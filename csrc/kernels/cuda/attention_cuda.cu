@@ -310,9 +310,10 @@ const char* attention_params_error(const AttentionParams& p) {
   }
   if (!policy::allowed(policy::needed_features(p), attention_preview_enabled())) {
     return "attention (CUDA): grouped-query heads (num_heads_k < num_heads), the bottom-right causal "
-           "alignment with seqlen_q != seqlen_k and the sliding window are not yet verified on a GPU in "
-           "these kernels; set ATTN_EXPORT_CUDA_PREVIEW=1 to run them, or expand key/value to every query "
-           "head and pass the causal diagonal and the window as a mask (the PyTorch operator does this itself)";
+           "alignment with seqlen_q != seqlen_k, the sliding window and ALiBi slopes are not yet verified on a "
+           "GPU in these kernels; set ATTN_EXPORT_CUDA_PREVIEW=1 to run them, or expand key/value to every query "
+           "head and pass the causal diagonal, the window and the ALiBi bias as a mask (the PyTorch operator "
+           "does this itself)";
   }
   return nullptr;
 }

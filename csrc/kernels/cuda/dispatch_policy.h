@@ -8,14 +8,15 @@
 // program per query tile. Everything else the kernels can do (further head dims and padded ones,
 // grouped-query heads, the bottom-right causal alignment, the sliding window, split-KV decoding,
 // the column-split head-dim-128 backward, skipping fully padded key tiles, grouped query heads
-// packed into one forward tile, the forward's 128-row blocks) runs only with the preview switch on:
+// packed into one forward tile, the forward's 128-row blocks, ALiBi slopes added in the kernels)
+// runs only with the preview switch on:
 //
 //     ATTN_EXPORT_CUDA_PREVIEW=1      read once per process, on the host
 //
 // Without it, the PyTorch binding reaches the same results through verified code (key/value
-// expanded to every query head, the bottom-right diagonal and the window passed as a mask: csrc/ops/
-// verified_inputs.h), and the kernels' own entry points refuse the two features they cannot
-// route around without memory (attention_params_error).
+// expanded to every query head, the bottom-right diagonal, the window and the ALiBi bias passed as a
+// mask: csrc/ops/verified_inputs.h), and the kernels' own entry points refuse the features they
+// cannot route around without memory (attention_params_error).
 //
 // Pure host code over AttentionParams, so a test compiles it alone (tests/ops/cuda/test_dispatch_policy.py).
 #pragma once
@@ -45,6 +46,7 @@ enum PreviewFeature : unsigned {
   kPackGqa = 1u << 8,         // a group's query heads packed into one forward tile (decode with grouped heads)
   kHopperBackward = 1u << 9,  // the sm_90a backward (kernels/cuda/hopper/flash_bwd_sm90*): also needs kSm90EnvVar
   kWideForwardTiles = 1u << 10,  // the sm80 forward's 128-row blocks (two 16-row MMA tiles a warp) for prefill
+  kAlibi = 1u << 11,             // ALiBi slopes (alibi_slopes) added per score by the kernels
 };
 
 
@@ -64,11 +66,13 @@ inline bool windowed(const AttentionParams& p) {
   return p.is_causal && p.window > 0;
 }
 
+inline bool alibi(const AttentionParams& p) { return p.alibi_slopes != nullptr; }
+
 // The features of the kernels these params need whatever path runs them (the flash head dims
 // and split-KV are choices of the dispatch, not needs of the problem).
 inline unsigned needed_features(const AttentionParams& p) {
   return (grouped_query(p) ? kGroupedQuery : 0u) | (shifted_causal(p) ? kBottomRight : 0u) |
-      (windowed(p) ? kWindow : 0u);
+      (windowed(p) ? kWindow : 0u) | (alibi(p) ? kAlibi : 0u);
 }
 
 // May the dispatch use `features`? Everything with the preview on; only what was verified without it.

@@ -16,6 +16,7 @@ namespace attn_export::cuda::device {
 
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int iabs(int a) { return a < 0 ? -a : a; }
 
 template <typename Acc>
 __host__ __device__ __forceinline__ constexpr Acc neg_inf() {
@@ -94,6 +95,32 @@ struct SoftCap {
     }
     const Acc t = tanh_of(x);
     return Acc(1) - t * t;
+  }
+};
+
+// ALiBi (AttentionParams::alibi_slopes): -slope[h] * |row + seqlen_k - seqlen_q - col|, added after
+// the soft-cap, with the masks (a -inf score stays -inf). `on` is uniform across the grid, like
+// SoftCap's: a kernel tests it where it tests the soft-cap and computes nothing more without slopes.
+// `domain` multiplies the slope: 1 for natural-log scores, log2(e) for the flash kernels'.
+template <typename Acc>
+struct Alibi {
+  Acc slope = 0;           // of the program's head, times `domain`; 0 when off
+  int64_t diagonal = 0;    // seqlen_k - seqlen_q: query i's distance from key j is |i + diagonal - j|
+  bool on = false;
+
+  __device__ Alibi(const AttentionParams& p, int64_t h, Acc domain)
+      : slope(p.alibi_slopes != nullptr ? domain * static_cast<Acc>(p.alibi_slopes[h]) : Acc(0)),
+        diagonal(p.seqlen_k - p.seqlen_q),
+        on(p.alibi_slopes != nullptr) {}
+
+  // The distance of query `row` from key `col`, as an Acc.
+  __device__ __forceinline__ Acc distance(int64_t row, int64_t col) const {
+    const int64_t d = row + diagonal - col;
+    return static_cast<Acc>(d < 0 ? -d : d);
+  }
+  // `s` with the bias of query `row` and key `col` of the program's head (unchanged when off).
+  __device__ __forceinline__ Acc add(Acc s, int64_t row, int64_t col) const {
+    return on ? s - slope * distance(row, col) : s;
   }
 };
 

@@ -102,6 +102,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const float scale_log2 = static_cast<float>(params.scale) * kLog2e;
   const ScoreMask<float> mask(params, b, h, kLog2e, /*with_window=*/false);
   const SoftCap<float> softcap(params);
+  // ALiBi (element.cuh Alibi): head h's slope in the log2 domain; nothing is read without slopes.
+  const bool alibi_on = params.alibi_slopes != nullptr;
+  const float alibi_slope = alibi_on ? params.alibi_slopes[h] * kLog2e : 0.f;
+  const int alibi_diagonal = seqlen_k - seqlen_q;
 
   float acc_dk[kDTiles][4] = {};
   float acc_dv[kDTiles][4] = {};
@@ -171,6 +175,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
             if (kIsCausal && bounds::window_hides(params, m0 + qi, key, shift)) {
               s = neg_inf<float>();
             }
+          }
+          if (alibi_on) {  // as the forward: -slope * |query + seqlen_k - seqlen_q - key|, after the masks
+            s -= alibi_slope * static_cast<float>(iabs(m0 + qi + alibi_diagonal - key));
           }
           const float p = fast_exp2(s - cLse[qi]);
           float dp = acc_dp[nt][i];

@@ -288,6 +288,24 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
     }
   }
 
+  // ALiBi (element.cuh Alibi): the slope of each of this thread's rows in the log2 domain, from the
+  // row's own head when packed (0 for a dead row, which the mask hides); nothing is read without slopes.
+  const bool alibi_on = params.alibi_slopes != nullptr;
+  const int alibi_diagonal = seqlen_k - seqlen_q;
+  float alibi_slope[kRT][2] = {};
+  if (alibi_on) {
+#pragma unroll
+    for (int t = 0; t < kRT; ++t) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_of(t, r);
+        alibi_slope[t][r] = !kPackGqa ? params.alibi_slopes[h] * kLog2e
+            : row < qrows.rows        ? params.alibi_slopes[h + qrows.head_of(row)] * kLog2e
+                                      : 0.f;
+      }
+    }
+  }
+
   float acc_o[kRT][kOTiles][4] = {};
   float row_max[kRT][2], row_sum[kRT][2];  // row_sum: this thread's partial sums; the quad reduces them at the end
 #pragma unroll
@@ -346,6 +364,11 @@ __device__ __forceinline__ void flash_fwd_program(const AttentionParams& params,
         } else {
           s = mask.apply(s, row_of(t, i / 2), col);
         }
+      }
+      if (alibi_on) {  // -slope * |query + seqlen_k - seqlen_q - key|, after the masks (-inf stays -inf)
+        const int col = n0 + nt * 8 + col_in_tile + (i % 2);
+        const int query_i = kPackGqa ? query[t][i / 2] : row_of(t, i / 2);
+        s -= alibi_slope[t][i / 2] * static_cast<float>(iabs(query_i + alibi_diagonal - col));
       }
       acc_s[t][nt][i] = s;
     });

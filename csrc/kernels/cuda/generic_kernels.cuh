@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_fwd_kernel(const A
   const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
   const T* v = row_ptr<T>(p.v, w.b, p.v_batch_stride, p.kv_head(w.h), p.v_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const Alibi<Acc> alibi(p, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
 
@@ -110,7 +111,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_fwd_kernel(const A
   Acc row_max = neg_inf<Acc>(), row_sum = 0;
   const int64_t key_end = p.is_causal ? p.causal_key_end(w.row) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
-    const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, dim, w.lane)), w.row, j);
+    const Acc s =
+        alibi.add(mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, dim, w.lane)), w.row, j), w.row, j);
     if (s == neg_inf<Acc>()) {
       continue;  // masked (uniform across the warp): contributes nothing
     }
@@ -152,6 +154,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
   load_row<kRegs>(qv, row_ptr<T>(p.q, w.b, p.q_batch_stride, w.h, p.q_head_stride, w.row, p.q_row_stride), p.head_dim, w.lane);
   const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const Alibi<Acc> alibi(p, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t bh_row = (w.b * p.num_heads + w.h) * p.seqlen_q + w.row;
@@ -160,7 +163,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_weights_kernel(con
   const int64_t key_end = lse == neg_inf<Acc>() ? 0
       : p.is_causal ? p.causal_key_end(w.row) : p.seqlen_k;
   for (int64_t j = 0; j < key_end; ++j) {
-    const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j);
+    const Acc s = alibi.add(
+        mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j), w.row, j);
     if (w.lane == j % 32) {
       weights[j] = acc_exp(s - lse);  // exp(-inf - finite) = 0 for masked keys
     }
@@ -190,11 +194,13 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_delta_kernel(const
     const T* k = row_ptr<T>(p.k, w.b, p.k_batch_stride, p.kv_head(w.h), p.k_head_stride, 0, 0);
     const Acc* gw = row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
     const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+    const Alibi<Acc> alibi(p, w.h, Acc(1));
     const SoftCap<Acc> softcap(p);
     const Acc scale = static_cast<Acc>(p.scale);
     Acc pgw = 0;
     for (int64_t j = 0; j < p.seqlen_k; ++j) {
-      const Acc s = mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j);
+      const Acc s = alibi.add(
+        mask.apply(softcap.apply(scale * dot_row<kRegs>(qv, k + j * p.k_row_stride, p.head_dim, w.lane)), w.row, j), w.row, j);
       if (s != neg_inf<Acc>()) {
         pgw += acc_exp(s - lse) * gw[j];
       }
@@ -226,6 +232,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
   const Acc* gw = p.grad_weights == nullptr ? nullptr
       : row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, 0, 0);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const Alibi<Acc> alibi(p, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
 
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dkdv_kernel(co
     }
     const T* q_row = q + i * p.q_row_stride;
     const Acc x = scale * dot_row<kRegs>(kv, q_row, dim, w.lane);
-    const Acc s = mask.apply(softcap.apply(x), i, key);
+    const Acc s = alibi.add(mask.apply(softcap.apply(x), i, key), i, key);
     if (s == neg_inf<Acc>()) {
       continue;
     }
@@ -284,6 +291,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
   const Acc* gw = p.grad_weights == nullptr ? nullptr
       : row_ptr<Acc>(p.grad_weights, w.b, p.grad_weights_batch_stride, w.h, p.grad_weights_head_stride, w.row, p.grad_weights_row_stride);
   const ScoreMask<Acc> mask(p, w.b, w.h, Acc(1));
+  const Alibi<Acc> alibi(p, w.h, Acc(1));
   const SoftCap<Acc> softcap(p);
   const Acc scale = static_cast<Acc>(p.scale);
   const Acc row_delta = delta[bh_row];
@@ -294,7 +302,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32) generic_bwd_dq_kernel(cons
   for (int64_t j = 0; j < key_end; ++j) {
     const T* k_row = k + j * p.k_row_stride;
     const Acc x = scale * dot_row<kRegs>(qv, k_row, dim, w.lane);
-    const Acc s = mask.apply(softcap.apply(x), w.row, j);
+    const Acc s = alibi.add(mask.apply(softcap.apply(x), w.row, j), w.row, j);
     if (s == neg_inf<Acc>()) {
       continue;
     }

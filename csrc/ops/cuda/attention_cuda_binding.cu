@@ -33,13 +33,6 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " (CUDA) failed: ", cudaGetErrorString(err));
 }
 
-// Until the CUDA kernels take ALiBi slopes, a call with slopes is refused, never run without them.
-void check_no_alibi(const CoreOptions& options) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!options.has_alibi(),
-                              "attention: the CUDA kernels do not take ALiBi slopes yet (alibi_slopes); run this call "
-                              "on the CPU, or pass the ALiBi bias as an additive attn_mask");
-}
-
 cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
@@ -59,7 +52,6 @@ void run_forward(const AttentionParams& params, const at::Tensor& like, cudaStre
 }
 
 ForwardResults attention_forward_cuda(const ForwardArgs& a) {
-  check_no_alibi(a.options);
   const c10::cuda::CUDAGuard device_guard(a.query.device());
   const ForwardArgs verified = verified_forward_args(a, cuda::attention_preview_enabled());
   // float16/bfloat16 stay as they are: the kernels read them natively.
@@ -70,7 +62,6 @@ ForwardResults attention_forward_cuda(const ForwardArgs& a) {
 }
 
 CoreGrads attention_backward_cuda(const BackwardArgs& a) {
-  check_no_alibi(a.options);
   const at::Tensor &grad_output = a.grad_output, &query = a.query, &key = a.key, &value = a.value;
   const at::Tensor& logsumexp = a.logsumexp;
   const std::optional<at::Tensor>&grad_weights = a.grad_weights, &output = a.output;
@@ -95,6 +86,9 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   const at::Tensor lse = logsumexp.to(acc).contiguous();
   // Bool masks are read as bytes; floating masks in their own dtype (the kernels read all four).
   const auto mask4d = kernel_attn_mask(attn_mask, batch, heads, seqlen_q, seqlen_k);
+  // ALiBi: the slopes as a float32 [heads] tensor on the device (AttentionParams::alibi_slopes), or none.
+  check_alibi_slopes(options, heads);
+  const std::optional<at::Tensor> alibi_slopes = kernel_alibi_slopes(options, query);
 
   // The kernels need the forward's output O for rowsum(dO * O). The autograd functions pass
   // the saved one; a caller that does not is served by one more forward pass, O(L) memory.
@@ -108,7 +102,8 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
     out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward =
-        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, options);
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, key_padding_mask, options,
+                              alibi_slopes);
     run_forward(forward, query, stream, "attention backward (recomputing the output)");
   }
 
@@ -121,7 +116,7 @@ CoreGrads attention_backward_cuda(const BackwardArgs& a) {
   at::Tensor grad_k = empty_kernel_kv_grad(key, heads, query.options());
   at::Tensor grad_v = empty_kernel_kv_grad(value, heads, query.options());
   AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, key_padding_mask, options, alibi_slopes),
       grad_out, gw, grad_q, grad_k, grad_v);
   params.deterministic = at::globalContext().deterministicAlgorithms();  // torch.use_deterministic_algorithms
   if (params.deterministic && cuda::attention_backward_is_nondeterministic(params)) {

@@ -34,22 +34,23 @@ class PluginRequest:
 
 def expected_fields() -> List[Tuple[str, str]]:
     """(name, PluginFieldType name) of every field the nodes hand the plugin creator: the ONNX
-    node's attributes except plugin_version/plugin_namespace, INT -> INT32, FLOAT -> FLOAT32 (the
-    parser's narrowing). tests/trt/test_tensorrt_plugin.py holds the C++ field table to the same list."""
+    node's attributes except plugin_version/plugin_namespace, INT -> INT32, FLOAT and FLOATS -> FLOAT32
+    (the parser's narrowing; alibi_slopes is a FLOAT32 field of length H). tests/trt/test_tensorrt_plugin.py holds the C++ field table to the same list."""
     return [(f.name, f.plugin_field_type) for f in _spec.load().plugin_fields]
 
 
 # plugin_field_collection's keywords beside num_heads and scale, and their defaults: the node's
 # optional attributes (csrc/attention_spec.h), each a mirror of the operator's argument.
 _OPTIONAL_FIELDS = {"is_causal": False, "has_key_padding_mask": False, "has_attn_mask": False, "softcap": 0.0,
-                    "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": False}
+                    "causal_alignment": 0, "kv_num_heads": 0, "window": 0, "has_past": False, "alibi_slopes": ()}
 
 
 def plugin_field_collection(trt, *, num_heads: int, scale: float, **attributes):
     """The fields for ``creator.create_plugin`` when a network is built by hand (e.g. by the
     torch2trt converter): the spec's names and the types of :func:`expected_fields`.
-    ``attributes``: the optional ones by name (``is_causal=True``, ``softcap=50.0``; see
-    ``_OPTIONAL_FIELDS`` for the names and defaults)."""
+    ``attributes``: the optional ones by name (``is_causal=True``, ``softcap=50.0``,
+    ``alibi_slopes=[...]`` with one slope per query head; see ``_OPTIONAL_FIELDS`` for the names and
+    defaults). Without slopes the alibi_slopes field is left out (ALiBi off), as on a node without them."""
     import numpy as np
 
     unknown = sorted(set(attributes) - set(_OPTIONAL_FIELDS))
@@ -62,10 +63,15 @@ def plugin_field_collection(trt, *, num_heads: int, scale: float, **attributes):
               s.attr_has_key_padding_mask: int(a["has_key_padding_mask"]), s.attr_has_attn_mask: int(a["has_attn_mask"]),
               s.attr_softcap: float(a["softcap"]), s.attr_causal_alignment: int(a["causal_alignment"]),
               s.attr_kv_num_heads: int(a["kv_num_heads"]), s.attr_window: int(a["window"]),
-              s.attr_has_past: int(a["has_past"])}
+              s.attr_has_past: int(a["has_past"]), s.attr_alibi_slopes: [float(x) for x in a["alibi_slopes"]]}
     fields = []
     for name, kind in expected_fields():
-        array = np.array([values[name]], dtype=np.int32 if kind == "INT32" else np.float32)
+        if name == s.attr_alibi_slopes:
+            if not values[name]:
+                continue
+            array = np.array(values[name], dtype=np.float32)
+        else:
+            array = np.array([values[name]], dtype=np.int32 if kind == "INT32" else np.float32)
         fields.append(trt.PluginField(name, array, getattr(trt.PluginFieldType, kind)))
     return trt.PluginFieldCollection(fields)
 

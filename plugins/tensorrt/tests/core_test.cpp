@@ -63,9 +63,10 @@ void test_fields_round_trip() {
   fields_to_serialize(c, fields);
   for (int32_t i = 0; i < kNumFields; ++i) {
     check(std::strcmp(fields[i].name, kFields[i].name) == 0, "serialized field order follows kFields");
-    check(fields[i].type == static_cast<int32_t>(kFields[i].type) && fields[i].length == 1,
+    check(fields[i].type == static_cast<int32_t>(kFields[i].type) && fields[i].length == (i == kAlibiSlopesField ? 0 : 1),
           std::string("serialized type/length of ") + kFields[i].name);
   }
+  check(fields[kAlibiSlopesField].data == nullptr, "no slopes: alibi_slopes serialized empty");
   Config back;
   const std::string why = parse_fields(fields, kNumFields, back);
   check(why.empty(), "round trip parses: " + why);
@@ -76,6 +77,17 @@ void test_fields_round_trip() {
   check(describe(back) == "num_heads=4 scale=0.125 is_causal=1 has_key_padding_mask=1 has_attn_mask=0 softcap=30 "
                           "causal_alignment=1 kv_num_heads=2 window=3 has_past=0",
         "describe: " + describe(back));
+
+  // With slopes: a kFLOAT32 field of length num_heads, read back as written, and named by describe().
+  c.alibi_slopes = {0.5F, 0.25F, 0.125F, 0.0625F};
+  fields_to_serialize(c, fields);
+  check(fields[kAlibiSlopesField].length == 4 && fields[kAlibiSlopesField].type == 1 &&
+            fields[kAlibiSlopesField].data == c.alibi_slopes.data(),
+        "slopes serialized as kFLOAT32 of length num_heads");
+  Config with;
+  check(parse_fields(fields, kNumFields, with).empty() && with.alibi_slopes == c.alibi_slopes,
+        "round trip keeps the slopes");
+  check(contains(describe(with), " has_past=0 alibi_slopes=[0.5,0.25,0.125,0.0625]"), "describe: " + describe(with));
 }
 
 void test_fields_defaults_and_errors() {
@@ -94,15 +106,31 @@ void test_fields_defaults_and_errors() {
                      int_field("something_else", &two)};
   check(parse_fields(unknown, 3, c).empty(), "unknown fields are ignored");
 
-  // ALiBi slopes are not a field yet: an empty list (a node without slopes) is ignored, slopes refused.
-  const float slopes[2] = {0.5F, 0.25F};
+  // ALiBi slopes: absent or empty = off; else one finite kFLOAT32 slope per query head.
+  check(c.alibi_slopes.empty(), "alibi_slopes defaults to none");
+  const float slopes[2] = {0.5F, 0.25F}, three_slopes[3] = {0.5F, 0.25F, 0.125F},
+              bad_slopes[2] = {0.5F, nan};
   Field no_slopes[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
                        Field{spec::kAttrAlibiSlopes, nullptr, 1, 0}};
-  check(parse_fields(no_slopes, 3, c).empty(), "an empty alibi_slopes is no ALiBi");
+  check(parse_fields(no_slopes, 3, c).empty() && c.alibi_slopes.empty(), "an empty alibi_slopes is no ALiBi");
   Field with_slopes[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
                          Field{spec::kAttrAlibiSlopes, slopes, 1, 2}};
-  check_error(parse_fields(with_slopes, 3, c), "field alibi_slopes is not supported by this plugin yet",
-              "alibi_slopes refused");
+  check(parse_fields(with_slopes, 3, c).empty() && c.alibi_slopes == std::vector<float>{0.5F, 0.25F},
+        "alibi_slopes read as float32, one per query head");
+  Field wrong_count[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                         Field{spec::kAttrAlibiSlopes, three_slopes, 1, 3}};
+  check_error(parse_fields(wrong_count, 3, c), "alibi_slopes must have one slope per query head (num_heads=2); got 3",
+              "alibi_slopes of the wrong length");
+  Field not_finite[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                        Field{spec::kAttrAlibiSlopes, bad_slopes, 1, 2}};
+  check_error(parse_fields(not_finite, 3, c), "alibi_slopes must be finite; got nan for head 1", "NaN slope");
+  const int32_t int_slopes[2] = {1, 2};
+  Field int_typed[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                       Field{spec::kAttrAlibiSlopes, int_slopes, 5, 2}};
+  check_error(parse_fields(int_typed, 3, c), "alibi_slopes must be kFLOAT32", "alibi_slopes as int32");
+  Field no_data[] = {int_field(spec::kAttrNumHeads, &heads), float_field(spec::kAttrScale, &scale),
+                     Field{spec::kAttrAlibiSlopes, nullptr, 1, 2}};
+  check_error(parse_fields(no_data, 3, c), "with no data", "alibi_slopes without data");
 
   Field missing_heads[] = {float_field(spec::kAttrScale, &scale)};
   check_error(parse_fields(missing_heads, 1, c), "field num_heads is missing", "missing num_heads");
@@ -301,6 +329,7 @@ std::vector<double> through_params(const AttentionParams& p) {
             s[j] += static_cast<const float*>(m.ptr)[b * m.batch_stride + h * m.head_stride + i * m.row_stride +
                                                       j * m.col_stride];
           }
+          if (p.alibi_slopes != nullptr) s[j] -= double(p.alibi_slopes[h]) * std::abs(double(i + p.seqlen_k - p.seqlen_q - j));
           if (p.is_causal && j > i + shift) s[j] = -INFINITY;
           top = std::max(top, s[j]);
         }
@@ -330,7 +359,9 @@ void test_params_address_the_node_layout() {
   const std::vector<Shape> kpm_shapes = {shape({B, Lk}), shape({1, Lk}), shape({B, 1}), shape({1, 1})};
   const std::vector<Shape> mask_shapes = {shape({B, H, Lq, Lk}), shape({1, 1, Lq, Lk}), shape({B, 1, 1, Lk}),
                                           shape({1, H, Lq, 1})};
+  const std::vector<float> slopes = {0.5F, 0.25F, 0.125F};  // one per query head (H = 3)
   for (int causal = 0; causal < 2; ++causal)
+   for (const bool alibi : {false, true})
    for (const float softcap : {0.0F, 0.3F})
     for (const Shape& ks : kpm_shapes)
       for (const Shape& ms : mask_shapes) {
@@ -340,6 +371,7 @@ void test_params_address_the_node_layout() {
         c.softcap = softcap;
         c.kv_num_heads = static_cast<int32_t>(Hkv);
         c.causal_alignment = alignment;
+        if (alibi) c.alibi_slopes = slopes;
         std::vector<float> kpm_small(ks.d[0] * ks.d[1]), mask_small(ms.d[0] * ms.d[1] * ms.d[2] * ms.d[3]);
         for (float& x : kpm_small) x = rnd();
         for (float& x : mask_small) x = rnd();
@@ -362,15 +394,19 @@ void test_params_address_the_node_layout() {
         check(check_shapes(c, in, 5).empty(), "layout case passes the shape rules");
         const void* ptrs[] = {q.data(), k.data(), v.data(), kpm_small.data(), mask_small.data()};
         float out_dummy = 0;
-        const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr);
+        // The slopes' "device copy" is the config's own here (the plugin uploads them: upload_slopes()).
+        const AttentionParams p = make_params(c, in, DataType::kFloat32, ptrs, &out_dummy, nullptr, nullptr, nullptr,
+                                              alibi ? c.alibi_slopes.data() : nullptr);
         const std::vector<double> want = reference_attention(B, H, Lq, Lk, D, Dv, c.scale, causal, q, k, v, kpm, mask,
-                                                             c.softcap, Hkv, alignment);
+                                                             c.softcap, Hkv, alignment, c.alibi_slopes);
         const std::vector<double> got = through_params(p);
         double err = 0;
         for (size_t n = 0; n < want.size(); ++n) err = std::max(err, std::abs(want[n] - got[n]));
         check(p.softcap == softcap, "make_params passes softcap to the kernels");
+        check((p.alibi_slopes != nullptr) == alibi, "make_params passes the slopes' device pointer, only with slopes");
         check(err < 1e-12, "params address [B, L, H*D] memory and broadcast masks like the node (causal=" +
-                               std::to_string(causal) + ", softcap=" + std::to_string(softcap) + ", Hkv=" +
+                               std::to_string(causal) + ", alibi=" + std::to_string(alibi) + ", softcap=" +
+                               std::to_string(softcap) + ", Hkv=" +
                                std::to_string(Hkv) + ", alignment=" + std::to_string(alignment) + ", kpm [" +
                                std::to_string(ks.d[0]) + "," + std::to_string(ks.d[1]) + "], err " +
                                std::to_string(err) + ")");

@@ -108,8 +108,10 @@ class ExprBuilder : public IExprBuilder {
 
 std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale, const int32_t* causal,
                                        const int32_t* kpm, const int32_t* mask, const float* softcap = nullptr,
-                                       const int32_t* alignment = nullptr, const int32_t* kv_heads = nullptr) {
-  // What onnx-tensorrt's FallbackPluginImporter passes: INT -> kINT32[1], FLOAT -> kFLOAT32[1].
+                                       const int32_t* alignment = nullptr, const int32_t* kv_heads = nullptr,
+                                       const std::vector<float>* alibi_slopes = nullptr) {
+  // What onnx-tensorrt's FallbackPluginImporter passes: INT -> kINT32[1], FLOAT -> kFLOAT32[1],
+  // FLOATS -> kFLOAT32[n].
   std::vector<PluginField> f;
   if (heads) f.emplace_back(spec::kAttrNumHeads, heads, PluginFieldType::kINT32, 1);
   if (scale) f.emplace_back(spec::kAttrScale, scale, PluginFieldType::kFLOAT32, 1);
@@ -119,6 +121,10 @@ std::vector<PluginField> parser_fields(const int32_t* heads, const float* scale,
   if (softcap) f.emplace_back(spec::kAttrSoftcap, softcap, PluginFieldType::kFLOAT32, 1);
   if (alignment) f.emplace_back(spec::kAttrCausalAlignment, alignment, PluginFieldType::kINT32, 1);
   if (kv_heads) f.emplace_back(spec::kAttrKvNumHeads, kv_heads, PluginFieldType::kINT32, 1);
+  if (alibi_slopes && !alibi_slopes->empty()) {
+    f.emplace_back(spec::kAttrAlibiSlopes, alibi_slopes->data(), PluginFieldType::kFLOAT32,
+                   static_cast<int32_t>(alibi_slopes->size()));
+  }
   return f;
 }
 
@@ -158,10 +164,14 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
   const int64_t B = 2, Lq = 37, Lk = 53, H = 2, D = 64;
   const int32_t heads = H, on = 1;
   const float scale = 0.125F;
-  for (int causal = 0; causal < 2; ++causal) {
+  // Each causality with and without ALiBi slopes (one per head; Lq < Lk: the distance from the
+  // bottom-right diagonal, whatever the alignment).
+  for (int variant = 0; variant < 4; ++variant) {
+    const int causal = variant % 2;
+    const std::vector<float> slopes = variant >= 2 ? std::vector<float>{0.25F, 0.0625F} : std::vector<float>{};
     const int32_t causal_flag = causal;
     const float softcap = causal ? 0.0F : 0.75F;  // capped (scores reach beyond it) and uncapped
-    auto fields = parser_fields(&heads, &scale, &causal_flag, &on, &on, &softcap);
+    auto fields = parser_fields(&heads, &scale, &causal_flag, &on, &on, &softcap, nullptr, nullptr, &slopes);
     std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kRUNTIME));
     auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
     std::vector<float> q(B * Lq * H * D), k(B * Lk * H * D), v(B * Lk * H * D), kpm(B * Lk, 0.0F), mask(H * Lq * Lk);
@@ -209,7 +219,7 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
     std::vector<float> mask_full(B * H * Lq * Lk);  // the [1, H, Lq, Lk] mask for every batch
     for (int64_t b = 0; b < B; ++b) std::copy(mask.begin(), mask.end(), mask_full.begin() + b * H * Lq * Lk);
     const std::vector<double> want = attn_export::trt_plugin::testing::reference_attention(
-        B, H, Lq, Lk, D, D, scale, causal, q, k, v, kpm, mask_full, softcap);
+        B, H, Lq, Lk, D, D, scale, causal, q, k, v, kpm, mask_full, softcap, 0, 0, slopes);
     double err = 0, top = 0;
     bool finite = true;
     for (size_t n = 0; n < want.size(); ++n) {
@@ -221,8 +231,8 @@ void gpu_numerics(IPluginCreatorV3One* creator, DataType type) {
     check(finite, "GPU output is finite (fully masked rows are zeros, not NaN)");
     check(err <= tol, std::string(half ? "fp16" : "fp32") + " GPU output vs float64 reference: max abs err " +
                           std::to_string(err) + " (tolerance " + std::to_string(tol) + ")");
-    std::printf("host_check: GPU %s causal=%d softcap=%g max abs err %.3e (tolerance %.3e)\n", half ? "fp16" : "fp32",
-                causal, softcap, err, tol);
+    std::printf("host_check: GPU %s causal=%d softcap=%g alibi=%d max abs err %.3e (tolerance %.3e)\n",
+                half ? "fp16" : "fp32", causal, softcap, slopes.empty() ? 0 : 1, err, tol);
     for (void* p : in) cudaFree(p);
     cudaFree(out);
     cudaFree(workspace);
@@ -324,11 +334,11 @@ int main() {
   const PluginFieldCollection* declared = creator->getFieldNames();
   const char* names[] = {spec::kAttrNumHeads, spec::kAttrScale, spec::kAttrIsCausal, spec::kAttrHasKeyPaddingMask,
                          spec::kAttrHasAttnMask, spec::kAttrSoftcap, spec::kAttrCausalAlignment,
-                         spec::kAttrKvNumHeads, spec::kAttrWindow, spec::kAttrHasPast};
+                         spec::kAttrKvNumHeads, spec::kAttrWindow, spec::kAttrHasPast, spec::kAttrAlibiSlopes};
   const PluginFieldType types[] = {PluginFieldType::kINT32, PluginFieldType::kFLOAT32, PluginFieldType::kINT32,
                                    PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kFLOAT32,
                                    PluginFieldType::kINT32, PluginFieldType::kINT32, PluginFieldType::kINT32,
-                                   PluginFieldType::kINT32};
+                                   PluginFieldType::kINT32, PluginFieldType::kFLOAT32};
   constexpr int32_t kFieldCount = spec::kNumPluginFields;
   static_assert(sizeof(names) / sizeof(names[0]) == kFieldCount, "every plugin field is listed");
   check(declared != nullptr && declared->nbFields == kFieldCount, "the spec's declared fields");
@@ -351,6 +361,11 @@ int main() {
                 nullptr &&
             logger.saw("kv_num_heads must divide num_heads=2 (0 = num_heads); got 3"),
         "createPlugin refuses kv_num_heads that does not divide num_heads: " + logger.last());
+  const std::vector<float> three_slopes = {0.5F, 0.25F, 0.125F};
+  check(create(creator, parser_fields(&heads, &scale, &off, &on, &off, nullptr, nullptr, nullptr, &three_slopes),
+               TensorRTPhase::kBUILD) == nullptr &&
+            logger.saw("alibi_slopes must have one slope per query head (num_heads=2); got 3"),
+        "createPlugin refuses alibi_slopes of another length than num_heads: " + logger.last());
   const auto fields = parser_fields(&heads, &scale, &off, &on, &off, &softcap);
   std::unique_ptr<IPluginV3> plugin(create(creator, fields, TensorRTPhase::kBUILD));
   check(plugin != nullptr, "createPlugin with the node's fields");
@@ -461,7 +476,9 @@ int main() {
   check(serialized != nullptr && serialized->nbFields == kFieldCount, "every field serialized");
   std::vector<PluginField> copy(serialized->fields, serialized->fields + serialized->nbFields);
   for (int32_t i = 0; i < static_cast<int32_t>(copy.size()) && i < kFieldCount; ++i) {
-    check(std::strcmp(copy[i].name, names[i]) == 0 && copy[i].type == types[i] && copy[i].length == 1,
+    // alibi_slopes: a list, empty without slopes (this plugin has none).
+    const int32_t length = std::strcmp(names[i], spec::kAttrAlibiSlopes) == 0 ? 0 : 1;
+    check(std::strcmp(copy[i].name, names[i]) == 0 && copy[i].type == types[i] && copy[i].length == length,
           std::string("serialized field ") + names[i]);
   }
   std::unique_ptr<IPluginV3> reloaded(create(creator, copy, TensorRTPhase::kRUNTIME));
@@ -471,6 +488,28 @@ int main() {
   std::unique_ptr<IPluginV3> attached(runtime->attachToContext(nullptr));
   std::unique_ptr<IPluginV3> cloned(plugin->clone());
   check(attached != nullptr && cloned != nullptr, "clone and attachToContext");
+
+  // ---- ALiBi slopes: a kFLOAT32 field of length num_heads, serialized back as given.
+  const std::vector<float> slopes = {0.5F, 0.25F};
+  std::unique_ptr<IPluginV3> alibi(
+      create(creator, parser_fields(&heads, &scale, &off, &on, &off, &softcap, nullptr, nullptr, &slopes),
+             TensorRTPhase::kBUILD));
+  check(alibi != nullptr, "createPlugin with alibi_slopes");
+  if (alibi) {
+    auto* alibiRuntime =
+        static_cast<IPluginV3OneRuntime*>(alibi->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    const PluginFieldCollection* written = alibiRuntime->getFieldsToSerialize();
+    const PluginField& last = written->fields[kFieldCount - 1];
+    check(std::strcmp(last.name, spec::kAttrAlibiSlopes) == 0 && last.type == PluginFieldType::kFLOAT32 &&
+              last.length == 2 && static_cast<const float*>(last.data)[0] == 0.5F &&
+              static_cast<const float*>(last.data)[1] == 0.25F,
+          "alibi_slopes serialized as kFLOAT32 of length num_heads");
+    auto* alibiBuild = static_cast<IPluginV3OneBuild*>(alibi->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    check(std::string(alibiBuild->getMetadataString()).find(" alibi_slopes=[0.5,0.25]") != std::string::npos,
+          "metadata string names the slopes");
+    std::unique_ptr<IPluginV3> alibiClone(alibi->clone());  // its own device buffer: freed once each
+    check(alibiClone != nullptr, "clone with slopes");
+  }
 
   cache_form(creator, logger);
 

@@ -1,7 +1,8 @@
 // The attention the FusedAttention node defines (docs/onnx_node.md), in float64, straight from
 // token-major [B, L, H*D] arrays (key/value [B, Lk, Hkv*D]: query head h reads head
 // h / (H / Hkv)) and masks expanded to [B, Lk] and [B, H, Lq, Lk]; causal masking top-left
-// (alignment 0) or bottom-right (1: key j visible to query i when j <= i + Lk - Lq): the
+// (alignment 0) or bottom-right (1: key j visible to query i when j <= i + Lk - Lq); ALiBi slopes
+// (one per query head, empty = none) add -slope[h] * |i + Lk - Lq - j| whatever the alignment: the
 // reference of core_test.cpp (AttentionParams) and host_check.cpp (the plugin on a GPU).
 #pragma once
 
@@ -16,7 +17,8 @@ inline std::vector<double> reference_attention(int64_t B, int64_t H, int64_t Lq,
                                                double scale, bool causal, const std::vector<float>& q,
                                                const std::vector<float>& k, const std::vector<float>& v,
                                                const std::vector<float>& kpm, const std::vector<float>& mask,
-                                               double softcap = 0.0, int64_t Hkv = 0, int alignment = 0) {
+                                               double softcap = 0.0, int64_t Hkv = 0, int alignment = 0,
+                                               const std::vector<float>& alibi_slopes = {}) {
   if (Hkv == 0) Hkv = H;
   const int64_t shift = alignment == 1 ? Lk - Lq : 0;
   std::vector<double> out(B * Lq * H * Dv, 0.0);
@@ -33,6 +35,7 @@ inline std::vector<double> reference_attention(int64_t B, int64_t H, int64_t Lq,
           const double x = scale * dot;
           s[j] = (softcap > 0 ? softcap * std::tanh(x / softcap) : x) + kpm[b * Lk + j] +
               mask[((b * H + h) * Lq + i) * Lk + j];
+          if (!alibi_slopes.empty()) s[j] -= double(alibi_slopes[h]) * std::abs(double(i + Lk - Lq - j));
           if (causal && j > i + shift) s[j] = -INFINITY;
           top = std::max(top, s[j]);
         }

@@ -330,11 +330,25 @@ def test_opcheck_with_slopes():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
-def test_cuda_refuses_slopes_until_its_kernels_take_them():
-    """Never run without the bias: the CUDA operators raise NotImplementedError with slopes."""
-    q, k, v = (t.cuda() for t in inputs(1, 2, 3, 4, 8, 1, requires_grad=False))
-    for call in (lambda: attn_export.attention(q, k, v, alibi_slopes=[0.5, 0.25]),
-                 lambda: ops._attention_backward(q, None, q, k, v, torch.zeros(1, 2, 3, device="cuda"), None, None,
-                                                 False, None, None, 0.0, 0, 0, [0.5, 0.25])):
-        with pytest.raises(NotImplementedError, match="the CUDA kernels do not take ALiBi slopes yet"):
-            call()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_takes_slopes(dtype):
+    """The CUDA kernels add the bias (flash and generic, forward and backward): the CPU operator's
+    result and gradients, within the dtype's tolerance, on a bottom-right causal Lq < Lk case with GQA
+    and a padded key (tests/ops/cuda/test_cuda_alibi.py checks the kernels themselves, emulated)."""
+    slopes = SLOPES["bloom4"]
+    torch.manual_seed(7)
+    q, k, v = inputs(2, 4, 5, 9, 32, 2, dtype=dtype)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[1, :3] = True
+    kwargs = {"key_padding_mask": padding, "is_causal": True, "causal_alignment": CausalAlignment.BOTTOM_RIGHT}
+    exact, _ = reference_attention(q, k, v, alibi_slopes=slopes, **kwargs)
+    dev = [t.detach().cuda().requires_grad_() for t in (q, k, v)]
+    out = attn_export.attention(*dev, alibi_slopes=slopes, key_padding_mask=padding.cuda(), is_causal=True,
+                                causal_alignment=CausalAlignment.BOTTOM_RIGHT)
+    rel = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_rel_close(out.cpu(), exact, rel, "output")
+    grad = torch.randn_like(exact)
+    got = torch.autograd.grad(out, dev, grad.to(dtype).cuda())
+    want = torch.autograd.grad(exact, (q, k, v), grad)
+    for g, w, name in zip(got, want, "qkv"):
+        assert_rel_close(g.cpu(), w, rel * 4, f"grad {name}", scale=w, n=16)

@@ -230,6 +230,7 @@ SUPPORTS_CASES = [
     *DTYPE_CASES, *_head_dims(64, 256, 96, 80), ("dv_differs", "p.head_dim_v = 64"), ("k_misaligned", "p.k = buffer + 8"),
     ("v_row_stride_132", "p.v_row_stride = 132"), ("q_head_stride_0", "p.q_head_stride = 0"),
     ("out_row_stride_130", "p.out_row_stride = 130"), ("no_keys", "p.seqlen_k = 0"),
+    ("alibi", "p.alibi_slopes = reinterpret_cast<const float*>(buffer)"),  # declined: the sm80 forward adds them
 ]
 
 POLICY_PROGRAM = HOST_PRELUDE + r"""
@@ -289,7 +290,7 @@ def test_hopper_dispatch_rules(tmp_path):
     assert [row[:3] for row in result["allowed"] if row[3]] == [[9, 1, 1]]
     assert result["supports"] == {
         "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 1, "d80": 0, "dv_differs": 0, "k_misaligned": 0,
-        "v_row_stride_132": 0, "q_head_stride_0": 0, "out_row_stride_130": 0, "no_keys": 0,
+        "v_row_stride_132": 0, "q_head_stride_0": 0, "out_row_stride_130": 0, "no_keys": 0, "alibi": 0,
     }
 
 
@@ -475,6 +476,7 @@ BWD_SUPPORTS_CASES = [
     ("dout_misaligned", "p.grad_out = buffer + 8"), ("dout_row_stride_132", "p.grad_out_row_stride = 132"),
     ("dk_row_stride_odd", "p.grad_k_row_stride = 127"), ("grad_weights", "p.grad_weights = buffer"),
     ("heads_not_divisible", "p.num_heads_k = 3"), ("no_queries", "p.seqlen_q = 0"),
+    ("alibi", "p.alibi_slopes = reinterpret_cast<const float*>(buffer)"),  # declined: the sm80 backward adds them
 ]
 
 BWD_POLICY_PROGRAM = HOST_PRELUDE + r"""
@@ -526,7 +528,7 @@ def test_hopper_backward_dispatch_rules(tmp_path):
         "base": 1, "fp16": 1, "fp32": 0, "d64": 1, "d256": 1, "d96": 1, "d32": 1, "d80": 0, "d192": 1,
         "dv_differs": 0, "dout_misaligned": 0,
         "dout_row_stride_132": 0, "dk_row_stride_odd": 0, "grad_weights": 0, "heads_not_divisible": 0,
-        "no_queries": 0,
+        "no_queries": 0, "alibi": 0,
     }
     # d128 tiles 64 query rows: 100 rows pad to 128, over batch 2 x heads 4; sizes 256-byte aligned.
     rows = 2 * 4 * 128

@@ -49,7 +49,9 @@ int main() {
   p.seqlen_k = 5; std::printf("\"bottom_right_square\": %u, ", policy::needed_features(p));
   p.seqlen_k = 9; p.is_causal = false; std::printf("\"bottom_right_not_causal\": %u, ", policy::needed_features(p));
   p.causal_alignment = kCausalTopLeft; p.window = 3; std::printf("\"window_not_causal\": %u, ", policy::needed_features(p));
-  p.is_causal = true; std::printf("\"window\": %u", policy::needed_features(p));
+  p.is_causal = true; std::printf("\"window\": %u, ", policy::needed_features(p));
+  const float slopes[8] = {0.5f, 0.25f, 0.125f, 0.0625f, 0.5f, 0.25f, 0.125f, 0.0625f};
+  p.window = 0; p.is_causal = false; p.alibi_slopes = slopes; std::printf("\"alibi\": %u", policy::needed_features(p));
   std::printf("}, \"allowed\": [%d, %d, %d, %d], ", policy::allowed(0, false), policy::allowed(policy::kGroupedQuery, false),
               policy::allowed(policy::kSplitKv, false), policy::allowed(policy::kSplitKv | policy::kBottomRight, true));
   std::printf("\"env\": [%d, %d, %d, %d, %d], ", policy::preview_from_env(nullptr), policy::preview_from_env("1"),
@@ -141,6 +143,12 @@ def test_a_sliding_window_needs_the_preview(policy):
     f = policy["features"]
     assert f["window"] != 0 and f["window"] not in (f["gqa"], f["bottom_right"])
     assert f["window_not_causal"] == 0  # the window is read only under is_causal
+
+
+def test_alibi_slopes_in_the_kernels_need_the_preview(policy):
+    """Without the preview the binding passes the ALiBi bias as a mask (verified_inputs.cpp)."""
+    f = policy["features"]
+    assert f["alibi"] != 0 and f["alibi"] not in (f["gqa"], f["bottom_right"], f["window"])
 
 
 def test_the_head_dim_128_backward_keeps_the_verified_tiles(policy):

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "guarded_memory_scope.h"
 #include "kernels/cuda/attention_cuda.h"
@@ -46,6 +47,11 @@ std::optional<at::Tensor> guarded(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(guarded_memory::guarded_copy(*t)) : std::nullopt;
 }
 
+// The schema's `float[]? alibi_slopes` as CoreOptions holds it.
+std::optional<std::vector<double>> slopes_of(const std::optional<at::ArrayRef<double>>& slopes) {
+  return slopes.has_value() ? std::optional<std::vector<double>>(slopes->vec()) : std::nullopt;
+}
+
 // Exactly `bytes` between guards, 256-byte aligned by the guarded allocator, and filled with
 // garbage: the kernels must not rely on a zeroed workspace.
 at::Tensor garbage_workspace(size_t bytes, const at::Tensor& like) {
@@ -67,13 +73,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
     bool is_causal, std::optional<double> scale, bool need_weights, double softcap, int64_t causal_alignment,
-    int64_t window) {
+    int64_t window, std::optional<at::ArrayRef<double>> alibi_slopes) {
   EmulatedCall call;
   const at::Tensor query = guarded_memory::guarded_copy(query_in), key = guarded_memory::guarded_copy(key_in),
                    value = guarded_memory::guarded_copy(value_in);
   const auto attn_mask = guarded(attn_mask_in), key_padding_mask = guarded(key_padding_mask_in);
   const ForwardArgs routed = verified_forward_args(
-      {query, key, value, {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment, window},
+      {query, key, value,
+       {attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment, window, slopes_of(alibi_slopes)},
        need_weights},
       cuda::attention_preview_enabled());
   const AttentionForward f = prepare_attention_forward(routed, query.scalar_type(), /*masks_in_compute_dtype=*/false);
@@ -86,14 +93,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_output_in, const std::optional<at::Tensor>& grad_weights_in,
     const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& logsumexp_in,
     const std::optional<at::Tensor>& attn_mask_in, const std::optional<at::Tensor>& key_padding_mask_in,
-    bool is_causal, std::optional<double> scale, double softcap, int64_t causal_alignment, int64_t window) {
+    bool is_causal, std::optional<double> scale, double softcap, int64_t causal_alignment, int64_t window,
+    std::optional<at::ArrayRef<double>> alibi_slopes) {
   EmulatedCall call;
   using guarded_memory::guarded_copy;
   const at::Tensor grad_output = guarded_copy(grad_output_in), query = guarded_copy(query_in),
                    key = guarded_copy(key_in), value = guarded_copy(value_in), logsumexp = guarded_copy(logsumexp_in);
   const auto grad_weights = guarded(grad_weights_in), attn_mask = guarded(attn_mask_in),
              key_padding_mask = guarded(key_padding_mask_in);
-  const CoreOptions given{attn_mask, key_padding_mask, is_causal, scale, softcap, causal_alignment, window};
+  const CoreOptions given{attn_mask,       key_padding_mask, is_causal, scale, softcap, causal_alignment,
+                          window,          slopes_of(alibi_slopes)};
   check_attention_inputs(query, key, value, attn_mask, key_padding_mask);
   check_core_attributes(given);
   check_attention_backward_inputs(grad_output, logsumexp, query, value);
@@ -106,12 +115,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   const at::Tensor grad_out = kernel_operand(grad_output.to(dtype));
   const at::Tensor lse = logsumexp.to(acc).contiguous();
   const auto mask4d = kernel_attn_mask(options.attn_mask, batch, heads, seqlen_q, seqlen_k);
+  check_alibi_slopes(options, heads);
+  const std::optional<at::Tensor> slopes = guarded(kernel_alibi_slopes(options, query));
 
   at::Tensor out = empty_token_major(batch, heads, seqlen_q, dim_v, query.options());
   {
     at::Tensor lse_again = at::empty_like(lse);
     const AttentionParams forward =
-        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, options.key_padding_mask, options);
+        make_attention_params(q, k, v, out, lse_again, std::nullopt, mask4d, options.key_padding_mask, options,
+                              slopes);
     run_forward(forward, query);
   }
   std::optional<at::Tensor> gw;
@@ -123,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor grad_k = empty_kernel_kv_grad(key_in, heads, query.options());
   at::Tensor grad_v = empty_kernel_kv_grad(value_in, heads, query.options());
   const AttentionBackwardParams params = make_attention_backward_params(
-      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, options.key_padding_mask, options),
+      make_attention_params(q, k, v, out, lse, std::nullopt, mask4d, options.key_padding_mask, options, slopes),
       grad_out, gw, grad_q, grad_k, grad_v);
   const at::Tensor workspace = garbage_workspace(cuda::attention_backward_workspace_size(params), query);
   check(cuda::run_attention_backward(params, workspace.data_ptr(), nullptr), params);
@@ -204,11 +216,12 @@ at::Tensor emulator_mma_product(const at::Tensor& a, const at::Tensor& b, bool b
 
 TORCH_LIBRARY(attn_export_emu, m) {
   m.def("forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor? key_padding_mask, "
-        "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0) "
+        "bool is_causal, float? scale, bool need_weights, float softcap=0.0, int causal_alignment=0, int window=0, "
+        "float[]? alibi_slopes=None) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor? grad_weights, Tensor query, Tensor key, Tensor value, "
         "Tensor logsumexp, Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float? scale, "
-        "float softcap=0.0, int causal_alignment=0, int window=0) -> (Tensor, Tensor, Tensor)");
+        "float softcap=0.0, int causal_alignment=0, int window=0, float[]? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
   m.def("uses_tensor_cores(Tensor query, Tensor key, Tensor value) -> bool");
   m.def("forward_workspace_size(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> int");
   m.def("packs_query_heads(Tensor query, Tensor key, Tensor value, bool is_causal, int causal_alignment) -> bool");
