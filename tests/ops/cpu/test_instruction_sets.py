@@ -98,21 +98,31 @@ def test_a_lowered_process_runs_that_class_of_machine_everywhere(isa):
 LOWER_ISAS_SKIP = "test_matches_stock_module_full_sweep"
 
 
-# The kernel tests each lower set runs, in two parts: the fast tier's (every kernel path, mask kind,
-# dtype and head dim), which CI runs, and the slow ones (the module sweeps, the property search),
-# which `make test-all` adds.
-SCOPES = {"fast": "kernels and not slow", "slow": "kernels and slow"}
+# The kernel tests each lower set runs, in two parts, each a list of (marker expression, folders):
+# the fast tier's tests of the attention core and the CPU kernels (every kernel path, mask kind,
+# dtype and head dim), which CI runs; and the rest, which `make test-all` adds: their slow tests
+# (the property search, the larger sweeps) and the layer against the stock module.
+CORE = ["tests/ops/core", "tests/ops/cpu"]
+SCOPES = {
+    "core": [("kernels and not slow", CORE)],
+    "rest": [("kernels and slow", CORE), ("kernels", ["tests/ops/module"])],
+}
 
 
 @pytest.mark.skipif(not LOWER, reason="this CPU runs only the generic kernels, which the default run tests")
-@pytest.mark.parametrize("scope", [pytest.param("fast"), pytest.param("slow", marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("scope", [pytest.param("core"), pytest.param("rest", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("isa", LOWER)
 def test_kernel_tests_under_a_lower_instruction_set(isa, scope):
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", SCOPES[scope],
-         "-k", f"not {LOWER_ISAS_SKIP}", "tests"],
-        capture_output=True, text=True, timeout=1200, cwd=root, env={**os.environ, **MACHINE_CLASS[isa]})
+    for markers, folders in SCOPES[scope]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", markers,
+             "-k", f"not {LOWER_ISAS_SKIP}", *folders],
+            capture_output=True, text=True, timeout=1200, cwd=root, env={**os.environ, **MACHINE_CLASS[isa]})
+        _check_run(proc)
+
+
+def _check_run(proc) -> None:
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
