@@ -20,7 +20,9 @@ from attn_export.surgery import fused_calls  # noqa: E402
 from helpers import assert_parity  # noqa: E402
 from hf_models import HF5, padded_batch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not HF5, reason="checked with transformers 5's Bloom and MPT")
+# Slow tier (make test-fast leaves it out, ~20 s of a worker): the operator's ALiBi has its fast tests
+# in tests/ops/core/test_alibi.py.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HF5, reason="checked with transformers 5's Bloom and MPT")]
 transformers.utils.logging.set_verbosity_error()
 
 VOCAB = 128
