@@ -119,34 +119,28 @@ def alibi_slopes(name, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ALIBI))
-def test_alibi_families_fuse_with_their_slopes_and_generate_the_models_tokens(name, tmp_path):
+@pytest.mark.parametrize("name, attention", ci_sample([("bloom", "custom"), ("mpt", "standard"), ("mpt", "custom"),
+                                                      ("bloom", "standard")]))  # CI: each family, each flavor
+def test_alibi_families_fuse_with_their_slopes_and_generate_the_models_tokens(name, attention, tmp_path):
+    """custom: one node per layer with the model's slopes; standard: one Attention per layer (the
+    bias added to its mask). Both generate generate()'s tokens on a left-padded batch."""
     torch.manual_seed(0)
     model = ALIBI[name](transformers).eval()
     path = tmp_path / f"{name}.onnx"
-    result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True)
+    result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True,
+                         attention=attention)
     rows = [(layer.found, layer.status) for layer in result.replacement.layers]
     assert rows == [("alibi", "routed")] * 2, result.replacement  # the sample run too took the operator
-    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-             for n in fused_nodes(onnx.load(str(path), load_external_data=False))]
-    assert len(attrs) == 2, attrs  # every layer, one node each
-    for a in attrs:
-        assert (a["has_past"], a["has_attn_mask"], a["has_key_padding_mask"], a["is_causal"], a["num_heads"],
-                a["kv_num_heads"]) == (1, 0, 1, 1, 4, 4), a
-        assert a["alibi_slopes"] == pytest.approx(alibi_slopes(name, model), rel=1e-7), a
+    proto = onnx.load(str(path), load_external_data=False)
+    if attention == "standard":
+        assert not fused_nodes(proto) and [n.op_type for n in proto.graph.node].count("Attention") == 2
+    else:
+        attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in fused_nodes(proto)]
+        assert len(attrs) == 2, attrs  # every layer, one node each
+        for a in attrs:
+            assert (a["has_past"], a["has_attn_mask"], a["has_key_padding_mask"], a["is_causal"], a["num_heads"],
+                    a["kv_num_heads"]) == (1, 0, 1, 1, 4, 4), a
+            assert a["alibi_slopes"] == pytest.approx(alibi_slopes(name, model), rel=1e-7), a
     result = check_generation(model, path, new_tokens=16)
     assert result.passed, result.failures
     assert result.prompt_lengths == [5, 9, 12] and result.runs[0].tokens == result.reference_tokens
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ALIBI))
-def test_alibi_families_in_the_standard_flavor_generate_the_models_tokens(name, tmp_path):
-    torch.manual_seed(0)
-    model = ALIBI[name](transformers).eval()
-    path = tmp_path / f"{name}.onnx"
-    export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True, attention="standard")
-    proto = onnx.load(str(path), load_external_data=False)
-    assert not fused_nodes(proto) and [n.op_type for n in proto.graph.node].count("Attention") == 2
-    result = check_generation(model, path, new_tokens=16)
-    assert result.passed, result.failures

@@ -435,18 +435,35 @@ def _compile_and_disassemble(units: list[pathlib.Path], out_dir: pathlib.Path, k
     return [log for log, _ in built], spills, kernels
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
-@pytest.mark.skipif(_cutlass_include() is None,
-                    reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
-@pytest.mark.skipif(_cuobjdump() is None,
-                    reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
+def sm90_gate(units, rest_id: str):
+    """The gate's marks (slow; the tools it needs) and its two cases: the first unit in CI ("ci"),
+    the others in `make test-all` (exhaustive). ATTN_EXPORT_SM90_GATE=all makes the ci case build
+    every instantiation (_gate_units), so the other case is skipped then."""
+    skip_rest = os.environ.get("ATTN_EXPORT_SM90_GATE") == "all"
+    marks = [
+        pytest.mark.slow,
+        pytest.mark.skipif(_nvcc() is None, reason="needs nvcc"),
+        pytest.mark.skipif(_cutlass_include() is None, reason="needs the CUTLASS headers: pip install --no-deps "
+                           "nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)"),
+        pytest.mark.skipif(_cuobjdump() is None,
+                           reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)"),
+        pytest.mark.parametrize("units", [
+            pytest.param(units[:1], id="ci"),
+            pytest.param(units[1:], id=rest_id, marks=[pytest.mark.exhaustive, *([pytest.mark.skip(
+                reason="ATTN_EXPORT_SM90_GATE=all: the ci case compiles every instantiation")] if skip_rest else [])]),
+        ]),
+    ]
+
+    def decorate(test):
+        for mark in reversed(marks):
+            test = mark(test)
+        return test
+    return decorate
+
+
+@sm90_gate(GATE_UNITS, "other-schedules")
 @pytest.mark.skipif(not _HOST_TOOLS, reason="needs a C++ compiler (the tile table is read from a host program)")
-@pytest.mark.parametrize("units", [pytest.param(GATE_UNITS[:1], id="ci"),
-                                   pytest.param(GATE_UNITS[1:], id="other-schedules", marks=pytest.mark.exhaustive)])
 def test_sm90_forward_compiles_to_hopper_code(tmp_path, units):
-    if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all" and units != GATE_UNITS[:1]:
-        pytest.skip("ATTN_EXPORT_SM90_GATE=all: the ci case compiles every instantiation")
     units = _gate_units("sm90_flash_fwd_*.cu", units)
     start = time.monotonic()
     logs, spills, kernels = _compile_and_disassemble(units, tmp_path, KERNEL, ("-std=c++17",))
@@ -564,18 +581,8 @@ TORCH_NVCC_DEFINES = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSI
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
-@pytest.mark.skipif(_cutlass_include() is None,
-                    reason="needs the CUTLASS headers: pip install --no-deps nvidia-cutlass==4.2.0.0 (or ATTN_EXPORT_CUTLASS_INCLUDE)")
-@pytest.mark.skipif(_cuobjdump() is None,
-                    reason="needs cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (CUDA 13)")
-# CI: the first unit (ping-pong's head dim); `make test-all` also the widest, 256.
-@pytest.mark.parametrize("units", [pytest.param(BWD_GATE_UNITS[:1], id="ci"),
-                                   pytest.param(BWD_GATE_UNITS[1:], id="widest", marks=pytest.mark.exhaustive)])
+@sm90_gate(BWD_GATE_UNITS, "widest")  # CI: the first unit (ping-pong's head dim); test-all the widest, 256
 def test_sm90_backward_compiles_to_hopper_code(tmp_path, units):
-    if os.environ.get("ATTN_EXPORT_SM90_GATE") == "all" and units != BWD_GATE_UNITS[:1]:
-        pytest.skip("ATTN_EXPORT_SM90_GATE=all: the ci case compiles every instantiation")
     units = _gate_units("sm90_flash_bwd_*.cu", units)
     start = time.monotonic()
     _, spills, kernels = _compile_and_disassemble(units, tmp_path, BWD_KERNEL, ("-std=c++20", *TORCH_NVCC_DEFINES))

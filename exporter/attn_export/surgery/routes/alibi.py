@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from torch import nn
 
-from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes
+from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes, routing_note
 from attn_export.surgery.site_report import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _qualname
 from attn_export.surgery.transformers.alibi import AlibiForward, family_of, overridden
 
@@ -40,12 +40,10 @@ class AlibiLayers(Route):
                               reason=reason, notes=[] if reason else _notes(module))
 
     def notes(self, sites: List[Site], applied: bool) -> List[str]:
-        if not any(site.layer.status in (ROUTED, WILL_ROUTE) for site in sites):
-            return []
-        verb = "run" if applied else "will run"
-        return [f"Bloom/MPT attention modules {verb} on the fused operator, causal with the key padding of the "
-                "model's causal mask and the model's ALiBi as per-head slopes (alibi_slopes); calls the operator "
-                "cannot reproduce run the stock module (attn_export.surgery.fused_calls(module) counts both)"]
+        return routing_note(sites, applied, lambda verb: (
+            f"Bloom/MPT attention modules {verb} on the fused operator, causal with the key padding of the "
+            "model's causal mask and the model's ALiBi as per-head slopes (alibi_slopes); calls the operator "
+            "cannot reproduce run the stock module (attn_export.surgery.fused_calls(module) counts both)"))
 
     def apply(self, model: nn.Module, sites: List[Site]):
         done = []

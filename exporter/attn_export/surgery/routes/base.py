@@ -126,6 +126,16 @@ class Route:
         return None
 
 
+def routing_note(sites: List[Site], applied: bool, note: Callable[[str], str]) -> List[str]:
+    """A route's report note, ``note("run")`` once it is applied (``note("will run")`` before), or
+    none where no site of the route is routed."""
+    from attn_export.surgery.site_report import ROUTED, WILL_ROUTE
+
+    if not any(site.layer.status in (ROUTED, WILL_ROUTE) for site in sites):
+        return []
+    return [note("run" if applied else "will run")]
+
+
 def restore_attributes(obj: Any, saved: Mapping[str, Any]) -> None:
     """Sets each instance attribute of ``obj`` named in ``saved`` back to its value, deleting those
     saved as :data:`MISSING` (attributes that did not exist)."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from attn_export.ops.module import FusedMultiheadAttention, StockMultiheadAttention
 from attn_export.surgery.geometry import geometry
-from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes
+from attn_export.surgery.routes.base import MISSING, CallCount, Route, Scan, Site, restore_attributes, routing_note
 from attn_export.surgery.sdpa.intercept import call_counter, is_routed, route_module
 from attn_export.surgery.sdpa.source import calls_sdpa
 from attn_export.surgery.site_report import ALREADY_FUSED, ROUTED, SKIPPED, WILL_ROUTE, AttentionLayer, _qualname
@@ -72,12 +72,10 @@ def sdpa_site(scan: Scan, module: nn.Module, path: str, calls_in_source: Callabl
 
 def sdpa_note(route: str, sites: List[Site], applied: bool) -> List[str]:
     """The report's note on the SDPA calls of ``route``'s sites routed (or to be routed)."""
-    if not any(site.layer.status in (ROUTED, WILL_ROUTE) for site in sites):
-        return []
-    verb = "run" if applied else "will run"
-    return [f"F.scaled_dot_product_attention calls of the '{route}' sites {verb} on the fused operator; calls it "
-            "cannot express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
-            "(attn_export.surgery.fused_calls(module) counts both)"]
+    return routing_note(sites, applied, lambda verb: (
+        f"F.scaled_dot_product_attention calls of the '{route}' sites {verb} on the fused operator; calls it "
+        "cannot express (dropout_p > 0, a mask that requires grad, ...) stay on PyTorch's SDPA "
+        "(attn_export.surgery.fused_calls(module) counts both)"))
 
 
 def unconfirmed_calls(count: Optional[CallCount]) -> Optional[str]:
