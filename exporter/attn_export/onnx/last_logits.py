@@ -5,7 +5,8 @@ hidden]) leaves one row of the head's MatMul instead of one per prompt token: wi
 of tens of thousands of tokens that product is a large share of a prompt's time. ONNX Runtime
 GenAI's model builder offers the same (``--extra_options prune_lm_head=true``).
 
-The head is the MatMul (or ONNX Runtime's MatMulNBits) with a constant weight (or the
+The head is the MatMul (or ONNX Runtime's MatMulNBits, or its FusedMatMul: the ort flavor's
+fusions turn the tied embedding's Transpose into ``transB``) with a constant weight (or the
 transposed embedding of tied weights) behind the ``logits`` output, reached through the elementwise ops a model applies to its logits (a
 bias, Gemma 2's final soft-capping: Div, Tanh, Mul, a Cast).
 """
@@ -14,14 +15,19 @@ from __future__ import annotations
 from typing import Optional
 
 import onnx
+from onnx import TensorProto
 
-from attn_export.cache_contract import LOGITS
+from attn_export.cache_contract import ATTENTION_MASK, LOGITS
 from attn_export.onnx.editing import GraphIndex, NodeBuilder
 
-HEADS = ("MatMul", "MatMulNBits")
+HEADS = ("MatMul", "MatMulNBits", "FusedMatMul")
 # What a model may do to its logits after the head, each with a constant second operand or none.
 ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Softcap")
 INT64_MAX = 2**63 - 1
+# The name's ending of the node that picks each row's last unpadded position: where no key is
+# padded that is the last position of every row, and the ort flavor's unpadded branch
+# (ort/one_branch.py) puts a plain Slice in its place.
+ROWS_LAST = "/rows_last"
 
 
 def keep_last_position(model: onnx.ModelProto) -> Optional[str]:
@@ -34,9 +40,10 @@ def keep_last_position(model: onnx.ModelProto) -> Optional[str]:
     if head is None:
         return f"no MatMul with a constant weight found behind {LOGITS!r}"
     b = NodeBuilder(f"{head.name or 'lm_head'}/last_position")
-    starts, ends, axes = b.const("starts", [-1]), b.const("ends", [INT64_MAX]), b.const("axes", [1])
-    last = b.op("Slice", [head.input[0], starts, ends, axes], "hidden")
-    head.input[0] = last
+    if ATTENTION_MASK in {i.name for i in model.graph.input}:
+        head.input[0] = rows_last(b, head.input[0], ATTENTION_MASK)
+    else:
+        head.input[0] = last_position(b, head.input[0])
     position = list(model.graph.node).index(head)
     for offset, node in enumerate(b.nodes):
         model.graph.node.insert(position + offset, node)
@@ -45,6 +52,29 @@ def keep_last_position(model: onnx.ModelProto) -> Optional[str]:
         output.type.tensor_type.shape.dim[1].Clear()
         output.type.tensor_type.shape.dim[1].dim_value = 1
     return None
+
+
+def last_position(b: NodeBuilder, hidden: str, output: Optional[str] = None) -> str:
+    """``hidden[:, -1:]``: the last position of every row."""
+    starts, ends, axes = b.const("starts", [-1]), b.const("ends", [INT64_MAX]), b.const("axes", [1])
+    return b.op("Slice", [hidden, starts, ends, axes], "hidden", outputs=[output] if output else None)
+
+
+def rows_last(b: NodeBuilder, hidden: str, mask: str) -> str:
+    """Each row's last position the mask keeps among the call's S new positions (the mask's last
+    S columns), ``hidden`` [B, S, H] -> [B, 1, H]: S - 1 in a left-padded or unpadded row, the
+    last prompt token in a right-padded one (ONNX Runtime GenAI pads a batch on the right)."""
+    length = b.op("Shape", [hidden], "length", start=1, end=2)
+    new = b.op("Slice", [mask, b.op("Neg", [length], "from_end"), b.const("to_end", [INT64_MAX]), b.const("axis", [1])],
+               "new_columns")
+    steps = b.op("Range", [b.const("zero", [0], dims=[]), b.op("Squeeze", [length], "count"), b.const("one", [1], dims=[])],
+                 "steps")
+    kept = b.op("Mul", [b.op("Cast", [new], "new64", to=TensorProto.INT64), steps], "kept_steps")
+    last = b.op("ReduceMax", [kept, b.const("axes", [1])], "last", keepdims=1)
+    index = b.op("Unsqueeze", [last, b.const("axis2", [2])], "index")
+    out = b.op("GatherND", [hidden, index], "hidden", batch_dims=1)
+    b.nodes[-1].name = b.nodes[-1].name + ROWS_LAST
+    return out
 
 
 def _head(index: GraphIndex, name: str) -> Optional[onnx.NodeProto]:
@@ -57,6 +87,8 @@ def _head(index: GraphIndex, name: str) -> Optional[onnx.NodeProto]:
         node = index.producer.get(variable[0])
     if node is None or node.op_type not in HEADS or len(node.input) < 2 or not _constant(index, node.input[1]):
         return None
+    if any(a.name in ("transA", "transBatchA") and a.i for a in node.attribute):
+        return None  # the hidden states enter transposed: their sequence axis is not axis 1
     return node if len(index.consumers.get(node.output[0], [])) <= 1 else None
 
 

@@ -7,6 +7,8 @@ operators it chooses between (15% of a decode step of the benchmark's 4-layer mo
 the layers' own branch inlined: the exact branch (bias, RotaryEmbedding) and the builder's
 form. The weights stay initializers of the main graph, read from both branches; the values
 each branch makes are renamed with the branch's suffix, so the branches never share a name.
+In the unpadded branch every row's last position is the last one: the last-logits pass's
+per-row pick (last_logits.rows_last) becomes a plain Slice there.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Dict, List, Optional
 import onnx
 from onnx import helper
 
-from attn_export.onnx.editing import remove_unused, replace_nodes
+from attn_export.onnx.editing import NodeBuilder, remove_unused, replace_nodes
+from attn_export.onnx.last_logits import ROWS_LAST, last_position
 
 BRANCHES = (("then_branch", "exact"), ("else_branch", "dense"))
 
@@ -76,6 +79,10 @@ def _branch(rest, condition: str, attr: str, suffix: str, outputs) -> onnx.Graph
     for node in rest:
         if _is_merged(node, condition):
             body.extend(_inlined(node, attr))
+        elif suffix == "dense" and node.name.endswith(ROWS_LAST):
+            b = NodeBuilder(node.name[:-len(ROWS_LAST)] + "/unpadded")
+            last_position(b, node.input[0], output=node.output[0])
+            body.extend(b.nodes)
         else:
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
