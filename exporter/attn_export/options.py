@@ -32,6 +32,11 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_NEW_TOKENS = 16
 
 
+# ExportOptions.last_logits where ConvertOptions writes genai_config.json and the user chose
+# neither: the last position's logits where the language-model head is found.
+LAST_LOGITS_IF_FOUND = "if-found"
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """What ``export_onnx`` writes (onnx/pipeline.py).
@@ -63,7 +68,11 @@ class ExportOptions:
     ``last_logits``: with ``with_past``, a decoder-only LM's ``logits`` for the last position only
     ([batch, 1, vocab], what generation reads; onnx/last_logits.py): the prompt's other positions
     are not run through the language-model head, a large share of a prompt's time with a large
-    vocabulary.
+    vocabulary. None (the default) leaves it to where the file goes: ``ConvertOptions`` that
+    writes ``genai_config.json`` (ONNX Runtime GenAI's generator reads the last position only)
+    makes it ``LAST_LOGITS_IF_FOUND``, the last position's wherever the head is found (every
+    position's otherwise, and the report says why), and False elsewhere. True fails the export
+    where the head is not found; False keeps every position's logits (a perplexity needs them).
     """
 
     opset: Optional[int] = None  # the default-domain opset (>= 18); None: 20, or 23 for the standard flavor
@@ -76,7 +85,7 @@ class ExportOptions:
     seed: int = 0  # for the inputs the trace resizes or makes (a past for with_past)
     quiet: bool = True  # silence torch's exporter
     quantize: Optional[str] = None  # "int4" | "int8": weight-only MatMulNBits (the ort flavor); None: float weights
-    last_logits: bool = False  # with_past: the logits of the last position only
+    last_logits: Optional[bool | str] = None  # with_past: the logits of the last position only; None: see above
 
     def __post_init__(self) -> None:
         check_choices(self.attention, self.functions)
@@ -88,6 +97,8 @@ class ExportOptions:
         if self.quantize is not None and self.dtype not in (None, "fp32"):
             raise InputError(f"--quantize {self.quantize} quantizes float32 weights (the activations stay float32, "
                              f"as in ONNX Runtime GenAI's CPU int4 models): leave out --dtype {self.dtype}")
+        if self.last_logits not in (None, True, False, LAST_LOGITS_IF_FOUND):
+            raise InputError(f"last_logits must be true, false or None (the default), got {self.last_logits!r}")
         if self.last_logits and not self.with_past:
             raise InputError("--last-logits is for a decoder exported with its cache, whose generation reads the last "
                              "position's logits: add --with-past")
@@ -283,6 +294,10 @@ class ConvertOptions:
                             "validate": True, **plain}.items():
             object.__setattr__(self, name, value)
         self.__post_init__()
+        if self.export.last_logits is None:
+            # ONNX Runtime GenAI's generator reads the last position's logits only (docs/cli.md).
+            last = LAST_LOGITS_IF_FOUND if self.genai_config else False
+            object.__setattr__(self, "export", dataclasses.replace(self.export, last_logits=last))
 
     def __post_init__(self) -> None:
         if self.to not in TARGETS:

@@ -68,26 +68,30 @@ def test_the_logits_are_the_last_position_of_the_full_export(tmp_path, attention
         assert float(np.abs(got[:, 0] - want[:, -1]).max()) <= 1e-5 * scale, (past, new)
 
 
-def test_the_gate_passes_with_a_final_soft_cap(tmp_path):
-    """Gemma 2: the head's output goes through Div, Tanh, Mul before it is the logits."""
-    config = transformers.Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+@pytest.mark.parametrize("attention", ci_sample(["ort", "custom"]))  # CI: the ort flavor's FusedMatMul head
+def test_the_gate_passes_with_a_final_soft_cap(tmp_path, attention):
+    """Gemma 2: the head's output goes through Div, Tanh, Mul before it is the logits, and the head
+    is tied to the embedding (in the ort flavor a FusedMatMul with transB after ONNX Runtime's
+    fusions)."""
+    config = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        max_position_embeddings=64, final_logit_softcapping=5.0, pad_token_id=0,
-                                       bos_token_id=1, eos_token_id=2)
+                                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config).eval()
-    result = _export(model, tmp_path / "gemma2.onnx", last_logits=True)
+    result = _export(model, tmp_path / "gemma2.onnx", last_logits=True, attention=attention)
     outcome = check_generation(model, result.path, new_tokens=6)
     assert outcome.passed, outcome.failures
     assert outcome.runs[0].prefill.shape == [3, 1, 97]
 
 
 def test_quantized_and_through_the_cli(tmp_path):
+    """--genai-config without --last-logits: the last position's logits, its default."""
     from helpers import invoke
 
     tiny_llama().save_pretrained(tmp_path / "llama")
     proc = invoke(tmp_path / "llama", "--to", "onnx", "--with-past", "--onnx-attention", "ort", "--quantize", "int4",
-                  "--last-logits", "--genai-config", "-o", tmp_path / "m.onnx", "--json", tmp_path / "report.json")
+                  "--genai-config", "-o", tmp_path / "m.onnx", "--json", tmp_path / "report.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["passed"]
@@ -98,6 +102,39 @@ def test_quantized_and_through_the_cli(tmp_path):
         return
     assert any("genai" in b.lower() for b in backends), backends  # GenAI's generator read the [batch, 1, vocab] logits
     assert CacheContract.from_metadata(onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)).last_logits
+
+
+def test_genai_generates_a_right_padded_batch_like_transformers(tmp_path):
+    """ONNX Runtime GenAI pads a batch on the right: with the last position's logits only, each
+    row's logits must come from its own last prompt token, not from the pad tokens after it."""
+    pytest.importorskip("onnxruntime_genai")
+    from attn_export.genai_config import write_genai_config
+    from attn_export.validation.generation import left_padded, random_prompts, reference_generation
+    from hf_models import genai_greedy_tokens
+
+    model = tiny_llama()
+    result = _export(model, tmp_path / "model.onnx", attention="ort", last_logits=True)
+    write_genai_config(result.path, model.config)
+    prompts = random_prompts(model.config.vocab_size, (5, 9, 12), seed=0, avoid=[0])
+    ids, mask = left_padded(prompts, 0)
+    expected = reference_generation(model, ids, mask, 8, 0, takes_positions=True)[0].tolist()
+    assert len({tuple(t) for t in expected}) == len(prompts)  # rows that differ: a comparison that can fail
+    assert genai_greedy_tokens(tmp_path, prompts, 0, 8) == expected
+
+
+def test_the_default_follows_the_consumer():
+    """None (the default): the last position's with genai_config where the head is found (GenAI's
+    generator reads no other; tests/onnx/test_last_logits_head.py), every position's without; an
+    explicit choice stands either way."""
+    from attn_export.options import LAST_LOGITS_IF_FOUND, ConvertOptions
+
+    assert ConvertOptions("m.onnx", with_past=True, genai_config=True).export.last_logits == LAST_LOGITS_IF_FOUND
+    assert ConvertOptions("m.onnx", with_past=True).export.last_logits is False
+    assert ConvertOptions("m.onnx", with_past=True, genai_config=True, last_logits=False).export.last_logits is False
+    assert ConvertOptions("m.onnx", with_past=True, last_logits=True).export.last_logits is True
+    assert ExportOptions().last_logits is None
+    with pytest.raises(InputError, match="last_logits must be true, false or None"):
+        ExportOptions(with_past=True, last_logits="yes")
 
 
 def test_without_the_cache_it_is_a_usage_error():

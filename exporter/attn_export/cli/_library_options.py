@@ -25,7 +25,7 @@ def _choice(flag: str, dest: str, choices, default, help: str):
 
 def _export_options(opset: Optional[int], onnx_attention: str, onnx_functions: str, dtype: Optional[str],
                     with_past: bool, no_replace: bool, quantize: Optional[str] = None,
-                    last_logits: bool = False) -> ExportOptions:
+                    last_logits: Optional[bool] = None) -> ExportOptions:
     """The export group of the flags; the verb adds what it learns from the model (the axes,
     the seed, ``quiet``)."""
     return ExportOptions(opset=opset, attention=onnx_attention, functions=onnx_functions, dtype=dtype,
@@ -61,10 +61,12 @@ def export_options(f):
                           "symmetric) by ONNX Runtime's quantizer into its MatMulNBits operator, as ONNX Runtime "
                           "GenAI's builder's -p int4; the gate compares with the model carrying the same "
                           "dequantized weights."),
-        click.option("--last-logits", "last_logits", is_flag=True,
+        click.option("--last-logits/--all-logits", "last_logits", default=None,
                      help="With --with-past: the logits of the last position only ([batch, 1, vocab], what "
                           "generation reads), so a prompt runs one row through the language-model head instead of "
-                          "one per token (ONNX Runtime GenAI's builder's prune_lm_head)."),
+                          "one per token (ONNX Runtime GenAI's builder's prune_lm_head), or every position's "
+                          "(for scoring a prompt). Default: the last position's with --genai-config, every "
+                          "position's otherwise."),
     ])(f)
 
 

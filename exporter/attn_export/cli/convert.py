@@ -116,7 +116,8 @@ def target_options(f):
                      help="With --to tensorrt: where the intermediate ONNX goes (default: the engine's path, .onnx)."),
         click.option("--genai-config", "genai_config", is_flag=True,
                      help="With --with-past: also write genai_config.json beside the ONNX file, so that ONNX Runtime "
-                          "GenAI generates with the export's directory (docs/onnx_consumers.md)."),
+                          "GenAI generates with the export's directory (docs/onnx_consumers.md); the logits are then "
+                          "the last position's unless --all-logits."),
         click.option("--no-validate", is_flag=True,
                      help="Skip the parity check (ONNX Runtime, and TensorRT) after export."),
     ])(f)

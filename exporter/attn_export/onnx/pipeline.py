@@ -69,11 +69,14 @@ def export_onnx(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], pa
     proto = _capture(work, sample, axes, opset, quiet)
     if cached is not None:
         inputs, axes = _contract_names(proto, cached, inputs, axes)
-    if options.last_logits and cached.contract.encoder_decoder:
-        raise InputError("--last-logits is for decoder-only LMs; an encoder-decoder's decoder keeps every position's "
-                         "logits: export without it")
+    last_logits = options.last_logits or False
+    if last_logits and cached.contract.encoder_decoder:
+        if last_logits is True:
+            raise InputError("--last-logits is for decoder-only LMs; an encoder-decoder's decoder keeps every "
+                             "position's logits: export without it")
+        last_logits = False
     context = _passes.PassContext(opset, attention, functions, axes, required=dynamic_axes is not None or with_past,
-                                  quantize=options.quantize, last_logits=options.last_logits,
+                                  quantize=options.quantize, last_logits=last_logits,
                                   max_positions=_max_positions(model, attention))
     outcomes = _finish_graph(proto, context, sample.notes)
     result = _result(path, proto, inputs, sample, context, outcomes, dtype, cached)
@@ -115,7 +118,7 @@ def _result(path: Path, proto, inputs, sample: SampleRun, context: _passes.PassC
         num_attention_nodes=count_attention_nodes(proto), replacement=sample.report, notes=sample.notes,
         attention=context.attention, functions=context.functions,
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
-        with_past=dataclasses.replace(cached.contract, last_logits=context.last_logits).to_dict()
+        with_past=dataclasses.replace(cached.contract, last_logits=context.last_logits is True).to_dict()
         if cached is not None else None, passes=outcomes,
     )
 

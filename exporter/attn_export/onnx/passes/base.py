@@ -40,7 +40,9 @@ class PassContext:
     axes: Mapping[str, Mapping[int, str]] = field(default_factory=dict)  # input -> {axis: label} to export dynamic
     required: bool = False  # the axes were declared: one that comes out static is an error
     quantize: str | None = None  # "int4" | "int8": the ort flavor's weight-only quantization (ExportOptions.quantize)
-    last_logits: bool = False  # a cached decoder's logits of the last position only (ExportOptions.last_logits)
+    # A cached decoder's logits of the last position only (ExportOptions.last_logits: True, False or
+    # "if-found"); the pass leaves it True or False, what the file has.
+    last_logits: bool | str = False
     max_positions: int | None = None  # the model's position limit (its config), where known: the ort flavor's rotary caches
     model: onnx.ModelProto | None = None  # the model being edited (set by the pass loop)
     labels: Dict[str, Dict[int, str]] = field(default_factory=dict)  # label_axes: the labels as they came out

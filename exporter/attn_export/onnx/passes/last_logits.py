@@ -15,11 +15,15 @@ class LastLogits(GraphPass):
     name = "last_logits"
 
     def applies(self, context: PassContext) -> bool:
-        return context.last_logits
+        return bool(context.last_logits)
 
     def run(self, model: onnx.ModelProto, context: PassContext) -> PassOutcome:
         left = keep_last_position(model)
+        if left is not None and context.last_logits is not True:  # the default of --genai-config
+            context.last_logits = False
+            return PassOutcome(0, (f"last_logits: every position's logits kept ({left})",))
         if left is not None:
             raise InputError(f"--last-logits: {left}; export without it")
+        context.last_logits = True
         return PassOutcome(1, ("last_logits: the language-model head computes the last position's logits only "
                                "([batch, 1, vocab]); the prompt's other positions get none",))
