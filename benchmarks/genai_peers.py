@@ -4,25 +4,29 @@
     python -m benchmarks.genai_peers --contexts 128,1024 --markdown benchmarks/results/genai_peers.md \\
         --json benchmarks/results/genai_peers.json
 
-One Llama-style decoder with grouped-query attention (hidden 256, 4 layers, 8 query heads over 2
-key/value heads, head dim 32, vocabulary 2048, random weights, seeded) saved with
-``save_pretrained`` beside a ``tokenizers`` WordLevel tokenizer (so the builder runs offline),
-exported twice from that folder:
+One decoder with grouped-query attention (hidden 256, 4 layers, 8 query heads over 2 key/value
+heads, head dim 32, vocabulary 2048, random weights, seeded) of a family the builder supports
+(``--family``: Llama by default; Qwen2 with its projection biases, Phi-3 with its packed
+projections, Gemma 2 with its soft-caps and a 4096-token sliding window on every other layer),
+saved with ``save_pretrained`` beside a ``tokenizers`` WordLevel tokenizer (so the builder runs
+offline), exported twice from that folder:
 
 * ours: ``attn-export DIR --to onnx --onnx-attention ort --with-past --genai-config``;
 * the builder's: ``python -m onnxruntime_genai.models.builder -i DIR -o OUT -p fp32 -e cpu``.
 
 ``--precision int4`` compares the weight-only int4 files instead: ours with ``--quantize int4``
 (MatMulNBits, block 32, symmetric, accuracy_level 4), the builder's ``-p int4``.
-``--last-logits`` exports ours with ``--last-logits`` (the prompt's logits of the last position
-only) and adds the builder's file with the same option (``--extra_options prune_lm_head=true``;
-off in its default). ``--vocab`` sets the vocabulary (the language-model head's width).
+Ours computes the prompt's logits of the last position only (``--genai-config``'s default);
+the builder's default file every position's, so its file with the same option
+(``--extra_options prune_lm_head=true``) runs beside it. ``--all-logits`` exports ours with
+every position's instead (what the builder's default computes). ``--vocab`` sets the vocabulary (the language-model head's width).
 
 Both get the same session options in their genai_config.json (``--threads`` intra-op threads;
 GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pass before each
-model runs: on a shared 2-core machine a spinning pool steals the cores from the next session). At context C, batch 1: ``prefill`` is ``append_tokens`` of C prompt tokens on a
-fresh generator; ``decode`` is one ``generate_next_token`` after it (the mean over
-``--new-tokens`` calls). Interleaved rounds (the order alternates); a time is the median over
+model runs: on a shared 2-core machine a spinning pool steals the cores from the next session).
+At context C and batch B (``--batches``; B different prompts of C tokens each, unpadded):
+``prefill`` is ``append_tokens`` of the prompts on a fresh generator; ``decode`` is one
+``generate_next_token`` after it (the mean over ``--new-tokens`` calls). Interleaved rounds (the order alternates); a time is the median over
 rounds. Both must generate the same greedy tokens (checked once). The nodes each file has after
 ONNX Runtime's own graph optimization are counted (``optimized_model_filepath``).
 """
@@ -46,15 +50,27 @@ CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidde
               num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_size"]) -> None:
+# The families of the builder's that the ort flavor exports, with what sets each apart from Llama.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # biases on the query, key and value projections
+    # Packed qkv_proj and gate_up_proj; the original position limit equal to the limit, as in Phi-3-mini-4k
+    # (the builder reads a larger limit as the LongRoPE model, which needs its scaling factors).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": CONFIG["max_position_embeddings"]}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 4096}),  # soft-caps, window
+}
+
+
+def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_size"], family: str = "llama") -> None:
     """The decoder and a WordLevel tokenizer over its vocabulary, as a local transformers folder."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**CONFIG, "vocab_size": vocab_size})
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(directory)
+    config_class, model_class, extra = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**CONFIG, "vocab_size": vocab_size, **extra})
+    getattr(transformers, model_class)(config).eval().save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -62,13 +78,11 @@ def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_s
                                          unk_token="t3").save_pretrained(directory)
 
 
-def export_all(hf: Path, work: Path, precision: str = "fp32", last_logits: bool = False) -> Dict[str, Path]:
-    """The folders of ours and the builder's file(s), exported unless a --work folder of an
-    earlier run has them."""
-    suffix = "_last" if last_logits else ""
-    dirs = {OURS: work / f"ours_{precision}{suffix}", BUILDER: work / f"builder_{precision}"}
-    if last_logits:
-        dirs[PRUNED] = work / f"builder_{precision}_pruned"
+def export_all(hf: Path, work: Path, precision: str = "fp32", all_logits: bool = False) -> Dict[str, Path]:
+    """The folders of ours and the builder's files (its default and prune_lm_head), exported
+    unless a --work folder of an earlier run has them."""
+    dirs = {OURS: work / f"ours_{precision}{'_all' if all_logits else ''}", BUILDER: work / f"builder_{precision}",
+            PRUNED: work / f"builder_{precision}_pruned"}
     cli = Path(sys.executable).with_name("attn-export")
     quantize = ["--quantize", precision] if precision != "fp32" else []
     for name, folder in dirs.items():
@@ -77,7 +91,7 @@ def export_all(hf: Path, work: Path, precision: str = "fp32", last_logits: bool 
         if name == OURS:
             folder.mkdir(exist_ok=True)
             subprocess.run([str(cli), str(hf), "--to", "onnx", "--onnx-attention", "ort", "--with-past", "--genai-config",
-                            *quantize, *(["--last-logits"] if last_logits else []), "--no-validate",
+                            *quantize, *(["--all-logits"] if all_logits else []), "--no-validate",
                             "-o", str(folder / "model.onnx")], check=True, capture_output=True)
         else:
             extra = ["--extra_options", "prune_lm_head=true"] if name == PRUNED else []
@@ -114,57 +128,61 @@ def optimized_nodes(onnx_file: Path, threads: int) -> Dict[str, int]:
     return dict(collections.Counter(n.op_type for n in model.graph.node).most_common())
 
 
-def generate(model, prompt: np.ndarray, new_tokens: int):
-    """(prefill seconds, decode seconds per token, the tokens)."""
+def generate(model, prompt: np.ndarray, new_tokens: int, min_buffer: int = 0):
+    """(prefill seconds, decode seconds per token, the tokens of every row). The cache buffer holds
+    the prompt and the new tokens, and at least ``min_buffer`` positions (GroupQueryAttention
+    refuses a buffer shorter than its sliding window)."""
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=prompt.shape[1] + new_tokens + 1, do_sample=False, batch_size=1)
+    max_length = max(prompt.shape[1] + new_tokens + 1, min_buffer)
+    params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(prompt))
     generator = og.Generator(model, params)
     start = time.perf_counter()
     generator.append_tokens(prompt)
     prefill = time.perf_counter() - start
     generator.generate_next_token()  # the token the prefill's logits give
-    tokens = [int(generator.get_next_tokens()[0])]
+    tokens = [generator.get_next_tokens().tolist()]
     start = time.perf_counter()
     for _ in range(new_tokens):
         generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+        tokens.append(generator.get_next_tokens().tolist())
     return prefill, (time.perf_counter() - start) / new_tokens, tokens
 
 
 def time_context(models, context: int, rounds: int, new_tokens: int, pause: float,
-                 vocab_size: int = CONFIG["vocab_size"]) -> List[dict]:
-    prompt = np.random.default_rng(context).integers(4, vocab_size, (1, context)).astype(np.int32)
+                 vocab_size: int = CONFIG["vocab_size"], batch: int = 1, min_buffer: int = 0) -> List[dict]:
+    prompt = np.random.default_rng(context).integers(4, vocab_size, (batch, context)).astype(np.int32)
     times = {name: {"prefill": [], "decode": []} for name in models}
     tokens = {}
     names = list(models)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             time.sleep(pause)
-            prefill, decode, tokens[name] = generate(models[name], prompt, new_tokens)
+            prefill, decode, generated = generate(models[name], prompt, new_tokens, min_buffer)
+            tokens[name] = str(generated)
             times[name]["prefill"].append(prefill * 1e3)
             times[name]["decode"].append(decode * 1e3)
-    same = len({tuple(t) for t in tokens.values()}) == 1
-    return [{"context": context, "phase": phase, "implementation": name, "ms": statistics.median(t[phase]),
+    same = len(set(tokens.values())) == 1
+    return [{"batch": batch, "context": context, "phase": phase, "implementation": name, "ms": statistics.median(t[phase]),
              "rounds": rounds, "same_tokens": same} for name, t in times.items() for phase in ("prefill", "decode")]
 
 
 def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, facts: Dict[str, str],
-             threads: int, load: str, precision: str = "fp32", ours_label: str = OURS) -> str:
-    table = {(r["context"], r["phase"], r["implementation"]): r for r in rows}
+             threads: int, load: str, precision: str = "fp32", ours_label: str = OURS, family: str = "llama") -> str:
+    table = {(r.get("batch", 1), r["context"], r["phase"], r["implementation"]): r for r in rows}
     peers = [name for name in dict.fromkeys(r["implementation"] for r in rows) if name != OURS]
     lines = [f"`{command}`", "", f"CPU: {facts['cpu']} ({facts['isa']}), {threads} intra-op threads, a pause before each model; "
-             f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; batch 1, {precision}; "
+             f"onnxruntime {facts['onnxruntime']}, onnxruntime-genai {facts['onnxruntime_genai']}; {family}, {precision}; "
              f"load before the run (`uptime`): {load}", "",
-             f"| context | phase | {ours_label} (ms) | " + " | ".join(f"{p} (ms)" for p in peers) + " | "
+             f"| batch | context | phase | {ours_label} (ms) | " + " | ".join(f"{p} (ms)" for p in peers) + " | "
              + " | ".join(f"ours / {p}" for p in peers) + " | same tokens |",
-             "|---|---|---:|" + "---:|" * (2 * len(peers)) + "---|"]
-    for context in dict.fromkeys(r["context"] for r in rows):
+             "|---:|---:|---|---:|" + "---:|" * (2 * len(peers)) + "---|"]
+    for batch, context in dict.fromkeys((r.get("batch", 1), r["context"]) for r in rows):
         for phase in ("prefill", "decode"):
-            ours = table[(context, phase, OURS)]
-            times = [table[(context, phase, p)]["ms"] for p in peers]
-            lines.append(f"| {context} | {phase}{' (per token)' if phase == 'decode' else ''} | {ours['ms']:.2f} | "
+            ours = table[(batch, context, phase, OURS)]
+            times = [table[(batch, context, phase, p)]["ms"] for p in peers]
+            lines.append(f"| {batch} | {context} | {phase}{' (per token)' if phase == 'decode' else ''} | {ours['ms']:.2f} | "
                          + " | ".join(f"{t:.2f}" for t in times) + " | "
                          + " | ".join(f"{ours['ms'] / t:.2f}x" for t in times)
                          + f" | {'yes' if ours['same_tokens'] else 'NO'} |")
@@ -182,11 +200,13 @@ def main(argv=None) -> int:
 
     parser = timing_parser(__doc__, rounds=5)
     parser.add_argument("--contexts", default="128,1024")
+    parser.add_argument("--batches", default="1", help="batch sizes, e.g. 1,4")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
                         help="int4: ours with --quantize int4 against the builder's -p int4")
-    parser.add_argument("--last-logits", action="store_true",
-                        help="ours with --last-logits, and the builder's file with prune_lm_head=true beside its default")
+    parser.add_argument("--all-logits", action="store_true",
+                        help="ours with --all-logits (every position's logits, as the builder's default file)")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"], help="the vocabulary (the LM head's width)")
     parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
@@ -194,6 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
     command = "python -m benchmarks.genai_peers " + " ".join(argv if argv is not None else sys.argv[1:])
     load = os.popen("uptime").read().strip()
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,25 +222,28 @@ def main(argv=None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         hf = work / "hf"
         if not (hf / "config.json").exists():
-            save_model(hf, vocab_size=args.vocab)
-        dirs = export_all(hf, work, args.precision, args.last_logits)
+            save_model(hf, vocab_size=args.vocab, family=args.family)
+        dirs = export_all(hf, work, args.precision, args.all_logits)
         nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
         for d in dirs.values():
-            set_session_options(d, args.threads, max(contexts) + args.new_tokens + 8)
+            set_session_options(d, args.threads, max(max(contexts) + args.new_tokens + 8,
+                                                     FAMILIES[args.family][2].get("sliding_window", 0)))
         models = {name: og.Model(str(d)) for name, d in dirs.items()}
         rows = []
-        for context in contexts:
-            print(f"context {context}", file=sys.stderr)
-            rows += time_context(models, context, args.rounds, args.new_tokens, args.pause, args.vocab)
+        for batch in batches:
+            for context in contexts:
+                print(f"batch {batch}, context {context}", file=sys.stderr)
+                rows += time_context(models, context, args.rounds, args.new_tokens, args.pause, args.vocab, batch,
+                                     FAMILIES[args.family][2].get("sliding_window", 0))
     facts = {**machine(), "onnxruntime_genai": og.__version__}
     text = markdown(rows, nodes, command, facts, args.threads, load, args.precision,
-                    OURS + (" --last-logits" if args.last_logits else ""))
+                    OURS + (" --all-logits" if args.all_logits else ""), args.family)
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
     if args.json:
         args.json.write_text(json.dumps({"command": command, "machine": facts, "load": load, "threads": args.threads,
-                                         "precision": args.precision, "results": rows, "optimized_nodes": nodes}, indent=2))
+                                         "family": args.family, "precision": args.precision, "results": rows, "optimized_nodes": nodes}, indent=2))
     return 0
 
 
