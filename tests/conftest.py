@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import pytest
 import torch
@@ -88,6 +89,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # an exhaustive test is a slow one: `make test-fast` (-m "not slow") leaves it out
         if item.get_closest_marker("exhaustive") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+    _keep_shard(config, items)
     # Stable: the order within a file, and among the rest, is kept.
     items.sort(key=_run_order)
     _mark_sm90_quick(items)
@@ -98,6 +100,19 @@ def pytest_collection_modifyitems(config, items):
             # checkout in a directory named "cuda" would otherwise skip the whole suite.
             if item.get_closest_marker("cuda") is not None:
                 item.add_marker(skip_cuda)
+
+
+def _keep_shard(config, items) -> None:
+    """ATTN_EXPORT_TEST_SHARD=k/n keeps the tests whose id hashes to k of n (test_instruction_sets.py
+    runs one such share of the kernel tests per lower instruction set in CI, the others in
+    `make test-all`)."""
+    shard = os.environ.get("ATTN_EXPORT_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    keep = [zlib.crc32(item.nodeid.encode()) % count == index for item in items]
+    config.hook.pytest_deselected(items=[item for item, k in zip(items, keep) if not k])
+    items[:] = [item for item, k in zip(items, keep) if k]
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,30 @@ def test_the_logits_are_the_last_position_of_the_full_export(tmp_path, attention
         assert got.shape == (2, 1, want.shape[-1]) and want.shape[1] == new
         scale = float(np.abs(want[:, -1]).max())
         assert float(np.abs(got[:, 0] - want[:, -1]).max()) <= 1e-5 * scale, (past, new)
+    # A right-padded prompt (how ONNX Runtime GenAI pads a batch): each row's last kept position.
+    right = torch.ones(2, 7, dtype=torch.int64)
+    right[0, 4:] = 0
+    want, got = (s.run(["logits"], _feeds(contract, ids, right))[0] for s in sessions)
+    for row, kept in enumerate((3, 6)):
+        assert float(np.abs(got[row, 0] - want[row, kept]).max()) <= 1e-5 * float(np.abs(want[row, kept]).max())
+    if attention == "ort":
+        _genai_generates_a_right_padded_batch_like_transformers(model, last.path)
+
+
+def _genai_generates_a_right_padded_batch_like_transformers(model, path):
+    """ONNX Runtime GenAI pads a batch on the right: with the last position's logits only, each
+    row's logits must come from its own last prompt token, not from the pad tokens after it."""
+    pytest.importorskip("onnxruntime_genai")
+    from attn_export.genai_config import write_genai_config
+    from attn_export.validation.generation import left_padded, random_prompts, reference_generation
+    from hf_models import genai_greedy_tokens
+
+    write_genai_config(path, model.config)
+    prompts = random_prompts(model.config.vocab_size, (5, 9, 12), seed=0, avoid=[0])
+    ids, mask = left_padded(prompts, 0)
+    expected = reference_generation(model, ids, mask, 8, 0, takes_positions=True)[0].tolist()
+    assert len({tuple(t) for t in expected}) == len(prompts)  # rows that differ: a comparison that can fail
+    assert genai_greedy_tokens(path.parent, prompts, 0, 8) == expected
 
 
 @pytest.mark.parametrize("attention", ci_sample(["ort", "custom"]))  # CI: the ort flavor's FusedMatMul head
@@ -102,24 +126,6 @@ def test_quantized_and_through_the_cli(tmp_path):
         return
     assert any("genai" in b.lower() for b in backends), backends  # GenAI's generator read the [batch, 1, vocab] logits
     assert CacheContract.from_metadata(onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)).last_logits
-
-
-def test_genai_generates_a_right_padded_batch_like_transformers(tmp_path):
-    """ONNX Runtime GenAI pads a batch on the right: with the last position's logits only, each
-    row's logits must come from its own last prompt token, not from the pad tokens after it."""
-    pytest.importorskip("onnxruntime_genai")
-    from attn_export.genai_config import write_genai_config
-    from attn_export.validation.generation import left_padded, random_prompts, reference_generation
-    from hf_models import genai_greedy_tokens
-
-    model = tiny_llama()
-    result = _export(model, tmp_path / "model.onnx", attention="ort", last_logits=True)
-    write_genai_config(result.path, model.config)
-    prompts = random_prompts(model.config.vocab_size, (5, 9, 12), seed=0, avoid=[0])
-    ids, mask = left_padded(prompts, 0)
-    expected = reference_generation(model, ids, mask, 8, 0, takes_positions=True)[0].tolist()
-    assert len({tuple(t) for t in expected}) == len(prompts)  # rows that differ: a comparison that can fail
-    assert genai_greedy_tokens(tmp_path, prompts, 0, 8) == expected
 
 
 def test_the_default_follows_the_consumer():

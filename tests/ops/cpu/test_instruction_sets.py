@@ -98,15 +98,22 @@ def test_a_lowered_process_runs_that_class_of_machine_everywhere(isa):
 LOWER_ISAS_SKIP = "test_matches_stock_module_full_sweep"
 
 
-# The kernel tests each lower set runs, in two parts, each a list of (marker expression, folders):
-# the fast tier's tests of the attention core and the CPU kernels (every kernel path, mask kind,
-# dtype and head dim), which CI runs; and the rest, which `make test-all` adds: their slow tests
-# (the property search, the larger sweeps) and the layer against the stock module.
+# The kernel tests each lower set runs, in two parts, each a list of (marker expression, folders,
+# share): the fast tier's tests of the attention core and the CPU kernels (every kernel path, mask
+# kind, dtype and head dim), half of them (a hash of the test's id, tests/conftest.py; the
+# other half at the next lower set, so an AVX-512 machine runs every one once), which CI runs; and
+# the rest, which `make test-all` adds: the other half, their slow tests (the property search, the
+# larger sweeps) and the layer against the stock module.
 CORE = ["tests/ops/core", "tests/ops/cpu"]
-SCOPES = {
-    "core": [("kernels and not slow", CORE)],
-    "rest": [("kernels and slow", CORE), ("kernels", ["tests/ops/module"])],
-}
+
+
+def scopes(isa: str):
+    half = LOWER.index(isa) % 2
+    return {
+        "core": [("kernels and not slow", CORE, f"{half}/2")],
+        "rest": [("kernels and not slow", CORE, f"{1 - half}/2"), ("kernels and slow", CORE, None),
+                 ("kernels", ["tests/ops/module"], None)],
+    }
 
 
 @pytest.mark.skipif(not LOWER, reason="this CPU runs only the generic kernels, which the default run tests")
@@ -114,11 +121,12 @@ SCOPES = {
 @pytest.mark.parametrize("isa", LOWER)
 def test_kernel_tests_under_a_lower_instruction_set(isa, scope):
     root = Path(__file__).resolve().parents[3]
-    for markers, folders in SCOPES[scope]:
+    for markers, folders, share in scopes(isa)[scope]:
+        env = {**os.environ, **MACHINE_CLASS[isa], **({"ATTN_EXPORT_TEST_SHARD": share} if share else {})}
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", markers,
              "-k", f"not {LOWER_ISAS_SKIP}", *folders],
-            capture_output=True, text=True, timeout=1200, cwd=root, env={**os.environ, **MACHINE_CLASS[isa]})
+            capture_output=True, text=True, timeout=1200, cwd=root, env=env)
         _check_run(proc)
 
 
