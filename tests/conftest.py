@@ -56,11 +56,12 @@ def _seed():
 # the end, so neither worker idles while the other finishes a long one. `make test-fast` leaves
 # the slow tests out.
 #
-# Longest first, before the other slow files: the CMake build of every CUDA kernel
-# (test_cuda_build.py, about 650 s of one worker in CI, several times any other file). Dealt in
-# collection order it came after eleven slow files, and a file that long decides when the run ends
-# unless it starts early; at the head, the other worker takes everything else meanwhile.
-LONGEST_FIRST = ("tests/ops/cuda/test_cuda_build.py",)
+# First, before the other slow files, one on each worker: the CMake build of the CUDA kernels
+# (test_cuda_build.py) and the CUDA emulator's file, whose first test builds the emulator (~150 s
+# of a core). Every other emulator file waits on that build's lock: dealt in collection order, one
+# of them started on the other worker while the build ran and idled ~80 s; started first, the
+# build is done before any other emulator file comes up.
+LONGEST_FIRST = ("tests/ops/cuda/test_cuda_build.py", "tests/ops/cuda/test_cuda_emulator.py")
 
 
 def _run_order(item) -> tuple[bool, bool]:

@@ -119,7 +119,7 @@ def alibi_slopes(name, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, attention", ci_sample([("bloom", "custom"), ("mpt", "standard"), ("mpt", "custom"),
+@pytest.mark.parametrize("name, attention", ci_sample([("bloom", "custom"), ("mpt", "custom"), ("mpt", "standard"),
                                                       ("bloom", "standard")]))  # CI: each family, each flavor
 def test_alibi_families_fuse_with_their_slopes_and_generate_the_models_tokens(name, attention, tmp_path):
     """custom: one node per layer with the model's slopes; standard: one Attention per layer (the

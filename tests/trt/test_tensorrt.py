@@ -524,7 +524,8 @@ def test_docs_use_only_options_that_exist():
     from attn_export.cli import main
 
     def options(*verbs):
-        return {opt for verb in verbs for p in main.commands[verb].params for opt in p.opts}
+        # secondary_opts: the off side of a flag pair (--last-logits/--all-logits)
+        return {opt for verb in verbs for p in main.commands[verb].params for opt in [*p.opts, *p.secondary_opts]}
 
     # A line that names a verb is held to that verb's options; the others (`attn-export MODEL`, a
     # continuation line) to those of convert and validate.
