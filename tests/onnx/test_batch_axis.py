@@ -153,6 +153,7 @@ def llama(tmp_path_factory):
     return model, inputs, export_onnx(model, inputs, tmp_path_factory.mktemp("llama") / "llama.onnx")
 
 
+@pytest.mark.slow  # the module's Llama export: make test-fast leaves it out
 def test_a_transformers_decoder_has_one_batch_on_every_input_and_output(llama):
     from hf_models import padded_batch
 
@@ -169,6 +170,7 @@ def test_a_transformers_decoder_has_one_batch_on_every_input_and_output(llama):
     assert_parity(torch.from_numpy(logits)[valid], want[valid], 1e-4)
 
 
+@pytest.mark.slow  # the module's Llama export: make test-fast leaves it out
 def test_the_tensorrt_profile_sees_one_batch(llama):
     _, inputs, result = llama
     proto = onnx.load(str(result.path))

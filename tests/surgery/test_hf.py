@@ -463,6 +463,7 @@ def test_export_one_custom_node_per_layer_dynamic_batch_and_sequence(exported, n
         assert (attrs["is_causal"], attrs["causal_alignment"]) == (1, 1)
 
 
+@pytest.mark.slow  # end to end (the module's HF exports): make test-fast leaves it out
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_onnx_runtime_matches_the_original_on_new_padded_batches(exported, name):
     if name not in exported:
@@ -477,6 +478,7 @@ def test_onnx_runtime_matches_the_original_on_new_padded_batches(exported, name)
         assert_parity(got[valid], want[valid], TOL, f"lengths {lengths}, seq {seq}")
 
 
+@pytest.mark.slow  # end to end (the module's HF exports): make test-fast leaves it out
 @pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
 def test_the_parity_gate_passes_with_padded_cases(exported, name):
     if name not in exported:
@@ -515,6 +517,7 @@ def test_grouped_query_export_has_no_repeated_key_value_and_passes_the_gate(tmp_
     assert report.passed, report.failures
 
 
+@pytest.mark.slow  # end to end (the module's HF exports): make test-fast leaves it out
 def test_the_parity_gate_fails_when_padding_is_ignored(exported, monkeypatch):
     """Left padding: GPT-2's causal mask alone would let valid tokens see the padded ones (right
     padding sits after every valid token, where causality already hides it)."""
