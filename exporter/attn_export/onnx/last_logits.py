@@ -72,9 +72,7 @@ def rows_last(b: NodeBuilder, hidden: str, mask: str) -> str:
     kept = b.op("Mul", [b.op("Cast", [new], "new64", to=TensorProto.INT64), steps], "kept_steps")
     last = b.op("ReduceMax", [kept, b.const("axes", [1])], "last", keepdims=1)
     index = b.op("Unsqueeze", [last, b.const("axis2", [2])], "index")
-    out = b.op("GatherND", [hidden, index], "hidden", batch_dims=1)
-    b.nodes[-1].name = b.nodes[-1].name + ROWS_LAST
-    return out
+    return b.op("GatherND", [hidden, index], ROWS_LAST[1:], batch_dims=1)
 
 
 def _head(index: GraphIndex, name: str) -> Optional[onnx.NodeProto]:
