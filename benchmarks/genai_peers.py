@@ -20,6 +20,9 @@ Ours computes the prompt's logits of the last position only (``--genai-config``'
 the builder's default file every position's, so its file with the same option
 (``--extra_options prune_lm_head=true``) runs beside it. ``--all-logits`` exports ours with
 every position's instead (what the builder's default computes). ``--vocab`` sets the vocabulary (the language-model head's width).
+``--also LABEL=FOLDER`` times one more GenAI folder of the same weights in the same rounds (an
+export of an earlier commit, a hand-edited file): a change measured side by side with what it
+replaces and with the builder, under the same load.
 
 Both get the same session options in their genai_config.json (``--threads`` intra-op threads;
 GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pass before each
@@ -210,9 +213,12 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"], help="the vocabulary (the LM head's width)")
     parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=FOLDER",
+                        help="one more GenAI folder of the same weights, timed in the same rounds (repeatable)")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    also = dict(item.split("=", 1) for item in args.also)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     command = "python -m benchmarks.genai_peers " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -223,7 +229,7 @@ def main(argv=None) -> int:
         hf = work / "hf"
         if not (hf / "config.json").exists():
             save_model(hf, vocab_size=args.vocab, family=args.family)
-        dirs = export_all(hf, work, args.precision, args.all_logits)
+        dirs = {**export_all(hf, work, args.precision, args.all_logits), **{k: Path(v) for k, v in also.items()}}
         nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
         for d in dirs.values():
             set_session_options(d, args.threads, max(max(contexts) + args.new_tokens + 8,

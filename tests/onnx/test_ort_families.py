@@ -1,10 +1,10 @@
 """The ONNX Runtime flavor (--onnx-attention ort) on the families ONNX Runtime GenAI's model
 builder supports, each a tiny random model with head size 16 (GroupQueryAttention rotates
-multiples of 16 only): every layer a GroupQueryAttention, the unpadded branch in the builder's
-form (packed QKV read by the operator, do_rotary), and the generating gate passing on a
-left-padded batch (the exact branch) and, with ONNX Runtime GenAI installed, through its
-generator at batch 1 with the shared buffer (the builder's-form branch). And GPT-2, which the
-builder does not build (no rotary: GroupQueryAttention on both branches, do_rotary 0)."""
+multiples of 16 only): every layer a GroupQueryAttention in the builder's form (packed QKV read
+by the operator, do_rotary) over the compacted cache, no If, and the generating gate passing on
+a left-padded batch and, with ONNX Runtime GenAI installed, through its generator with the
+shared buffer on a batch GenAI pads on the right. And GPT-2, which the builder does not build
+(no rotary: do_rotary 0, its learned positions read at the rotated position ids)."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -42,6 +42,18 @@ def gqa_nodes(graph):
                 yield from ((a.name, n) for n in a.g.node if n.op_type == "GroupQueryAttention")
 
 
+def genai_matches_generate(model, path):
+    """GenAI's generator (a batch it pads on the right, the shared buffer) picks generate()'s tokens."""
+    pytest.importorskip("onnxruntime_genai")
+    from attn_export.genai_config import write_genai_config
+    from attn_export.validation.generation import left_padded
+    write_genai_config(path, model.config)
+    prompts = random_prompts(VOCAB, (9, 5), seed=1, avoid=[0, 1, 2])
+    ids, mask = left_padded(prompts, 0)
+    expected = reference_generation(model, ids, mask, 12, 0, takes_positions=True)[0].tolist()
+    assert genai_greedy_tokens(path.parent, prompts, 0, 12) == expected
+
+
 @pytest.mark.parametrize("name", ci_sample(sorted(FAMILIES)))  # CI: gemma2 (window, soft-cap), phi3
 def test_the_family_lowers_and_generates_the_models_tokens(name, tmp_path):
     torch.manual_seed(0)
@@ -51,25 +63,18 @@ def test_the_family_lowers_and_generates_the_models_tokens(name, tmp_path):
     assert result.kept_custom == []
     graph = onnx.load(str(path)).graph
     rotating = [n for where, n in gqa_nodes(graph)
-                if where == "else_branch" and any(a.name == "do_rotary" and a.i == 1 for a in n.attribute)]
+                if where == "top" and any(a.name == "do_rotary" and a.i == 1 for a in n.attribute)]
     assert len(rotating) == model.config.num_hidden_layers, [(w, n.input[:3]) for w, n in gqa_nodes(graph)]
     gate = check_generation(model, path, new_tokens=12)
     assert gate.passed, gate.failures
     assert len({tuple(t) for t in gate.reference_tokens}) > 1  # rows that differ: a comparison that can fail
-
-    pytest.importorskip("onnxruntime_genai")
-    from attn_export.genai_config import write_genai_config
-    write_genai_config(path, model.config)
-    prompts = random_prompts(VOCAB, (9,), seed=1, avoid=[0, 1, 2])
-    ids = torch.tensor(prompts)
-    expected = reference_generation(model, ids, torch.ones_like(ids), 12, 0, takes_positions=True)[0].tolist()
-    assert genai_greedy_tokens(path.parent, prompts, 0, 12) == expected
+    genai_matches_generate(model, path)
 
 
 def test_gpt2_lowers_and_generates_the_models_tokens(tmp_path):
     """GPT-2 (the family a user takes to Optimum; the builder has none): its packed Conv1D
     projection (a Gemm with the bias) split into query, key and value, learned positions, no
-    rotary: every layer a GroupQueryAttention on both branches (do_rotary 0), the gate passing
+    rotary: every layer a GroupQueryAttention (do_rotary 0) over the compacted cache, the gate passing
     on a left-padded batch and GenAI's generator on the shared buffer giving the model's tokens."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -78,16 +83,9 @@ def test_gpt2_lowers_and_generates_the_models_tokens(tmp_path):
     result = export_onnx(model, padded_batch((5, 3), 5, vocab=VOCAB, left=True), path, with_past=True, attention="ort")
     assert result.kept_custom == []
     found = list(gqa_nodes(onnx.load(str(path)).graph))
-    assert sorted(where for where, _ in found) == sorted(["else_branch", "then_branch"] * model.config.n_layer)
+    assert [where for where, _ in found] == ["top"] * model.config.n_layer
     assert not any(a.name == "do_rotary" and a.i for _, n in found for a in n.attribute)
     gate = check_generation(model, path, new_tokens=12)
     assert gate.passed, gate.failures
     assert len({tuple(t) for t in gate.reference_tokens}) > 1
-
-    pytest.importorskip("onnxruntime_genai")
-    from attn_export.genai_config import write_genai_config
-    write_genai_config(path, model.config)
-    prompts = random_prompts(VOCAB, (9,), seed=1, avoid=[0, 1, 2])
-    ids = torch.tensor(prompts)
-    expected = reference_generation(model, ids, torch.ones_like(ids), 12, 0, takes_positions=True)[0].tolist()
-    assert genai_greedy_tokens(path.parent, prompts, 0, 12) == expected
+    genai_matches_generate(model, path)

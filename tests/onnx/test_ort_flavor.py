@@ -57,38 +57,32 @@ def test_decoder_is_group_query_attention(llama):
     model, result, path = llama
     graph = onnx.load(str(path))
     layers = model.config.num_hidden_layers
-    # One If, on "some key is padded, or the rows' positions differ", from the first layer on: its
-    # exact branch per layer: the packed projection's Split, a RotaryEmbedding for the query and
-    # the key (reading the projection: no Transpose left), the operator with the padding bias
-    # (built in that branch only); its other branch the builder's form: the operator alone,
-    # reading the packed projection and rotating (do_rotary).
-    ifs = [n for n in graph.graph.node if n.op_type == "If"]
-    assert len(ifs) == 1 and any("If nodes merged into one" in n for n in result.notes)
-    branch = {a.name: list(a.g.node) for a in ifs[0].attribute}
-    ops = {name: collections.Counter(n.op_type for n in nodes) for name, nodes in branch.items()}
-    assert ops["then_branch"]["RotaryEmbedding"] == 2 * layers and ops["then_branch"]["Expand"] == 1  # the bias
-    assert ops["else_branch"]["RotaryEmbedding"] == 0 and ops["else_branch"]["Expand"] == 0
-    assert ops["then_branch"]["GroupQueryAttention"] == ops["else_branch"]["GroupQueryAttention"] == layers
-    for name, nodes in branch.items():
-        for gqa in (n for n in nodes if n.op_type == "GroupQueryAttention"):
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
-            assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
-            assert attrs.get("do_rotary", 0) == (name == "else_branch")
-            assert (gqa.input[1] == "") == (name == "else_branch")  # packed QKV on the unpadded branch
-            assert len(gqa.input) > 10 and gqa.input[10] if name == "then_branch" else len(gqa.input) < 11
+    # No If: every layer is the builder's form, GroupQueryAttention alone reading the packed
+    # projection and rotating (do_rotary) at the positions it counts from seqlens_k (no
+    # position ids), the padding as each row's length over a cache compacted at the row's start:
+    # the tokens rotated in (one ArgMax over the mask's new columns), the logits rotated back.
+    assert not [n for n in nodes_within(graph.graph) if n.op_type == "If"]
+    assert any("compacted at the start of its cache" in n for n in result.notes)
+    ops = op_counts(graph)
+    assert ops["GroupQueryAttention"] == layers and ops["RotaryEmbedding"] == 0 and ops["Expand"] == 0
+    for gqa in (n for n in graph.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
+        assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"]) == (8, 2, 1)
+        assert gqa.input[1] == gqa.input[2] == "" and len(gqa.input) == 9  # packed QKV, no position ids
+        assert gqa.input[5] == "ort_compact/seqlens_k"
+    assert ops["ArgMax"] == 1 and ops["GatherND"] == 2  # the tokens in, the logits out
     assert count_attention_nodes(graph) == 0 and not graph.functions
-    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head (in each branch,
-    # but the first layer's Q/K/V, before the If).
-    assert op_counts(graph)["MatMul"] == 1 and ops["else_branch"]["MatMul"] == 4 * layers
+    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
+    assert ops["MatMul"] == 4 * layers + 1
     assert any("packed into one MatMul" in n for n in result.notes)
     # The cos/sin caches are initializers of the config's positions (no work per call), read at the
-    # graph's position ids; nothing of HF's rotate_half left, no head split/merge around the attention.
+    # positions the operator counts; nothing of HF's rotate_half left, no head split/merge around the attention.
     counts = collections.Counter(n.op_type for n in nodes_within(graph.graph))
     assert counts["Cos"] == counts["Sin"] == 0
     cos = next(t for t in graph.graph.initializer if t.name == "ort_rotary_cache_0/cos")
     assert list(cos.dims) == [model.config.max_position_embeddings, 8]
-    assert counts["Neg"] == counts["Transpose"] == counts["Reshape"] == 0
-    assert counts["Slice"] == 1  # the rows' check: the first row
+    assert counts["Transpose"] == counts["Reshape"] == 0
+    assert counts["Slice"] == counts["Neg"] == 1  # the mask's new columns, from the end
     assert result.attention == "ort" and result.kept_custom == []
     assert any(note.startswith("fused for ONNX Runtime by onnxscript") for note in result.notes)
 
@@ -100,6 +94,35 @@ def test_decoder_generates_the_tokens_of_generate(llama):
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
     assert result.passed, result.to_dict()
     assert len({tuple(t) for t in result.reference_tokens}) == len(LENGTHS)  # a non-trivial comparison
+
+
+@pytest.mark.slow  # the Llama export (the module fixture, ~8 s)
+@pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_prompt_has_the_models_logits_at_every_kept_position(llama, side):
+    """The rows rotated into the compacted layout and the logits rotated back: position j of
+    the file's logits is the model's position j, for transformers' left padding and GenAI's
+    right padding alike; the pad positions finite."""
+    model, _, path = llama
+    prompts = random_prompts(model.config.vocab_size, (3, 9, 12), seed=1, avoid=[0])
+    ids, mask = left_padded(prompts, 0)
+    if side == "right":
+        order = torch.argsort(1 - mask, dim=1, stable=True)  # each row's tokens first, its pads after
+        ids, mask = ids.gather(1, order), mask.gather(1, order)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.numpy()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((len(prompts), model.config.num_key_value_heads, 0, model.config.head_dim),
+                                     np.float32)
+    got = session.run(["logits"], feeds)[0]
+    kept = mask.numpy().astype(bool)
+    assert np.isfinite(got).all()
+    scale = np.abs(expected[kept]).max()
+    assert np.abs(got - expected)[kept].max() <= 1e-4 * scale, (np.abs(got - expected)[kept].max(), scale)
 
 
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
@@ -166,7 +189,7 @@ def test_soft_cap_and_sliding_window_generate_the_tokens_of_generate(tmp_path):
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                 attention="ort")
     graph = onnx.load(str(path))
-    gqa = [n for node in graph.graph.node if node.op_type == "If" for branch in node.attribute for n in branch.g.node]
+    gqa = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
     windows = sorted({onnx.helper.get_attribute_value(a) for n in gqa for a in n.attribute if a.name == "local_window_size"})
     assert windows == [-1, 4]
     result = check_generation(model, path, new_tokens=NEW_TOKENS, prompt_lengths=LENGTHS)
@@ -186,11 +209,10 @@ def test_scaled_rotary_generates_the_tokens_of_generate(tmp_path):
     export_onnx(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path, with_past=True,
                 attention="ort")
     graph = onnx.load(str(path)).graph
-    exact = [n for n in graph.node if n.op_type != "If"]
-    exact += [n for node in graph.node if node.op_type == "If" for a in node.attribute if a.name == "then_branch"
-              for n in a.g.node]
-    rotary = collections.Counter(n.op_type for n in exact)["RotaryEmbedding"]
-    assert rotary == 2 * model.config.num_hidden_layers  # before the If and on its exact branch
+    # Head size 8: GroupQueryAttention does not rotate it; a RotaryEmbedding per query and key,
+    # at the position ids rotated with the tokens into the compacted rows.
+    rotary = collections.Counter(n.op_type for n in nodes_within(graph))["RotaryEmbedding"]
+    assert rotary == 2 * model.config.num_hidden_layers
     # The caches: initializers of the config's 128 positions, cos(0 * f) = 1 times the scaling.
     cos = onnx.numpy_helper.to_array(next(t for t in graph.initializer if t.name == "ort_rotary_cache_0/cos"))
     assert cos.shape == (model.config.max_position_embeddings, model.config.head_dim // 2)

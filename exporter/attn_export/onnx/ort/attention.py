@@ -10,7 +10,8 @@
 
 A cached layer with a padding mask alone is an ``If`` on "some key is padded": its then-branch
 is the GroupQueryAttention with the bias, its else-branch the same without (what an unpadded
-batch runs, at the operator's full speed). Both operators read query, key and value as the node does ([B, L, heads * D], token-major) and
+batch runs, at the operator's full speed; compact_rows.py replaces the Ifs by the latter
+over a compacted cache where every layer is one). Both operators read query, key and value as the node does ([B, L, heads * D], token-major) and
 the cache head-major ([B, Hkv, P, D], Optimum's and the node's layout), so no data moves.
 Where the operators differ from the node: a query row the masks empty (a left-padded prompt's
 pad positions) averages the values instead of giving zeros (inputs.py); GroupQueryAttention on

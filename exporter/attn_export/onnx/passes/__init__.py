@@ -21,6 +21,7 @@ from attn_export.onnx.passes.inline_functions import InlineFunctions
 from attn_export.onnx.passes.label_axes import LabelAxes
 from attn_export.onnx.passes.last_logits import LastLogits
 from attn_export.onnx.passes.ort_attention import OrtAttention
+from attn_export.onnx.passes.ort_compact_rows import OrtCompactRows
 from attn_export.onnx.passes.ort_fusions import OrtGraphFusions
 from attn_export.onnx.passes.ort_gqa_rotary import OrtGqaRotary
 from attn_export.onnx.passes.ort_one_branch import OrtOneBranch
@@ -44,6 +45,7 @@ PASSES: List[GraphPass] = [
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     OrtGqaRotary(),  # ort flavor: packed QKV + rotary read by GroupQueryAttention (do_rotary)
     LastLogits(),  # --last-logits: the language-model head on the last position only
+    OrtCompactRows(),  # ort flavor: padding as per-row lengths over a compacted cache, no If
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
     OrtOneBranch(),  # ort flavor: the layers' If nodes as one If over the rest of the graph
     AttachFunctions(),  # each custom node's model-local function

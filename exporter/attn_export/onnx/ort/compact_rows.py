@@ -1,0 +1,207 @@
+"""One graph for padded and unpadded batches, without an ``If``: each row's tokens compacted at
+the start of its cache, as ONNX Runtime GenAI's model builder lays a batch out.
+
+attention.py writes each cached layer as an ``If`` on "some key is padded": an unpadded batch
+runs GroupQueryAttention at full speed, a padded one with the padding as a bias over
+transformers' layout (row ``j`` of the cache is column ``j`` of the mask). ONNX Runtime runs an
+``If`` as a subgraph call of its own, which on a small decoder costs 10-15% of a decode step.
+GroupQueryAttention expresses padding without a bias when each row's tokens come first
+(``seqlens_k[b]`` = the row's token count - 1): it writes the new tokens at the row's count,
+attends to the first ``count`` keys and rotates at positions counted from the row's start.
+Here every layer runs that form, and the graph makes its batch fit it:
+
+* the call's new tokens of each row are rotated left by the row's leading pad count among the
+  new columns of the mask (``ArgMax``; 0 for a right-padded or unpadded row and at a decode
+  step): a left-padded prompt (transformers' convention) becomes right-padded, what GenAI
+  already passes;
+* ``seqlens_k`` = ``ReduceSum(attention_mask) - 1`` per row, the total = the mask's length;
+* the outputs with a sequence axis are rotated back, so position ``j`` of the logits is the
+  caller's position ``j``; the last-logits head (last_logits.rows_last) reads each row's last
+  token of the call at ``count - 1``;
+* positions come from the mask (GroupQueryAttention counts them from ``seqlens_k``, what
+  ``generate()`` computes from the mask); a ``position_ids`` input still read by the graph (a
+  learned position embedding, a RotaryEmbedding) is rotated with the tokens.
+
+The cache holds each row's tokens compacted (the builder's layout, not transformers'): a present
+fed back as the next past is all a caller does with it. Applies when every attention of the file
+is such a layer and every input and output outside the cache has the call's sequence axis;
+otherwise the graph keeps its ``If`` nodes (returns 0).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import onnx
+from onnx import TensorProto
+
+from attn_export.cache_contract import ATTENTION_MASK, INPUT_IDS, CacheContract
+from attn_export.onnx.editing import NodeBuilder, count_attention_nodes, remove_unused, replace_nodes
+from attn_export.onnx.last_logits import INT64_MAX, ROWS_LAST
+from attn_export.onnx.ort.nodes import MS_DOMAIN
+
+GQA, MHA = "GroupQueryAttention", "MultiHeadAttention"
+POSITION_INPUT = 9  # GroupQueryAttention's position_ids: left out, the operator counts from seqlens_k
+
+
+def compact_rows(model: onnx.ModelProto) -> int:
+    """Rewrites, in place; returns how many layers lost their ``If`` (0: the graph is left as it was)."""
+    layers = _layers(model)
+    if not layers or not _applies(model, layers):
+        return 0
+    sequence = _dims(model.graph.input)[INPUT_IDS][1]
+    b = NodeBuilder("ort_compact")
+    length = b.op("Shape", [INPUT_IDS], "length", start=1, end=2)
+    new = b.op("Slice", [ATTENTION_MASK, b.op("Neg", [length], "from_end"), b.const("to_end", [INT64_MAX]),
+                         b.const("axis1", [1])], "new_columns")
+    shift = b.op("ArgMax", [new], "leading_pads", axis=1, keepdims=1)
+    steps = b.op("Range", [b.const("zero", [0], dims=[]), b.op("Squeeze", [length], "count"),
+                           b.const("one", [1], dims=[])], "steps")
+    forward = _gather_index(b, b.op("Add", [steps, shift], "from"), length, "forward")
+    counts = b.op("ReduceSum", [ATTENTION_MASK, b.const("axes1", [1])], "counts", keepdims=0)
+    seqlens = b.op("Cast", [b.op("Sub", [counts, b.const("one1", [1])], "last")], "seqlens_k", to=TensorProto.INT32)
+    total = b.op("Squeeze", [b.op("Cast", [b.op("Shape", [ATTENTION_MASK], "total64", start=1, end=2)], "total1",
+                                  to=TensorProto.INT32)], "total_sequence_length")
+
+    rotated = _rotate_inputs(model, b, forward)
+    _rename_reads(model.graph, rotated)  # before the new nodes join: they read the inputs themselves
+    body = [_dense(node, seqlens, total) if node.op_type == "If" and node.output[0] in layers else node
+            for node in model.graph.node]
+
+    back = NodeBuilder("ort_compact/back")
+    for node in body:
+        if node.name.endswith(ROWS_LAST):
+            kept = back.op("ReduceSum", [new, back.const("axes1", [1])], "kept", keepdims=1)
+            last = back.op("Max", [back.op("Sub", [kept, back.const("one", [1])], "kept_last"), back.const("zero", [0])],
+                           "last_kept")
+            node.input[1] = back.op("Unsqueeze", [last, back.const("axis2", [2])], "last_index")
+    restored = []
+    for output in model.graph.output:
+        if CacheContract.is_present(output.name) or _dims([output])[output.name][1] != sequence:
+            continue
+        if not restored:
+            restored.append(_gather_index(back, back.op("Sub", [steps, shift], "to"), length, "inverse"))
+        restored.append(_rotate_back(body, output.name, back, restored[0]))
+    # The index nodes read only the mask and the inputs' shapes; each output's GatherND reads its
+    # producer's result: the first go first, the others last.
+    gathers = [n for n in back.nodes if n.op_type == "GatherND"]
+    replace_nodes(model, [*b.nodes, *[n for n in back.nodes if n.op_type != "GatherND"], *body, *gathers])
+    remove_unused(model)
+    return len(layers)
+
+
+def _layers(model: onnx.ModelProto) -> Dict[str, onnx.NodeProto]:
+    """The ``If``'s first output -> its unpadded branch's GroupQueryAttention, for each layer ``If`` of attention.py
+    (the else-branch one GroupQueryAttention, the then-branch holding one too)."""
+    out = {}
+    for node in model.graph.node:
+        if node.op_type != "If":
+            continue
+        branches = {a.name: list(a.g.node) for a in node.attribute}
+        dense, exact = branches.get("else_branch", []), branches.get("then_branch", [])
+        if len(dense) == 1 and dense[0].op_type == GQA and dense[0].domain == MS_DOMAIN \
+                and any(n.op_type == GQA for n in exact):
+            out[node.output[0]] = dense[0]
+    return out
+
+
+def _applies(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
+    inputs, outputs = _dims(model.graph.input), _dims(model.graph.output)
+    if INPUT_IDS not in inputs or ATTENTION_MASK not in inputs or count_attention_nodes(model):
+        return False
+    sequence = inputs[INPUT_IDS][1] if len(inputs[INPUT_IDS]) > 1 else None
+    if not isinstance(sequence, str):
+        return False
+    # Every attention is a layer If: a GroupQueryAttention or MultiHeadAttention outside one reads
+    # transformers' layout.
+    if any(n.domain == MS_DOMAIN and n.op_type in (GQA, MHA) for n in model.graph.node):
+        return False
+    initializers = {i.name for i in model.graph.initializer}
+    for dense in layers.values():
+        rotary = len(dense.input) > 8 and any(a.name == "do_rotary" and a.i for a in dense.attribute)
+        if rotary and not (dense.input[7] in initializers and dense.input[8] in initializers):
+            return False  # caches built per call from the graph's positions (gqa_rotary.py)
+    for name, dims in inputs.items():
+        if name in (ATTENTION_MASK,) or CacheContract.is_past(name):
+            continue
+        if len(dims) < 2 or dims[1] != sequence:
+            return False
+    for name, dims in outputs.items():
+        if CacheContract.is_present(name):
+            continue
+        if len(dims) < 2 or (dims[1] != sequence and not _last_logits(model, name, dims)):
+            return False
+    return True
+
+
+def _last_logits(model: onnx.ModelProto, name: str, dims) -> bool:
+    """An output of one position per row picked by last_logits.rows_last."""
+    return dims[1] == 1 and any(n.name.endswith(ROWS_LAST) for n in model.graph.node)
+
+
+def _dims(values) -> Dict[str, list]:
+    out = {}
+    for v in values:
+        shape = v.type.tensor_type.shape if v.type.HasField("tensor_type") else None
+        out[v.name] = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in shape.dim] \
+            if shape is not None else []
+    return out
+
+
+def _gather_index(b: NodeBuilder, positions: str, length: str, what: str) -> str:
+    """[B, S] positions mod S -> GatherND's [B, S, 1] index (batch_dims=1)."""
+    wrapped = b.op("Mod", [positions, length], f"{what}_mod")
+    return b.op("Unsqueeze", [wrapped, b.const(f"{what}_axis2", [2])], f"{what}_index")
+
+
+def _rotate_inputs(model: onnx.ModelProto, b: NodeBuilder, forward: str) -> Dict[str, str]:
+    """Each input with the call's sequence axis that some node reads -> its rotated copy."""
+    reads = set(_all_reads(model.graph))
+    rotated = {}
+    for value in model.graph.input:
+        name = value.name
+        if name == ATTENTION_MASK or CacheContract.is_past(name) or name not in reads:
+            continue
+        rotated[name] = b.op("GatherND", [name, forward], f"{name}_compact", batch_dims=1)
+    return rotated
+
+
+def _dense(node: onnx.NodeProto, seqlens: str, total: str) -> onnx.NodeProto:
+    """The layer's unpadded GroupQueryAttention, writing the ``If``'s outputs, with the rows' own
+    lengths and no position ids."""
+    dense = next(a.g.node[0] for a in node.attribute if a.name == "else_branch")
+    out = onnx.NodeProto()
+    out.CopyFrom(dense)
+    inputs = list(out.input[:POSITION_INPUT])
+    inputs[5], inputs[6] = seqlens, total
+    del out.input[:]
+    out.input.extend(inputs)
+    del out.output[:]
+    out.output.extend(node.output)
+    return out
+
+
+def _rename_reads(graph: onnx.GraphProto, names: Dict[str, str]) -> None:
+    """Every read of ``names`` (main graph and branches) -> the new name."""
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = names.get(name, name)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                _rename_reads(sub, names)
+
+
+def _all_reads(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield from node.input
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _all_reads(sub)
+
+
+def _rotate_back(nodes: List[onnx.NodeProto], name: str, b: NodeBuilder, inverse: str) -> str:
+    """The graph output ``name`` in the caller's order: its producer writes ``name/compact``."""
+    for node in nodes:
+        for i, out in enumerate(node.output):
+            if out == name:
+                node.output[i] = f"{name}/compact"
+    return b.op("GatherND", [f"{name}/compact", inverse], f"{name}_back", outputs=[name], batch_dims=1)
