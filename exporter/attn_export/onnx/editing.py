@@ -186,13 +186,13 @@ def replace_nodes(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto]) -> No
     model.graph.node.extend(nodes)
 
 
-def _read_names(graph: onnx.GraphProto):
+def read_names(graph: onnx.GraphProto):
     """Every value name the graph's nodes read, also from inside subgraphs (If/Loop bodies)."""
     for node in graph.node:
         yield from node.input
         for a in node.attribute:
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _read_names(sub)
+                yield from read_names(sub)
 
 
 def remove_unused(model: onnx.ModelProto) -> None:
@@ -200,7 +200,7 @@ def remove_unused(model: onnx.ModelProto) -> None:
     graph = model.graph
     outputs = {o.name for o in graph.output}
     while True:
-        used = set(_read_names(graph)) | outputs
+        used = set(read_names(graph)) | outputs
         keep = [n for n in graph.node if any(o in used for o in n.output)]
         if len(keep) == len(graph.node):
             break

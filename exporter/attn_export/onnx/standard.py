@@ -3,7 +3,7 @@ pass :mod:`attn_export.onnx.passes.standard_attention`, the graph-editing helper
 :mod:`attn_export.onnx.editing`'s, and :func:`attention_flavor` is :mod:`attn_export.onnx.flavor`'s.
 """
 from attn_export.onnx._moved import moved_names
-from attn_export.onnx.editing import NodeBuilder, _read_names, remove_unused  # noqa: F401
+from attn_export.onnx.editing import NodeBuilder, read_names, remove_unused  # noqa: F401
 from attn_export.onnx.flavor import attention_flavor  # noqa: F401
 from attn_export.onnx.passes.standard_attention import (  # noqa: F401
     MIN_OPSET,

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto
 
 from attn_export.cache_contract import ATTENTION_MASK, INPUT_IDS, CacheContract
-from attn_export.onnx.editing import NodeBuilder, count_attention_nodes, remove_unused, replace_nodes
+from attn_export.onnx.editing import NodeBuilder, count_attention_nodes, read_names, remove_unused, replace_nodes
 from attn_export.onnx.last_logits import INT64_MAX, ROWS_LAST
 from attn_export.onnx.ort.nodes import MS_DOMAIN
 
@@ -71,8 +71,7 @@ def compact_rows(model: onnx.ModelProto) -> int:
     for node in body:
         if node.name.endswith(ROWS_LAST):
             kept = back.op("ReduceSum", [new, back.const("axes1", [1])], "kept", keepdims=1)
-            last = back.op("Max", [back.op("Sub", [kept, back.const("one", [1])], "kept_last"), back.const("zero", [0])],
-                           "last_kept")
+            last = back.op("Sub", [kept, back.const("one", [1])], "last_kept")  # -1 (no token): GatherND's last
             node.input[1] = back.op("Unsqueeze", [last, back.const("axis2", [2])], "last_index")
     restored = []
     for output in model.graph.output:
@@ -155,7 +154,7 @@ def _gather_index(b: NodeBuilder, positions: str, length: str, what: str) -> str
 
 def _rotate_inputs(model: onnx.ModelProto, b: NodeBuilder, forward: str) -> Dict[str, str]:
     """Each input with the call's sequence axis that some node reads -> its rotated copy."""
-    reads = set(_all_reads(model.graph))
+    reads = set(read_names(model.graph))
     rotated = {}
     for value in model.graph.input:
         name = value.name
@@ -188,14 +187,6 @@ def _rename_reads(graph: onnx.GraphProto, names: Dict[str, str]) -> None:
         for a in node.attribute:
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
                 _rename_reads(sub, names)
-
-
-def _all_reads(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield from node.input
-        for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                yield from _all_reads(sub)
 
 
 def _rotate_back(nodes: List[onnx.NodeProto], name: str, b: NodeBuilder, inverse: str) -> str:

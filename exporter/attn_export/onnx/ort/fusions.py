@@ -5,6 +5,10 @@ dependency), which rewrites RMSNorm and LayerNorm with their residual Add into
 the rotary embedding into ``RotaryEmbedding``, GELU forms into ``Gelu``/``FastGelu``/``BiasGelu``,
 and whatever else its rule set matches. No pattern code of our own: what it does not match
 stays as exported, and the counts say what it did.
+
+The norms it writes name their optional statistics outputs (mean, inverse standard deviation),
+which nothing reads; ONNX Runtime's kernels compute and allocate an output only where the node
+names it, so the unread ones are left unnamed (as ONNX Runtime GenAI's builder writes them).
 """
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import onnx
+
+from attn_export.onnx.editing import read_names
+
+# Each norm's optional statistics outputs, by index (ONNX Runtime's contrib schemas, ONNX's).
+STATISTICS = {"SkipLayerNormalization": (1, 2), "SkipSimplifiedLayerNormalization": (1, 2),
+              "SimplifiedLayerNormalization": (1,), "LayerNormalization": (1, 2)}
 
 
 @dataclass
@@ -51,9 +61,25 @@ def fuse_for_ort(model: onnx.ModelProto) -> OrtFusions:
     model.CopyFrom(proto)
     if not model.metadata_props and metadata:
         model.metadata_props.extend(metadata)
+    unname_unread_statistics(model)
     after = _op_counts(model)
     gained = {op: n for op, n in after.items() if op not in before}
     return OrtFusions(counts={k: int(v) for k, v in counts.items() if v}, ops=gained)
+
+
+def unname_unread_statistics(model: onnx.ModelProto) -> int:
+    """The norms' statistics outputs that no node and no graph output reads, unnamed (trailing
+    ones dropped); returns how many."""
+    read = set(read_names(model.graph)) | {o.name for o in model.graph.output}
+    count = 0
+    for node in model.graph.node:
+        for i in STATISTICS.get(node.op_type, ()):
+            if i < len(node.output) and node.output[i] and node.output[i] not in read:
+                node.output[i] = ""
+                count += 1
+        while len(node.output) > 1 and not node.output[-1]:
+            node.output.pop()
+    return count
 
 
 def _op_counts(model: onnx.ModelProto) -> Dict[str, int]:
