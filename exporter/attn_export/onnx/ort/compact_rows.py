@@ -110,10 +110,12 @@ def _applies(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
     sequence = inputs[INPUT_IDS][1] if len(inputs[INPUT_IDS]) > 1 else None
     if not isinstance(sequence, str):
         return False
-    # Every attention is a layer If: a GroupQueryAttention or MultiHeadAttention outside one reads
-    # transformers' layout.
-    if any(n.domain == MS_DOMAIN and n.op_type in (GQA, MHA) for n in model.graph.node):
+    # Every attention is a layer If: a GroupQueryAttention or MultiHeadAttention outside one (or
+    # in another If) reads transformers' layout.
+    if any(_attention_within(n) for n in model.graph.node if not (n.op_type == "If" and n.output[0] in layers)):
         return False
+    if _mask_read_beyond_the_layers(model, layers):
+        return False  # the mask's columns stay in the caller's order: a reader of them would misalign
     initializers = {i.name for i in model.graph.initializer}
     for dense in layers.values():
         rotary = len(dense.input) > 8 and any(a.name == "do_rotary" and a.i for a in dense.attribute)
@@ -130,6 +132,36 @@ def _applies(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
         if len(dims) < 2 or (dims[1] != sequence and not _last_logits(model, name, dims)):
             return False
     return True
+
+
+def _attention_within(node: onnx.NodeProto) -> bool:
+    if node.domain == MS_DOMAIN and node.op_type in (GQA, MHA):
+        return True
+    return any(_attention_within(inner) for a in node.attribute
+               for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs) for inner in sub.node)
+
+
+def _mask_read_beyond_the_layers(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
+    """Whether a node the rewritten graph keeps reads the attention mask: the nodes the graph's
+    outputs need once each layer If is its unpadded operator, whose lengths come from the mask
+    through nodes of this module's own."""
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    stack, seen = [o.name for o in model.graph.output], set()
+    while stack:
+        name = stack.pop()
+        node = producer.get(name)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "If" and node.output[0] in layers:
+            dense = layers[node.output[0]]
+            reads = [i for k, i in enumerate(dense.input[:POSITION_INPUT]) if k not in (5, 6)]
+        else:
+            reads = list(read_names(onnx.helper.make_graph([node], "n", [], [])))
+        if ATTENTION_MASK in reads:
+            return True
+        stack.extend(i for i in reads if i)
+    return False
 
 
 def _last_logits(model: onnx.ModelProto, name: str, dims) -> bool:
