@@ -52,6 +52,11 @@ def test_the_logits_are_the_last_position_of_the_full_export(tmp_path, attention
     assert contract.last_logits and json.loads(read_metadata(proto)["with_past"])["last_logits"] is True
     assert not CacheContract.from_metadata(onnx.load(str(full.path), load_external_data=False)).last_logits
     assert "last_logits" in [p.name for p in last.passes]
+    if attention == "ort":  # both files on the compacted cache, no If: the pick reads each row's count
+        assert all("ort_compact_rows" in [p.name for p in r.passes if p.changed] for r in (full, last))
+        assert not [n for n in proto.graph.node if n.op_type == "If"]
+        pick = next(n for n in proto.graph.node if n.name.endswith("/rows_last"))
+        assert pick.input[1] == "ort_compact/back/last_index"
     sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (full.path, last.path)]
     ids = torch.randint(1, 97, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.int64)

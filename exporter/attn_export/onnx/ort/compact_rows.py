@@ -156,6 +156,8 @@ def _mask_read_beyond_the_layers(model: onnx.ModelProto, layers: Dict[str, onnx.
         if node.op_type == "If" and node.output[0] in layers:
             dense = layers[node.output[0]]
             reads = [i for k, i in enumerate(dense.input[:POSITION_INPUT]) if k not in (5, 6)]
+        elif node.name.endswith(ROWS_LAST):
+            reads = [node.input[0]]  # its index is rewritten from the mask's new columns
         else:
             reads = list(read_names(onnx.helper.make_graph([node], "n", [], [])))
         if ATTENTION_MASK in reads:
