@@ -129,7 +129,7 @@ def _applies(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
     for name, dims in outputs.items():
         if CacheContract.is_present(name):
             continue
-        if len(dims) < 2 or (dims[1] != sequence and not _last_logits(model, name, dims)):
+        if len(dims) < 2 or (dims[1] != sequence and not _last_logits(model, dims)):
             return False
     return True
 
@@ -166,7 +166,7 @@ def _mask_read_beyond_the_layers(model: onnx.ModelProto, layers: Dict[str, onnx.
     return False
 
 
-def _last_logits(model: onnx.ModelProto, name: str, dims) -> bool:
+def _last_logits(model: onnx.ModelProto, dims) -> bool:
     """An output of one position per row picked by last_logits.rows_last."""
     return dims[1] == 1 and any(n.name.endswith(ROWS_LAST) for n in model.graph.node)
 
