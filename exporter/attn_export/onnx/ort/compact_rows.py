@@ -35,7 +35,8 @@ import onnx
 from onnx import TensorProto
 
 from attn_export.cache_contract import ATTENTION_MASK, INPUT_IDS, CacheContract
-from attn_export.onnx.editing import NodeBuilder, count_attention_nodes, read_names, remove_unused, replace_nodes
+from attn_export.onnx.editing import (NodeBuilder, count_attention_nodes, read_names, remove_unused, replace_nodes,
+                                     value_dims)
 from attn_export.onnx.last_logits import INT64_MAX, ROWS_LAST
 from attn_export.onnx.ort.nodes import MS_DOMAIN
 
@@ -48,7 +49,8 @@ def compact_rows(model: onnx.ModelProto) -> int:
     layers = _layers(model)
     if not layers or not _applies(model, layers):
         return 0
-    sequence = _dims(model.graph.input)[INPUT_IDS][1]
+    dims = value_dims(model)
+    sequence = dims[INPUT_IDS][1]
     b = NodeBuilder("ort_compact")
     length = b.op("Shape", [INPUT_IDS], "length", start=1, end=2)
     new = b.op("Slice", [ATTENTION_MASK, b.op("Neg", [length], "from_end"), b.const("to_end", [INT64_MAX]),
@@ -75,7 +77,7 @@ def compact_rows(model: onnx.ModelProto) -> int:
             node.input[1] = back.op("Unsqueeze", [last, back.const("axis2", [2])], "last_index")
     restored = []
     for output in model.graph.output:
-        if CacheContract.is_present(output.name) or _dims([output])[output.name][1] != sequence:
+        if CacheContract.is_present(output.name) or dims.get(output.name, [None, None])[1] != sequence:
             continue
         if not restored:
             restored.append(_gather_index(back, back.op("Sub", [steps, shift], "to"), length, "inverse"))
@@ -104,7 +106,9 @@ def _layers(model: onnx.ModelProto) -> Dict[str, onnx.NodeProto]:
 
 
 def _applies(model: onnx.ModelProto, layers: Dict[str, onnx.NodeProto]) -> bool:
-    inputs, outputs = _dims(model.graph.input), _dims(model.graph.output)
+    dims = value_dims(model)
+    inputs = {v.name: dims.get(v.name, []) for v in model.graph.input}
+    outputs = {v.name: dims.get(v.name, []) for v in model.graph.output}
     if INPUT_IDS not in inputs or ATTENTION_MASK not in inputs or count_attention_nodes(model):
         return False
     sequence = inputs[INPUT_IDS][1] if len(inputs[INPUT_IDS]) > 1 else None
@@ -169,15 +173,6 @@ def _mask_read_beyond_the_layers(model: onnx.ModelProto, layers: Dict[str, onnx.
 def _last_logits(model: onnx.ModelProto, dims) -> bool:
     """An output of one position per row picked by last_logits.rows_last."""
     return dims[1] == 1 and any(n.name.endswith(ROWS_LAST) for n in model.graph.node)
-
-
-def _dims(values) -> Dict[str, list]:
-    out = {}
-    for v in values:
-        shape = v.type.tensor_type.shape if v.type.HasField("tensor_type") else None
-        out[v.name] = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in shape.dim] \
-            if shape is not None else []
-    return out
 
 
 def _gather_index(b: NodeBuilder, positions: str, length: str, what: str) -> str:
