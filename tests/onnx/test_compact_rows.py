@@ -108,3 +108,31 @@ def test_a_graph_that_reads_the_mask_elsewhere_keeps_its_if():
     model = one_layer(mask_read_elsewhere=True)
     before = model.SerializeToString()
     assert compact_rows(model) == 0 and model.SerializeToString() == before
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_of_mixed_padding(seed):
+    """Random batch sizes, lengths and padding sides, rows of left and right padding mixed in one
+    batch, and a decode step: the compacted graph against the biased operator on the original."""
+    rng = np.random.default_rng(100 + seed)
+    batch, length = int(rng.integers(1, 5)), int(rng.integers(1, 10))
+    ids = rng.integers(1, VOCAB, (batch, length))
+    mask = np.zeros((batch, length), np.int64)
+    for row in range(batch):
+        kept = int(rng.integers(1, length + 1))
+        if rng.random() < 0.5:
+            mask[row, length - kept:] = 1
+        else:
+            mask[row, :kept] = 1
+    reference, compact = one_layer(), one_layer()
+    assert compact_rows(compact) == 1
+    empty = np.zeros((batch, 1, 0, D), np.float32)
+    want, want_cache = run(reference, ids, mask, (empty, empty))
+    got, got_cache = run(compact, ids, mask, (empty, empty))
+    kept = mask.astype(bool)
+    assert np.isfinite(got).all() and np.abs(got - want)[kept].max() <= 1e-5 * np.abs(want[kept]).max(), (batch, length, mask)
+    step_mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+    step_ids = rng.integers(1, VOCAB, (batch, 1))
+    want, _ = run(reference, step_ids, step_mask, want_cache)
+    got, _ = run(compact, step_ids, step_mask, got_cache)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (batch, length, mask)
