@@ -29,9 +29,11 @@ GenAI 0.18's config has no key for intra-op spinning, so ``--pause`` seconds pas
 model runs: on a shared 2-core machine a spinning pool steals the cores from the next session).
 At context C and batch B (``--batches``; B different prompts of C tokens each, unpadded):
 ``prefill`` is ``append_tokens`` of the prompts on a fresh generator; ``decode`` is one
-``generate_next_token`` after it (the mean over ``--new-tokens`` calls). Interleaved rounds (the order alternates); a time is the median over
-rounds. Both must generate the same greedy tokens (checked once). The nodes each file has after
-ONNX Runtime's own graph optimization are counted (``optimized_model_filepath``).
+``generate_next_token`` after it (the median of ``--new-tokens`` calls, each timed). Interleaved
+rounds (the order rotates: no model runs twice in a row, each at every position); a time is the median over rounds, and ours over a peer is the
+median of the rounds' paired ratios, with its 95% bootstrap interval. Both must generate the
+same greedy tokens (checked once). The nodes each file has after ONNX Runtime's own graph
+optimization are counted (``optimized_model_filepath``).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
+
+from benchmarks.onnx_runtime import paired_ratio, round_order
 
 OURS, BUILDER, PRUNED = "attn-export ort", "GenAI builder", "GenAI builder, prune_lm_head"
 CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -132,9 +136,9 @@ def optimized_nodes(onnx_file: Path, threads: int) -> Dict[str, int]:
 
 
 def generate(model, prompt: np.ndarray, new_tokens: int, min_buffer: int = 0):
-    """(prefill seconds, decode seconds per token, the tokens of every row). The cache buffer holds
-    the prompt and the new tokens, and at least ``min_buffer`` positions (GroupQueryAttention
-    refuses a buffer shorter than its sliding window)."""
+    """(prefill seconds, each new token's seconds, the tokens of every row). The cache buffer
+    holds the prompt and the new tokens, and at least ``min_buffer`` positions
+    (GroupQueryAttention refuses a buffer shorter than its sliding window)."""
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(model)
@@ -146,29 +150,50 @@ def generate(model, prompt: np.ndarray, new_tokens: int, min_buffer: int = 0):
     prefill = time.perf_counter() - start
     generator.generate_next_token()  # the token the prefill's logits give
     tokens = [generator.get_next_tokens().tolist()]
-    start = time.perf_counter()
+    steps = []
     for _ in range(new_tokens):
+        start = time.perf_counter()
         generator.generate_next_token()
+        steps.append(time.perf_counter() - start)
         tokens.append(generator.get_next_tokens().tolist())
-    return prefill, (time.perf_counter() - start) / new_tokens, tokens
+    return prefill, steps, tokens
 
 
 def time_context(models, context: int, rounds: int, new_tokens: int, pause: float,
                  vocab_size: int = CONFIG["vocab_size"], batch: int = 1, min_buffer: int = 0) -> List[dict]:
+    """Per model and phase: the median over rounds (a round's decode time is the median of its
+    tokens' times: one token stalled by the system does not move it), and ours over each other
+    model as :func:`paired_ratio`."""
     prompt = np.random.default_rng(context).integers(4, vocab_size, (batch, context)).astype(np.int32)
     times = {name: {"prefill": [], "decode": []} for name in models}
     tokens = {}
     names = list(models)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in round_order(names, r):
             time.sleep(pause)
-            prefill, decode, generated = generate(models[name], prompt, new_tokens, min_buffer)
+            prefill, steps, generated = generate(models[name], prompt, new_tokens, min_buffer)
             tokens[name] = str(generated)
             times[name]["prefill"].append(prefill * 1e3)
-            times[name]["decode"].append(decode * 1e3)
+            times[name]["decode"].append(statistics.median(steps) * 1e3)
     same = len(set(tokens.values())) == 1
-    return [{"batch": batch, "context": context, "phase": phase, "implementation": name, "ms": statistics.median(t[phase]),
-             "rounds": rounds, "same_tokens": same} for name, t in times.items() for phase in ("prefill", "decode")]
+    rows = []
+    for name, t in times.items():
+        for phase in ("prefill", "decode"):
+            row = {"batch": batch, "context": context, "phase": phase, "implementation": name,
+                   "ms": statistics.median(t[phase]), "rounds": rounds, "same_tokens": same}
+            if name != OURS and rounds > 1:
+                row.update(paired_ratio(times[OURS][phase], t[phase]))
+            rows.append(row)
+    return rows
+
+
+def ratio(ours: dict, peer: dict) -> str:
+    """Ours over a peer: the paired median with its 95% interval where the rows carry them, else
+    the ratio of the two medians."""
+    if "ratio" in peer:
+        low, high = peer["ratio_ci95"]
+        return f"{peer['ratio']:.2f}x ({low:.2f}-{high:.2f})"
+    return f"{ours['ms'] / peer['ms']:.2f}x"
 
 
 def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, facts: Dict[str, str],
@@ -187,7 +212,7 @@ def markdown(rows: List[dict], nodes: Dict[str, Dict[str, int]], command: str, f
             times = [table[(batch, context, phase, p)]["ms"] for p in peers]
             lines.append(f"| {batch} | {context} | {phase}{' (per token)' if phase == 'decode' else ''} | {ours['ms']:.2f} | "
                          + " | ".join(f"{t:.2f}" for t in times) + " | "
-                         + " | ".join(f"{ours['ms'] / t:.2f}x" for t in times)
+                         + " | ".join(ratio(ours, table[(batch, context, phase, p)]) for p in peers)
                          + f" | {'yes' if ours['same_tokens'] else 'NO'} |")
     lines.append("")
     for name, counts in nodes.items():

@@ -188,13 +188,26 @@ def timing_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
     return parser
 
 
+def paired_ratio(ours: List[float], peer: List[float], resamples: int = 2000) -> dict:
+    """The median over rounds of ours / peer within each round (both timed in it, under the same
+    load), with a 95% bootstrap interval of that median: what a difference of a few percent needs,
+    where the load drifts between rounds by more than that."""
+    import numpy as np
+
+    ratios = np.asarray(ours) / np.asarray(peer)
+    draws = np.random.default_rng(0).choice(ratios, (resamples, len(ratios)))
+    low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+    return {"ratio": float(np.median(ratios)), "ratio_ci95": [float(low), float(high)]}
+
+
 def round_order(impls, index: int) -> List[str]:
     """The order of round ``index``: rotated by one each round, so that over as many rounds as
     implementations each one is timed at every position (first after PyTorch, last, ...) and
     whatever one block leaves behind (warm or evicted caches, threads still busy) does not always
-    fall on the same neighbour."""
+    fall on the same neighbour. Never one implementation twice in a row across rounds (its second
+    block would find the caches it warmed): two alternate in a fixed order."""
     impls = list(impls)
-    shift = index % len(impls)
+    shift = index % len(impls) if len(impls) > 2 else 0
     return impls[shift:] + impls[:shift]
 
 

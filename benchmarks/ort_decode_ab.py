@@ -10,8 +10,9 @@ token at position C, an attention mask of C + 1 ones, and each ``past_key_values
 allocated at C + 17 positions and bound as the matching ``present.*`` output too (what GenAI's
 ``past_present_share_buffer`` does). The files need not have the same inputs (the builder's
 has no ``position_ids``; a cache axis the file leaves symbolic is ``--kv-heads`` / ``--head-dim``,
-the decoder of genai_peers.py by default). Interleaved rounds (the order alternates); a time is the median over
-rounds of the mean of ``--steps`` runs; the minimum is printed beside it.
+the decoder of genai_peers.py by default). Interleaved rounds (the order rotates: no file runs twice in a row, each at every position); a time is the median over
+rounds of the median of ``--steps`` runs, each timed; the minimum is printed beside it, and each
+file over the last one as the median of the rounds' paired ratios with its 95% bootstrap interval.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def bound_session(path: str, context: int, threads: int, kv_shape=(2, 32)):
 
 
 def main(argv=None) -> int:
-    from benchmarks.onnx_runtime import timing_parser
+    from benchmarks.onnx_runtime import paired_ratio, round_order, timing_parser
 
     parser = timing_parser(__doc__, rounds=31)
     parser.add_argument("files", nargs="+")
@@ -68,15 +69,21 @@ def main(argv=None) -> int:
     times: List[List[float]] = [[] for _ in runs]
     print(os.popen("uptime").read().strip())
     for r in range(args.rounds):
-        for k in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
+        for k in round_order(range(len(runs)), r):
             session, binding, _ = runs[k]
             session.run_with_iobinding(binding)
-            start = time.perf_counter()
+            steps = []
             for _ in range(args.steps):
+                start = time.perf_counter()
                 session.run_with_iobinding(binding)
-            times[k].append((time.perf_counter() - start) / args.steps * 1e3)
+                steps.append(time.perf_counter() - start)
+            times[k].append(statistics.median(steps) * 1e3)
     for path, t in zip(args.files, times):
-        print(f"{path}: median {statistics.median(t):.3f} ms, min {min(t):.3f} ms (context {args.context})")
+        versus = ""
+        if t is not times[-1]:
+            paired = paired_ratio(t, times[-1])
+            versus = f", {paired['ratio']:.3f}x the last ({paired['ratio_ci95'][0]:.3f}-{paired['ratio_ci95'][1]:.3f})"
+        print(f"{path}: median {statistics.median(t):.3f} ms, min {min(t):.3f} ms{versus} (context {args.context})")
     print(os.popen("uptime").read().strip())
     return 0
 

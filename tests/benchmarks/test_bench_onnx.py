@@ -83,6 +83,14 @@ def test_every_implementation_is_timed_at_every_position_of_a_round():
         assert sorted(order[position] for order in orders) == sorted(impls)
 
 
+@pytest.mark.parametrize("count", [2, 3, 4, 5])
+def test_no_implementation_is_timed_twice_in_a_row(count):
+    # Its second block would find the caches its first one warmed (a 16 MB decoder fits in L3).
+    impls = [f"impl{k}" for k in range(count)]
+    sequence = [impl for index in range(3 * count) for impl in bench_onnx.round_order(impls, index)]
+    assert all(a != b for a, b in zip(sequence, sequence[1:]))
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux's per-thread /proc accounting")
 def test_the_gemm_rate_lines_onnx_runtime_stops_its_workers_when_a_run_returns():
     # The same guard for `bench --gemm`'s ONNX Runtime MatMul, timed between the GEMM backends.
