@@ -42,3 +42,11 @@ def test_every_verb_explains_itself(verb, words):
         assert word in out, word
 
 
+
+
+def test_a_note_prints_its_brackets(capsys):
+    # A note names shapes ("[batch, 1, vocab]"); rich would read them as markup and drop them.
+    from attn_export.cli._common import Session
+
+    Session().note("note: the last position's logits only ([batch, 1, vocab]); [bold]x[/bold]")
+    assert "([batch, 1, vocab]); [bold]x[/bold]" in capsys.readouterr().err

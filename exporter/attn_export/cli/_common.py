@@ -42,10 +42,13 @@ class Session:
         else:
             with self.err.status(what) as status:
                 yield lambda detail: status.update(f"{what}: {detail}")
-        self.note(f"[green]done[/] {what} ({time.perf_counter() - start:.1f} s)")
+        from rich.markup import escape
+
+        self.err.print(f"[green]done[/] {escape(what)} ({time.perf_counter() - start:.1f} s)")
 
     def note(self, message: str) -> None:
-        self.err.print(message)
+        """One line on stderr, as written: a note's ``[batch, 1, vocab]`` is not rich markup."""
+        self.err.print(message, markup=False)
 
 
 def run_guarded(session: Session, body: Callable[[], Optional[int]]) -> NoReturn:

@@ -53,7 +53,7 @@ def inspect_cmd(session, model_path, model_args, sample, coverage, json_path):
         report = inspect_attention(model) if inputs is None else plan_export(model, inputs)
     session.out.print(report.table(title=f"{source}: {report.summary()}"))
     for note in report.notes:
-        session.out.print(f"note: {note}")
+        session.out.print(f"note: {note}", markup=False)
     problem = coverage.problem(report)
     if json_path:
         payload = {"model": source, "passed": problem is None, **report.to_dict()}
