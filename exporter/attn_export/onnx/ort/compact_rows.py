@@ -10,17 +10,18 @@ GroupQueryAttention expresses padding without a bias when each row's tokens come
 attends to the first ``count`` keys and rotates at positions counted from the row's start.
 Here every layer runs that form, and the graph makes its batch fit it:
 
-* the call's new tokens of each row are rotated left by the row's leading pad count among the
-  new columns of the mask (``ArgMax``; 0 for a right-padded or unpadded row and at a decode
-  step): a left-padded prompt (transformers' convention) becomes right-padded, what GenAI
-  already passes;
+* the call's new tokens of each row are put in the order of the mask's new columns, kept ones
+  first (one ``TopK`` of those columns, ties to the lower index; the identity for a
+  right-padded or unpadded row and at a decode step): a left-padded prompt (transformers'
+  convention) becomes right-padded, what GenAI already passes;
 * ``seqlens_k`` = ``ReduceSum(attention_mask) - 1`` per row, the total = the mask's length;
-* the outputs with a sequence axis are rotated back, so position ``j`` of the logits is the
-  caller's position ``j``; the last-logits head (last_logits.rows_last) reads each row's last
-  token of the call at ``count - 1``;
+* the outputs with a sequence axis are put back in the caller's order (the inverse order, a
+  second ``TopK``), so position ``j`` of the logits is the caller's position ``j``; the
+  last-logits head (last_logits.rows_last) reads each row's last token of the call at
+  ``count - 1``;
 * positions come from the mask (GroupQueryAttention counts them from ``seqlens_k``, what
   ``generate()`` computes from the mask); a ``position_ids`` input still read by the graph (a
-  learned position embedding, a RotaryEmbedding) is rotated with the tokens.
+  learned position embedding, a RotaryEmbedding) is reordered with the tokens.
 
 The cache holds each row's tokens compacted (the builder's layout, not transformers'): a present
 fed back as the next past is all a caller does with it. Applies when every attention of the file
@@ -55,33 +56,36 @@ def compact_rows(model: onnx.ModelProto) -> int:
     length = b.op("Shape", [INPUT_IDS], "length", start=1, end=2)
     new = b.op("Slice", [ATTENTION_MASK, b.op("Neg", [length], "from_end"), b.const("to_end", [INT64_MAX]),
                          b.const("axis1", [1])], "new_columns")
-    shift = b.op("ArgMax", [new], "leading_pads", axis=1, keepdims=1)
-    steps = b.op("Range", [b.const("zero", [0], dims=[]), b.op("Squeeze", [length], "count"),
-                           b.const("one", [1], dims=[])], "steps")
-    forward = _gather_index(b, b.op("Add", [steps, shift], "from"), length, "forward")
+    # Each row's kept columns in order, then its pads: TopK breaks ties by the lower index.
+    order = b.name("order")
+    b.op("TopK", [new, length], "order", outputs=[b.name("kept_first"), order], axis=1, largest=1, sorted=1)
     counts = b.op("ReduceSum", [ATTENTION_MASK, b.const("axes1", [1])], "counts", keepdims=0)
     seqlens = b.op("Cast", [b.op("Sub", [counts, b.const("one1", [1])], "last")], "seqlens_k", to=TensorProto.INT32)
     total = b.op("Squeeze", [b.op("Cast", [b.op("Shape", [ATTENTION_MASK], "total64", start=1, end=2)], "total1",
                                   to=TensorProto.INT32)], "total_sequence_length")
 
-    rotated = _rotate_inputs(model, b, forward)
-    _rename_reads(model.graph, rotated)  # before the new nodes join: they read the inputs themselves
+    reordered = _reorder_inputs(model, b, order, dims)
+    _rename_reads(model.graph, reordered)  # before the new nodes join: they read the inputs themselves
     body = [_dense(node, seqlens, total) if node.op_type == "If" and node.output[0] in layers else node
             for node in model.graph.node]
 
     back = NodeBuilder("ort_compact/back")
     for node in body:
         if node.name.endswith(ROWS_LAST):
-            kept = back.op("ReduceSum", [new, back.const("axes1", [1])], "kept", keepdims=1)
-            last = back.op("Sub", [kept, back.const("one", [1])], "last_kept")  # -1 (no token): GatherND's last
+            # The row's kept tokens come first, where TopK's sorted columns are 1: the last 1 is
+            # the last token (no kept token: the last position, as GatherND reads -1).
+            last = back.op("ArgMax", [b.name("kept_first")], "last_kept", axis=1, keepdims=1, select_last_index=1)
             node.input[1] = back.op("Unsqueeze", [last, back.const("axis2", [2])], "last_index")
     restored = []
     for output in model.graph.output:
         if CacheContract.is_present(output.name) or dims.get(output.name, [None, None])[1] != sequence:
             continue
-        if not restored:
-            restored.append(_gather_index(back, back.op("Sub", [steps, shift], "to"), length, "inverse"))
-        restored.append(_rotate_back(body, output.name, back, restored[0]))
+        if not restored:  # the caller's position of each compacted one: the order's own order
+            inverse = back.name("inverse")
+            back.op("TopK", [order, length], "inverse", outputs=[back.name("sorted"), inverse], axis=1, largest=0,
+                    sorted=1)
+            restored.append(back.op("Unsqueeze", [inverse, back.const("axis2_inverse", [2])], "inverse_index"))
+        restored.append(_put_back(body, output.name, back, restored[0]))
     # The index nodes read only the mask and the inputs' shapes; each output's GatherND reads its
     # producer's result: the first go first, the others last.
     gathers = [n for n in back.nodes if n.op_type == "GatherND"]
@@ -175,22 +179,21 @@ def _last_logits(model: onnx.ModelProto, dims) -> bool:
     return dims[1] == 1 and any(n.name.endswith(ROWS_LAST) for n in model.graph.node)
 
 
-def _gather_index(b: NodeBuilder, positions: str, length: str, what: str) -> str:
-    """[B, S] positions mod S -> GatherND's [B, S, 1] index (batch_dims=1)."""
-    wrapped = b.op("Mod", [positions, length], f"{what}_mod")
-    return b.op("Unsqueeze", [wrapped, b.const(f"{what}_axis2", [2])], f"{what}_index")
-
-
-def _rotate_inputs(model: onnx.ModelProto, b: NodeBuilder, forward: str) -> Dict[str, str]:
-    """Each input with the call's sequence axis that some node reads -> its rotated copy."""
+def _reorder_inputs(model: onnx.ModelProto, b: NodeBuilder, order: str, dims) -> Dict[str, str]:
+    """Each input with the call's sequence axis that some node reads -> its copy in ``order``
+    ([B, S] positions) along that axis."""
     reads = set(read_names(model.graph))
-    rotated = {}
+    reordered = {}
     for value in model.graph.input:
         name = value.name
         if name == ATTENTION_MASK or CacheContract.is_past(name) or name not in reads:
             continue
-        rotated[name] = b.op("GatherND", [name, forward], f"{name}_compact", batch_dims=1)
-    return rotated
+        if len(dims[name]) == 2:
+            reordered[name] = b.op("GatherElements", [name, order], f"{name}_compact", axis=1)
+        else:
+            index = b.op("Unsqueeze", [order, b.const(f"{name}_axis2", [2])], f"{name}_index")
+            reordered[name] = b.op("GatherND", [name, index], f"{name}_compact", batch_dims=1)
+    return reordered
 
 
 def _dense(node: onnx.NodeProto, seqlens: str, total: str) -> onnx.NodeProto:
@@ -218,7 +221,7 @@ def _rename_reads(graph: onnx.GraphProto, names: Dict[str, str]) -> None:
                 _rename_reads(sub, names)
 
 
-def _rotate_back(nodes: List[onnx.NodeProto], name: str, b: NodeBuilder, inverse: str) -> str:
+def _put_back(nodes: List[onnx.NodeProto], name: str, b: NodeBuilder, inverse: str) -> str:
     """The graph output ``name`` in the caller's order: its producer writes ``name/compact``."""
     for node in nodes:
         for i, out in enumerate(node.output):
