@@ -12,9 +12,9 @@ from attn_export.onnx_options import ATTENTION_FLAVORS
 
 S = spec.load()
 ORDER = ["label_axes", "project_before_transpose", "standard_attention", "fold_past_custom", "ort_attention",
-         "ort_fusions", "ort_rotary", "ort_reshapes", "ort_pack_matmuls", "ort_gqa_rotary", "last_logits", "ort_compact_rows",
-         "ort_quantize",
-         "ort_one_branch", "attach_functions", "inline_functions", "record_shapes"]
+         "ort_fusions", "ort_rotary", "ort_reshapes", "ort_pack_matmuls", "ort_gqa_rotary", "ort_unpack_splits",
+         "last_logits", "ort_compact_rows", "ort_quantize", "ort_one_branch", "attach_functions", "inline_functions",
+         "record_shapes"]
 
 
 class StampNodeCount(GraphPass):

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from attn_export.onnx.editing import GraphIndex, attr_int, remove_unused, replace_nodes
+from attn_export.onnx.editing import GraphIndex, attr_int, remove_unused, replace_nodes, value_dims
 
 
 def slices_as_split(model: onnx.ModelProto) -> int:
@@ -137,3 +137,78 @@ def _bias_add(index: GraphIndex, value: str, size: int) -> Optional[tuple]:
     if bias is None or bias.ndim != 1 or bias.shape[0] != size:
         return None
     return add, bias
+
+
+def split_as_matmuls(model: onnx.ModelProto) -> int:
+    """A Split on the last axis of a packed projection (a MatMul of a 2-D weight initializer, its
+    bias Add if any) that no operator reads packed (an MLP's gate and up, once
+    GroupQueryAttention took the packed Q/K/V): one MatMul [+ Add] per output, on the weight's
+    (and bias') columns. Rewrites, in place; returns how many Splits went."""
+    index, dims = GraphIndex(model), value_dims(model)
+    plans = {}
+    for node in model.graph.node:
+        packed = _packed_projection(index, node.input[0]) if node.op_type == "Split" else None
+        if packed is None:
+            continue
+        last = len(dims.get(node.input[0], [])) - 1  # -1 where the graph records no shape
+        sizes = _split_widths(index, node, packed[1].shape[1], last)
+        if sizes is not None:
+            plans[id(node)] = (node, sizes, *packed)
+    if not plans:
+        return 0
+    nodes = []
+    for node in model.graph.node:
+        if id(node) not in plans:
+            nodes.append(node)
+            continue
+        split, sizes, matmul, weight, bias = plans[id(node)]
+        edges = np.cumsum([0, *sizes])
+        for k, out in enumerate(split.output):
+            name = f"{matmul.name or matmul.output[0]}/part{k}"
+            columns = slice(int(edges[k]), int(edges[k + 1]))
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, columns]), f"{name}/weight"))
+            if bias is None:
+                nodes.append(helper.make_node("MatMul", [matmul.input[0], f"{name}/weight"], [out], name=name))
+                continue
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias[columns]), f"{name}/bias"))
+            nodes.append(helper.make_node("MatMul", [matmul.input[0], f"{name}/weight"], [f"{name}/out"], name=name))
+            nodes.append(helper.make_node("Add", [f"{name}/out", f"{name}/bias"], [out], name=f"{name}/add"))
+    replace_nodes(model, nodes)
+    remove_unused(model)  # the packed MatMul (and its Add), read by the Split alone
+    return len(plans)
+
+
+def _split_widths(index: GraphIndex, node: onnx.NodeProto, width: int, last: int) -> Optional[List[int]]:
+    """The widths a default-domain Split cuts a projection [..., width] into along its last axis
+    (``-1``, or ``last``: the rank the graph records less one), from its sizes input or
+    ``num_outputs`` equal parts; None for any other Split."""
+    if node.domain not in ("", "ai.onnx") or attr_int(node, "axis", 0) not in (-1, last):
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        sizes = index.constant(node.input[1])
+        sizes = [int(v) for v in sizes.reshape(-1)] if sizes is not None else None
+    else:
+        parts = attr_int(node, "num_outputs", len(node.output))
+        sizes = [width // parts] * parts if parts and width % parts == 0 else None
+    return sizes if sizes is not None and len(sizes) == len(node.output) and sum(sizes) == width else None
+
+
+def _packed_projection(index: GraphIndex, value: str) -> Optional[tuple]:
+    """(the MatMul, its weight, the bias or None) when ``value`` is a projection read by one
+    node: ``MatMul(x, W)`` or ``Add(MatMul(x, W), b)``, W a 2-D and b a 1-D constant."""
+    if len(index.consumers.get(value, [])) != 1 or value in index.graph_outputs:
+        return None
+    node, bias = index.producer.get(value), None
+    if node is not None and node.op_type == "Add" and node.domain in ("", "ai.onnx"):
+        bias = index.constant(node.input[1])
+        inner = node.input[0]
+        if bias is None or bias.ndim != 1 or len(index.consumers.get(inner, [])) != 1:
+            return None
+        node = index.producer.get(inner)
+    if node is None or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") \
+            or node.input[1] not in index.initializers:
+        return None
+    weight = numpy_helper.to_array(index.initializers[node.input[1]])
+    if weight.ndim != 2 or (bias is not None and bias.shape[0] != weight.shape[1]):
+        return None
+    return node, weight, bias

@@ -29,6 +29,7 @@ from attn_export.onnx.passes.ort_pack_matmuls import OrtPackMatMuls
 from attn_export.onnx.passes.ort_quantize import OrtQuantize
 from attn_export.onnx.passes.ort_reshapes import OrtReshapes
 from attn_export.onnx.passes.ort_rotary import OrtRotary
+from attn_export.onnx.passes.ort_unpack_splits import OrtUnpackSplits
 from attn_export.onnx.passes.project_before_transpose import ProjectBeforeTranspose
 from attn_export.onnx.passes.record_shapes import RecordShapes
 from attn_export.onnx.passes.standard_attention import StandardAttention
@@ -44,6 +45,7 @@ PASSES: List[GraphPass] = [
     OrtReshapes(),  # ort flavor: Reshape chains that give back their source's shape dropped
     OrtPackMatMuls(),  # ort flavor: sibling projections packed into one MatMul
     OrtGqaRotary(),  # ort flavor: packed QKV + rotary read by GroupQueryAttention (do_rotary)
+    OrtUnpackSplits(),  # ort flavor: what no operator reads packed (gate/up) as one MatMul per part
     LastLogits(),  # --last-logits: the language-model head on the last position only
     OrtCompactRows(),  # ort flavor: padding as per-row lengths over a compacted cache, no If
     OrtQuantize(),  # ort flavor, --quantize: the MatMul weights into ONNX Runtime's MatMulNBits
