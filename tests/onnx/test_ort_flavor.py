@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from attn_export.cache_contract import CacheContract
 from attn_export.onnx import export_onnx
 from attn_export.onnx.graph import count_attention_nodes
 from attn_export.onnx.ort import lower_attention
@@ -60,7 +61,8 @@ def test_decoder_is_group_query_attention(llama):
     # No If: every layer is the builder's form, GroupQueryAttention alone reading the packed
     # projection and rotating (do_rotary) at the positions it counts from seqlens_k (no
     # position ids), the padding as each row's length over a cache compacted at the row's start:
-    # the tokens rotated in (one ArgMax over the mask's new columns), the logits rotated back.
+    # the tokens reordered kept-first (one TopK over the mask's new columns), the logits put back
+    # (a second TopK: the inverse order).
     assert not [n for n in nodes_within(graph.graph) if n.op_type == "If"]
     assert any("compacted at the start of its cache" in n for n in result.notes)
     ops = op_counts(graph)
@@ -70,14 +72,19 @@ def test_decoder_is_group_query_attention(llama):
         assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"]) == (8, 2, 1)
         assert gqa.input[1] == gqa.input[2] == "" and len(gqa.input) == 9  # packed QKV, no position ids
         assert gqa.input[5] == "ort_compact/seqlens_k"
-    assert ops["ArgMax"] == 1 and ops["GatherND"] == 2  # the tokens in, the logits out
+    assert ops["TopK"] == 2 and ops["GatherElements"] == 1 and ops["GatherND"] == 1  # the tokens in, the logits out
     # The norms' statistics outputs, which nothing reads, unnamed: ONNX Runtime then computes none.
     norms = [n for n in graph.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
     assert len(norms) == 2 * layers and all(list(n.output)[1:3] == ["", ""] for n in norms)
     assert count_attention_nodes(graph) == 0 and not graph.functions
-    # Per layer: Q/K/V packed, the output projection, gate/up packed, down; then the LM head.
-    assert ops["MatMul"] == 4 * layers + 1
+    # Per layer: Q/K/V packed (GroupQueryAttention reads them so), the output projection, gate and
+    # up (packed, then unpacked: no Split), down; then the LM head.
+    assert ops["MatMul"] == 5 * layers + 1 and ops["Split"] == 0
     assert any("packed into one MatMul" in n for n in result.notes)
+    assert any(f"one MatMul per part, no Split: {layers} rewrite(s)" in n for n in result.notes)
+    # The operator counts the positions: the file takes no position_ids, as its contract says.
+    assert "position_ids" not in {i.name for i in graph.graph.input}
+    assert CacheContract.from_metadata(graph).position_ids is False
     # The cos/sin caches are initializers of the config's positions (no work per call), read at the
     # positions the operator counts; nothing of HF's rotate_half left, no head split/merge around the attention.
     counts = collections.Counter(n.op_type for n in nodes_within(graph.graph))
@@ -103,7 +110,7 @@ def test_decoder_generates_the_tokens_of_generate(llama):
 @pytest.mark.skipif(not HF5, reason="the cached export is checked with transformers 5")
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_prompt_has_the_models_logits_at_every_kept_position(llama, side):
-    """The rows rotated into the compacted layout and the logits rotated back: position j of
+    """The rows reordered into the compacted layout and the logits put back: position j of
     the file's logits is the model's position j, for transformers' left padding and GenAI's
     right padding alike; the pad positions finite."""
     model, _, path = llama
@@ -116,7 +123,7 @@ def test_a_padded_prompt_has_the_models_logits_at_every_kept_position(llama, sid
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.numpy()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
     for i in session.get_inputs():
         if i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((len(prompts), model.config.num_key_value_heads, 0, model.config.head_dim),

@@ -195,6 +195,17 @@ def read_names(graph: onnx.GraphProto):
                 yield from read_names(sub)
 
 
+def drop_unread_input(model: onnx.ModelProto, name: str) -> bool:
+    """Removes the graph input ``name`` when no node reads it; returns whether it went."""
+    graph = model.graph
+    if name not in {i.name for i in graph.input} or name in set(read_names(graph)) | {o.name for o in graph.output}:
+        return False
+    kept = [i for i in graph.input if i.name != name]
+    del graph.input[:]
+    graph.input.extend(kept)
+    return True
+
+
 def remove_unused(model: onnx.ModelProto) -> None:
     """Drops nodes and initializers nothing reads (the placeholder masks of converted nodes)."""
     graph = model.graph

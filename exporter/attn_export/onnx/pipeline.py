@@ -16,7 +16,7 @@ from torch import nn
 
 from attn_export.surgery import transformers as _hf
 from attn_export import inputs as _inputs
-from attn_export.cache_contract import CacheContract
+from attn_export.cache_contract import POSITION_IDS, CacheContract
 from attn_export.errors import InputError
 from attn_export.onnx import passes as _passes
 from attn_export.onnx import seq2seq as _seq2seq
@@ -113,12 +113,14 @@ def _result(path: Path, proto, inputs, sample: SampleRun, context: _passes.PassC
     """What the export reports, once the graph is finished."""
     rewrite = context.standard
     return ExportResult(
-        path=path, opset=context.opset, dtype=dtype or _dtype_name(inputs), input_names=list(inputs),
+        path=path, opset=context.opset, dtype=dtype or _dtype_name(inputs),
+        input_names=[n for n in inputs if context.position_ids or n != POSITION_IDS],
         output_names=sample.output_names, dynamic_axes=context.labels,
         num_attention_nodes=count_attention_nodes(proto), replacement=sample.report, notes=sample.notes,
         attention=context.attention, functions=context.functions,
         num_standard_attention_nodes=rewrite.converted if rewrite else 0, kept_custom=rewrite.kept if rewrite else [],
-        with_past=dataclasses.replace(cached.contract, last_logits=context.last_logits is True).to_dict()
+        with_past=dataclasses.replace(cached.contract, last_logits=context.last_logits is True,
+                                      position_ids=cached.contract.position_ids and context.position_ids).to_dict()
         if cached is not None else None, passes=outcomes,
     )
 

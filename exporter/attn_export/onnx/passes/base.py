@@ -43,6 +43,8 @@ class PassContext:
     # A cached decoder's logits of the last position only (ExportOptions.last_logits: True, False or
     # "if-found"); the pass leaves it True or False, what the file has.
     last_logits: bool | str = False
+    # A cached export's position_ids input: False once a pass removed it (nothing reads it any more).
+    position_ids: bool = True
     max_positions: int | None = None  # the model's position limit (its config), where known: the ort flavor's rotary caches
     model: onnx.ModelProto | None = None  # the model being edited (set by the pass loop)
     labels: Dict[str, Dict[int, str]] = field(default_factory=dict)  # label_axes: the labels as they came out
