@@ -19,7 +19,10 @@ offline), exported twice from that folder:
 Ours computes the prompt's logits of the last position only (``--genai-config``'s default);
 the builder's default file every position's, so its file with the same option
 (``--extra_options prune_lm_head=true``) runs beside it. ``--all-logits`` exports ours with
-every position's instead (what the builder's default computes). ``--vocab`` sets the vocabulary (the language-model head's width).
+every position's instead (what the builder's default computes). ``--vocab`` sets the
+vocabulary (the language-model head's width); ``--size small`` a larger decoder of the same
+family (hidden 512, 8 layers, head dim 64, vocabulary 32k), where a step's work outweighs what
+each node of a run costs.
 ``--also LABEL=FOLDER`` times one more GenAI folder of the same weights in the same rounds (an
 export of an earlier commit, a hand-edited file): a change measured side by side with what it
 replaces and with the builder, under the same load.
@@ -55,12 +58,15 @@ from benchmarks.onnx_runtime import paired_ratio, round_order
 OURS, BUILDER, PRUNED = "attn-export ort", "GenAI builder", "GenAI builder, prune_lm_head"
 CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# --size: the issue's decoder, or one where a step's work outweighs the per-node cost of a run
+# (head dim 64, a vocabulary of 32k: ~60M parameters, the scale of the smallest shipped models).
+SIZES = {"tiny": {}, "small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8)}
 
 
 # The families of the builder's that the ort flavor exports, with what sets each apart from Llama.
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # biases on the query, key and value projections
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # biases on the query, key and value projections (random)
     # Packed qkv_proj and gate_up_proj; the original position limit equal to the limit, as in Phi-3-mini-4k
     # (the builder reads a larger limit as the LongRoPE model, which needs its scaling factors).
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": CONFIG["max_position_embeddings"]}),
@@ -68,7 +74,8 @@ FAMILIES = {
 }
 
 
-def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_size"], family: str = "llama") -> None:
+def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_size"], family: str = "llama",
+               size: str = "tiny") -> None:
     """The decoder and a WordLevel tokenizer over its vocabulary, as a local transformers folder."""
     import torch
     import transformers
@@ -76,9 +83,17 @@ def save_model(directory: Path, seed: int = 0, vocab_size: int = CONFIG["vocab_s
 
     torch.manual_seed(seed)
     config_class, model_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**CONFIG, "vocab_size": vocab_size, **extra})
-    getattr(transformers, model_class)(config).eval().save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(vocab_size)}
+    dims = {**CONFIG, "vocab_size": vocab_size, **SIZES[size]}
+    if "head_dim" in extra:  # Gemma 2's explicit head size follows the size's heads
+        extra = {**extra, "head_dim": dims["hidden_size"] // dims["num_attention_heads"]}
+    config = getattr(transformers, config_class)(**{**dims, **extra})
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # a trained checkpoint's biases are not zero (the builder leaves out a zero one)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.02)
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(dims["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", pad_token="t0",
@@ -236,6 +251,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all-logits", action="store_true",
                         help="ours with --all-logits (every position's logits, as the builder's default file)")
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"], help="the vocabulary (the LM head's width)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                        help="tiny: the decoder above; small: hidden 512, 8 layers, vocabulary 32k (overrides --vocab)")
     parser.add_argument("--pause", type=float, default=0.3, help="seconds between models (lets a pool go idle)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the model and both exports (default: temporary)")
     parser.add_argument("--also", action="append", default=[], metavar="LABEL=FOLDER",
@@ -253,7 +270,7 @@ def main(argv=None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         hf = work / "hf"
         if not (hf / "config.json").exists():
-            save_model(hf, vocab_size=args.vocab, family=args.family)
+            save_model(hf, vocab_size=args.vocab, family=args.family, size=args.size)
         dirs = {**export_all(hf, work, args.precision, args.all_logits), **{k: Path(v) for k, v in also.items()}}
         nodes = {name: optimized_nodes(d / "model.onnx", args.threads) for name, d in dirs.items()}
         for d in dirs.values():
