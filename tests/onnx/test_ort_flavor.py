@@ -85,6 +85,9 @@ def test_decoder_is_group_query_attention(llama):
     # The operator counts the positions: the file takes no position_ids, as its contract says.
     assert "position_ids" not in {i.name for i in graph.graph.input}
     assert CacheContract.from_metadata(graph).position_ids is False
+    metadata = {p.key: p.value for p in graph.metadata_props}
+    assert "position_ids" not in json.loads(metadata["attn_export.dynamic_axes"])
+    assert "position_ids" not in json.loads(metadata["attn_export.input_names"]) + list(result.dynamic_axes)
     # The cos/sin caches are initializers of the config's positions (no work per call), read at the
     # positions the operator counts; nothing of HF's rotate_half left, no head split/merge around the attention.
     counts = collections.Counter(n.op_type for n in nodes_within(graph.graph))

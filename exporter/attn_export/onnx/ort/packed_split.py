@@ -166,7 +166,8 @@ def split_as_matmuls(model: onnx.ModelProto) -> int:
         for k, out in enumerate(split.output):
             name = f"{matmul.name or matmul.output[0]}/part{k}"
             columns = slice(int(edges[k]), int(edges[k + 1]))
-            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, columns]), f"{name}/weight"))
+            part = np.ascontiguousarray(weight[:, columns])
+            model.graph.initializer.append(numpy_helper.from_array(part, f"{name}/weight"))
             if bias is None:
                 nodes.append(helper.make_node("MatMul", [matmul.input[0], f"{name}/weight"], [out], name=name))
                 continue
